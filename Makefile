@@ -1,0 +1,36 @@
+# The two commands a newcomer needs: `make serve` and `make test`.
+# `make install` is the one source of truth for installing Augur (the Dockerfile runs it too):
+# it creates $(VENV) when absent, installs torch 2.13.0 only if torch is not importable (an
+# unpinned torch would pull gigabytes of CUDA packages), then installs the project.
+PYTHON ?= python3
+VENV ?= .venv
+EXTRAS ?= test
+
+ifeq ($(VENV),none)
+PY := $(PYTHON)
+BIN :=
+else
+PY := $(VENV)/bin/python
+BIN := $(VENV)/bin/
+endif
+
+.PHONY: install test serve lint bench
+
+install:
+ifneq ($(VENV),none)
+	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
+endif
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"
+	@$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+serve: install
+	$(BIN)augur serve $(ARGS)
+
+lint: install
+	$(BIN)ruff check engine server loadtest tests
+
+bench: install
+	$(BIN)augur bench $(ARGS)

@@ -1,0 +1,180 @@
+"""An asyncio front for :class:`LLMEngine`.
+
+The step loop runs on its own thread, off the event loop, so handlers stay responsive while the
+model computes. Handlers talk to it only through a command queue (add / abort), and each request
+gets an async stream of :class:`RequestOutput`. Closing that stream early (a client disconnect)
+aborts the request; the loop applies aborts before its next step, so the KV blocks come back
+within one engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import CompletionOutput, RequestOutput, RequestStats
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()  # guards _streams
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.dead_error: str | None = None
+        self.step_hooks: list = []  # callables(outputs, step_seconds), run on the loop thread
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="augur-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._commands.put(None)
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead_error is None
+
+    # -- requests -----------------------------------------------------------------------------------
+    async def generate(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs until it finishes. Raises InvalidRequestError before the first
+        output when the request cannot be served; leaving the loop early aborts the request."""
+        if self.dead_error is not None:
+            raise EngineDeadError(self.dead_error)
+        prompt_ids = self.engine.tokenize(prompt)
+        self.engine.validate(prompt_ids, params)
+        loop = asyncio.get_running_loop()
+        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"duplicate request id {request_id!r}")
+            self._streams[request_id] = (loop, stream)
+        self._commands.put(_Add(request_id, prompt_ids, params, time.monotonic()))
+        self._wakeup.set()
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+        self._wakeup.set()
+
+    # -- the loop thread ----------------------------------------------------------------------------
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._lock:
+            target = self._streams.get(request_id)
+        if target is not None:
+            loop, stream = target
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd is None:
+                continue
+            if isinstance(cmd, _Abort):
+                self.engine.abort(cmd.request_id)
+                continue
+            with self._lock:
+                wanted = cmd.request_id in self._streams
+            if not wanted:  # the client left before the request reached the engine
+                continue
+            try:
+                self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.arrival_time)
+            except Exception as e:  # validated already; anything here is confined to this request
+                self._deliver(cmd.request_id, e)
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._drain_commands()
+            if not self.engine.has_unfinished_requests():
+                self._wakeup.wait(timeout=1.0)
+                self._wakeup.clear()
+                continue
+            t0 = time.perf_counter()
+            try:
+                outputs = self.engine.step()
+            except Exception:
+                self._fail_running(traceback.format_exc())
+                continue
+            elapsed = time.perf_counter() - t0
+            for out in outputs:
+                self._deliver(out.request_id, out)
+            for hook in self.step_hooks:
+                try:
+                    hook(outputs, elapsed)
+                except Exception:
+                    logger.exception("step hook failed")
+
+    def _fail_running(self, tb: str) -> None:
+        """A step raised: fail the requests that were in it, keep serving the rest of the world."""
+        logger.error("engine step failed; failing its requests:\n%s", tb)
+        for request_id in list(self.engine.groups):
+            group = self.engine.groups[request_id]
+            self.engine.abort(request_id)
+            err = RequestOutput(
+                request_id,
+                group.prompt_ids,
+                [
+                    CompletionOutput(s.index, "", "", [], None, s.num_output_tokens, "error")
+                    for s in group.seqs
+                ],
+                True,
+                RequestStats(arrival_time=group.arrival_time, num_prompt_tokens=group.num_prompt_tokens),
+                error=tb.strip().splitlines()[-1],
+            )
+            self._deliver(request_id, err)

@@ -1,0 +1,154 @@
+"""Paged attention over one flattened batch of new tokens from many sequences.
+
+The runner flattens every scheduled sequence's new tokens (prefill chunks, decode tokens, draft trees)
+into one ``[T]`` batch. Each new token's K/V is written to its cache slot; then each sequence's
+queries attend to its whole context (cached tokens + its new tokens) gathered from the paged cache.
+
+Terms:
+- *context length* ``ctx_len``: tokens of a sequence already in the cache before this forward.
+- *new-token mask*: which of a sequence's new tokens each new token may see. Causal by default; a
+  draft tree passes its ancestor mask instead. Cached tokens are always visible.
+- *slot*: ``block_id * block_size + offset`` — a row of the flat KV pool.
+
+This module builds that metadata once per forward (shared by all layers) and computes attention with
+``scaled_dot_product_attention`` on padded ``[B, Qmax]`` queries and ``[B, Kmax]`` gathered keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot each new token's K/V is written to
+    kv_slots: torch.Tensor  # [B, Kmax] int64: cache slots of each sequence's keys (padding → 0)
+    mask: torch.Tensor  # [B, 1, Qmax, Kmax] bool, True = may attend
+    sliding_mask: torch.Tensor | None  # same, with the sliding window applied (None if no layer needs it)
+    q_index: (
+        torch.Tensor | None
+    )  # [T] int64: flat token → row of the padded [B * Qmax] queries; None if Qmax == 1
+    num_seqs: int
+    max_q: int
+
+
+def build_attention_metadata(
+    q_lens: list[int],
+    ctx_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    positions: torch.Tensor,  # [T] int64, on the target device
+    new_token_masks: list[torch.Tensor | None]
+    | None = None,  # per sequence [q_len, q_len] bool, None → causal
+    sliding_window: int | None = None,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """Build attention metadata for sequences laid out back to back in the flat batch.
+
+    Sequence ``b`` owns flat tokens ``sum(q_lens[:b]) ...`` and its new token ``i`` is stored at context
+    index ``ctx_lens[b] + i`` (for a draft tree that is the node's slot, not its position).
+    """
+    B = len(q_lens)
+    max_q = max(q_lens)
+    kv_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
+    max_k = max(kv_lens)
+    max_blocks = (max_k + block_size - 1) // block_size
+
+    # Slots of every context index of every sequence, from the block tables: [B, Kmax].
+    table = torch.zeros(B, max_blocks, dtype=torch.int64)
+    for b, bt in enumerate(block_tables):
+        nb = min(len(bt), max_blocks)
+        if nb:
+            table[b, :nb] = torch.tensor(bt[:nb], dtype=torch.int64)
+    table = table.to(device, non_blocking=True)
+    k_idx = torch.arange(max_k, device=device)
+    kv_slots = table[:, k_idx // block_size] * block_size + (k_idx % block_size)
+
+    q_lens_t = torch.tensor(q_lens, dtype=torch.int64).to(device, non_blocking=True)
+    ctx_t = torch.tensor(ctx_lens, dtype=torch.int64).to(device, non_blocking=True)
+    kv_lens_t = ctx_t + q_lens_t
+    kv_slots = torch.where(k_idx[None, :] < kv_lens_t[:, None], kv_slots, torch.zeros_like(kv_slots))
+
+    # Flat token → (sequence, new-token index).
+    starts = torch.cumsum(q_lens_t, 0) - q_lens_t
+    seq_of_tok = torch.repeat_interleave(torch.arange(B, device=device), q_lens_t)
+    idx_in_seq = torch.arange(positions.numel(), device=device) - starts[seq_of_tok]
+    slot_mapping = kv_slots[seq_of_tok, ctx_t[seq_of_tok] + idx_in_seq]
+
+    # Causal mask over [cached | new] keys: query i sees key j iff j <= ctx + i.
+    q_idx = torch.arange(max_q, device=device)
+    rel = k_idx[None, None, :] - ctx_t[:, None, None]  # [B, 1, Kmax]: key index among new tokens
+    mask = rel <= q_idx[None, :, None]  # [B, Qmax, Kmax]
+    mask &= k_idx[None, None, :] < kv_lens_t[:, None, None]
+    if new_token_masks is not None:
+        for b, m in enumerate(new_token_masks):
+            if m is not None:
+                q, c = q_lens[b], ctx_lens[b]
+                mask[b, :q, c : c + q] = m.to(device)
+    valid_q = q_idx[None, :] < q_lens_t[:, None]  # [B, Qmax]
+
+    sliding_mask = None
+    if sliding_window is not None:
+        # Key positions: cached keys sit at their own index; new keys at the positions given.
+        pos_pad = torch.zeros(B, max_q, dtype=torch.int64, device=device)
+        pos_pad[seq_of_tok, idx_in_seq] = positions
+        k_pos = k_idx[None, :].expand(B, max_k).clone()
+        new_cols = ctx_t[seq_of_tok] + idx_in_seq
+        k_pos[seq_of_tok, new_cols] = positions
+        window_ok = (pos_pad[:, :, None] - k_pos[:, None, :]) < sliding_window
+        sliding_mask = mask & window_ok
+
+    # Padding query rows attend to key 0 only, so softmax never sees an all-masked row.
+    pad_row = ~valid_q
+    mask[:, :, 0] |= pad_row
+    mask = mask[:, None]
+    if sliding_mask is not None:
+        sliding_mask[:, :, 0] |= pad_row
+        sliding_mask = sliding_mask[:, None]
+
+    q_index = None if max_q == 1 else seq_of_tok * max_q + idx_in_seq
+    return AttentionMetadata(
+        slot_mapping=slot_mapping,
+        kv_slots=kv_slots,
+        mask=mask,
+        sliding_mask=sliding_mask,
+        q_index=q_index,
+        num_seqs=B,
+        max_q=max_q,
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+    sliding: bool = False,
+) -> torch.Tensor:  # [T, H * D]
+    """Write the new K/V into the cache, then attend each sequence's queries to its context."""
+    T, H, D = q.shape
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    B, Q = meta.num_seqs, meta.max_q
+    keys = k_cache[meta.kv_slots].transpose(1, 2)  # [B, Hkv, Kmax, D]
+    values = v_cache[meta.kv_slots].transpose(1, 2)
+    if meta.q_index is None:
+        qp = q.view(B, 1, H, D)
+    else:
+        qp = q.new_zeros(B * Q, H, D)
+        qp.index_copy_(0, meta.q_index, q)
+        qp = qp.view(B, Q, H, D)
+    mask = meta.sliding_mask if sliding else meta.mask
+    out = F.scaled_dot_product_attention(
+        qp.transpose(1, 2), keys, values, attn_mask=mask, scale=scale, enable_gqa=keys.shape[1] != H
+    )  # [B, H, Q, D]
+    out = out.transpose(1, 2).reshape(B * Q, H * D)
+    if meta.q_index is not None:
+        out = out.index_select(0, meta.q_index)
+    return out

@@ -1,0 +1,64 @@
+"""The engine's one self-validating configuration, built from CLI flags or a YAML file."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    tokenizer: str | None = None  # defaults to the model's directory
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 on GPU)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # sizes the KV pool exactly; else from kv_cache_memory_fraction
+    kv_cache_memory_fraction: float = 0.85  # of free GPU memory (CUDA) or of available RAM (CPU, capped)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(msg)
+
+        check(bool(self.model), "a model path or hub id is required")
+        check(
+            self.dtype == "auto" or self.dtype in _DTYPES, f"dtype must be auto or one of {sorted(_DTYPES)}"
+        )
+        check(
+            self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+            f"device must be auto, cpu or cuda[:N], got {self.device!r}",
+        )
+        check(self.block_size >= 1, f"block_size must be positive, got {self.block_size}")
+        check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be positive")
+        check(0.0 < self.kv_cache_memory_fraction <= 1.0, "kv_cache_memory_fraction must be in (0, 1]")
+        check(self.max_num_seqs >= 1, "max_num_seqs must be positive")
+        check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be positive")
+        check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be at least 2")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} requested but CUDA is not available")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]

@@ -1,0 +1,359 @@
+"""The synchronous engine: add requests, call :meth:`LLMEngine.step` until they finish.
+
+Each step: schedule → forward one flattened batch (prefill chunks and decode tokens mixed) → sample
+→ append tokens, detokenize, check stop conditions → report what changed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+import torch
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv import BlockManager
+from engine.loader import eos_token_ids, load_config, load_model, load_tokenizer, resolve_model_path
+from engine.model_runner import ForwardChunk, ModelRunner, available_memory_bytes, kv_bytes_per_token
+from engine.outputs import CompletionOutput, RequestOutput, RequestStats
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import FinishReason, Sequence, SequenceGroup, TokenLogprob
+
+logger = logging.getLogger(__name__)
+
+
+class InvalidRequestError(ValueError):
+    """The request itself is wrong (the server answers 400)."""
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype
+        torch.manual_seed(config.seed)
+
+        self.model_path = resolve_model_path(config.model)
+        self.hf_config = load_config(self.model_path)
+        self.tokenizer = load_tokenizer(
+            resolve_model_path(config.tokenizer) if config.tokenizer else self.model_path
+        )
+        self.eos_token_ids = eos_token_ids(self.model_path, self.hf_config, self.tokenizer)
+        self._eos = set(self.eos_token_ids)
+        model_max = int(getattr(self.hf_config, "max_position_embeddings", 2048))
+        if config.max_model_len is not None and config.max_model_len > model_max:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's {model_max} positions"
+            )
+        max_len = config.max_model_len or model_max
+
+        t0 = time.perf_counter()
+        model = load_model(self.model_path, self.hf_config, self.dtype, self.device, max_len)
+        logger.info(
+            "loaded %s in %.1fs (%s, %s)", self.model_path, time.perf_counter() - t0, self.dtype, self.device
+        )
+
+        num_blocks = self._num_kv_blocks(max_len)
+        capacity = num_blocks * config.block_size
+        if capacity < max_len:
+            if config.max_model_len is not None:
+                raise ValueError(
+                    f"the KV pool holds {capacity} tokens, fewer than max_model_len {max_len}: "
+                    "lower --max-model-len or raise --num-kv-blocks / --kv-cache-memory-fraction"
+                )
+            logger.warning("max_model_len lowered from %d to the KV pool's %d tokens", max_len, capacity)
+            max_len = capacity
+        self.max_model_len = max_len
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.runner = ModelRunner(
+            model, self.hf_config, self.device, self.dtype, config.block_size, num_blocks
+        )
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.groups: dict[str, SequenceGroup] = {}
+        self.num_steps = 0
+
+    def _num_kv_blocks(self, max_len: int) -> int:
+        c = self.config
+        if c.num_kv_blocks is not None:
+            return c.num_kv_blocks
+        per_block = kv_bytes_per_token(self.hf_config, self.dtype) * c.block_size
+        blocks = int(available_memory_bytes(self.device) * c.kv_cache_memory_fraction) // per_block
+        if self.device.type == "cpu":
+            # On a CPU the pool shares RAM with everything else: take no more than a full batch needs.
+            blocks = min(blocks, c.max_num_seqs * (-(-max_len // c.block_size) + 1))
+        if blocks < 1:
+            raise ValueError("no memory left for the KV cache")
+        return blocks
+
+    # -- requests ---------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError if this request cannot be served as asked."""
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt must not be empty")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        if params.logit_bias:
+            bad = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"logit_bias token ids out of range [0, {self.vocab_size}): {bad[:5]}"
+                )
+        room = self.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt_ids)} tokens; this model's context length is {self.max_model_len}"
+            )
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                f"length of {self.max_model_len} tokens"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        if request_id in self.groups:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        prompt_ids = self.tokenize(prompt)
+        self.validate(prompt_ids, params)
+        group = SequenceGroup(
+            request_id,
+            prompt_ids,
+            params,
+            time.monotonic() if arrival_time is None else arrival_time,
+            prompt if isinstance(prompt, str) else None,
+        )
+        seq = group.seqs[0]
+        self._init_seq(seq, seed_offset=0)
+        self.groups[request_id] = group
+        self.scheduler.add(seq)
+
+    def _init_seq(self, seq: Sequence, seed_offset: int) -> None:
+        p = seq.params
+        seq.detok = IncrementalDetokenizer(
+            self.tokenizer,
+            seq.prompt_ids,
+            skip_special_tokens=p.skip_special_tokens,
+            stop=p.stop,
+            include_stop_str_in_output=p.include_stop_str_in_output,
+        )
+        if p.seed is not None:
+            seq.generator = self.runner.make_generator(p.seed + seed_offset)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks. False if it is unknown or already done."""
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return False
+        for seq in group.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+                seq.finish_reason = FinishReason.ABORT
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    @property
+    def num_requests_running(self) -> int:
+        return len({s.group.request_id for s in self.scheduler.running})
+
+    @property
+    def num_requests_waiting(self) -> int:
+        return len(
+            {s.group.request_id for s in self.scheduler.waiting}
+            - {s.group.request_id for s in self.scheduler.running}
+        )
+
+    # -- the step ---------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        self.num_steps += 1
+        self.runner.copy_blocks(sched.block_copies)
+
+        chunks: list[ForwardChunk] = []
+        sample_seqs: list[Sequence] = []
+        for seq, n in sched.scheduled:
+            start = seq.num_computed_tokens
+            done = start + n == seq.num_tokens
+            chunks.append(ForwardChunk(seq.token_ids[start : start + n], start, seq.block_table, int(done)))
+            if done:
+                sample_seqs.append(seq)
+        out = self.runner.forward(chunks)
+
+        for seq, n in sched.scheduled:
+            seq.num_computed_tokens += n
+            self.block_manager.commit(
+                seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed_tokens
+            )
+
+        # A request with n > 1 forks its other choices off the first once the prompt is prefilled;
+        # each choice samples its first token from the same prompt logits.
+        rows: list[int] = []
+        row_seqs: list[Sequence] = []
+        for r, seq in enumerate(sample_seqs):
+            family = [seq]
+            if seq.group.params.n > 1 and len(seq.group.seqs) == 1:
+                family += self._fork(seq)
+            rows.extend([r] * len(family))
+            row_seqs.extend(family)
+        touched: dict[str, SequenceGroup] = {}
+        if row_seqs:
+            logits = out.logits if len(rows) == len(sample_seqs) else out.logits[rows]
+            sampled = self.runner.sample(
+                logits,
+                [s.params for s in row_seqs],
+                [s.prompt_ids for s in row_seqs],
+                [s.output_ids for s in row_seqs],
+                [s.generator for s in row_seqs],
+                self.eos_token_ids,
+            )
+            tokens = sampled.token_ids.tolist()
+            logprobs = self._logprob_lists(sampled, row_seqs)
+            now = time.monotonic()
+            for seq, tok, lp in zip(row_seqs, tokens, logprobs):
+                self._append_tokens(seq, [tok], [lp] if lp is not None else None)
+                if seq.group.first_token_time is None:
+                    seq.group.first_token_time = now
+                touched[seq.group.request_id] = seq.group
+        return [self._make_output(g) for g in touched.values()]
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        group = parent.group
+        children = []
+        for i in range(1, group.params.n):
+            child = Sequence(group, parent.prompt_ids, index=i)
+            child.block_table = self.block_manager.fork(parent.block_table)
+            child.block_hashes = list(parent.block_hashes)
+            child.num_computed_tokens = parent.num_computed_tokens
+            self._init_seq(child, seed_offset=i)
+            group.seqs.append(child)
+            self.scheduler.add_running(child)
+            children.append(child)
+        return children
+
+    @staticmethod
+    def _logprob_lists(sampled, seqs: list[Sequence]) -> list[TokenLogprob | None]:
+        if sampled.logprobs is None:
+            return [None] * len(seqs)
+        lps = sampled.logprobs.tolist()
+        top_ids = sampled.top_token_ids.tolist() if sampled.top_token_ids is not None else None
+        top_lps = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
+        tokens = sampled.token_ids.tolist()
+        result: list[TokenLogprob | None] = []
+        for i, seq in enumerate(seqs):
+            k = seq.params.logprobs
+            if k is None:
+                result.append(None)
+                continue
+            top = list(zip(top_ids[i][:k], top_lps[i][:k])) if top_ids is not None and k > 0 else []
+            result.append(TokenLogprob(tokens[i], lps[i], top))
+        return result
+
+    def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None) -> None:
+        """Append accepted tokens one by one, stopping at the first stop condition."""
+        p = seq.params
+        for j, tok in enumerate(tokens):
+            seq.token_ids.append(tok)
+            if logprobs is not None:
+                seq.logprobs.append(logprobs[j])
+            reason: FinishReason | None = None
+            if tok in self._eos and not p.ignore_eos:
+                reason = FinishReason.STOP
+            elif tok in p.stop_token_ids:
+                reason, seq.stop_reason = FinishReason.STOP, tok
+            else:
+                matched = seq.detok.append([tok])
+                if matched is not None:
+                    reason, seq.stop_reason = FinishReason.STOP, matched
+            if reason is None and p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+                reason = FinishReason.LENGTH
+            if reason is None and seq.num_tokens >= self.max_model_len:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                seq.finish_reason = reason
+                self.scheduler.finish(seq)
+                return
+
+    def _make_output(self, group: SequenceGroup) -> RequestOutput:
+        outputs = []
+        for seq in group.seqs:
+            text = seq.detok.emittable_text(seq.is_finished)
+            new_tokens = seq.output_ids[seq.num_emitted_tokens :]
+            new_lps = seq.logprobs[seq.num_emitted_tokens :] if seq.params.logprobs is not None else None
+            outputs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text,
+                    delta_text=text[seq.num_emitted_chars :],
+                    delta_token_ids=new_tokens,
+                    delta_logprobs=new_lps,
+                    num_tokens=seq.num_output_tokens,
+                    finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+            seq.num_emitted_tokens = seq.num_output_tokens
+            seq.num_emitted_chars = len(text)
+        finished = group.is_finished
+        if finished:
+            group.finished_time = time.monotonic()
+            self.groups.pop(group.request_id, None)
+        stats = RequestStats(
+            arrival_time=group.arrival_time,
+            first_token_time=group.first_token_time,
+            finished_time=group.finished_time,
+            num_prompt_tokens=group.num_prompt_tokens,
+            num_generated_tokens=sum(s.num_output_tokens for s in group.seqs),
+            num_preemptions=sum(s.num_preemptions for s in group.seqs),
+        )
+        return RequestOutput(group.request_id, group.prompt_ids, outputs, finished, stats)
+
+    # -- convenience ------------------------------------------------------------------------------
+    def generate(
+        self, prompts: Iterable[str | list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[RequestOutput]:
+        """Run prompts to completion. Returns each request's final output, whose ``delta_*`` fields hold the
+        whole completion (everything since the request started)."""
+        prompts = list(prompts)
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{self.num_steps}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+        final: dict[str, RequestOutput] = {}
+        acc: dict[tuple[str, int], tuple[list[int], list[TokenLogprob]]] = {}
+        while any(rid not in final for rid in ids):
+            if not self.has_unfinished_requests():
+                raise RuntimeError("requests vanished without finishing")
+            for o in self.step():
+                for c in o.outputs:
+                    toks, lps = acc.setdefault((o.request_id, c.index), ([], []))
+                    toks.extend(c.delta_token_ids)
+                    lps.extend(c.delta_logprobs or [])
+                if o.finished:
+                    final[o.request_id] = o
+        for rid, o in final.items():
+            for c in o.outputs:
+                c.delta_token_ids, lps = acc.get((rid, c.index), ([], []))
+                c.delta_logprobs = lps if c.delta_logprobs is not None else None
+                c.delta_text = c.text
+        return [final[rid] for rid in ids]

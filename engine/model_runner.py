@@ -1,0 +1,160 @@
+"""The model runner owns every device tensor: the weights, the KV pool and each step's inputs.
+
+Others hand it plain metadata (:class:`ForwardChunk` lists) and get logits or sampled tokens back.
+It decides no policy: what runs, and what is accepted, is the engine's business.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import build_attention_metadata
+from engine.sampler import Sampler, SamplerOutput, SamplingMetadata
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ForwardChunk:
+    """One sequence's part of a flattened forward."""
+
+    token_ids: list[int]  # the new tokens fed this step
+    ctx_len: int  # tokens of this sequence already in the cache
+    block_table: list[int]
+    num_logits: int  # how many trailing new tokens need logits (0 mid-prefill, 1 for decode)
+    positions: list[int] | None = None  # None → ctx_len, ctx_len + 1, ...
+    tree_mask: torch.Tensor | None = None  # [q, q] bool among the new tokens; None → causal
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [N, vocab] float32, rows of every chunk's trailing num_logits tokens, in order
+    hidden_states: dict[int, torch.Tensor]  # layer → [T, hidden] for the layers asked for
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    num_heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    kv_heads = config.num_key_value_heads or num_heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        hf_config,
+        device: torch.device,
+        dtype: torch.dtype,
+        block_size: int,
+        num_blocks: int,
+    ) -> None:
+        self.model = model
+        self.hf_config = hf_config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.vocab_size = hf_config.vocab_size
+        attn = model.layers[0].self_attn
+        # [layers, K/V, slots, kv_heads, head_dim]: one contiguous pool; slot = block * block_size + offset.
+        self.kv_cache = torch.zeros(
+            model.num_layers,
+            2,
+            num_blocks * block_size,
+            attn.num_kv_heads,
+            attn.head_dim,
+            dtype=dtype,
+            device=device,
+        )
+        self.sampler = Sampler()
+        logger.info(
+            "KV pool: %d blocks x %d tokens (%.1f MiB)",
+            num_blocks,
+            block_size,
+            self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
+        )
+
+    # -- KV blocks --------------------------------------------------------------------------------
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate whole blocks' K/V (all layers) from src to dst."""
+        if not copies:
+            return
+        bs = self.block_size
+        offsets = torch.arange(bs, device=self.device)
+        src = (torch.tensor([s for s, _ in copies], device=self.device)[:, None] * bs + offsets).flatten()
+        dst = (torch.tensor([d for _, d in copies], device=self.device)[:, None] * bs + offsets).flatten()
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    # -- forward ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(
+        self,
+        chunks: list[ForwardChunk],
+        layer_ids: list[int] | None = None,
+        hidden_layers: tuple[int, ...] = (),
+    ) -> ForwardOutput:
+        token_ids: list[int] = []
+        positions: list[int] = []
+        logit_rows: list[int] = []
+        for c in chunks:
+            start = len(token_ids)
+            token_ids.extend(c.token_ids)
+            q = len(c.token_ids)
+            positions.extend(c.positions if c.positions is not None else range(c.ctx_len, c.ctx_len + q))
+            logit_rows.extend(range(start + q - c.num_logits, start + q))
+        dev = self.device
+        input_ids = torch.tensor(token_ids, dtype=torch.int64).to(dev, non_blocking=True)
+        pos = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
+        masks = [c.tree_mask for c in chunks]
+        meta = build_attention_metadata(
+            q_lens=[len(c.token_ids) for c in chunks],
+            ctx_lens=[c.ctx_len for c in chunks],
+            block_tables=[c.block_table for c in chunks],
+            block_size=self.block_size,
+            positions=pos,
+            new_token_masks=masks if any(m is not None for m in masks) else None,
+            sliding_window=self.model.sliding_window,
+            device=dev,
+        )
+        hidden, captured = self.model(input_ids, pos, meta, self.kv_cache, layer_ids, hidden_layers)
+        if len(logit_rows) == hidden.shape[0]:
+            selected = hidden
+        else:
+            selected = hidden.index_select(
+                0, torch.tensor(logit_rows, dtype=torch.int64).to(dev, non_blocking=True)
+            )
+        return ForwardOutput(logits=self.model.compute_logits(selected), hidden_states=captured)
+
+    # -- sampling ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def sample(
+        self,
+        logits: torch.Tensor,  # [B, vocab]
+        params: list[SamplingParams],
+        prompt_ids: list[list[int]],
+        output_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+        eos_token_ids: list[int],
+    ) -> SamplerOutput:
+        md = SamplingMetadata.build(
+            params, prompt_ids, output_ids, generators, eos_token_ids, self.vocab_size, self.device
+        )
+        return self.sampler(logits, md)
+
+    def make_generator(self, seed: int) -> torch.Generator:
+        g = torch.Generator(device=self.device)
+        g.manual_seed(seed)
+        return g

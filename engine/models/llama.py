@@ -1,0 +1,270 @@
+"""The Llama family: Llama 2/3 (incl. llama3 RoPE scaling), Vicuna, TinyLlama, Qwen2, Qwen3, Mistral.
+
+One compact implementation; the family members differ only in a few switches (class attributes):
+Qwen2 has biases on q/k/v, Qwen3 normalizes q and k per head, Mistral may use a sliding window.
+
+The forward takes one flattened batch of new tokens from many sequences (see ``engine.attention``)
+and can run a subset of layers (self-speculative drafting) and return chosen layers' hidden states
+(Medusa/EAGLE-style heads read them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from engine.attention import AttentionMetadata, paged_attention
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in float32, scale in the input dtype (the order Hugging Face's Llama uses).
+        y = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+def rope_cos_sin(config, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_positions, head_dim] for the config's RoPE type (computed by transformers)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "dynamic":
+        raise ValueError("dynamic NTK RoPE scaling is not supported (its frequencies change with length)")
+    if rope_type == "default":
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        scaling = 1.0
+    else:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    t = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq.float())
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * scaling, emb.sin() * scaling
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]; cos/sin [T, 1, D] (rotate-half convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.sliding = sliding_window_of(config, layer_idx) is not None
+
+    def forward(self, x, cos, sin, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, sliding=self.sliding)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config, bias: bool) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, qkv_bias, o_bias, qk_norm)
+        self.mlp = LlamaMLP(config, bias=getattr(config, "mlp_bias", False))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, kv_cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def sliding_window_of(config, layer_idx: int) -> int | None:
+    """The sliding window of one layer, or None for full attention."""
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return window
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-architecture causal LM over a paged KV cache."""
+
+    qk_norm = False
+
+    def __init__(self, config, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        qkv_bias, o_bias = self.attention_biases(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, qkv_bias, o_bias, self.qk_norm)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = (
+            None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        windows = {sliding_window_of(config, i) for i in range(config.num_hidden_layers)} - {None}
+        if len(windows) > 1:
+            raise ValueError(f"layers with different sliding windows are not supported: {sorted(windows)}")
+        self.sliding_window: int | None = windows.pop() if windows else None
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)  # [max_positions, head_dim]
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self.init_buffers(max_positions or config.max_position_embeddings)
+
+    def init_buffers(self, max_positions: int) -> None:
+        """(Re)compute the non-persistent buffers, e.g. after construction on the meta device."""
+        device = self.embed_tokens.weight.device
+        if device.type == "meta":
+            return
+        cos, sin = rope_cos_sin(self.config, max_positions)
+        self.rope_cos = cos.to(device)
+        self.rope_sin = sin.to(device)
+
+    @staticmethod
+    def attention_biases(config) -> tuple[bool, bool]:
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        kv_caches: torch.Tensor,  # [num_layers, 2, num_slots, Hkv, D]
+        layer_ids: Sequence[int] | None = None,
+        hidden_layers: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Returns the final-normed hidden states [T, hidden] and ``{layer: its output [T, hidden]}`` for
+        each layer in ``hidden_layers``. ``layer_ids`` runs only those layers (in order)."""
+        x = self.embed_tokens(input_ids)
+        cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # [T, 1, D]
+        sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
+        wanted = set(hidden_layers)
+        captured: dict[int, torch.Tensor] = {}
+        for i in range(self.num_layers) if layer_ids is None else layer_ids:
+            x = self.layers[i](x, cos, sin, kv_caches[i], meta)
+            if i in wanted:
+                captured[i] = x
+        return self.norm(x), captured
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] → [N, vocab] float32
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    # -- weights ------------------------------------------------------------------------------------
+    _fused = {  # checkpoint name piece → (our fused parameter, shard)
+        ".q_proj.": (".qkv_proj.", "q"),
+        ".k_proj.": (".qkv_proj.", "k"),
+        ".v_proj.": (".qkv_proj.", "v"),
+        ".gate_proj.": (".gate_up_proj.", 0),
+        ".up_proj.": (".gate_up_proj.", 1),
+    }
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face checkpoint tensors, fusing q/k/v and gate/up as they arrive."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            name = name.removeprefix("model.")
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding serves as the output layer
+            target, shard = name, None
+            for piece, (fused, s) in self._fused.items():
+                if piece in name:
+                    target, shard = name.replace(piece, fused), s
+                    break
+            if target not in params:
+                raise ValueError(f"unexpected weight in checkpoint: {name}")
+            param = params[target]
+            if shard is None:
+                if param.shape != tensor.shape:
+                    raise ValueError(
+                        f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}"
+                    )
+                param.copy_(tensor)
+            else:
+                param.narrow(0, *self._shard_range(target, shard)).copy_(tensor)
+            loaded.add(f"{target}:{shard}")
+        expected = set()
+        for pname in params:
+            if ".qkv_proj." in pname:
+                expected |= {f"{pname}:q", f"{pname}:k", f"{pname}:v"}
+            elif ".gate_up_proj." in pname:
+                expected |= {f"{pname}:0", f"{pname}:1"}
+            else:
+                expected.add(f"{pname}:None")
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
+
+    def _shard_range(self, target: str, shard) -> tuple[int, int]:
+        if shard in ("q", "k", "v"):
+            attn = self.layers[0].self_attn
+            return {
+                "q": (0, attn.q_size),
+                "k": (attn.q_size, attn.kv_size),
+                "v": (attn.q_size + attn.kv_size, attn.kv_size),
+            }[shard]
+        inter = self.config.intermediate_size
+        return (shard * inter, inter)
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def attention_biases(config) -> tuple[bool, bool]:
+        return True, False  # biases on q/k/v only
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass

@@ -1,0 +1,134 @@
+"""One object per sequence carries all of its state.
+
+A request with ``n > 1`` is a :class:`SequenceGroup` of ``n`` sequences; only the first is prefilled,
+and the others are forked from it (sharing its KV blocks) when its prompt is done.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # not yet (or no longer, after preemption) holding KV blocks
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+
+
+_seq_ids = itertools.count()
+
+
+class Sequence:
+    """Token ids, KV bookkeeping and decoding state of one generated continuation.
+
+    ``num_computed_tokens`` counts the leading tokens whose KV is in the cache and final.
+    ``block_table`` lists the physical KV blocks that hold them (and any being written this step).
+    """
+
+    def __init__(self, group: SequenceGroup, prompt_ids: list[int], index: int = 0) -> None:
+        self.seq_id = next(_seq_ids)
+        self.group = group
+        self.index = index  # position among the group's n choices
+        self.token_ids: list[int] = list(prompt_ids)
+        self.num_prompt_tokens = len(prompt_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of the full, final blocks
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        self.logprobs: list[TokenLogprob] = []
+        self.generator: torch.Generator | None = None  # per-request RNG when a seed is given
+        self.num_preemptions = 0
+        self.detok: Any = None  # engine.detokenizer.IncrementalDetokenizer
+        # How much of the output the last RequestOutput already carried (for deltas).
+        self.num_emitted_tokens = 0
+        self.num_emitted_chars = 0
+
+    # -- views -----------------------------------------------------------------------------------
+    @property
+    def params(self) -> SamplingParams:
+        return self.group.params
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, req={self.group.request_id}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, status={self.status.value})"
+        )
+
+
+class SequenceGroup:
+    """A request: its prompt, parameters and the ``n`` sequences generated for it."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+        prompt: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.arrival_time = arrival_time
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+        # Only the first sequence exists until the prompt is prefilled; the rest are forked from it.
+        self.seqs: list[Sequence] = [Sequence(self, prompt_ids, 0)]
+        self.error: str | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)

@@ -1,0 +1,127 @@
+"""The ``augur`` command line: ``generate`` and ``bench`` (the server arrives as ``serve``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from engine.config import EngineConfig
+
+
+def add_engine_args(
+    p: argparse.ArgumentParser, model_required: bool = True, engine_seed: bool = True
+) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument(
+        "--model", required=model_required, help="local Hugging Face directory or a hub id in the local cache"
+    )
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument(
+        "--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides the fraction)"
+    )
+    g.add_argument(
+        "--kv-cache-memory-fraction",
+        type=float,
+        default=0.85,
+        help="fraction of free GPU memory (or available RAM on CPU) for the KV pool",
+    )
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    if engine_seed:  # `generate` uses --seed for its one request instead
+        g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    fields = EngineConfig.field_names()
+    return EngineConfig(**{k: v for k, v in vars(args).items() if k in fields})
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(engine_config_from_args(args))
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        max_tokens=args.max_tokens,
+        seed=args.seed_request,
+        stop=args.stop or [],
+        ignore_eos=args.ignore_eos,
+        repetition_penalty=args.repetition_penalty,
+    )
+    out = engine.generate([args.prompt], params)[0]
+    sys.stdout.write(out.outputs[0].text)
+    if not out.outputs[0].text.endswith("\n"):
+        sys.stdout.write("\n")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from engine.bench import run_bench
+
+    return run_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="augur", description="Augur: LLM inference with lossless speculative decoding"
+    )
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default="WARNING", help="logging level (logs go to stderr)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser(
+        "generate", parents=[common], help="complete one prompt and print only the completion"
+    )
+    add_engine_args(gen, engine_seed=False)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument(
+        "--seed", dest="seed_request", type=int, default=None, help="sampling seed of the request"
+    )
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser(
+        "bench", parents=[common], help="tokens/s against Hugging Face transformers generate, same run"
+    )
+    add_engine_args(bench, model_required=False)
+    bench.add_argument("--num-prompts", type=int, default=16)
+    bench.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
+    bench.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    bench.add_argument("--prompt-lens", type=int, nargs=2, default=[8, 128], metavar=("MIN", "MAX"))
+    bench.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    bench.add_argument("--output", default=None, help="write the results as JSON")
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"augur: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""Shared fixtures: tiny random-weight Hugging Face model directories, built locally (no downloads)."""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+VOCAB = 384
+ARCHS = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"]
+
+
+def _corpus() -> list[str]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = []
+    for name in ["textwrap.py", "string.py", "bisect.py", "heapq.py", "colorsys.py"]:
+        p = stdlib / name
+        if p.exists():
+            texts.append(p.read_text(encoding="utf-8"))
+    texts.append("The future of artificial intelligence is bright. Ünïcödé ✓ 你好 🙂")
+    return texts
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB - 8,
+        special_tokens=["<|bos|>", "<|eos|>", "<|pad|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_corpus(), trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>"
+    )
+    fast.chat_template = (
+        "{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}"
+    )
+    out = tmp_path_factory.mktemp("tokenizer")
+    fast.save_pretrained(out)
+    return out
+
+
+def tiny_config(arch: str, **overrides):
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        architectures=[arch],
+    )
+    common.update(overrides)
+    if arch == "LlamaForCausalLM":
+        common.setdefault(
+            "rope_parameters",
+            {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
+        return transformers.LlamaConfig(**common)
+    if arch == "Qwen2ForCausalLM":
+        common.setdefault("tie_word_embeddings", True)
+        return transformers.Qwen2Config(**common)
+    if arch == "Qwen3ForCausalLM":
+        common.setdefault("head_dim", 32)
+        return transformers.Qwen3Config(**common)
+    if arch == "MistralForCausalLM":
+        common.setdefault("sliding_window", 24)
+        return transformers.MistralConfig(**common)
+    raise ValueError(arch)
+
+
+def build_model_dir(
+    path: Path, tokenizer_dir: Path, arch: str, seed: int = 0, std: float = 0.08, **overrides
+) -> Path:
+    """Save a random-weight model with the test tokenizer as a standard Hugging Face directory."""
+    torch.manual_seed(seed)
+    config = tiny_config(arch, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, std)
+            else:
+                p.normal_(
+                    1.0
+                    if p.shape[0] == config.hidden_size or p.shape[0] == getattr(config, "head_dim", -1)
+                    else 0.0,
+                    0.05,
+                )
+    model.save_pretrained(path)
+    PreTrainedTokenizerFast.from_pretrained(tokenizer_dir).save_pretrained(path)
+    transformers.GenerationConfig(bos_token_id=0, eos_token_id=1, pad_token_id=2).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
+    """One tiny model directory per supported architecture."""
+    return {arch: build_model_dir(tmp_path_factory.mktemp(arch), tokenizer_dir, arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_dirs) -> Path:
+    return model_dirs["LlamaForCausalLM"]
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
