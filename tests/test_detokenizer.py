@@ -180,9 +180,7 @@ def decode_problems(
 
 
 @pytest.mark.parametrize("chunking_seed", [None, 1234])
-def test_incremental_decode_matches_full_decode(
-    tokenizer: PreTrainedTokenizerFast, chunking_seed: int | None
-):
+def test_incremental_decode_matches_full_decode(tokenizer: PreTrainedTokenizerFast, chunking_seed: int | None):
     rng = random.Random(0)
     chunk_rng = None if chunking_seed is None else random.Random(chunking_seed)
     for _ in range(150):
@@ -193,7 +191,7 @@ def test_incremental_decode_matches_full_decode(
         assert decode_problems(IncrementalDetokenizer, tokenizer, [], ids, expected, chunk_rng) == []
 
 
-def test_test_data_splits_characters_and_spaces(byte_level, metaspace):
+def test_checks_catch_naive_per_token_decoding(byte_level, metaspace):
     """The random texts must exercise the hard cases, and naive per-token decoding must fail them."""
     rng = random.Random(0)
     texts = [random_text(rng) for _ in range(150)]
@@ -267,12 +265,17 @@ def test_skipped_special_token_keeps_following_space(metaspace):
     assert detok.emittable_text(True) == decode(metaspace, hello + [eos] + world) == "Hello world"
 
 
-def test_real_replacement_character_is_released_at_finish(byte_level):
-    ids = encode(byte_level, "abc \ufffd")
-    detok = IncrementalDetokenizer(byte_level, [])
-    for t in ids:
-        detok.append([t])
-    assert detok.emittable_text(True) == "abc \ufffd"
+def test_real_replacement_character(tokenizer: PreTrainedTokenizerFast):
+    """A U+FFFD the model really produced is held only until the next token, or the end."""
+    for text in ("abc \ufffd", "abc \ufffd def"):
+        ids = encode(tokenizer, text)
+        expected = decode(tokenizer, ids)
+        assert expected == text
+        detok = IncrementalDetokenizer(tokenizer, [])
+        for t in ids:
+            detok.append([t])
+        assert detok.output_text == (text if text.endswith("def") else "abc ")
+        assert detok.emittable_text(True) == text
 
 
 def test_window_is_bounded(byte_level, monkeypatch):
@@ -293,6 +296,7 @@ def test_window_is_bounded(byte_level, monkeypatch):
         detok = IncrementalDetokenizer(byte_level, valid[:50])
         for chunk in chunked(ids, random.Random(3), max_chunk=4):
             detok.append(chunk)
+        # Bound: context and pending are each at most _MAX_PENDING_TOKENS + a chunk - 1 ids.
         assert len(ids) > 1000 and max(sizes) <= 40, max(sizes)
 
 
@@ -324,9 +328,7 @@ def stop_problems(
 
 @pytest.mark.parametrize("include", [False, True])
 @pytest.mark.parametrize("chunking_seed", [None, 5])
-def test_stop_string_across_tokens(
-    tokenizer: PreTrainedTokenizerFast, include: bool, chunking_seed: int | None
-):
+def test_stop_string_across_tokens(tokenizer: PreTrainedTokenizerFast, include: bool, chunking_seed: int | None):
     text = "The quick brown fox jumps over the lazy dog. The dog sleeps."
     stop = "lazy dog"
     assert len(encode(tokenizer, stop)) > 1
@@ -355,11 +357,7 @@ def test_stop_string_with_multibyte_characters(tokenizer: PreTrainedTokenizerFas
 def test_earliest_stop_wins(byte_level, chunking: str):
     def chunks(text: str) -> Iterable[list[int]]:
         ids = encode(byte_level, text)
-        return (
-            [ids]
-            if chunking == "all at once"
-            else chunked(ids, random.Random(11) if chunking == "random" else None)
-        )
+        return [ids] if chunking == "all at once" else chunked(ids, random.Random(11) if chunking == "random" else None)
 
     for stop in (["dog", "quick"], ["quick", "dog"]):
         detok = IncrementalDetokenizer(byte_level, [], stop=stop)
@@ -373,9 +371,7 @@ def test_earliest_stop_wins(byte_level, chunking: str):
 
 def test_partial_stop_match_is_released(tokenizer: PreTrainedTokenizerFast):
     text = "over the lazy dog, the lazy dog sleeps"
-    problems, detok = stop_problems(
-        IncrementalDetokenizer, tokenizer, text, ["lazy cat", "dog!"], False, None
-    )
+    problems, detok = stop_problems(IncrementalDetokenizer, tokenizer, text, ["lazy cat", "dog!"], False, None)
     assert problems == [] and detok.stop_matched is None
     assert detok.emittable_text(True) == decode(tokenizer, encode(tokenizer, text))
 
@@ -390,11 +386,7 @@ def test_partial_stop_match_is_released(tokenizer: PreTrainedTokenizerFast):
 
     detok = IncrementalDetokenizer(tokenizer, [], stop=["lazy cat"])
     detok.append(encode(tokenizer, "over the lazy"))
-    assert (
-        detok.emittable_text(True)
-        == detok.output_text
-        == decode(tokenizer, encode(tokenizer, "over the lazy"))
-    )
+    assert detok.emittable_text(True) == detok.output_text == decode(tokenizer, encode(tokenizer, "over the lazy"))
 
 
 @pytest.mark.parametrize("include", [False, True])

@@ -1,0 +1,199 @@
+"""``augur bench``: output tokens/s of the engine against Hugging Face ``generate``, in one run.
+
+Both sides decode the same prompts (mixed lengths, random token ids from a fixed seed) to the same
+number of output tokens, greedily, in the same process on the same device:
+
+- Augur keeps ``c`` requests in flight with continuous batching (a new one joins as one finishes);
+- transformers runs ``generate`` on batches of ``c`` prompts, left-padded (its best at that concurrency).
+
+Speed claims are the printed ratios, measured against that baseline in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import sysconfig
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class BenchResult:
+    concurrency: int
+    augur_tokens_per_s: float
+    hf_tokens_per_s: float | None
+    ratio: float | None
+    output_tokens: int
+
+
+def augur_home() -> Path:
+    return Path(os.environ.get("AUGUR_HOME", Path.home() / ".cache" / "augur")).expanduser()
+
+
+def train_bpe_tokenizer(out_dir: Path, vocab_size: int, files: list[Path]):
+    """A byte-level BPE (``tokenizers``) trained on the given text files, saved in Hugging Face format."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|bos|>", "<|eos|>", "<|pad|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator((f.read_text(encoding="utf-8", errors="replace") for f in files), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>")
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def random_bench_model(out_dir: Path) -> Path:
+    """A random-weight Llama (~30M parameters) for throughput runs when no model is given.
+
+    Plain decoding speed does not depend on the weights' values, only on the architecture.
+    """
+    if (out_dir / "model.safetensors").is_file():
+        return out_dir
+    import transformers
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(stdlib.glob("*.py"))[:60]
+    tok = train_bpe_tokenizer(out_dir, 4096, files)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        architectures=["LlamaForCausalLM"],
+    )
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out_dir)
+    return out_dir
+
+
+def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def run_augur(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, concurrency: int) -> tuple[float, int]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    pending = list(enumerate(prompts))
+    in_flight = 0
+    produced = 0
+    start = time.perf_counter()
+    while pending or in_flight:
+        while pending and in_flight < concurrency:
+            i, p = pending.pop(0)
+            engine.add_request(f"bench-{concurrency}-{i}-{time.monotonic_ns()}", p, params)
+            in_flight += 1
+        for out in engine.step():
+            produced += sum(len(c.delta_token_ids) for c in out.outputs)
+            if out.finished:
+                in_flight -= 1
+    return time.perf_counter() - start, produced
+
+
+def run_hf(model, prompts: list[list[int]], max_tokens: int, batch: int, pad_id: int, device) -> tuple[float, int]:
+    produced = 0
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        group = prompts[i : i + batch]
+        width = max(len(p) for p in group)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in group], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=device)
+        with torch.inference_mode():
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
+        produced += (out.shape[1] - width) * len(group)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, produced
+
+
+def machine_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU threads, torch {torch.__version__}"
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    model = args.model or str(random_bench_model(augur_home() / "bench-random-llama"))
+    fields = EngineConfig.field_names()
+    cfg = EngineConfig(**{**{k: v for k, v in vars(args).items() if k in fields}, "model": model})
+    max_c = max(args.concurrency)
+    cfg.max_num_seqs = max(cfg.max_num_seqs, max_c)
+    engine = LLMEngine(cfg)
+    lo, hi = args.prompt_lens
+    prompts = make_prompts(args.num_prompts, lo, hi, len(engine.tokenizer))
+    hf = None
+    if not args.no_hf:
+        import transformers
+
+        hf = transformers.AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=engine.dtype)
+        hf = hf.to(engine.device).eval()
+    pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else engine.eos_token_ids[0]
+
+    # Warm up both sides (allocator, kernels, lazy imports) before timing.
+    run_augur(engine, prompts[:2], 4, 2)
+    if hf is not None:
+        run_hf(hf, prompts[:2], 4, 2, pad, engine.device)
+
+    results = []
+    for c in args.concurrency:
+        t_a, n_a = run_augur(engine, prompts, args.max_tokens, c)
+        row = BenchResult(c, n_a / t_a, None, None, n_a)
+        if hf is not None:
+            t_h, n_h = run_hf(hf, prompts, args.max_tokens, c, pad, engine.device)
+            row.hf_tokens_per_s = n_h / t_h
+            row.ratio = row.augur_tokens_per_s / row.hf_tokens_per_s
+        results.append(row)
+
+    machine = machine_description(engine.device)
+    print(f"augur bench: {engine.model_path} on {engine.device} ({engine.dtype}); {machine}")
+    print(f"{args.num_prompts} prompts of {lo}-{hi} tokens, {args.max_tokens} output tokens each, greedy")
+    print(f"{'concurrency':>11}  {'augur tok/s':>11}  {'hf tok/s':>9}  {'ratio':>6}")
+    for r in results:
+        hf_s = f"{r.hf_tokens_per_s:9.1f}" if r.hf_tokens_per_s else f"{'-':>9}"
+        ratio = f"{r.ratio:5.2f}x" if r.ratio else f"{'-':>6}"
+        print(f"{r.concurrency:>11}  {r.augur_tokens_per_s:11.1f}  {hf_s}  {ratio}")
+    if args.output:
+        report = {
+            "model": str(engine.model_path),
+            "device": str(engine.device),
+            "machine": machine,
+            "dtype": str(engine.dtype),
+            "num_prompts": args.num_prompts,
+            "prompt_lens": [lo, hi],
+            "max_tokens": args.max_tokens,
+            "results": [asdict(r) for r in results],
+        }
+        Path(args.output).write_text(json.dumps(report, indent=2))
+    return 0
