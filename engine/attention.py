@@ -136,8 +136,9 @@ def paged_attention(
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     B, Q = meta.num_seqs, meta.max_q
-    keys = k_cache[meta.kv_slots].transpose(1, 2)  # [B, Hkv, Kmax, D]
-    values = v_cache[meta.kv_slots].transpose(1, 2)
+    flat_slots = meta.kv_slots.view(-1)
+    keys = k_cache.index_select(0, flat_slots).view(B, -1, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, Kmax, D]
+    values = v_cache.index_select(0, flat_slots).view(B, -1, *v_cache.shape[1:]).transpose(1, 2)
     if meta.q_index is None:
         qp = q.view(B, 1, H, D)
     else:
