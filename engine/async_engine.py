@@ -169,10 +169,7 @@ class AsyncEngine:
             err = RequestOutput(
                 request_id,
                 group.prompt_ids,
-                [
-                    CompletionOutput(s.index, "", "", [], None, s.num_output_tokens, "error")
-                    for s in group.seqs
-                ],
+                [CompletionOutput(s.index, "", "", [], None, s.num_output_tokens, "error") for s in group.seqs],
                 True,
                 RequestStats(arrival_time=group.arrival_time, num_prompt_tokens=group.num_prompt_tokens),
                 error=tb.strip().splitlines()[-1],

@@ -28,9 +28,7 @@ class AttentionMetadata:
     kv_slots: torch.Tensor  # [B, Kmax] int64: cache slots of each sequence's keys (padding → 0)
     mask: torch.Tensor  # [B, 1, Qmax, Kmax] bool, True = may attend
     sliding_mask: torch.Tensor | None  # same, with the sliding window applied (None if no layer needs it)
-    q_index: (
-        torch.Tensor | None
-    )  # [T] int64: flat token → row of the padded [B * Qmax] queries; None if Qmax == 1
+    q_index: torch.Tensor | None  # [T] int64: flat token → row of the padded [B * Qmax] queries; None if Qmax == 1
     num_seqs: int
     max_q: int
 
@@ -41,8 +39,7 @@ def build_attention_metadata(
     block_tables: list[list[int]],
     block_size: int,
     positions: torch.Tensor,  # [T] int64, on the target device
-    new_token_masks: list[torch.Tensor | None]
-    | None = None,  # per sequence [q_len, q_len] bool, None → causal
+    new_token_masks: list[torch.Tensor | None] | None = None,  # per sequence [q_len, q_len] bool, None → causal
     sliding_window: int | None = None,
     device: torch.device | str = "cpu",
 ) -> AttentionMetadata:

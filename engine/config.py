@@ -31,9 +31,7 @@ class EngineConfig:
                 raise ValueError(msg)
 
         check(bool(self.model), "a model path or hub id is required")
-        check(
-            self.dtype == "auto" or self.dtype in _DTYPES, f"dtype must be auto or one of {sorted(_DTYPES)}"
-        )
+        check(self.dtype == "auto" or self.dtype in _DTYPES, f"dtype must be auto or one of {sorted(_DTYPES)}")
         check(
             self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
             f"device must be auto, cpu or cuda[:N], got {self.device!r}",

@@ -38,23 +38,17 @@ class LLMEngine:
 
         self.model_path = resolve_model_path(config.model)
         self.hf_config = load_config(self.model_path)
-        self.tokenizer = load_tokenizer(
-            resolve_model_path(config.tokenizer) if config.tokenizer else self.model_path
-        )
+        self.tokenizer = load_tokenizer(resolve_model_path(config.tokenizer) if config.tokenizer else self.model_path)
         self.eos_token_ids = eos_token_ids(self.model_path, self.hf_config, self.tokenizer)
         self._eos = set(self.eos_token_ids)
         model_max = int(getattr(self.hf_config, "max_position_embeddings", 2048))
         if config.max_model_len is not None and config.max_model_len > model_max:
-            raise ValueError(
-                f"max_model_len {config.max_model_len} exceeds the model's {model_max} positions"
-            )
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {model_max} positions")
         max_len = config.max_model_len or model_max
 
         t0 = time.perf_counter()
         model = load_model(self.model_path, self.hf_config, self.dtype, self.device, max_len)
-        logger.info(
-            "loaded %s in %.1fs (%s, %s)", self.model_path, time.perf_counter() - t0, self.dtype, self.device
-        )
+        logger.info("loaded %s in %.1fs (%s, %s)", self.model_path, time.perf_counter() - t0, self.dtype, self.device)
 
         num_blocks = self._num_kv_blocks(max_len)
         capacity = num_blocks * config.block_size
@@ -68,9 +62,7 @@ class LLMEngine:
             max_len = capacity
         self.max_model_len = max_len
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(
-            model, self.hf_config, self.device, self.dtype, config.block_size, num_blocks
-        )
+        self.runner = ModelRunner(model, self.hf_config, self.device, self.dtype, config.block_size, num_blocks)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.groups: dict[str, SequenceGroup] = {}
         self.num_steps = 0
@@ -108,9 +100,7 @@ class LLMEngine:
         if params.logit_bias:
             bad = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
             if bad:
-                raise InvalidRequestError(
-                    f"logit_bias token ids out of range [0, {self.vocab_size}): {bad[:5]}"
-                )
+                raise InvalidRequestError(f"logit_bias token ids out of range [0, {self.vocab_size}): {bad[:5]}")
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             raise InvalidRequestError(
@@ -178,8 +168,7 @@ class LLMEngine:
     @property
     def num_requests_waiting(self) -> int:
         return len(
-            {s.group.request_id for s in self.scheduler.waiting}
-            - {s.group.request_id for s in self.scheduler.running}
+            {s.group.request_id for s in self.scheduler.waiting} - {s.group.request_id for s in self.scheduler.running}
         )
 
     # -- the step ---------------------------------------------------------------------------------
@@ -202,9 +191,7 @@ class LLMEngine:
 
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
-            self.block_manager.commit(
-                seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed_tokens
-            )
+            self.block_manager.commit(seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed_tokens)
 
         # A request with n > 1 forks its other choices off the first once the prompt is prefilled;
         # each choice samples its first token from the same prompt logits.

@@ -30,15 +30,16 @@ def resolve_model_path(model: str) -> Path:
         return path
     if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise ModelNotFoundError(f"model directory not found: {model}")
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
+    # Read the cache location now, not when huggingface_hub was imported.
+    cache_dir = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
     try:
-        return Path(snapshot_download(model, local_files_only=True))
+        return Path(snapshot_download(model, cache_dir=cache_dir, local_files_only=True))
     except (LocalEntryNotFoundError, OSError, ValueError) as e:
         raise ModelNotFoundError(
-            f"model {model!r} is neither a local directory nor in the local Hugging Face cache "
-            f"({os.environ.get('HF_HUB_CACHE') or os.environ.get('HF_HOME') or '~/.cache/huggingface'}); "
+            f"model {model!r} is neither a local directory nor in the local Hugging Face cache ({cache_dir}); "
             "Augur never downloads weights: download it first or pass a directory"
         ) from e
 
@@ -84,9 +85,7 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, f.get_tensor(key)
 
 
-def load_model(
-    path: Path, config, dtype: torch.dtype, device: torch.device, max_positions: int
-) -> torch.nn.Module:
+def load_model(path: Path, config, dtype: torch.dtype, device: torch.device, max_positions: int) -> torch.nn.Module:
     """Build the model without initializing weights (meta device), then fill it from the checkpoint."""
     cls = model_class_for(config)
     with torch.device("meta"):

@@ -133,9 +133,7 @@ class ModelRunner:
         if len(logit_rows) == hidden.shape[0]:
             selected = hidden
         else:
-            selected = hidden.index_select(
-                0, torch.tensor(logit_rows, dtype=torch.int64).to(dev, non_blocking=True)
-            )
+            selected = hidden.index_select(0, torch.tensor(logit_rows, dtype=torch.int64).to(dev, non_blocking=True))
         return ForwardOutput(logits=self.model.compute_logits(selected), hidden_states=captured)
 
     # -- sampling ---------------------------------------------------------------------------------

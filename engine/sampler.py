@@ -77,11 +77,7 @@ class SamplingMetadata:
     @property
     def needs_processing(self) -> bool:
         """Whether any row has a penalty, a logit bias or a suppressed token."""
-        return (
-            self.repetition_penalty is not None
-            or self.logit_bias is not None
-            or self.suppress_mask is not None
-        )
+        return self.repetition_penalty is not None or self.logit_bias is not None or self.suppress_mask is not None
 
     @classmethod
     def build(
@@ -331,9 +327,7 @@ class Sampler:
         if k == 0:
             return SamplerOutput(token_ids=tokens, logprobs=sampled, top_token_ids=None, top_logprobs=None)
         top_logprobs, top_ids = raw.topk(k, dim=-1)  # [B, K], sorted best first
-        return SamplerOutput(
-            token_ids=tokens, logprobs=sampled, top_token_ids=top_ids, top_logprobs=top_logprobs
-        )
+        return SamplerOutput(token_ids=tokens, logprobs=sampled, top_token_ids=top_ids, top_logprobs=top_logprobs)
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -371,9 +365,7 @@ def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(logits, dtype=torch.float32).scatter_(1, index, 1.0)
 
 
-def _apply_top_k_top_p(
-    probs: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
-) -> torch.Tensor:
+def _apply_top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     """Zero the tokens outside each row's top-k, then outside its top-p nucleus; not renormalised.
 
     One descending sort serves both filters. A stable sort makes ties at the boundary go to the

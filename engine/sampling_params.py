@@ -80,9 +80,7 @@ class SamplingParams:
         )
         if self.logit_bias:
             for tok, bias in self.logit_bias.items():
-                check(
-                    -100.0 <= bias <= 100.0, f"logit_bias for token {tok} must be in [-100, 100], got {bias}"
-                )
+                check(-100.0 <= bias <= 100.0, f"logit_bias for token {tok} must be in [-100, 100], got {bias}")
 
     @property
     def greedy(self) -> bool:

@@ -80,9 +80,7 @@ class Scheduler:
                 self._preempt(victim, out)
                 if victim is seq:
                     break
-                copies = self.bm.reserve(
-                    seq.block_table, seq.num_computed_tokens, seq.num_computed_tokens + n
-                )
+                copies = self.bm.reserve(seq.block_table, seq.num_computed_tokens, seq.num_computed_tokens + n)
             if copies is None:  # the sequence preempted itself: nothing after it is left to run
                 break
             out.scheduled.append((seq, n))
@@ -92,9 +90,7 @@ class Scheduler:
 
         if out.preempted:
             return out
-        seats = self.max_num_seqs - sum(
-            s.group.params.n if s.num_output_tokens == 0 else 1 for s in self.running
-        )
+        seats = self.max_num_seqs - sum(s.group.params.n if s.num_output_tokens == 0 else 1 for s in self.running)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             need_seats = seq.group.params.n if seq.num_output_tokens == 0 and seq.index == 0 else 1

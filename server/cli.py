@@ -9,9 +9,7 @@ import sys
 from engine.config import EngineConfig
 
 
-def add_engine_args(
-    p: argparse.ArgumentParser, model_required: bool = True, engine_seed: bool = True
-) -> None:
+def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True, engine_seed: bool = True) -> None:
     g = p.add_argument_group("engine")
     g.add_argument(
         "--model", required=model_required, help="local Hugging Face directory or a hub id in the local cache"
@@ -21,9 +19,7 @@ def add_engine_args(
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument(
-        "--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides the fraction)"
-    )
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides the fraction)")
     g.add_argument(
         "--kv-cache-memory-fraction",
         type=float,
@@ -79,9 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--log-level", default="WARNING", help="logging level (logs go to stderr)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser(
-        "generate", parents=[common], help="complete one prompt and print only the completion"
-    )
+    gen = sub.add_parser("generate", parents=[common], help="complete one prompt and print only the completion")
     add_engine_args(gen, engine_seed=False)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-tokens", type=int, default=64)
@@ -92,9 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--repetition-penalty", type=float, default=1.0)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument(
-        "--seed", dest="seed_request", type=int, default=None, help="sampling seed of the request"
-    )
+    gen.add_argument("--seed", dest="seed_request", type=int, default=None, help="sampling seed of the request")
     gen.set_defaults(func=cmd_generate)
 
     bench = sub.add_parser(
@@ -113,9 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:

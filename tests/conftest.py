@@ -37,9 +37,7 @@ def tokenizer_dir(tmp_path_factory) -> Path:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(_corpus(), trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>"
-    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>")
     fast.chat_template = (
         "{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}"
@@ -89,9 +87,7 @@ def tiny_config(arch: str, **overrides):
     raise ValueError(arch)
 
 
-def build_model_dir(
-    path: Path, tokenizer_dir: Path, arch: str, seed: int = 0, std: float = 0.08, **overrides
-) -> Path:
+def build_model_dir(path: Path, tokenizer_dir: Path, arch: str, seed: int = 0, std: float = 0.08, **overrides) -> Path:
     """Save a random-weight model with the test tokenizer as a standard Hugging Face directory."""
     torch.manual_seed(seed)
     config = tiny_config(arch, **overrides)
@@ -102,9 +98,7 @@ def build_model_dir(
                 p.normal_(0.0, std)
             else:
                 p.normal_(
-                    1.0
-                    if p.shape[0] == config.hidden_size or p.shape[0] == getattr(config, "head_dim", -1)
-                    else 0.0,
+                    1.0 if p.shape[0] == config.hidden_size or p.shape[0] == getattr(config, "head_dim", -1) else 0.0,
                     0.05,
                 )
     model.save_pretrained(path)

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 import transformers
-from conftest import ARCHS, VOCAB
 
+from conftest import ARCHS, VOCAB
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import InvalidRequestError, LLMEngine
@@ -177,9 +177,7 @@ def test_prefix_caching_reuses_blocks(llama_dir):
     plain = make_engine(llama_dir, enable_prefix_caching=False)
     expected = plain.generate([shared + t for t in tails], GREEDY)
     assert plain.block_manager.prefix_cache_stats[1] == 0
-    assert [o.outputs[0].delta_token_ids for o in [first, *outs]] == [
-        o.outputs[0].delta_token_ids for o in expected
-    ]
+    assert [o.outputs[0].delta_token_ids for o in [first, *outs]] == [o.outputs[0].delta_token_ids for o in expected]
 
 
 # -- sampling through the engine ------------------------------------------------------------------------
@@ -239,18 +237,16 @@ def test_stop_conditions(llama_dir):
     # A stop token id: the fifth generated token.
     stop_id = free.delta_token_ids[4]
     first = free.delta_token_ids.index(stop_id)
-    o = engine.generate(
-        [p], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_id], ignore_eos=True)
-    )
+    o = engine.generate([p], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_id], ignore_eos=True))
     c = o[0].outputs[0]
     assert (c.finish_reason, c.stop_reason, c.num_tokens) == ("stop", stop_id, first + 1)
     # A stop string taken from the middle of the text; the output is cut right before it.
     text = free.text
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     if stop.strip():
-        c = engine.generate(
-            [p], SamplingParams(temperature=0.0, max_tokens=12, stop=[stop], ignore_eos=True)
-        )[0].outputs[0]
+        c = engine.generate([p], SamplingParams(temperature=0.0, max_tokens=12, stop=[stop], ignore_eos=True))[
+            0
+        ].outputs[0]
         assert c.finish_reason == "stop" and c.stop_reason == stop
         assert c.text == text[: text.index(stop)]
     # Context length.
@@ -263,17 +259,11 @@ def test_eos_stops_unless_ignored(llama_dir):
     engine = make_engine(llama_dir)
     p = prompts(1, seed=12)[0]
     eos_first = {1: 100.0}  # EOS (id 1) becomes the greedy choice at every step
-    c = engine.generate([p], SamplingParams(temperature=0.0, max_tokens=8, logit_bias=eos_first))[0].outputs[
-        0
-    ]
+    c = engine.generate([p], SamplingParams(temperature=0.0, max_tokens=8, logit_bias=eos_first))[0].outputs[0]
     assert (c.finish_reason, c.delta_token_ids) == ("stop", [1])
-    c = engine.generate(
-        [p], SamplingParams(temperature=0.0, max_tokens=8, logit_bias=eos_first, ignore_eos=True)
-    )
+    c = engine.generate([p], SamplingParams(temperature=0.0, max_tokens=8, logit_bias=eos_first, ignore_eos=True))
     assert (c[0].outputs[0].finish_reason, c[0].outputs[0].delta_token_ids) == ("length", [1] * 8)
-    c = engine.generate(
-        [p], SamplingParams(temperature=0.0, max_tokens=8, logit_bias=eos_first, min_tokens=3)
-    )
+    c = engine.generate([p], SamplingParams(temperature=0.0, max_tokens=8, logit_bias=eos_first, min_tokens=3))
     toks = c[0].outputs[0].delta_token_ids
     assert len(toks) == 4 and toks[-1] == 1 and 1 not in toks[:3]
 
@@ -340,9 +330,7 @@ def test_async_engine_streams_and_aborts(llama_dir):
 
 def test_generate_cli_prints_only_completion(llama_dir):
     engine = make_engine(llama_dir)
-    expected = (
-        engine.generate(["def foo(x):"], SamplingParams(temperature=0.0, max_tokens=10))[0].outputs[0].text
-    )
+    expected = engine.generate(["def foo(x):"], SamplingParams(temperature=0.0, max_tokens=10))[0].outputs[0].text
     proc = subprocess.run(
         [sys.executable, "-m", "server.cli", "generate", "--model", str(llama_dir), "--device", "cpu",
          "--num-kv-blocks", "64", "--prompt", "def foo(x):", "--max-tokens", "10", "--log-level", "INFO"],

@@ -134,10 +134,7 @@ def test_build_filters_only_count_for_random_rows() -> None:
 def test_build_logprobs_representation() -> None:
     assert build([SamplingParams(), SamplingParams()]).max_num_logprobs == -1
     assert build([SamplingParams(logprobs=0), SamplingParams()]).max_num_logprobs == 0
-    assert (
-        build([SamplingParams(logprobs=2), SamplingParams(logprobs=5), SamplingParams()]).max_num_logprobs
-        == 5
-    )
+    assert build([SamplingParams(logprobs=2), SamplingParams(logprobs=5), SamplingParams()]).max_num_logprobs == 5
 
 
 def test_build_counts_and_prompt_mask() -> None:
@@ -441,9 +438,7 @@ def test_all_greedy_fast_path_and_processed_greedy_path() -> None:
     assert Sampler()(logits, md).token_ids.tolist() == [2, 5]
     # With a processor the argmax moves: a repetition penalty of 10 on token 2 (logit 5 -> 0.5).
     logits[0, 4] = 1.0
-    md = build(
-        [SamplingParams(temperature=0.0, repetition_penalty=10.0), SamplingParams(temperature=0.0)], [[2], []]
-    )
+    md = build([SamplingParams(temperature=0.0, repetition_penalty=10.0), SamplingParams(temperature=0.0)], [[2], []])
     assert md.all_greedy and md.needs_processing
     assert Sampler()(logits, md).token_ids.tolist() == [4, 5]
 

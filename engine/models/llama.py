@@ -135,8 +135,7 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias, o_bias = self.attention_biases(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias, o_bias, self.qk_norm)
-            for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, qkv_bias, o_bias, self.qk_norm) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))

@@ -1,0 +1,105 @@
+"""Model loading: sharded checkpoints, the offline hub cache, dtypes, the bench command."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+from conftest import build_model_dir
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+PROMPT = [5, 17, 42, 99, 7, 250, 31]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def greedy_tokens(model: str, **kw) -> list[int]:
+    engine = LLMEngine(EngineConfig(model=model, device="cpu", num_kv_blocks=32, block_size=4, **kw))
+    return engine.generate([PROMPT], GREEDY)[0].outputs[0].delta_token_ids
+
+
+def test_sharded_checkpoint_loads_like_single_file(tmp_path, llama_dir):
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama_dir)
+    sharded = tmp_path / "sharded"
+    model.save_pretrained(sharded, max_shard_size="100KB")
+    for f in llama_dir.iterdir():
+        if not f.name.startswith("model") and f.is_file():
+            shutil.copy(f, sharded / f.name)
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    assert greedy_tokens(str(sharded)) == greedy_tokens(str(llama_dir))
+
+
+def test_hub_id_resolves_from_local_cache_offline(tmp_path, monkeypatch, llama_dir):
+    # The Hugging Face cache layout: models--{org}--{name}/refs/main → snapshots/{commit}/files.
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--tiny-org--tiny-llama"
+    shutil.copytree(llama_dir, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert greedy_tokens("tiny-org/tiny-llama") == greedy_tokens(str(llama_dir))
+
+
+def test_bfloat16_runs_and_mostly_agrees(llama_dir):
+    ref = greedy_tokens(str(llama_dir))
+    got = greedy_tokens(str(llama_dir), dtype="bfloat16")
+    assert len(got) == len(ref) and got[0] == ref[0]
+
+
+def test_kv_pool_sized_from_memory_fraction(llama_dir):
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), device="cpu", max_num_seqs=4, max_model_len=64))
+    # On CPU the pool takes no more than a full batch of max_model_len sequences needs.
+    assert engine.runner.num_blocks == 4 * (64 // 16 + 1)
+    assert engine.runner.kv_cache.shape[2] == engine.runner.num_blocks * 16
+
+
+def test_max_model_len_beyond_pool_is_an_error(llama_dir):
+    with pytest.raises(ValueError, match="KV pool holds"):
+        LLMEngine(EngineConfig(model=str(llama_dir), device="cpu", num_kv_blocks=2, block_size=4, max_model_len=64))
+
+
+def test_missing_weights_are_named(tmp_path, tokenizer_dir):
+    d = build_model_dir(tmp_path / "m", tokenizer_dir, "LlamaForCausalLM")
+    from safetensors.torch import load_file, save_file
+
+    w = load_file(d / "model.safetensors")
+    del w["model.layers.1.mlp.up_proj.weight"]
+    save_file(w, d / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="missing"):
+        greedy_tokens(str(d))
+
+
+def test_bench_command_reports_ratios(tmp_path, llama_dir):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "server.cli", "bench", "--model", str(llama_dir), "--device", "cpu",
+         "--num-prompts", "4", "--max-tokens", "4", "--concurrency", "1", "2", "--prompt-lens", "4", "12",
+         "--num-kv-blocks", "64", "--output", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    report = json.loads(out.read_text())
+    assert [r["concurrency"] for r in report["results"]] == [1, 2]
+    for r in report["results"]:
+        assert r["output_tokens"] == 16 and r["augur_tokens_per_s"] > 0
+        assert r["ratio_vs_batched"] == pytest.approx(r["augur_tokens_per_s"] / r["hf_batched_tokens_per_s"])
+    assert "vs batch" in proc.stdout
+
+
+@pytest.mark.gpu
+def test_cuda_greedy_matches_cpu(llama_dir):
+    cpu = greedy_tokens(str(llama_dir))
+    cfg = EngineConfig(model=str(llama_dir), device="cuda", dtype="float32", num_kv_blocks=32, block_size=4)
+    engine = LLMEngine(cfg)
+    assert engine.generate([PROMPT], GREEDY)[0].outputs[0].delta_token_ids == cpu
+    assert torch.cuda.is_available()
