@@ -19,7 +19,6 @@ import json
 import os
 import platform
 import random
-import sysconfig
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -46,61 +45,6 @@ class BenchResult:
     @property
     def ratio_vs_batched(self) -> float | None:
         return self.augur_tokens_per_s / self.hf_batched_tokens_per_s if self.hf_batched_tokens_per_s else None
-
-
-def augur_home() -> Path:
-    return Path(os.environ.get("AUGUR_HOME", Path.home() / ".cache" / "augur")).expanduser()
-
-
-def train_bpe_tokenizer(out_dir: Path, vocab_size: int, files: list[Path]):
-    """A byte-level BPE (``tokenizers``) trained on the given text files, saved in Hugging Face format."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<|bos|>", "<|eos|>", "<|pad|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator((f.read_text(encoding="utf-8", errors="replace") for f in files), trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>")
-    fast.save_pretrained(out_dir)
-    return fast
-
-
-def random_bench_model(out_dir: Path) -> Path:
-    """A random-weight Llama (~30M parameters) for throughput runs when no model is given.
-
-    Plain decoding speed does not depend on the weights' values, only on the architecture.
-    """
-    if (out_dir / "model.safetensors").is_file():
-        return out_dir
-    import transformers
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(stdlib.glob("*.py"))[:60]
-    tok = train_bpe_tokenizer(out_dir, 4096, files)
-    config = transformers.LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=512,
-        intermediate_size=1408,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=2048,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        architectures=["LlamaForCausalLM"],
-    )
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out_dir)
-    return out_dir
 
 
 def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -163,10 +107,7 @@ def machine_description(device: torch.device) -> str:
     return f"{name}, {os.cpu_count()} CPU threads, torch {torch.__version__}"
 
 
-def run_bench(args: argparse.Namespace) -> int:
-    model = args.model or str(random_bench_model(augur_home() / "bench-random-llama"))
-    fields = EngineConfig.field_names()
-    cfg = EngineConfig(**{**{k: v for k, v in vars(args).items() if k in fields}, "model": model})
+def run_bench(cfg: EngineConfig, args: argparse.Namespace) -> int:
     max_c = max(args.concurrency)
     cfg.max_num_seqs = max(cfg.max_num_seqs, max_c)
     engine = LLMEngine(cfg)

@@ -9,10 +9,12 @@ import sys
 from engine.config import EngineConfig
 
 
-def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True, engine_seed: bool = True) -> None:
+def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> None:
     g = p.add_argument_group("engine")
     g.add_argument(
-        "--model", required=model_required, help="local Hugging Face directory or a hub id in the local cache"
+        "--model",
+        default=None,
+        help="local Hugging Face directory or a hub id in the local cache (default: the embedded demo target)",
     )
     g.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -34,8 +36,14 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True, eng
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """EngineConfig from the flags; no --model means the embedded demo target (built on first use)."""
     fields = EngineConfig.field_names()
-    return EngineConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    values = {k: v for k, v in vars(args).items() if k in fields}
+    if not values.get("model"):
+        from engine.demo import ensure_demo
+
+        values["model"] = str(ensure_demo() / "target")
+    return EngineConfig(**values)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -64,7 +72,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from engine.bench import run_bench
 
-    return run_bench(args)
+    return run_bench(engine_config_from_args(args), args)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import json
+
+    from engine.demo import DemoRecipe, build_demo, demo_dir, format_report
+
+    if args.demo_command == "path":
+        print(demo_dir())
+        return 0
+    recipe = DemoRecipe.tiny() if args.tiny else DemoRecipe()
+    out = build_demo(demo_dir(), recipe, device=args.device, force=args.force)
+    print(format_report(json.loads((out / "report.json").read_text())))
+    print(out)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench", parents=[common], help="tokens/s against Hugging Face transformers generate, same run"
     )
-    add_engine_args(bench, model_required=False)
+    add_engine_args(bench)
     bench.add_argument("--num-prompts", type=int, default=16)
     bench.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
     bench.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
@@ -100,6 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     bench.add_argument("--output", default=None, help="write the results as JSON")
     bench.set_defaults(func=cmd_bench)
+
+    demo = sub.add_parser("demo", parents=[common], help="the embedded demo target/draft pair")
+    demo_sub = demo.add_subparsers(dest="demo_command", required=True)
+    build = demo_sub.add_parser("build", help="train the pair (cached: a second run is instant)")
+    build.add_argument("--force", action="store_true", help="rebuild even if a matching build exists")
+    build.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    build.add_argument("--tiny", action="store_true", help="a small variant through the same code path (tests)")
+    demo_sub.add_parser("path", help="print the demo directory")
+    demo.set_defaults(func=cmd_demo)
     return parser
 
 

@@ -26,6 +26,15 @@ def _corpus() -> list[str]:
     return texts
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_augur_home(tmp_path_factory):
+    """Nothing in the tests may build into (or read from) the user's real Augur cache."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("AUGUR_HOME", str(tmp_path_factory.mktemp("augur-home-session")))
+    yield
+    mp.undo()
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:
     tok = Tokenizer(models.BPE())

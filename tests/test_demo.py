@@ -1,0 +1,126 @@
+"""The embedded demo pair, built at the tiny size through the same code path as the real one."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import transformers
+
+from engine.config import EngineConfig
+from engine.demo import DemoRecipe, build_demo, is_built, split_corpus
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("augur-home") / "demo"
+    return build_demo(out, DemoRecipe.tiny(), device="cpu")
+
+
+def test_layout_and_report(demo):
+    for name in ("target", "draft"):
+        d = demo / name
+        for f in (
+            "config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "generation_config.json",
+        ):
+            assert (d / f).is_file(), f"{name}/{f}"
+    report = json.loads((demo / "report.json").read_text())
+    assert report["target_params"] >= 8 * report["draft_params"]
+    for key in ("target_perplexity", "draft_perplexity", "draft_target_top1_agreement"):
+        assert report[key] > 0
+    assert 0.0 <= report["draft_target_top1_agreement"] <= 1.0
+    # Held-out perplexity is measured on files never trained on, and the trained target beats chance.
+    assert report["target_perplexity"] < report["train_tokens"] and report["target_perplexity"] < 512
+
+
+def test_prompts_come_from_heldout_files(demo):
+    prompts = [json.loads(line) for line in (demo / "prompts.jsonl").read_text().splitlines()]
+    recipe = DemoRecipe.tiny()
+    assert len(prompts) == recipe.num_prompts
+    train, heldout = split_corpus(recipe)
+    heldout_names = {n for n, _ in heldout}
+    assert heldout_names and not heldout_names & {n for n, _ in train}
+    texts = dict(heldout)
+    for p in prompts:
+        assert p["source"] in heldout_names and p["prompt"] in texts[p["source"]]
+        assert p["prompt"].endswith("\n") and p["prompt"].strip()
+
+
+def test_second_build_is_cached(demo):
+    before = (demo / "target" / "model.safetensors").stat().st_mtime_ns
+    t = time.perf_counter()
+    assert build_demo(demo, DemoRecipe.tiny()) == demo
+    assert time.perf_counter() - t < 2.0
+    assert (demo / "target" / "model.safetensors").stat().st_mtime_ns == before
+    assert is_built(demo, DemoRecipe.tiny())
+    assert not is_built(demo, DemoRecipe())  # another recipe has another key
+
+
+def test_build_is_deterministic(demo, tmp_path):
+    again = build_demo(tmp_path / "demo", DemoRecipe.tiny(), device="cpu")
+    for name in ("target", "draft"):
+        a = (demo / name / "model.safetensors").read_bytes()
+        b = (again / name / "model.safetensors").read_bytes()
+        assert a == b, name
+    assert (demo / "prompts.jsonl").read_text() == (again / "prompts.jsonl").read_text()
+
+
+@pytest.mark.parametrize("name", ["target", "draft"])
+def test_loads_in_transformers_and_engine_with_same_greedy_text(demo, name):
+    d = demo / name
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    prompt = json.loads((demo / "prompts.jsonl").read_text().splitlines()[0])["prompt"]
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
+    hf_text = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    engine = LLMEngine(EngineConfig(model=str(d), device="cpu", num_kv_blocks=64, max_model_len=256))
+    ours = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16))[0].outputs[0]
+    assert ours.delta_token_ids == out[0, ids.shape[1] :].tolist()[: len(ours.delta_token_ids)]
+    assert ours.text == hf_text
+
+
+def test_tokenizer_round_trips_unicode(demo):
+    tok = transformers.AutoTokenizer.from_pretrained(demo / "target")
+    rng = random.Random(0)
+    samples = ["def f(x):\n    return x ** 2\n", "naïve café — 你好, мир! 🙂🚀", "\t\r\n  \x00\x7f"]
+    for _ in range(50):
+        samples.append(
+            "".join(chr(rng.choice([rng.randrange(32, 127), rng.randrange(0x80, 0x2FFFF)])) for _ in range(30))
+        )
+    for s in samples:
+        s = s.encode("utf-8", "replace").decode("utf-8")  # no lone surrogates
+        assert tok.decode(tok.encode(s, add_special_tokens=False)) == s
+
+
+def test_chat_template_renders(demo):
+    tok = transformers.AutoTokenizer.from_pretrained(demo / "target")
+    messages = [
+        {"role": "system", "content": "You write Python."},
+        {"role": "user", "content": "A function that adds two numbers."},
+    ]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text.startswith(tok.bos_token)
+    assert "<|system|>\nYou write Python." in text and "<|user|>\nA function" in text
+    assert text.endswith("<|assistant|>\n")
+    ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    assert tok.convert_tokens_to_ids("<|user|>") in ids
+
+
+def test_cli_demo_path_and_default_model(demo, tmp_path):
+    env = {"AUGUR_HOME": str(demo.parent), "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-m", "server.cli", "demo", "path"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == str(demo)
