@@ -53,6 +53,13 @@ class AsyncEngine:
         self._stopping = False
         self.dead_error: str | None = None
         self.step_hooks: list = []  # callables(outputs, step_seconds), run on the loop thread
+        self._unstarted: set[str] = set()  # admitted, no output yet: what --max-queue-len bounds
+        self._consecutive_failures = 0
+
+    @property
+    def num_unstarted(self) -> int:
+        """Requests accepted but not yet producing output (queued or still prefilling)."""
+        return len(self._unstarted)
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -88,6 +95,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"duplicate request id {request_id!r}")
             self._streams[request_id] = (loop, stream)
+            self._unstarted.add(request_id)
         self._commands.put(_Add(request_id, prompt_ids, params, time.monotonic()))
         self._wakeup.set()
         finished = False
@@ -96,6 +104,7 @@ class AsyncEngine:
                 item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
+                self._unstarted.discard(request_id)
                 finished = item.finished
                 yield item
                 if finished:
@@ -103,6 +112,7 @@ class AsyncEngine:
         finally:
             with self._lock:
                 self._streams.pop(request_id, None)
+                self._unstarted.discard(request_id)
             if not finished:
                 self.abort(request_id)
 
@@ -148,8 +158,16 @@ class AsyncEngine:
             t0 = time.perf_counter()
             try:
                 outputs = self.engine.step()
+                self._consecutive_failures = 0
             except Exception:
+                # The engine confines ordinary failures to their requests; reaching here is a bug in
+                # the step itself. Fail what is in flight; after repeated failures declare it dead.
+                self._consecutive_failures += 1
                 self._fail_running(traceback.format_exc())
+                if self._consecutive_failures >= 3:
+                    self.dead_error = "the engine failed 3 steps in a row"
+                    logger.error(self.dead_error)
+                    return
                 continue
             elapsed = time.perf_counter() - t0
             for out in outputs:

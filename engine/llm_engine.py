@@ -173,56 +173,132 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Run one engine step. A failure is confined to the requests it concerns: an exception while
+        finishing one request's tokens fails that request; one in the batched forward fails the
+        requests of that batch. The engine keeps serving the rest."""
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
         self.num_steps += 1
-        self.runner.copy_blocks(sched.block_copies)
+        try:
+            touched, sampled_rows = self._forward_and_sample(sched)
+        except Exception as e:
+            logger.exception("engine step failed; failing the %d requests in it", len(sched.scheduled))
+            failed = {seq.group.request_id: seq.group for seq, _ in sched.scheduled}
+            return [self._fail_group(g, f"{type(e).__name__}: {e}") for g in failed.values()]
+        now = time.monotonic()
+        for seq, tok, lp in sampled_rows:
+            group = seq.group
+            if group.error is not None:
+                continue
+            group.num_decode_steps += 1
+            try:
+                self._append_tokens(seq, [tok], [lp] if lp is not None else None)
+            except Exception as e:
+                logger.exception("request %s failed while appending tokens", group.request_id)
+                self._fail_group(group, f"{type(e).__name__}: {e}", emit=False)
+            if group.first_token_time is None:
+                group.first_token_time = now
+            touched[group.request_id] = group
+        return [self._make_output(g) for g in touched.values()]
 
+    def _forward_and_sample(self, sched) -> tuple[dict[str, SequenceGroup], list]:
+        self.runner.copy_blocks(sched.block_copies)
         chunks: list[ForwardChunk] = []
+        sample_rows: list[int] = []  # logits row each finishing chunk samples from
         sample_seqs: list[Sequence] = []
+        prompt_spans: list[tuple[Sequence, int, int, int]] = []  # (seq, first logits row, first position, count)
+        row = 0
         for seq, n in sched.scheduled:
             start = seq.num_computed_tokens
             done = start + n == seq.num_tokens
-            chunks.append(ForwardChunk(seq.token_ids[start : start + n], start, seq.block_table, int(done)))
+            group = seq.group
+            wants_prompt = (
+                seq.params.prompt_logprobs is not None
+                and seq.index == 0
+                and len(group.prompt_logprobs) < group.num_prompt_tokens
+                and start < group.num_prompt_tokens
+            )
+            num_logits = n if wants_prompt else int(done)
+            chunks.append(ForwardChunk(seq.token_ids[start : start + n], start, seq.block_table, num_logits))
+            if wants_prompt:
+                prompt_spans.append((seq, row, start, n))
             if done:
+                sample_rows.append(row + num_logits - 1)
                 sample_seqs.append(seq)
+            row += num_logits
         out = self.runner.forward(chunks)
 
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
             self.block_manager.commit(seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed_tokens)
+        touched: dict[str, SequenceGroup] = {}
+        if prompt_spans:
+            self._record_prompt_logprobs(out.logits, prompt_spans)
+            for seq, *_ in prompt_spans:
+                touched[seq.group.request_id] = seq.group
 
         # A request with n > 1 forks its other choices off the first once the prompt is prefilled;
         # each choice samples its first token from the same prompt logits.
         rows: list[int] = []
         row_seqs: list[Sequence] = []
-        for r, seq in enumerate(sample_seqs):
+        for r, seq in zip(sample_rows, sample_seqs):
             family = [seq]
             if seq.group.params.n > 1 and len(seq.group.seqs) == 1:
                 family += self._fork(seq)
             rows.extend([r] * len(family))
             row_seqs.extend(family)
-        touched: dict[str, SequenceGroup] = {}
-        if row_seqs:
-            logits = out.logits if len(rows) == len(sample_seqs) else out.logits[rows]
-            sampled = self.runner.sample(
-                logits,
-                [s.params for s in row_seqs],
-                [s.prompt_ids for s in row_seqs],
-                [s.output_ids for s in row_seqs],
-                [s.generator for s in row_seqs],
-                self.eos_token_ids,
-            )
-            tokens = sampled.token_ids.tolist()
-            logprobs = self._logprob_lists(sampled, row_seqs)
-            now = time.monotonic()
-            for seq, tok, lp in zip(row_seqs, tokens, logprobs):
-                self._append_tokens(seq, [tok], [lp] if lp is not None else None)
-                if seq.group.first_token_time is None:
-                    seq.group.first_token_time = now
-                touched[seq.group.request_id] = seq.group
-        return [self._make_output(g) for g in touched.values()]
+        if not row_seqs:
+            return touched, []
+        logits = out.logits if rows == list(range(out.logits.shape[0])) else out.logits[rows]
+        sampled = self.runner.sample(
+            logits,
+            [s.params for s in row_seqs],
+            [s.prompt_ids for s in row_seqs],
+            [s.output_ids for s in row_seqs],
+            [s.generator for s in row_seqs],
+            self.eos_token_ids,
+        )
+        tokens = sampled.token_ids.tolist()
+        logprobs = self._logprob_lists(sampled, row_seqs)
+        return touched, list(zip(row_seqs, tokens, logprobs))
+
+    def _record_prompt_logprobs(self, logits, spans: list[tuple[Sequence, int, int, int]]) -> None:
+        """Logprob of each prompt token given the tokens before it, with the top alternatives."""
+        import torch
+
+        rows, targets, owners = [], [], []
+        for seq, first_row, start, n in spans:
+            for i in range(n):
+                pos = start + i  # the logits at `pos` predict the token at pos + 1
+                if pos + 1 < seq.group.num_prompt_tokens:
+                    rows.append(first_row + i)
+                    targets.append(seq.token_ids[pos + 1])
+                    owners.append(seq.group)
+        for seq, _, start, _ in spans:
+            if start == 0 and not seq.group.prompt_logprobs:
+                seq.group.prompt_logprobs.append(None)  # nothing predicts the first token
+        if not rows:
+            return
+        k = max(seq.params.prompt_logprobs for seq, *_ in spans)
+        lp = torch.log_softmax(logits[rows].float(), dim=-1)
+        chosen = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
+        top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (None, None)
+        top_v = top_v.tolist() if top_v is not None else None
+        top_i = top_i.tolist() if top_i is not None else None
+        for j, (group, tok) in enumerate(zip(owners, targets)):
+            kk = group.params.prompt_logprobs
+            top = list(zip(top_i[j][:kk], top_v[j][:kk])) if top_i is not None and kk else []
+            group.prompt_logprobs.append(TokenLogprob(tok, chosen[j], top))
+
+    def _fail_group(self, group: SequenceGroup, error: str, emit: bool = True) -> RequestOutput | None:
+        """End a request that failed inside the engine; its blocks are freed at once."""
+        group.error = error
+        for seq in group.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+                seq.finish_reason = FinishReason.ERROR
+        return self._make_output(group) if emit else None
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         group = parent.group
@@ -312,8 +388,25 @@ class LLMEngine:
             num_prompt_tokens=group.num_prompt_tokens,
             num_generated_tokens=sum(s.num_output_tokens for s in group.seqs),
             num_preemptions=sum(s.num_preemptions for s in group.seqs),
+            num_decode_steps=group.num_decode_steps,
         )
-        return RequestOutput(group.request_id, group.prompt_ids, outputs, finished, stats)
+        prompt_logprobs = None
+        if (
+            group.params.prompt_logprobs is not None
+            and not group.prompt_logprobs_emitted
+            and len(group.prompt_logprobs) == group.num_prompt_tokens
+        ):
+            prompt_logprobs = group.prompt_logprobs
+            group.prompt_logprobs_emitted = True
+        return RequestOutput(
+            group.request_id,
+            group.prompt_ids,
+            outputs,
+            finished,
+            stats,
+            error=group.error,
+            prompt_logprobs=prompt_logprobs,
+        )
 
     # -- convenience ------------------------------------------------------------------------------
     def generate(

@@ -34,6 +34,7 @@ class RequestStats:
     num_cached_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     num_preemptions: int = 0
+    num_decode_steps: int = 0  # target forwards that produced this request's tokens (per choice, summed)
 
 
 @dataclass
@@ -43,5 +44,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     stats: RequestStats
-    error: str | None = None
+    error: str | None = None  # set when this request failed inside the engine (finish_reason "error")
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # once, in the first output after the prefill
     extra: dict = field(default_factory=dict)

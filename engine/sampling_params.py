@@ -33,6 +33,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top alternatives to return with each sampled token
+    prompt_logprobs: int | None = None  # logprobs (with top alternatives) of the prompt's own tokens
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -77,6 +78,10 @@ class SamplingParams:
         check(
             self.logprobs is None or 0 <= self.logprobs <= 20,
             f"logprobs must be in [0, 20], got {self.logprobs}",
+        )
+        check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+            f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}",
         )
         if self.logit_bias:
             for tok, bias in self.logit_bias.items():

@@ -96,7 +96,10 @@ class Scheduler:
             need_seats = seq.group.params.n if seq.num_output_tokens == 0 and seq.index == 0 else 1
             if need_seats > seats:
                 break
-            prefix_blocks, prefix_hashes = self.bm.match_prefix(seq.token_ids)
+            if seq.params.prompt_logprobs is not None and not seq.group.prompt_logprobs:
+                prefix_blocks, prefix_hashes = [], []  # every prompt position must be computed
+            else:
+                prefix_blocks, prefix_hashes = self.bm.match_prefix(seq.token_ids)
             cached = len(prefix_blocks) * self.bm.block_size
             n = min(seq.num_tokens - cached, budget)
             new_blocks = self.bm.blocks_needed(len(prefix_blocks), cached + n)

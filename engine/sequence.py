@@ -124,10 +124,18 @@ class SequenceGroup:
         # Only the first sequence exists until the prompt is prefilled; the rest are forked from it.
         self.seqs: list[Sequence] = [Sequence(self, prompt_ids, 0)]
         self.error: str | None = None
+        # Logprobs of each prompt token given the ones before it (None for the first), when asked for.
+        self.prompt_logprobs: list[TokenLogprob | None] = []
+        self.prompt_logprobs_emitted = False
+        self.num_decode_steps = 0  # target forwards that produced tokens, summed over choices
 
     @property
     def is_finished(self) -> bool:
-        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+        # The other choices are forked with the first token, so a first sequence that ended
+        # without output (aborted or failed) ends the whole request.
+        if not all(s.is_finished for s in self.seqs):
+            return False
+        return len(self.seqs) == self.params.n or self.seqs[0].num_output_tokens == 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -69,6 +69,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    import uvicorn
+
+    from engine.async_engine import AsyncEngine
+    from engine.llm_engine import LLMEngine
+    from server.app import ServerSettings, create_app
+
+    demo = not args.model
+    config = engine_config_from_args(args)  # builds the demo pair first when no model is given
+    name = args.served_model_name or ("augur-demo" if demo else os.path.basename(os.path.normpath(config.model)))
+    api_key = args.api_key or os.environ.get("AUGUR_API_KEY") or None
+    settings = ServerSettings(served_model_name=name, api_key=api_key, max_queue_len=args.max_queue_len)
+    app = create_app(settings, lambda: AsyncEngine(LLMEngine(config)))
+    print(f"Augur serving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from engine.bench import run_bench
 
@@ -97,6 +117,16 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--log-level", default="WARNING", help="logging level (logs go to stderr)")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", parents=[common], help="the OpenAI-compatible HTTP server")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require this bearer key (or set AUGUR_API_KEY)")
+    serve.add_argument("--served-model-name", default=None, help="default: augur-demo, or the model directory's name")
+    serve.add_argument("--max-queue-len", type=int, default=256, help="requests waiting beyond this get 429")
+    serve.add_argument("--config", default=None, help="YAML file of flags (the command line overrides it)")
+    serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", parents=[common], help="complete one prompt and print only the completion")
     add_engine_args(gen, engine_seed=False)
@@ -135,8 +165,56 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._subparsers._group_actions:  # argparse keeps its subparsers here
+        if name in action.choices:
+            return action.choices[name]
+    raise KeyError(name)
+
+
+def apply_config_file(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse argv; if it names --config FILE, the file's keys become defaults the command line overrides.
+
+    Keys are flag names with dashes or underscores (``max-num-seqs`` or ``max_num_seqs``). A key that is
+    not a flag of the command is an error that names it."""
+    args = parser.parse_args(argv)
+    path = getattr(args, "config", None)
+    if not path:
+        return args
+    import yaml
+
+    try:
+        data = yaml.safe_load(open(path)) or {}
+    except OSError as e:
+        parser.error(f"cannot read config file {path}: {e}")
+    except yaml.YAMLError as e:
+        parser.error(f"config file {path} is not valid YAML: {e}")
+    if not isinstance(data, dict):
+        parser.error(f"config file {path} must be a mapping of flag names to values")
+    sub = _subparser(parser, args.command)
+    dests = {a.dest: a for a in sub._actions if a.dest not in ("help", "config", "func")}
+    defaults = {}
+    for key, value in data.items():
+        dest = str(key).replace("-", "_")
+        if dest == "prefix_caching":
+            dest, value = "enable_prefix_caching", bool(value)
+        if dest not in dests:
+            parser.error(f"unknown key {key!r} in config file {path}")
+        action = dests[dest]
+        if value is not None and action.type is not None and not isinstance(value, list):
+            try:
+                value = action.type(value)
+            except (TypeError, ValueError):
+                parser.error(f"config key {key!r}: invalid value {value!r}")
+        if action.choices is not None and value not in action.choices:
+            parser.error(f"config key {key!r}: {value!r} is not one of {list(action.choices)}")
+        defaults[dest] = value
+    sub.set_defaults(**defaults)
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = apply_config_file(build_parser(), argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)

@@ -1,0 +1,622 @@
+"""The OpenAI-compatible HTTP front: routes, streaming, auth, errors, metrics.
+
+Handlers validate a request, turn it into engine requests (one per prompt) and relay the engine's
+outputs, as one JSON body or as server-sent events in OpenAI's chunk format. Nothing here touches
+a tensor. A bad request gets an OpenAI-shaped error; a request that fails inside the engine fails
+alone (500) while the server keeps serving everyone else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.llm_engine import InvalidRequestError
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.sequence import TokenLogprob
+from server.metrics import Metrics
+from server.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedError, error_body
+
+logger = logging.getLogger(__name__)
+
+try:
+    AUGUR_VERSION = version("augur")
+except PackageNotFoundError:  # running from a source tree that was not installed
+    AUGUR_VERSION = "0.0.0+local"
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code=None, headers=None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param)
+
+
+@dataclass
+class ServerSettings:
+    served_model_name: str
+    api_key: str | None = None
+    max_queue_len: int = 256
+    disconnect_poll_s: float = 0.2
+
+
+@dataclass
+class ServerState:
+    settings: ServerSettings
+    engine: AsyncEngine | None = None
+    load_error: str | None = None
+    metrics: Metrics = field(init=False)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.metrics = Metrics(self.settings.served_model_name)
+
+    def attach(self, engine: AsyncEngine) -> None:
+        self.metrics.bind_engine(engine.engine)
+        engine.step_hooks.append(self.metrics.on_step)
+        engine.start()
+        self.engine = engine
+
+
+def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngine]) -> FastAPI:
+    """The app. ``engine_factory`` runs on a background thread at start-up, so /health can answer
+    503 while the model loads."""
+    state = ServerState(settings)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        def load() -> None:
+            try:
+                state.attach(engine_factory())
+                logger.info("engine ready: serving %s", settings.served_model_name)
+            except Exception as e:  # reported by /health; the process stays up to say why
+                logger.exception("engine failed to load")
+                state.load_error = f"{type(e).__name__}: {e}"
+
+        loader = threading.Thread(target=load, name="augur-load", daemon=True)
+        loader.start()
+        yield
+        if state.engine is not None:
+            state.engine.shutdown()
+
+    app = FastAPI(title="Augur", version=AUGUR_VERSION, lifespan=lifespan)
+    app.state.augur = state
+    m = state.metrics
+    labels = m.labels
+
+    # -- errors ---------------------------------------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(_req, exc: APIError):
+        return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_req, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        msg = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            msg, loc = "the request body is not valid JSON", []
+        ctx_err = (first.get("ctx") or {}).get("error")
+        if isinstance(ctx_err, UnsupportedError):
+            return JSONResponse(error_body(str(ctx_err), "invalid_request_error", ctx_err.param), 400)
+        param = ".".join(loc) or None
+        return JSONResponse(error_body(f"{param + ': ' if param else ''}{msg}", "invalid_request_error", param), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_req, exc: StarletteHTTPException):
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), type_), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(_req, exc: Exception):
+        logger.exception("unhandled error")
+        m.request_failure.labels(**labels, reason="internal").inc()
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "internal_error"), 500)
+
+    # -- auth -----------------------------------------------------------------------------------------
+    open_paths = {"/health", "/metrics"}
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        key = settings.api_key
+        if key and request.url.path not in open_paths:
+            given = request.headers.get("authorization", "")
+            token = given[7:] if given.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), key.encode()):
+                return JSONResponse(
+                    error_body("invalid or missing API key", "authentication_error", code="invalid_api_key"), 401
+                )
+        return await call_next(request)
+
+    # -- plain endpoints ------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if state.load_error:
+            return JSONResponse({"status": "error", "error": state.load_error}, 503)
+        if state.engine is None:
+            return JSONResponse({"status": "loading"}, 503)
+        if not state.engine.is_running:
+            return JSONResponse({"status": "dead", "error": state.engine.dead_error}, 503)
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def get_version():
+        return {"version": AUGUR_VERSION}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(m.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": settings.served_model_name, "object": "model", "created": state.created, "owned_by": "augur"}
+        if state.engine is not None:
+            card["max_model_len"] = state.engine.engine.max_model_len
+        return {"object": "list", "data": [card]}
+
+    # -- generation -----------------------------------------------------------------------------------
+    def ready_engine() -> AsyncEngine:
+        eng = state.engine
+        if eng is None or not eng.is_running:
+            raise APIError(
+                503, "the model is not ready" if eng is None else "the engine is not running", "service_unavailable"
+            )
+        return eng
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != settings.served_model_name:
+            raise APIError(404, f"The model `{name}` does not exist.", "not_found_error", "model", "model_not_found")
+
+    def check_capacity(eng: AsyncEngine, extra: int) -> None:
+        if eng.num_unstarted + extra > settings.max_queue_len:
+            raise APIError(
+                429,
+                f"the request queue is full ({settings.max_queue_len} requests waiting); retry shortly",
+                "rate_limit_error",
+                headers={"Retry-After": "1"},
+            )
+
+    async def parse(request: Request, model):
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise bad_request("the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise bad_request("the request body must be a JSON object")
+        try:
+            return model.model_validate(body)
+        except UnsupportedError as e:
+            raise bad_request(str(e), e.param) from None
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+
+    def prepare(eng: AsyncEngine, prompts: list[str | list[int]], params: SamplingParams) -> list[list[int]]:
+        ids = []
+        for p in prompts:
+            try:
+                tokens = eng.engine.tokenize(p)
+                eng.engine.validate(tokens, params)
+            except InvalidRequestError as e:
+                raise bad_request(str(e), "prompt") from None
+            ids.append(tokens)
+        return ids
+
+    def make_params(req, max_tokens, logprobs, prompt_logprobs=None) -> SamplingParams:
+        try:
+            return req.sampling_params(max_tokens, logprobs, prompt_logprobs)
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+
+    async def run_request(
+        eng: AsyncEngine, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """One engine request's outputs, with latency metrics recorded as they pass."""
+        start = time.monotonic()
+        first = last = None
+        tokens = 0
+        m.prompt_tokens.labels(**labels).inc(len(prompt_ids))
+        async for out in eng.generate(request_id, prompt_ids, params):
+            now = time.monotonic()
+            new = sum(len(c.delta_token_ids) for c in out.outputs)
+            if new:
+                if first is None:
+                    first = now
+                    m.ttft.labels(**labels).observe(now - start)
+                else:
+                    m.itl.labels(**labels).observe((now - last) / new)
+                last = now
+                tokens += new
+                m.generation_tokens.labels(**labels).inc(new)
+            if out.finished:
+                if out.error:
+                    m.request_failure.labels(**labels, reason="engine_error").inc()
+                else:
+                    for c in out.outputs:
+                        m.request_success.labels(**labels, finish_reason=c.finish_reason or "stop").inc()
+                    m.e2e.labels(**labels).observe(now - start)
+                    if first is not None and tokens > 1:
+                        m.tpot.labels(**labels).observe((now - first) / (tokens - 1))
+            yield out
+
+    async def merged(
+        eng, base_id: str, prompt_ids: list[list[int]], params
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of one engine request per prompt, interleaved as they come: (prompt index, output)."""
+        if len(prompt_ids) == 1:
+            async for out in run_request(eng, f"{base_id}-0", prompt_ids[0], params):
+                yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(i: int, ids: list[int]) -> None:
+            try:
+                async for out in run_request(eng, f"{base_id}-{i}", ids, params):
+                    await queue.put((i, out))
+            except BaseException as e:  # handed to the consumer, which re-raises it
+                await queue.put((i, e))
+            finally:
+                await queue.put((i, done))
+
+        tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(prompt_ids)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def until_disconnect(request: Request, work):
+        """Run ``work`` (a coroutine) but abort it if the client goes away first."""
+        task = asyncio.ensure_future(work)
+        try:
+            while not task.done():
+                done, _ = await asyncio.wait({task}, timeout=settings.disconnect_poll_s)
+                if not done and await request.is_disconnected():
+                    task.cancel()
+                    m.request_failure.labels(**labels, reason="client_disconnect").inc()
+                    raise APIError(499, "client disconnected", "client_disconnect")
+            return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+
+    def engine_failure(out: RequestOutput) -> APIError:
+        return APIError(500, f"the request failed inside the engine: {out.error}", "internal_error")
+
+    def usage(prompt_tokens: int, completion_tokens: int, outputs: list[RequestOutput]) -> dict:
+        steps = sum(o.stats.num_decode_steps for o in outputs)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "speculative": {
+                "method": "none",
+                "draft_tokens": 0,
+                "accepted_tokens": 0,
+                "verify_steps": steps,
+                "mean_acceptance_length": completion_tokens / steps if steps else 0.0,
+            },
+        }
+
+    def sse(obj) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    tokenizer_cache: dict[int, str] = {}
+
+    def token_text(eng: AsyncEngine, token_id: int) -> str:
+        text = tokenizer_cache.get(token_id)
+        if text is None:
+            text = eng.engine.tokenizer.decode([token_id])
+            if len(tokenizer_cache) < 200_000:
+                tokenizer_cache[token_id] = text
+        return text
+
+    # -- /v1/completions ------------------------------------------------------------------------------
+    def completion_logprobs(eng, entries: list[TokenLogprob | None], offset: int) -> dict:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        pos = offset
+        for e in entries:
+            if e is None:
+                continue
+            text = token_text(eng, e.token_id)
+            tokens.append(text)
+            token_lps.append(e.logprob)
+            tops.append({token_text(eng, t): lp for t, lp in e.top} if e.top else None)
+            offsets.append(pos)
+            pos += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def prompt_logprob_entries(eng, out: RequestOutput) -> dict:
+        entries = out.prompt_logprobs or []
+        res = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        pos = 0
+        for tok, e in zip(out.prompt_token_ids, entries):
+            text = token_text(eng, tok)
+            res["tokens"].append(text)
+            res["token_logprobs"].append(None if e is None else e.logprob)
+            res["top_logprobs"].append(None if e is None else {token_text(eng, t): lp for t, lp in e.top})
+            res["text_offset"].append(pos)
+            pos += len(text)
+        return res
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req: CompletionRequest = await parse(request, CompletionRequest)
+        check_model(req.model)
+        eng = ready_engine()
+        want_lp = req.logprobs
+        params = make_params(req, req.max_tokens, want_lp, want_lp if req.echo and want_lp is not None else None)
+        prompts = req.prompts()
+        prompt_ids = prepare(eng, prompts, params)
+        check_capacity(eng, len(prompts))
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        name = settings.served_model_name
+        n = req.n
+
+        def prompt_text(i: int) -> str:
+            p = prompts[i]
+            return p if isinstance(p, str) else eng.engine.tokenizer.decode(p)
+
+        if req.stream:
+
+            async def stream():
+                finals: dict[int, RequestOutput] = {}
+                completion_tokens = 0
+                echoed: set[int] = set()
+                try:
+                    async for i, out in merged(eng, rid, prompt_ids, params):
+                        if out.error:
+                            yield sse(
+                                error_body(f"the request failed inside the engine: {out.error}", "internal_error")
+                            )
+                            break
+                        for c in out.outputs:
+                            idx = i * n + c.index
+                            text = c.delta_text
+                            lp = None
+                            if want_lp is not None:
+                                lp = completion_logprobs(eng, c.delta_logprobs or [], len(c.text) - len(c.delta_text))
+                            if req.echo and idx not in echoed:
+                                echoed.add(idx)
+                                text = prompt_text(i) + text
+                            completion_tokens += len(c.delta_token_ids)
+                            if not text and not c.finished and not c.delta_token_ids:
+                                continue
+                            choice = {"index": idx, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
+                            yield sse(
+                                {
+                                    "id": rid,
+                                    "object": "text_completion",
+                                    "created": created,
+                                    "model": name,
+                                    "choices": [choice],
+                                }
+                            )
+                        if out.finished:
+                            finals[i] = out
+                    else:
+                        if req.include_usage:
+                            prompt_tokens = sum(len(p) for p in prompt_ids)
+                            yield sse(
+                                {
+                                    "id": rid,
+                                    "object": "text_completion",
+                                    "created": created,
+                                    "model": name,
+                                    "choices": [],
+                                    "usage": usage(prompt_tokens, completion_tokens, list(finals.values())),
+                                }
+                            )
+                except EngineDeadError as e:
+                    yield sse(error_body(str(e), "internal_error"))
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(stream(), media_type="text/event-stream")
+
+        async def collect():
+            texts: dict[int, str] = {}
+            lps: dict[int, list] = {}
+            finals: dict[int, RequestOutput] = {}
+            reasons: dict[int, str | None] = {}
+            prompt_lp: dict[int, dict] = {}
+            tokens = 0
+            async for i, out in merged(eng, rid, prompt_ids, params):
+                if out.error:
+                    raise engine_failure(out)
+                if out.prompt_logprobs is not None:
+                    prompt_lp[i] = prompt_logprob_entries(eng, out)
+                for c in out.outputs:
+                    idx = i * n + c.index
+                    texts[idx] = c.text
+                    lps.setdefault(idx, []).extend(c.delta_logprobs or [])
+                    reasons[idx] = c.finish_reason
+                    tokens += len(c.delta_token_ids)
+                if out.finished:
+                    finals[i] = out
+            choices = []
+            for idx in sorted(texts):
+                i = idx // n
+                text = texts[idx]
+                lp = None
+                if want_lp is not None:
+                    lp = completion_logprobs(eng, lps[idx], 0)
+                if req.echo:
+                    ptext = prompt_text(i)
+                    if lp is not None:
+                        pl = prompt_lp.get(i) or {
+                            "tokens": [],
+                            "token_logprobs": [],
+                            "top_logprobs": [],
+                            "text_offset": [],
+                        }
+                        shift = len(ptext)
+                        lp = {
+                            "tokens": pl["tokens"] + lp["tokens"],
+                            "token_logprobs": pl["token_logprobs"] + lp["token_logprobs"],
+                            "top_logprobs": pl["top_logprobs"] + lp["top_logprobs"],
+                            "text_offset": pl["text_offset"] + [o + shift for o in lp["text_offset"]],
+                        }
+                    text = ptext + text
+                choices.append({"index": idx, "text": text, "logprobs": lp, "finish_reason": reasons[idx]})
+            prompt_tokens = sum(len(p) for p in prompt_ids)
+            return {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": name,
+                "choices": choices,
+                "usage": usage(prompt_tokens, tokens, list(finals.values())),
+            }
+
+        return JSONResponse(await until_disconnect(request, collect()))
+
+    # -- /v1/chat/completions -------------------------------------------------------------------------
+    def chat_logprobs(eng, entries: list[TokenLogprob]) -> list[dict]:
+        def item(tok: int, lp: float) -> dict:
+            text = token_text(eng, tok)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+        return [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
+        check_model(req.model)
+        eng = ready_engine()
+        tok = eng.engine.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise bad_request("this model has no chat template; use /v1/completions", "messages")
+        try:
+            messages = req.chat_messages()
+        except UnsupportedError as e:
+            raise bad_request(str(e), e.param) from None
+        rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=req.add_generation_prompt)
+        prompt_ids = tok.encode(rendered, add_special_tokens=False)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.completion_limit
+        if max_tokens is None:
+            max_tokens = max(1, eng.engine.max_model_len - len(prompt_ids))
+        params = make_params(req, max_tokens, logprobs)
+        ids = prepare(eng, [prompt_ids], params)
+        check_capacity(eng, 1)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        name = settings.served_model_name
+
+        def chunk(choices: list[dict], **extra) -> str:
+            return sse(
+                {
+                    "id": rid,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": name,
+                    "choices": choices,
+                    **extra,
+                }
+            )
+
+        if req.stream:
+
+            async def stream():
+                final: RequestOutput | None = None
+                tokens = 0
+                started: set[int] = set()
+                try:
+                    async for _, out in merged(eng, rid, ids, params):
+                        if out.error:
+                            yield sse(
+                                error_body(f"the request failed inside the engine: {out.error}", "internal_error")
+                            )
+                            break
+                        for c in out.outputs:
+                            if c.index not in started:
+                                started.add(c.index)
+                                first = {"index": c.index, "delta": {"role": "assistant", "content": ""}}
+                                yield chunk([{**first, "logprobs": None, "finish_reason": None}])
+                            tokens += len(c.delta_token_ids)
+                            if not c.delta_text and not c.finished and not c.delta_token_ids:
+                                continue
+                            lp = {"content": chat_logprobs(eng, c.delta_logprobs or [])} if req.logprobs else None
+                            delta = {"content": c.delta_text} if (c.delta_text or not c.finished) else {}
+                            yield chunk(
+                                [{"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason}]
+                            )
+                        if out.finished:
+                            final = out
+                    else:
+                        if req.include_usage:
+                            yield chunk([], usage=usage(len(ids[0]), tokens, [final] if final else []))
+                except EngineDeadError as e:
+                    yield sse(error_body(str(e), "internal_error"))
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(stream(), media_type="text/event-stream")
+
+        async def collect():
+            texts: dict[int, str] = {}
+            lps: dict[int, list] = {}
+            reasons: dict[int, str | None] = {}
+            tokens = 0
+            final = None
+            async for _, out in merged(eng, rid, ids, params):
+                if out.error:
+                    raise engine_failure(out)
+                for c in out.outputs:
+                    texts[c.index] = c.text
+                    lps.setdefault(c.index, []).extend(c.delta_logprobs or [])
+                    reasons[c.index] = c.finish_reason
+                    tokens += len(c.delta_token_ids)
+                if out.finished:
+                    final = out
+            choices = [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": texts[i]},
+                    "logprobs": {"content": chat_logprobs(eng, lps[i])} if req.logprobs else None,
+                    "finish_reason": reasons[i],
+                }
+                for i in sorted(texts)
+            ]
+            return {
+                "id": rid,
+                "object": "chat.completion",
+                "created": created,
+                "model": name,
+                "choices": choices,
+                "usage": usage(len(ids[0]), tokens, [final] if final else []),
+            }
+
+        return JSONResponse(await until_disconnect(request, collect()))
+
+    return app

@@ -1,0 +1,226 @@
+"""OpenAI request schemas (pydantic) and their translation into engine sampling parameters.
+
+The server knows nothing of tensors: it validates requests here, turns them into
+:class:`SamplingParams`, and formats what the engine returns.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from engine.sampling_params import SamplingParams
+
+
+class UnsupportedError(ValueError):
+    """A known OpenAI feature Augur does not implement (400, never silently ignored)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class SpeculativeOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = True
+    num_draft_tokens: int | None = Field(default=None, ge=0, le=64)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by both endpoints; Augur's extensions come through the SDK's ``extra_body``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = Field(default=1, ge=1, le=64)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Extensions.
+    top_k: int = Field(default=0, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stop_token_ids: list[int] | None = None
+    speculative: SpeculativeOptions | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > 16:
+            raise ValueError("at most 16 stop sequences are allowed")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        if v is None:
+            return v
+        for key, bias in v.items():
+            try:
+                int(key)
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {key}")
+        return v
+
+    @model_validator(mode="after")
+    def _stream_options(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None):
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v):
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt must not be empty")
+        if isinstance(v, list) and all(isinstance(x, list) for x in v) and any(not x for x in v):
+            raise ValueError("token-id prompts must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        if self.suffix:
+            raise UnsupportedError("suffix is not supported", "suffix")
+        if self.best_of is not None and self.best_of > self.n:
+            raise UnsupportedError("best_of > n is not supported", "best_of")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise UnsupportedError(
+                    f"content parts of type {part.get('type')!r} are not supported (only text)", "messages"
+                )
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _check(self):
+        if not self.messages:
+            raise ValueError("messages must not be empty")
+        for i, m in enumerate(self.messages):
+            if m.role not in ("system", "developer", "user", "assistant"):
+                if m.role in ("tool", "function"):
+                    raise UnsupportedError(
+                        f"messages[{i}]: role {m.role!r} is not supported (no tool calling)", "messages"
+                    )
+                raise ValueError(f"messages[{i}]: unknown role {m.role!r}")
+        for name in ("tools", "tool_choice", "functions", "function_call"):
+            if getattr(self, name) is not None:
+                raise UnsupportedError(f"{name} is not supported: Augur does not do tool calling", name)
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise UnsupportedError(
+                f"response_format {self.response_format.get('type')!r} is not supported (only 'text')",
+                "response_format",
+            )
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        """Messages as the chat template expects; 'developer' is OpenAI's newer name for 'system'."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+    @property
+    def completion_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+Finish = Literal["stop", "length", "abort", "error"]
