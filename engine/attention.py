@@ -39,7 +39,8 @@ def build_attention_metadata(
     block_tables: list[list[int]],
     block_size: int,
     positions: torch.Tensor,  # [T] int64, on the target device
-    new_token_masks: list[torch.Tensor | None] | None = None,  # per sequence [q_len, q_len] bool, None → causal
+    new_token_masks: list[torch.Tensor | None] | None = None,  # per sequence [q_len, ctx+q_len-mask_start] bool
+    mask_starts: list[int] | None = None,  # per sequence: first key index the mask covers (default: ctx_len)
     sliding_window: int | None = None,
     device: torch.device | str = "cpu",
 ) -> AttentionMetadata:
@@ -47,6 +48,10 @@ def build_attention_metadata(
 
     Sequence ``b`` owns flat tokens ``sum(q_lens[:b]) ...`` and its new token ``i`` is stored at context
     index ``ctx_lens[b] + i`` (for a draft tree that is the node's slot, not its position).
+
+    A given mask covers keys ``mask_starts[b] .. ctx_lens[b] + q_lens[b]``: by default just the new
+    tokens, but a draft tree expanded level by level reaches back over its earlier levels, which
+    are already in the cache (a node must see its ancestors there, and not its cousins).
     """
     B = len(q_lens)
     max_q = max(q_lens)
@@ -84,7 +89,8 @@ def build_attention_metadata(
         for b, m in enumerate(new_token_masks):
             if m is not None:
                 q, c = q_lens[b], ctx_lens[b]
-                mask[b, :q, c : c + q] = m.to(device)
+                start = c if mask_starts is None else mask_starts[b]
+                mask[b, :q, start : c + q] = m.to(device)
     valid_q = q_idx[None, :] < q_lens_t[:, None]  # [B, Qmax]
 
     sliding_mask = None

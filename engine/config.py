@@ -24,6 +24,12 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     seed: int = 0
+    # Speculative decoding.
+    speculative_method: str | None = None  # none | draft (default: draft when a draft model is given)
+    draft_model: str | None = None
+    num_speculative_tokens: int = 4  # the most draft positions (tree depth) per request and step
+    spec_tree_topk: int = 2  # children per expanded node; 1 = chains (sampled from q when T > 0)
+    spec_tree_budget: int = 12  # the most draft-tree nodes per request and step
 
     def __post_init__(self) -> None:
         def check(ok: bool, msg: str) -> None:
@@ -42,6 +48,14 @@ class EngineConfig:
         check(self.max_num_seqs >= 1, "max_num_seqs must be positive")
         check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be positive")
         check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be at least 2")
+        if self.speculative_method is None:
+            self.speculative_method = "draft" if self.draft_model else "none"
+        check(self.speculative_method in ("none", "draft"), "speculative_method must be none or draft")
+        if self.speculative_method == "draft":
+            check(bool(self.draft_model), "speculative_method draft needs --draft-model")
+        check(0 <= self.num_speculative_tokens <= 32, "num_speculative_tokens must be in [0, 32]")
+        check(self.spec_tree_topk >= 1, "spec_tree_topk must be at least 1")
+        check(self.spec_tree_budget >= 1, "spec_tree_budget must be at least 1")
 
     @property
     def torch_device(self) -> torch.device:

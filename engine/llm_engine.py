@@ -18,11 +18,34 @@ from engine.kv import BlockManager
 from engine.loader import eos_token_ids, load_config, load_model, load_tokenizer, resolve_model_path
 from engine.model_runner import ForwardChunk, ModelRunner, available_memory_bytes, kv_bytes_per_token
 from engine.outputs import CompletionOutput, RequestOutput, RequestStats
+from engine.sampler import SamplingMetadata, apply_logits_processors, compute_probs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence, SequenceGroup, TokenLogprob
+from engine.spec.controller import SpecController, Timer
+from engine.spec.draft_model import DraftModelProposer
+from engine.spec.proposer import ProposeContext
+from engine.spec.tree import DraftTree, tree_layout
+from engine.spec.verify import build_verify_input, verify
 
 logger = logging.getLogger(__name__)
+
+
+class SpecStats:
+    """Cumulative speculative-decoding counters (read by the server's metrics)."""
+
+    def __init__(self, max_depth: int) -> None:
+        self.num_drafts = 0  # verify steps that carried a draft
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * max(max_depth, 1)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        for j in range(min(accepted, len(self.accepted_per_pos))):
+            self.accepted_per_pos[j] += 1
 
 
 class InvalidRequestError(ValueError):
@@ -49,6 +72,13 @@ class LLMEngine:
         t0 = time.perf_counter()
         model = load_model(self.model_path, self.hf_config, self.dtype, self.device, max_len)
         logger.info("loaded %s in %.1fs (%s, %s)", self.model_path, time.perf_counter() - t0, self.dtype, self.device)
+        draft_model = None
+        if config.speculative_method == "draft":
+            self.draft_path = resolve_model_path(config.draft_model)
+            self.draft_config = load_config(self.draft_path)
+            self._check_draft_vocab()
+            draft_model = load_model(self.draft_path, self.draft_config, self.dtype, self.device, max_len)
+            logger.info("draft model %s loaded", self.draft_path)
 
         num_blocks = self._num_kv_blocks(max_len)
         capacity = num_blocks * config.block_size
@@ -66,12 +96,74 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.groups: dict[str, SequenceGroup] = {}
         self.num_steps = 0
+        self.spec_stats = SpecStats(config.num_speculative_tokens)
+        self.proposer = None
+        self.controller = None
+        if draft_model is not None and config.num_speculative_tokens > 0:
+            draft_runner = ModelRunner(
+                draft_model, self.draft_config, self.device, self.dtype, config.block_size, num_blocks
+            )
+            self.proposer = DraftModelProposer(
+                draft_runner,
+                self.eos_token_ids,
+                tree=config.spec_tree_topk > 1,
+                topk=config.spec_tree_topk,
+                budget=config.spec_tree_budget,
+            )
+            self.controller = SpecController(config.num_speculative_tokens, self.proposer.slots_needed)
+            self._calibrate()
+
+    @property
+    def spec_method(self) -> str:
+        return self.proposer.method if self.proposer is not None else "none"
+
+    def _check_draft_vocab(self) -> None:
+        """A draft must speak the target's vocabulary: same ids for the same tokens."""
+        draft_tok = load_tokenizer(self.draft_path)
+        if draft_tok.get_vocab() != self.tokenizer.get_vocab():
+            raise ValueError(
+                f"the draft model {self.draft_path} has a different tokenizer vocabulary from the target "
+                f"{self.model_path}; speculative decoding needs the same tokenizer"
+            )
+        if self.draft_config.vocab_size != self.hf_config.vocab_size:
+            raise ValueError(
+                f"the draft model's vocab_size ({self.draft_config.vocab_size}) differs from the target's "
+                f"({self.hf_config.vocab_size})"
+            )
+
+    def _calibrate(self) -> None:
+        """Time target and draft forwards over a range of batch sizes, seeding the controller's cost model."""
+        table: list[int] = []
+        n = min(64, self.block_manager.num_blocks * self.config.block_size - 1)
+        if self.block_manager.reserve(table, 0, n) is None:
+            return
+        try:
+            for runner, kind in ((self.runner, "target"), (self.proposer.runner, "draft")):
+                t = 1
+                while t <= n:
+                    chunk = [ForwardChunk([3] * t, 0, table, 1)]
+                    for rep in range(2):
+                        with Timer() as timer:
+                            runner.forward(chunk)
+                            self._sync()
+                        if rep:
+                            self.controller.cost.observe(kind, t, timer.seconds)
+                    t *= 2
+        finally:
+            self.block_manager.free(table)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _num_kv_blocks(self, max_len: int) -> int:
         c = self.config
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
-        per_block = kv_bytes_per_token(self.hf_config, self.dtype) * c.block_size
+        per_token = kv_bytes_per_token(self.hf_config, self.dtype)
+        if c.speculative_method == "draft":
+            per_token += kv_bytes_per_token(self.draft_config, self.dtype)  # the draft's pool has as many slots
+        per_block = per_token * c.block_size
         blocks = int(available_memory_bytes(self.device) * c.kv_cache_memory_fraction) // per_block
         if self.device.type == "cpu":
             # On a CPU the pool shares RAM with everything else: take no more than a full batch needs.
@@ -176,24 +268,30 @@ class LLMEngine:
         """Run one engine step. A failure is confined to the requests it concerns: an exception while
         finishing one request's tokens fails that request; one in the batched forward fails the
         requests of that batch. The engine keeps serving the rest."""
-        sched = self.scheduler.schedule()
+        want = self._plan_drafts()
+        lookahead = None
+        if want:
+            lookahead = lambda seq: self.proposer.slots_needed(want.get(seq.seq_id, 0))  # noqa: E731
+        sched = self.scheduler.schedule(lookahead=lookahead)
         if not sched.scheduled:
             return []
         self.num_steps += 1
         try:
-            touched, sampled_rows = self._forward_and_sample(sched)
+            touched, results = self._forward_and_sample(sched, want)
         except Exception as e:
             logger.exception("engine step failed; failing the %d requests in it", len(sched.scheduled))
             failed = {seq.group.request_id: seq.group for seq, _ in sched.scheduled}
             return [self._fail_group(g, f"{type(e).__name__}: {e}") for g in failed.values()]
         now = time.monotonic()
-        for seq, tok, lp in sampled_rows:
+        for seq, tokens, lps in results:
             group = seq.group
             if group.error is not None:
                 continue
             group.num_decode_steps += 1
             try:
-                self._append_tokens(seq, [tok], [lp] if lp is not None else None)
+                self._append_tokens(seq, tokens, lps)
+                if not seq.is_finished:
+                    self.block_manager.commit(seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed_tokens)
             except Exception as e:
                 logger.exception("request %s failed while appending tokens", group.request_id)
                 self._fail_group(group, f"{type(e).__name__}: {e}", emit=False)
@@ -202,15 +300,78 @@ class LLMEngine:
             touched[group.request_id] = group
         return [self._make_output(g) for g in touched.values()]
 
-    def _forward_and_sample(self, sched) -> tuple[dict[str, SequenceGroup], list]:
+    def _plan_drafts(self) -> dict[int, int]:
+        """Draft depth wanted per decoding sequence this step (seq_id → depth; absent = none)."""
+        if self.controller is None:
+            return {}
+        decode = [s for s in self.scheduler.running if s.num_uncomputed_tokens == 1]
+        if not decode:
+            return {}
+        other = sum(s.num_uncomputed_tokens for s in self.scheduler.running if s.num_uncomputed_tokens > 1)
+        other += sum(s.num_tokens for s in list(self.scheduler.waiting)[:4])  # likely admissions
+        depths = self.controller.plan(decode, min(other, self.config.max_num_batched_tokens))
+        want = {}
+        for seq, d in zip(decode, depths):
+            # Never draft past max_tokens or the context length.
+            left = self.max_model_len - seq.num_tokens
+            if seq.params.max_tokens is not None:
+                left = min(left, seq.params.max_tokens - seq.num_output_tokens)
+            d = min(d, left - 1)
+            if d <= 0 and seq.params.speculative is not False and seq.params.num_draft_tokens is None:
+                # A request the controller keeps at zero still probes now and then, so that a better
+                # phase of its text (or a lighter load) is noticed.
+                seq.spec_idle_steps += 1
+                if seq.spec_idle_steps >= 32 and left > 1:
+                    seq.spec_idle_steps, d = 0, 1
+            if d > 0:
+                want[seq.seq_id] = d
+        return want
+
+    def _forward_and_sample(self, sched, want: dict[int, int]) -> tuple[dict[str, SequenceGroup], list]:
         self.runner.copy_blocks(sched.block_copies)
+        spec_seqs: list[Sequence] = []
+        depths: list[int] = []
+        if self.proposer is not None:
+            self.proposer.copy_blocks(sched.block_copies)
+            for seq, _ in sched.scheduled:
+                granted = sched.lookahead.get(seq.seq_id, 0)
+                d = want.get(seq.seq_id, 0)
+                while d > 0 and self.proposer.slots_needed(d) > granted:
+                    d -= 1
+                if d > 0:
+                    spec_seqs.append(seq)
+                    depths.append(d)
+        trees: dict[int, DraftTree] = {}
+        if spec_seqs:
+            drafted = self.proposer.propose(spec_seqs, depths, ProposeContext())
+            trees = {s.seq_id: t for s, t in zip(spec_seqs, drafted) if len(t)}
+            for kind, tokens, seconds in self.proposer.runner_timings():
+                self.controller.cost.observe(kind, tokens, seconds)
+
         chunks: list[ForwardChunk] = []
-        sample_rows: list[int] = []  # logits row each finishing chunk samples from
+        sample_rows: list[int] = []  # logits row each finishing chunk samples from (no draft)
         sample_seqs: list[Sequence] = []
+        spec_rows: list[tuple[Sequence, DraftTree, int]] = []  # (seq, tree, first logits row)
         prompt_spans: list[tuple[Sequence, int, int, int]] = []  # (seq, first logits row, first position, count)
         row = 0
         for seq, n in sched.scheduled:
             start = seq.num_computed_tokens
+            tree = trees.get(seq.seq_id)
+            if tree is not None:
+                layout = tree_layout(tree)
+                chunks.append(
+                    ForwardChunk(
+                        [seq.token_ids[start]] + tree.tokens,
+                        start,
+                        seq.block_table,
+                        len(tree) + 1,
+                        positions=[start + d for d in layout.depths],
+                        tree_mask=layout.mask,
+                    )
+                )
+                spec_rows.append((seq, tree, row))
+                row += len(tree) + 1
+                continue
             done = start + n == seq.num_tokens
             group = seq.group
             wants_prompt = (
@@ -227,9 +388,15 @@ class LLMEngine:
                 sample_rows.append(row + num_logits - 1)
                 sample_seqs.append(seq)
             row += num_logits
-        out = self.runner.forward(chunks)
+        with Timer() as timer:
+            out = self.runner.forward(chunks)
+            self._sync()
+        if self.controller is not None:
+            self.controller.cost.observe("target", sum(len(c.token_ids) for c in chunks), timer.seconds)
 
         for seq, n in sched.scheduled:
+            if seq.seq_id in trees:
+                continue  # advanced after verification
             seq.num_computed_tokens += n
             self.block_manager.commit(seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed_tokens)
         touched: dict[str, SequenceGroup] = {}
@@ -238,6 +405,9 @@ class LLMEngine:
             for seq, *_ in prompt_spans:
                 touched[seq.group.request_id] = seq.group
 
+        results = []
+        if spec_rows:
+            results.extend(self._verify(out.logits, spec_rows))
         # A request with n > 1 forks its other choices off the first once the prompt is prefilled;
         # each choice samples its first token from the same prompt logits.
         rows: list[int] = []
@@ -248,20 +418,87 @@ class LLMEngine:
                 family += self._fork(seq)
             rows.extend([r] * len(family))
             row_seqs.extend(family)
-        if not row_seqs:
-            return touched, []
-        logits = out.logits if rows == list(range(out.logits.shape[0])) else out.logits[rows]
-        sampled = self.runner.sample(
-            logits,
-            [s.params for s in row_seqs],
-            [s.prompt_ids for s in row_seqs],
-            [s.output_ids for s in row_seqs],
-            [s.generator for s in row_seqs],
-            self.eos_token_ids,
+        if row_seqs:
+            logits = out.logits[rows]
+            sampled = self.runner.sample(
+                logits,
+                [s.params for s in row_seqs],
+                [s.prompt_ids for s in row_seqs],
+                [s.output_ids for s in row_seqs],
+                [s.generator for s in row_seqs],
+                self.eos_token_ids,
+            )
+            tokens = sampled.token_ids.tolist()
+            logprobs = self._logprob_lists(sampled, row_seqs)
+            results.extend((s, [t], [lp] if lp is not None else None) for s, t, lp in zip(row_seqs, tokens, logprobs))
+        return touched, results
+
+    def _verify(self, logits: torch.Tensor, spec_rows: list[tuple[Sequence, DraftTree, int]]) -> list:
+        """Accept losslessly from every drafted sequence's tree; move accepted KV into place."""
+        rows: list[int] = []
+        params, prompts, histories, gens = [], [], [], []
+        for seq, tree, first in spec_rows:
+            rows.extend(range(first, first + len(tree) + 1))
+            paths: list[list[int]] = [[]]
+            for tok, par in zip(tree.tokens, tree.parents):
+                paths.append(paths[par + 1] + [tok])
+            for path in paths:  # every row samples with its own history: output + drafted path
+                params.append(seq.params)
+                prompts.append(seq.prompt_ids)
+                histories.append(seq.output_ids + path)
+                gens.append(seq.generator)
+        raw = logits[rows]
+        md = SamplingMetadata.build(
+            params, prompts, histories, gens, self.eos_token_ids, self.runner.vocab_size, self.device
         )
-        tokens = sampled.token_ids.tolist()
-        logprobs = self._logprob_lists(sampled, row_seqs)
-        return touched, list(zip(row_seqs, tokens, logprobs))
+        p = compute_probs(apply_logits_processors(raw, md) if md.needs_processing else raw, md)
+        inp, _ = build_verify_input(p, [t for _, t, _ in spec_rows], self.runner.vocab_size)
+        res = verify(inp, [seq.generator for seq, _, _ in spec_rows])
+
+        want_lp = any(seq.params.logprobs is not None for seq, _, _ in spec_rows)
+        log_p = torch.log_softmax(raw.float(), -1) if want_lp else None
+        moves_src, moves_dst = [], []
+        results = []
+        base = 0
+        bs = self.config.block_size
+        for b, (seq, tree, _) in enumerate(spec_rows):
+            acc_rows = res.accepted_rows[b]
+            local = [r - base - 1 for r in acc_rows]  # node indices
+            a = len(local)
+            tokens = [tree.tokens[i] for i in local] + [res.final_tokens[b]]
+            c = seq.num_computed_tokens
+            for i, node in enumerate(local):  # node i of the path belongs at position c + 1 + i
+                if node != i:
+                    src, dst = c + 1 + node, c + 1 + i
+                    moves_src.append(seq.block_table[src // bs] * bs + src % bs)
+                    moves_dst.append(seq.block_table[dst // bs] * bs + dst % bs)
+            lps = None
+            if seq.params.logprobs is not None:
+                k = seq.params.logprobs
+                emit_rows = [base] + acc_rows  # each emitted token is drawn at its parent's row
+                lps = []
+                for tok, r in zip(tokens, emit_rows):
+                    top = log_p[r].topk(k) if k else None
+                    lps.append(
+                        TokenLogprob(
+                            tok,
+                            log_p[r, tok].item(),
+                            list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [],
+                        )
+                    )
+            seq.num_computed_tokens = c + 1 + a
+            self.block_manager.release_tail(seq.block_table, seq.block_hashes, seq.num_computed_tokens)
+            self.proposer.on_verified(seq, tree, a)
+            depth = max(tree_layout(tree).depths)
+            self.controller.update(seq, depth, a)
+            self.spec_stats.record(len(tree), a)
+            seq.group.num_draft_tokens += len(tree)
+            seq.group.num_accepted_tokens += a
+            seq.spec_idle_steps = 0
+            results.append((seq, tokens, lps))
+            base += len(tree) + 1
+        self.runner.move_slots(moves_src, moves_dst)
+        return results
 
     def _record_prompt_logprobs(self, logits, spans: list[tuple[Sequence, int, int, int]]) -> None:
         """Logprob of each prompt token given the tokens before it, with the top alternatives."""
@@ -308,6 +545,7 @@ class LLMEngine:
             child.block_table = self.block_manager.fork(parent.block_table)
             child.block_hashes = list(parent.block_hashes)
             child.num_computed_tokens = parent.num_computed_tokens
+            child.draft_num_computed = parent.draft_num_computed
             self._init_seq(child, seed_offset=i)
             group.seqs.append(child)
             self.scheduler.add_running(child)
@@ -389,6 +627,8 @@ class LLMEngine:
             num_generated_tokens=sum(s.num_output_tokens for s in group.seqs),
             num_preemptions=sum(s.num_preemptions for s in group.seqs),
             num_decode_steps=group.num_decode_steps,
+            num_draft_tokens=group.num_draft_tokens,
+            num_accepted_tokens=group.num_accepted_tokens,
         )
         prompt_logprobs = None
         if (

@@ -28,7 +28,8 @@ class ForwardChunk:
     block_table: list[int]
     num_logits: int  # how many trailing new tokens need logits (0 mid-prefill, 1 for decode)
     positions: list[int] | None = None  # None → ctx_len, ctx_len + 1, ...
-    tree_mask: torch.Tensor | None = None  # [q, q] bool among the new tokens; None → causal
+    tree_mask: torch.Tensor | None = None  # [q, ctx_len + q - mask_start] bool; None → causal
+    mask_start: int | None = None  # first key the tree mask covers (default ctx_len: the new tokens only)
 
 
 @dataclass
@@ -88,6 +89,15 @@ class ModelRunner:
         )
 
     # -- KV blocks --------------------------------------------------------------------------------
+    def move_slots(self, src: list[int], dst: list[int]) -> None:
+        """Move single tokens' K/V (all layers) between slots: accepted draft-tree nodes into place.
+        All sources are read before any destination is written, so overlapping moves are safe."""
+        if not src:
+            return
+        s = torch.tensor(src, device=self.device)
+        d = torch.tensor(dst, device=self.device)
+        self.kv_cache[:, :, d] = self.kv_cache[:, :, s].clone()
+
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate whole blocks' K/V (all layers) from src to dst."""
         if not copies:
@@ -126,6 +136,7 @@ class ModelRunner:
             block_size=self.block_size,
             positions=pos,
             new_token_masks=masks if any(m is not None for m in masks) else None,
+            mask_starts=[c.ctx_len if c.mask_start is None else c.mask_start for c in chunks],
             sliding_window=self.model.sliding_window,
             device=dev,
         )

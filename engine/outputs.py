@@ -35,6 +35,8 @@ class RequestStats:
     num_generated_tokens: int = 0
     num_preemptions: int = 0
     num_decode_steps: int = 0  # target forwards that produced this request's tokens (per choice, summed)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass

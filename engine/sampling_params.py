@@ -35,6 +35,8 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives to return with each sampled token
     prompt_logprobs: int | None = None  # logprobs (with top alternatives) of the prompt's own tokens
     skip_special_tokens: bool = True
+    speculative: bool | None = None  # False: never draft for this request; None: the engine decides
+    num_draft_tokens: int | None = None  # fixed draft depth for this request (None: tuned per step)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -82,6 +84,10 @@ class SamplingParams:
         check(
             self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
             f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}",
+        )
+        check(
+            self.num_draft_tokens is None or self.num_draft_tokens >= 0,
+            f"num_draft_tokens must be non-negative, got {self.num_draft_tokens}",
         )
         if self.logit_bias:
             for tok, bias in self.logit_bias.items():

@@ -14,6 +14,7 @@ Policy, in order:
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.kv import BlockManager
@@ -25,6 +26,7 @@ class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens it feeds)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write copies
     preempted: list[Sequence] = field(default_factory=list)
+    lookahead: dict[int, int] = field(default_factory=dict)  # seq_id → extra slots reserved for drafts
 
     @property
     def num_tokens(self) -> int:
@@ -66,7 +68,12 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     # -- the step ----------------------------------------------------------------------------------
-    def schedule(self, token_budget: int | None = None) -> SchedulerOutput:
+    def schedule(
+        self, token_budget: int | None = None, lookahead: Callable[[Sequence], int] | None = None
+    ) -> SchedulerOutput:
+        """``lookahead(seq)``: extra KV slots a decoding sequence wants past its next token (for a
+        speculative draft). They are granted only when the budget and free blocks allow — drafting
+        never preempts anyone."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens if token_budget is None else token_budget
 
@@ -74,6 +81,18 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
+            extra = lookahead(seq) if lookahead is not None and seq.num_uncomputed_tokens == 1 else 0
+            extra = min(extra, budget - n)
+            if extra > 0:
+                end = seq.num_computed_tokens + n + extra
+                copies = self.bm.reserve(seq.block_table, seq.num_computed_tokens, end)
+                if copies is not None:
+                    out.scheduled.append((seq, n))
+                    out.block_copies.extend(copies)
+                    out.lookahead[seq.seq_id] = extra
+                    budget -= n + extra
+                    i += 1
+                    continue
             copies = self.bm.reserve(seq.block_table, seq.num_computed_tokens, seq.num_computed_tokens + n)
             while copies is None:
                 victim = self.running[-1]
@@ -125,6 +144,7 @@ class Scheduler:
         self.bm.free(seq.block_table)
         seq.block_hashes.clear()
         seq.num_computed_tokens = 0
+        seq.draft_num_computed = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

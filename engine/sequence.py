@@ -62,6 +62,10 @@ class Sequence:
         self.logprobs: list[TokenLogprob] = []
         self.generator: torch.Generator | None = None  # per-request RNG when a seed is given
         self.num_preemptions = 0
+        # Speculative decoding state.
+        self.draft_num_computed = 0  # leading tokens whose draft-model KV is valid
+        self.spec_estimate: Any = None  # engine.spec.controller.AcceptanceEstimate
+        self.spec_idle_steps = 0  # consecutive steps the controller chose not to draft
         self.detok: Any = None  # engine.detokenizer.IncrementalDetokenizer
         # How much of the output the last RequestOutput already carried (for deltas).
         self.num_emitted_tokens = 0
@@ -128,6 +132,8 @@ class SequenceGroup:
         self.prompt_logprobs: list[TokenLogprob | None] = []
         self.prompt_logprobs_emitted = False
         self.num_decode_steps = 0  # target forwards that produced tokens, summed over choices
+        self.num_draft_tokens = 0  # draft tokens proposed for this request
+        self.num_accepted_tokens = 0  # of which the target accepted
 
     @property
     def is_finished(self) -> bool:

@@ -315,14 +315,15 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
 
     def usage(prompt_tokens: int, completion_tokens: int, outputs: list[RequestOutput]) -> dict:
         steps = sum(o.stats.num_decode_steps for o in outputs)
+        drafted = sum(o.stats.num_draft_tokens for o in outputs)
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "speculative": {
-                "method": "none",
-                "draft_tokens": 0,
-                "accepted_tokens": 0,
+                "method": state.engine.engine.spec_method if drafted else "none",
+                "draft_tokens": drafted,
+                "accepted_tokens": sum(o.stats.num_accepted_tokens for o in outputs),
                 "verify_steps": steps,
                 "mean_acceptance_length": completion_tokens / steps if steps else 0.0,
             },

@@ -31,6 +31,17 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
     g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    sp = p.add_argument_group("speculative decoding")
+    sp.add_argument(
+        "--speculative-method",
+        default=None,
+        choices=["draft", "none"],
+        help="draft: a separate draft model; none: plain decoding (default: draft when a draft model is given)",
+    )
+    sp.add_argument("--draft-model", default=None, help="draft model directory or cached hub id (same tokenizer)")
+    sp.add_argument("--num-speculative-tokens", type=int, default=4, help="most draft positions per request and step")
+    sp.add_argument("--spec-tree-topk", type=int, default=2, help="children per expanded tree node; 1 = chains")
+    sp.add_argument("--spec-tree-budget", type=int, default=12, help="most draft-tree nodes per request and step")
     if engine_seed:  # `generate` uses --seed for its one request instead
         g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
 
@@ -42,7 +53,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     if not values.get("model"):
         from engine.demo import ensure_demo
 
-        values["model"] = str(ensure_demo() / "target")
+        demo = ensure_demo()
+        values["model"] = str(demo / "target")
+        # The demo pair speculates with its own draft by default.
+        if values.get("speculative_method") != "none" and not values.get("draft_model"):
+            values["draft_model"] = str(demo / "draft")
     return EngineConfig(**values)
 
 

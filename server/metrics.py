@@ -88,15 +88,82 @@ class Metrics:
         )
         self.token_rate = TokenRate()
         self.tokens_per_s.labels(**labels).set_function(self.token_rate.rate)
+        # Speculative decoding (label: method).
+        self.spec_drafts = Counter(
+            "augur_spec_decode_num_drafts", "Verify steps that carried a draft", ["method"], registry=r
+        )
+        self.spec_draft_tokens = Counter(
+            "augur_spec_decode_num_draft_tokens", "Draft tokens proposed", ["method"], registry=r
+        )
+        self.spec_accepted_tokens = Counter(
+            "augur_spec_decode_num_accepted_tokens", "Draft tokens accepted", ["method"], registry=r
+        )
+        self.spec_accepted_per_pos = Counter(
+            "augur_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position",
+            ["method", "position"],
+            registry=r,
+        )
+        self.spec_acceptance_rate = Gauge(
+            "augur_spec_decode_acceptance_rate", "Accepted / drafted tokens over a 60 s window", ["method"], registry=r
+        )
+        self.spec_mean_acceptance_length = Gauge(
+            "augur_spec_decode_mean_acceptance_length",
+            "Tokens per verify step over a 60 s window (plain decoding: 1.0)",
+            ["method"],
+            registry=r,
+        )
+        self._spec_window: deque[tuple[float, int, int, int]] = deque()  # (t, drafts, drafted, accepted)
+        self._spec_lock = threading.Lock()
+        self._spec_seen = (0, 0, 0, [])
+        self._engine = None
 
     def bind_engine(self, engine) -> None:
         """Gauges read the engine's state at scrape time (approximate reads of another thread's lists)."""
+        self._engine = engine
         self.running.labels(**self.labels).set_function(lambda: engine.num_requests_running)
         self.waiting.labels(**self.labels).set_function(lambda: engine.num_requests_waiting)
         self.kv_usage.labels(**self.labels).set_function(lambda: engine.block_manager.usage)
+        method = engine.spec_method
+        self.spec_acceptance_rate.labels(method=method).set_function(lambda: self._spec_window_value("rate"))
+        self.spec_mean_acceptance_length.labels(method=method).set_function(lambda: self._spec_window_value("mal"))
 
     def on_step(self, outputs, _elapsed: float) -> None:
+        """Runs on the engine thread after each step."""
         self.token_rate.add(sum(len(c.delta_token_ids) for o in outputs for c in o.outputs))
+        if self._engine is None:
+            return
+        st = self._engine.spec_stats
+        drafts, drafted, accepted, per_pos = self._spec_seen
+        d_drafts, d_drafted, d_acc = (
+            st.num_drafts - drafts,
+            st.num_draft_tokens - drafted,
+            st.num_accepted_tokens - accepted,
+        )
+        if d_drafts:
+            method = self._engine.spec_method
+            self.spec_drafts.labels(method=method).inc(d_drafts)
+            self.spec_draft_tokens.labels(method=method).inc(d_drafted)
+            self.spec_accepted_tokens.labels(method=method).inc(d_acc)
+            for pos, count in enumerate(st.accepted_per_pos):
+                prev = per_pos[pos] if pos < len(per_pos) else 0
+                if count > prev:
+                    self.spec_accepted_per_pos.labels(method=method, position=str(pos)).inc(count - prev)
+            with self._spec_lock:
+                self._spec_window.append((time.monotonic(), d_drafts, d_drafted, d_acc))
+        self._spec_seen = (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens, list(st.accepted_per_pos))
+
+    def _spec_window_value(self, which: str, window_s: float = 60.0) -> float:
+        now = time.monotonic()
+        with self._spec_lock:
+            while self._spec_window and self._spec_window[0][0] < now - window_s:
+                self._spec_window.popleft()
+            drafts = sum(x[1] for x in self._spec_window)
+            drafted = sum(x[2] for x in self._spec_window)
+            accepted = sum(x[3] for x in self._spec_window)
+        if which == "rate":
+            return accepted / drafted if drafted else 0.0
+        return 1.0 + accepted / drafts if drafts else 1.0
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -110,6 +110,10 @@ class _Sampling(BaseModel):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            speculative=None if self.speculative is None or self.speculative.enabled else False,
+            num_draft_tokens=(
+                self.speculative.num_draft_tokens if self.speculative is not None and self.speculative.enabled else None
+            ),
         )
 
     @property

@@ -1,0 +1,163 @@
+"""Lossless verification of draft trees: a pure function over flat tensors for the whole batch.
+
+Terms (p: target, q: draft):
+
+- *accepted* token: a draft node the target keeps. Walking down from the root, the children of the
+  current node are tried in order. A child ``x`` drafted by *sampling* from ``q`` is accepted with
+  probability ``min(1, p(x) / q(x))``; on rejection ``p`` becomes the normalized residual
+  ``max(0, p − q)``. A child chosen *deterministically* (argmax, top-k) has ``q`` one-hot at ``x``: it
+  is accepted with probability ``p(x)``, and on rejection ``x`` is removed from ``p`` (``max(0, p − q)``
+  again). Either way the next sibling is tried against the updated residual.
+- *recovered* token: when every child of the current node is rejected (or it has none), one token is
+  sampled from the current residual, and the walk ends.
+- *bonus* token: the recovered token at a leaf, where nothing was rejected: a plain sample of ``p``.
+
+Each step of the walk returns exactly the target's distribution (for deterministic children this is
+sampling ``p`` one candidate at a time without replacement), so the emitted tokens are distributed
+exactly as plain sampling from the target. Greedy rows have ``p`` one-hot, so this reduces to: keep
+the child equal to the target's argmax, and emit the argmax — plain greedy decoding, token for token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class VerifyInput:
+    p: torch.Tensor  # [R, V] target sampling distribution at every row (each sequence: root, then nodes)
+    row_tokens: torch.Tensor  # [R] int64 draft token of each row (roots: ignored)
+    children: torch.Tensor  # [R, C] int64 global rows of each row's children, best first; -1 pads
+    roots: torch.Tensor  # [B] int64 the root row of each sequence
+    max_depth: int  # deepest node of any tree (0: no drafts at all)
+    q: torch.Tensor | None = None  # [R, V] draft distribution a sampled row was drawn from
+    sampled: torch.Tensor | None = None  # [R] bool: row was sampled from q (else deterministic)
+
+
+@dataclass
+class VerifyOutput:
+    accepted_rows: list[list[int]]  # per sequence, rows of the accepted nodes, root to leaf
+    final_tokens: list[int]  # per sequence, the recovered or bonus token
+
+
+def _randoms(
+    generators: list[torch.Generator | None], n_uniform: int, vocab: int, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence uniforms [B, n] and exponentials [B, V]; a seeded sequence draws from its own generator."""
+    B = len(generators)
+    u = torch.rand(B, max(n_uniform, 1), device=device)
+    e = torch.empty(B, vocab, device=device).exponential_()
+    for b, g in enumerate(generators):
+        if g is not None:
+            u[b] = torch.rand(u.shape[1], device=device, generator=g)
+            e[b].exponential_(generator=g)
+    return u, e.clamp_(min=torch.finfo(torch.float32).tiny)
+
+
+def drop_token(P: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The residual after rejecting a deterministic draft ``x`` (q one-hot): ``x`` removed from ``p``."""
+    return P.scatter(1, x[:, None], 0.0)
+
+
+def reject_residual(P: torch.Tensor, q_rows: torch.Tensor) -> torch.Tensor:
+    """The residual after rejecting a draft drawn from ``q``: ``max(0, p − q)`` (p normalized first)."""
+    return (P / P.sum(-1, keepdim=True)).sub_(q_rows).clamp_(min=0.0)
+
+
+def verify(inp: VerifyInput, generators: list[torch.Generator | None]) -> VerifyOutput:
+    p, children, roots = inp.p, inp.children, inp.roots
+    B, C = roots.shape[0], children.shape[1]
+    device = p.device
+    u, e = _randoms(generators, (inp.max_depth + 1) * C, p.shape[1], device)
+    cur = roots.clone()
+    alive = torch.ones(B, dtype=torch.bool, device=device)
+    P = p[cur].clone()  # the current residual, unnormalized
+    final = torch.zeros(B, dtype=torch.int64, device=device)
+    accepted_by_depth = []
+    k = 0
+    for _depth in range(inp.max_depth + 1):
+        took = torch.zeros(B, dtype=torch.bool, device=device)
+        nxt = cur.clone()
+        for c in range(C):
+            child = children[cur, c]
+            trying = alive & ~took & (child >= 0)
+            row = child.clamp(min=0)
+            x = inp.row_tokens[row]
+            norm = P.sum(-1)
+            px = P.gather(1, x[:, None])[:, 0] / norm.clamp(min=1e-30)
+            if inp.q is not None:
+                qx = inp.q[row].gather(1, x[:, None])[:, 0]
+                is_sampled = inp.sampled[row]
+                ratio = torch.where(is_sampled, torch.clamp(px / qx.clamp(min=1e-30), max=1.0), px)
+            else:
+                ratio = px
+            acc = trying & (u[:, k] < ratio)
+            k += 1
+            rej = trying & ~acc
+            # Rejected deterministic draft: drop its token. Rejected sampled draft: residual max(0, p - q).
+            zero_x = drop_token(P, x)
+            if inp.q is not None:
+                residual = torch.where(is_sampled[:, None], reject_residual(P, inp.q[row]), zero_x)
+            else:
+                residual = zero_x
+            P = torch.where(rej[:, None], residual, P)
+            took |= acc
+            nxt = torch.where(acc, child, nxt)
+        # Sequences that kept no child end here with a recovered (or bonus) token from the residual.
+        ending = alive & ~took
+        empty = P.sum(-1, keepdim=True) <= 0  # only by rounding: fall back to p itself
+        dist = torch.where(empty, p[cur], P)
+        final = torch.where(ending, (dist / e).argmax(-1), final)
+        accepted_by_depth.append(torch.where(took, nxt, torch.full_like(nxt, -1)))
+        alive &= took
+        cur = nxt
+        P = torch.where(took[:, None], p[cur], P)
+    rows = torch.stack(accepted_by_depth, 1).tolist() if accepted_by_depth else [[] for _ in range(B)]
+    return VerifyOutput([[r for r in seq_rows if r >= 0] for seq_rows in rows], final.tolist())
+
+
+def build_verify_input(
+    p: torch.Tensor,  # [R, V]
+    trees: list,  # list[DraftTree], one per sequence; rows are laid out root, node 0, node 1, ... per tree
+    vocab_size: int,
+) -> tuple[VerifyInput, list[int]]:
+    """Flatten per-sequence trees into a :class:`VerifyInput`; also returns each tree's root row."""
+    device = p.device
+    roots, tokens, child_lists, q_rows, sampled = [], [], [], [], []
+    row = 0
+    max_depth = 0
+    any_q = any(t.q is not None for t in trees)
+    for t in trees:
+        roots.append(row)
+        n = len(t)
+        kids: list[list[int]] = [[] for _ in range(n + 1)]
+        depth = [0] * (n + 1)
+        for i, par in enumerate(t.parents):
+            kids[par + 1].append(row + i + 1)
+            depth[i + 1] = depth[par + 1] + 1
+        max_depth = max(max_depth, max(depth))
+        tokens.append(-1)
+        tokens.extend(t.tokens)
+        child_lists.extend(kids)
+        if any_q:
+            sampled.extend([False] + [t.q is not None] * n)
+            q_rows.append(torch.zeros(1, vocab_size, device=device))
+            q_rows.append(t.q.to(device) if t.q is not None else torch.zeros(n, vocab_size, device=device))
+        row += n + 1
+    C = max(1, max(len(k) for k in child_lists))
+    table = torch.full((row, C), -1, dtype=torch.int64)
+    for r, kids in enumerate(child_lists):
+        if kids:
+            table[r, : len(kids)] = torch.tensor(kids)
+    inp = VerifyInput(
+        p=p,
+        row_tokens=torch.tensor(tokens, dtype=torch.int64).clamp(min=0).to(device),
+        children=table.to(device),
+        roots=torch.tensor(roots, dtype=torch.int64, device=device),
+        max_depth=max_depth,
+        q=torch.cat(q_rows) if any_q else None,
+        sampled=torch.tensor(sampled, device=device) if any_q else None,
+    )
+    return inp, roots
