@@ -15,6 +15,7 @@ Speed claims are the printed ratios, measured against those baselines in the sam
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -52,11 +53,35 @@ def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[li
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def run_augur(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, concurrency: int) -> tuple[float, int]:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+@dataclass
+class RunStats:
+    seconds: float
+    tokens: int
+    verify_steps: int  # per-request target forwards that produced tokens, summed
+    engine_steps: int  # batched target forwards
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return self.tokens / self.verify_steps if self.verify_steps else 0.0
+
+
+def run_augur(
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    max_tokens: int,
+    concurrency: int,
+    params: SamplingParams | None = None,
+) -> RunStats:
+    """Keep ``concurrency`` requests in flight until every prompt is done."""
+    params = params or SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     pending = list(enumerate(prompts))
     in_flight = 0
-    produced = 0
+    produced = steps = 0
+    steps0 = engine.num_steps
     start = time.perf_counter()
     while pending or in_flight:
         while pending and in_flight < concurrency:
@@ -67,7 +92,8 @@ def run_augur(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, conc
             produced += sum(len(c.delta_token_ids) for c in out.outputs)
             if out.finished:
                 in_flight -= 1
-    return time.perf_counter() - start, produced
+                steps += out.stats.num_decode_steps
+    return RunStats(time.perf_counter() - start, produced, steps, engine.num_steps - steps0)
 
 
 def run_hf(model, prompts: list[list[int]], max_tokens: int, batch: int, pad_id: int, device) -> tuple[float, int]:
@@ -107,7 +133,91 @@ def machine_description(device: torch.device) -> str:
     return f"{name}, {os.cpu_count()} CPU threads, torch {torch.__version__}"
 
 
+def demo_prompts(tokenizer, model_path: Path, n: int) -> list[list[int]] | None:
+    """The demo pair's held-out code prefixes, when the model is the demo target."""
+    f = Path(model_path).parent / "prompts.jsonl"
+    if not f.is_file():
+        return None
+    texts = [json.loads(line)["prompt"] for line in f.read_text().splitlines() if line.strip()]
+    return [tokenizer.encode(t) for t in texts[:n]] if texts else None
+
+
+def run_spec_bench(cfg: EngineConfig, args: argparse.Namespace) -> int:
+    """Plain decoding vs chains vs trees, at each temperature and concurrency, in one run."""
+    if not cfg.draft_model:
+        raise ValueError("--speculative needs a draft model (--draft-model, or the demo pair)")
+    cfg.max_num_seqs = max(cfg.max_num_seqs, max(args.concurrency))
+    chain = LLMEngine(dataclasses.replace(cfg, spec_tree_topk=1))
+    tree = LLMEngine(dataclasses.replace(cfg, spec_tree_topk=max(2, cfg.spec_tree_topk)))
+    prompts = demo_prompts(chain.tokenizer, chain.model_path, args.num_prompts)
+    source = "the demo pair's held-out prompts"
+    if prompts is None:
+        lo, hi = args.prompt_lens
+        prompts, source = make_prompts(args.num_prompts, lo, hi, len(chain.tokenizer)), "random token prompts"
+    temps = args.temperatures
+    warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for e in (chain, tree):
+        run_augur(e, prompts[:2], 4, 2, warm)
+    rows = []
+    for t in temps:
+        for c in sorted(args.concurrency):
+            base = SamplingParams(temperature=t, max_tokens=args.max_tokens, ignore_eos=True, seed=None)
+            cells = {
+                "plain": run_augur(chain, prompts, args.max_tokens, c, dataclasses.replace(base, speculative=False)),
+                "chain": run_augur(chain, prompts, args.max_tokens, c, base),
+                "tree": run_augur(tree, prompts, args.max_tokens, c, base),
+            }
+            plain_tps = cells["plain"].tokens_per_s
+            for name, r in cells.items():
+                rows.append(
+                    {
+                        "temperature": t,
+                        "concurrency": c,
+                        "method": name,
+                        "tokens_per_s": r.tokens_per_s,
+                        "ratio_vs_plain": r.tokens_per_s / plain_tps,
+                        "mean_acceptance_length": r.mean_acceptance_length,
+                        "target_forwards_per_token": r.engine_steps / r.tokens,
+                        "tokens": r.tokens,
+                    }
+                )
+    machine = machine_description(chain.device)
+    print(f"augur bench --speculative: {chain.model_path} + draft {chain.draft_path} on {chain.device}; {machine}")
+    print(f"{len(prompts)} prompts ({source}), {args.max_tokens} output tokens each; depth tuned per request")
+    header = ("T", "conc", "method", "tok/s", "vs plain", "mean acc len", "fwd/token")
+    print("  ".join(f"{h:>12}" for h in header))
+    for r in rows:
+        cells = (
+            f"{r['temperature']:g}",
+            str(r["concurrency"]),
+            r["method"],
+            f"{r['tokens_per_s']:.1f}",
+            f"{r['ratio_vs_plain']:.2f}x",
+            f"{r['mean_acceptance_length']:.2f}",
+            f"{r['target_forwards_per_token']:.3f}",
+        )
+        print("  ".join(f"{x:>12}" for x in cells))
+    if args.output:
+        report = {
+            "model": str(chain.model_path),
+            "draft": str(chain.draft_path),
+            "machine": machine,
+            "device": str(chain.device),
+            "prompts": source,
+            "num_prompts": len(prompts),
+            "max_tokens": args.max_tokens,
+            "spec_tree_topk": tree.config.spec_tree_topk,
+            "spec_tree_budget": tree.config.spec_tree_budget,
+            "num_speculative_tokens": cfg.num_speculative_tokens,
+            "results": rows,
+        }
+        Path(args.output).write_text(json.dumps(report, indent=2))
+    return 0
+
+
 def run_bench(cfg: EngineConfig, args: argparse.Namespace) -> int:
+    if getattr(args, "speculative", False):
+        return run_spec_bench(cfg, args)
     max_c = max(args.concurrency)
     cfg.max_num_seqs = max(cfg.max_num_seqs, max_c)
     engine = LLMEngine(cfg)
@@ -121,16 +231,17 @@ def run_bench(cfg: EngineConfig, args: argparse.Namespace) -> int:
         hf = hf.to(engine.device).eval()
     pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else engine.eos_token_ids[0]
 
+    plain = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, speculative=False)
     # Warm up both sides (allocator, kernels, lazy imports) before timing.
-    run_augur(engine, prompts[:2], 4, 2)
+    run_augur(engine, prompts[:2], 4, 2, dataclasses.replace(plain, max_tokens=4))
     if hf is not None:
         run_hf(hf, prompts[:2], 4, 2, pad, engine.device)
 
     results = []
     hf_sequential = None
     for c in sorted(args.concurrency):
-        t_a, n_a = run_augur(engine, prompts, args.max_tokens, c)
-        row = BenchResult(c, n_a, n_a / t_a)
+        r = run_augur(engine, prompts, args.max_tokens, c, plain)
+        row = BenchResult(c, r.tokens, r.tokens_per_s)
         if hf is not None:
             if hf_sequential is None:
                 t_h, n_h = run_hf(hf, prompts, args.max_tokens, 1, pad, engine.device)

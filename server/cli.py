@@ -166,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     bench.add_argument("--prompt-lens", type=int, nargs=2, default=[8, 128], metavar=("MIN", "MAX"))
     bench.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    bench.add_argument(
+        "--speculative",
+        action="store_true",
+        help="plain vs chain vs tree speculation (needs a draft; the demo pair has one)",
+    )
+    bench.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="with --speculative")
     bench.add_argument("--output", default=None, help="write the results as JSON")
     bench.set_defaults(func=cmd_bench)
 
