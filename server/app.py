@@ -237,28 +237,34 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
         first = last = None
         tokens = 0
         m.prompt_tokens.labels(**labels).inc(len(prompt_ids))
-        async for out in eng.generate(request_id, prompt_ids, params):
-            now = time.monotonic()
-            new = sum(len(c.delta_token_ids) for c in out.outputs)
-            if new:
-                if first is None:
-                    first = now
-                    m.ttft.labels(**labels).observe(now - start)
-                else:
-                    m.itl.labels(**labels).observe((now - last) / new)
-                last = now
-                tokens += new
-                m.generation_tokens.labels(**labels).inc(new)
-            if out.finished:
-                if out.error:
-                    m.request_failure.labels(**labels, reason="engine_error").inc()
-                else:
-                    for c in out.outputs:
-                        m.request_success.labels(**labels, finish_reason=c.finish_reason or "stop").inc()
-                    m.e2e.labels(**labels).observe(now - start)
-                    if first is not None and tokens > 1:
-                        m.tpot.labels(**labels).observe((now - first) / (tokens - 1))
-            yield out
+        finished = False
+        try:
+            async for out in eng.generate(request_id, prompt_ids, params):
+                now = time.monotonic()
+                new = sum(len(c.delta_token_ids) for c in out.outputs)
+                if new:
+                    if first is None:
+                        first = now
+                        m.ttft.labels(**labels).observe(now - start)
+                    else:
+                        m.itl.labels(**labels).observe((now - last) / new)
+                    last = now
+                    tokens += new
+                    m.generation_tokens.labels(**labels).inc(new)
+                if out.finished:
+                    finished = True
+                    if out.error:
+                        m.request_failure.labels(**labels, reason="engine_error").inc()
+                    else:
+                        for c in out.outputs:
+                            m.request_success.labels(**labels, finish_reason=c.finish_reason or "stop").inc()
+                        m.e2e.labels(**labels).observe(now - start)
+                        if first is not None and tokens > 1:
+                            m.tpot.labels(**labels).observe((now - first) / (tokens - 1))
+                yield out
+        finally:
+            if not finished:  # the client went away (stream closed or request cancelled): aborted
+                m.request_failure.labels(**labels, reason="client_disconnect").inc()
 
     async def merged(
         eng, base_id: str, prompt_ids: list[list[int]], params
@@ -303,7 +309,6 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
                 done, _ = await asyncio.wait({task}, timeout=settings.disconnect_poll_s)
                 if not done and await request.is_disconnected():
                     task.cancel()
-                    m.request_failure.labels(**labels, reason="client_disconnect").inc()
                     raise APIError(499, "client disconnected", "client_disconnect")
             return task.result()
         finally:

@@ -50,7 +50,10 @@ class CostModel:
             self.buckets[kind][b] = ((1 - a) * old[0] + a * tokens, (1 - a) * old[1] + a * seconds)
 
     def predict(self, kind: str, tokens: int) -> float:
-        pts = sorted(self.buckets[kind].values())
+        # A forward never gets cheaper with more tokens: noisy buckets are raised to their left neighbour.
+        pts = []
+        for t, sec in sorted(self.buckets[kind].values()):
+            pts.append((t, max(sec, pts[-1][1]) if pts else sec))
         if not pts:
             return 0.0
         if len(pts) == 1:
