@@ -469,3 +469,17 @@ def test_draft_with_other_vocabulary_is_a_startup_error(pair, tmp_path):
     d = build_model_dir(tmp_path / "d", other_tok, "LlamaForCausalLM")
     with pytest.raises(ValueError, match="different tokenizer vocabulary"):
         make(pair["target"], d)
+
+
+@pytest.mark.parametrize("topk", [1, 2], ids=["chains", "trees"])
+def test_forked_choices_share_blocks_and_stay_exact(pair, topk):
+    """n > 1 choices share the prompt's blocks (copy-on-write in both KV pools) while speculating."""
+    ps = prompts(3, seed=11)
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=20, ignore_eos=True, num_draft_tokens=3)
+    plain = make(pair["target"]).generate(ps, params)
+    eng = make(pair["target"], pair["noisy"], spec_tree_topk=topk)
+    spec = eng.generate(ps, params)
+    for a, b in zip(plain, spec):
+        assert [c.delta_token_ids for c in a.outputs] == [c.delta_token_ids for c in b.outputs]
+    assert eng.spec_stats.num_drafts > 0
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
