@@ -21,7 +21,7 @@ ifneq ($(VENV),none)
 	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 endif
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"
-	@$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	@$(PY) -m pip install -q -e ".$(if $(strip $(EXTRAS)),[$(EXTRAS)])"
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)

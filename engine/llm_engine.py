@@ -105,6 +105,7 @@ class LLMEngine:
             )
             self.proposer = DraftModelProposer(
                 draft_runner,
+                self.hf_config.vocab_size,
                 self.eos_token_ids,
                 tree=config.spec_tree_topk > 1,
                 topk=config.spec_tree_topk,
@@ -125,11 +126,14 @@ class LLMEngine:
                 f"the draft model {self.draft_path} has a different tokenizer vocabulary from the target "
                 f"{self.model_path}; speculative decoding needs the same tokenizer"
             )
-        if self.draft_config.vocab_size != self.hf_config.vocab_size:
-            raise ValueError(
-                f"the draft model's vocab_size ({self.draft_config.vocab_size}) differs from the target's "
-                f"({self.hf_config.vocab_size})"
-            )
+        # Checkpoints of one family often pad their embedding tables differently (Qwen2.5-7B: 152064,
+        # Qwen2.5-0.5B: 151936); that is fine as long as both cover the shared tokenizer.
+        need = len(self.tokenizer)
+        for name, cfg in (("draft", self.draft_config), ("target", self.hf_config)):
+            if cfg.vocab_size < need:
+                raise ValueError(
+                    f"the {name} model's vocab_size ({cfg.vocab_size}) is smaller than its tokenizer ({need})"
+                )
 
     def _calibrate(self) -> None:
         """Time target and draft forwards over a range of batch sizes, seeding the controller's cost model."""

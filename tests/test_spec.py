@@ -483,3 +483,15 @@ def test_forked_choices_share_blocks_and_stay_exact(pair, topk):
         assert [c.delta_token_ids for c in a.outputs] == [c.delta_token_ids for c in b.outputs]
     assert eng.spec_stats.num_drafts > 0
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def test_draft_with_differently_padded_vocabulary(pair, tmp_path, tokenizer_dir):
+    """Same tokenizer, smaller embedding table (as Qwen2.5-0.5B next to Qwen2.5-7B): still exact."""
+    draft = build_model_dir(tmp_path / "narrow", tokenizer_dir, "LlamaForCausalLM", vocab_size=VOCAB - 4)
+    ps = prompts(4, seed=12)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, num_draft_tokens=3)
+    plain = make(pair["target"]).generate(ps, params)
+    eng = make(pair["target"], draft, spec_tree_topk=2)
+    spec = eng.generate(ps, params)
+    assert [o.outputs[0].delta_token_ids for o in plain] == [o.outputs[0].delta_token_ids for o in spec]
+    assert eng.spec_stats.num_drafts > 0

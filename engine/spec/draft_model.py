@@ -31,10 +31,22 @@ from engine.spec.tree import DraftTree
 class DraftModelProposer:
     method = "draft"
 
-    def __init__(self, runner: ModelRunner, eos_token_ids: list[int], tree: bool, topk: int = 2, budget: int = 16):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        target_vocab_size: int,
+        eos_token_ids: list[int],
+        tree: bool,
+        topk: int = 2,
+        budget: int = 16,
+    ):
         if topk < 1 or budget < 1:
             raise ValueError("spec tree topk and budget must be positive")
         self.runner = runner
+        # The draft may pad its vocabulary differently from the target: its distributions are
+        # widened to the target's (padding ids get no mass), and ids it has no row for are never fed.
+        self.vocab_size = target_vocab_size
+        self.draft_vocab_size = runner.vocab_size
         self.eos_token_ids = eos_token_ids
         self.tree = tree
         self.topk = topk
@@ -77,7 +89,15 @@ class DraftModelProposer:
     def _forward(self, chunks: list[ForwardChunk]) -> torch.Tensor:
         self.num_forwards += 1
         t0 = time.perf_counter()
+        for c in chunks:
+            if any(t >= self.draft_vocab_size for t in c.token_ids):
+                c.token_ids = [t if t < self.draft_vocab_size else 0 for t in c.token_ids]
         logits = self.runner.forward(chunks).logits
+        if logits.shape[1] != self.vocab_size:
+            wide = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+            n = min(self.vocab_size, logits.shape[1])
+            wide[:, :n] = logits[:, :n]
+            logits = wide
         if logits.device.type == "cuda":
             torch.cuda.synchronize(logits.device)
         self._timings.append(("draft", sum(len(c.token_ids) for c in chunks), time.perf_counter() - t0))
@@ -102,7 +122,7 @@ class DraftModelProposer:
                 [seqs[b].output_ids + drafted[b] for b in active],
                 [seqs[b].generator for b in active],
                 self.eos_token_ids,
-                self.runner.vocab_size,
+                self.vocab_size,
                 self.runner.device,
             )
             q = compute_probs(apply_logits_processors(cur, md) if md.needs_processing else cur, md)
