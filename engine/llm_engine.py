@@ -275,7 +275,7 @@ class LLMEngine:
         want = self._plan_drafts()
         lookahead = None
         if want:
-            lookahead = lambda seq: self.proposer.slots_needed(want.get(seq.seq_id, 0))  # noqa: E731
+            lookahead = lambda seq: self.proposer.slots_needed(want.get(seq.seq_id, 0), seq.params.greedy)  # noqa: E731
         sched = self.scheduler.schedule(lookahead=lookahead)
         if not sched.scheduled:
             return []
@@ -340,7 +340,7 @@ class LLMEngine:
             for seq, _ in sched.scheduled:
                 granted = sched.lookahead.get(seq.seq_id, 0)
                 d = want.get(seq.seq_id, 0)
-                while d > 0 and self.proposer.slots_needed(d) > granted:
+                while d > 0 and self.proposer.slots_needed(d, seq.params.greedy) > granted:
                     d -= 1
                 if d > 0:
                     spec_seqs.append(seq)

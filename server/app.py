@@ -48,6 +48,9 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers or {}
 
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param)
@@ -108,7 +111,7 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
     # -- errors ---------------------------------------------------------------------------------------
     @app.exception_handler(APIError)
     async def _api_error(_req, exc: APIError):
-        return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), exc.status, headers=exc.headers)
+        return JSONResponse(exc.body(), exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_req, exc: RequestValidationError):
@@ -403,9 +406,7 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
                 try:
                     async for i, out in merged(eng, rid, prompt_ids, params):
                         if out.error:
-                            yield sse(
-                                error_body(f"the request failed inside the engine: {out.error}", "internal_error")
-                            )
+                            yield sse(engine_failure(out).body())
                             break
                         for c in out.outputs:
                             idx = i * n + c.index
@@ -561,9 +562,7 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
                 try:
                     async for _, out in merged(eng, rid, ids, params):
                         if out.error:
-                            yield sse(
-                                error_body(f"the request failed inside the engine: {out.error}", "internal_error")
-                            )
+                            yield sse(engine_failure(out).body())
                             break
                         for c in out.outputs:
                             if c.index not in started:

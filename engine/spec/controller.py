@@ -104,14 +104,19 @@ class AcceptanceEstimate:
 @dataclass
 class SpecController:
     max_depth: int
-    slots_needed: object  # Callable[[int], int]: target tokens a draft of this depth adds to the step
+    slots_needed: object  # Callable[[int, bool], int]: target tokens a (greedy?) draft of this depth adds
     cost: CostModel = field(default_factory=CostModel)
     prior: float = 0.6
     min_gain: float = 0.02  # never draft a position expected to add less than this
 
+    def __post_init__(self) -> None:
+        # Population estimates (greedy / sampled requests accept very differently): a new request
+        # starts from what requests like it have been accepting, not from a fixed guess.
+        self.population = {g: AcceptanceEstimate([self.prior] * self.max_depth, ema=0.05) for g in (True, False)}
+
     def estimate(self, seq: Sequence) -> AcceptanceEstimate:
         if seq.spec_estimate is None:
-            seq.spec_estimate = AcceptanceEstimate([self.prior] * self.max_depth)
+            seq.spec_estimate = AcceptanceEstimate(list(self.population[seq.params.greedy].alpha))
         return seq.spec_estimate
 
     def plan(self, seqs: list[Sequence], other_tokens: int) -> list[int]:
@@ -135,6 +140,7 @@ class SpecController:
             return depths
         gains = {i: self.estimate(seqs[i]).gains(self.max_depth) for i in free}
         base_tokens = other_tokens + len(seqs)
+        greedy = [s.params.greedy for s in seqs]
         best, best_rate = list(depths), -1.0
         for D in range(self.max_depth + 1):
             trial = list(depths)
@@ -142,16 +148,16 @@ class SpecController:
                 trial[i] = D
             # Keep, per sequence, the positions whose gain beats the marginal token price at this D.
             for _ in range(2):
-                t = self._step_time(trial, base_tokens)
+                t = self._step_time(trial, base_tokens, greedy)
                 tokens = other_tokens + self._tokens(trial, seqs)
                 rate = tokens / t if t > 0 else 0.0
-                price = rate * self._marginal_token_time(trial, base_tokens)
+                price = rate * self._marginal_token_time(trial, base_tokens, greedy)
                 for i in free:
                     k = 0
                     while k < D and gains[i][k] >= max(price, self.min_gain):
                         k += 1
                     trial[i] = k
-            t = self._step_time(trial, base_tokens)
+            t = self._step_time(trial, base_tokens, greedy)
             rate = (other_tokens + self._tokens(trial, seqs)) / t if t > 0 else 0.0
             if rate > best_rate * 1.0001:
                 best, best_rate = trial, rate
@@ -160,8 +166,8 @@ class SpecController:
     def _tokens(self, depths: list[int], seqs: list[Sequence]) -> float:
         return sum(self.estimate(s).expected_tokens(d) if d else 1.0 for s, d in zip(seqs, depths))
 
-    def _step_time(self, depths: list[int], base_tokens: int) -> float:
-        extra = sum(self.slots_needed(d) for d in depths if d)
+    def _step_time(self, depths: list[int], base_tokens: int, greedy: list[bool]) -> float:
+        extra = sum(self.slots_needed(d, g) for d, g in zip(depths, greedy) if d)
         t = self.cost.predict("target", base_tokens + extra)
         D = max(depths, default=0)
         if D:
@@ -171,14 +177,15 @@ class SpecController:
                 t += self.cost.predict("draft", sum(1 for d in drafting if d > level))
         return t
 
-    def _marginal_token_time(self, depths: list[int], base_tokens: int) -> float:
-        n = base_tokens + sum(self.slots_needed(d) for d in depths if d)
+    def _marginal_token_time(self, depths: list[int], base_tokens: int, greedy: list[bool]) -> float:
+        n = base_tokens + sum(self.slots_needed(d, g) for d, g in zip(depths, greedy) if d)
         return max(self.cost.predict("target", n + 1) - self.cost.predict("target", n), 0.0) + max(
             self.cost.predict("draft", 2) - self.cost.predict("draft", 1), 0.0
         )
 
     def update(self, seq: Sequence, drafted: int, accepted: int) -> None:
         self.estimate(seq).update(drafted, accepted)
+        self.population[seq.params.greedy].update(drafted, accepted)
 
 
 class Timer:

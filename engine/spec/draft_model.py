@@ -13,6 +13,10 @@ each step first feeds the draft what it has not seen (up to the root), then draf
   by cumulative log-probability and the best ``budget`` kept (an ancestor always outranks its
   descendants, so the kept set is a tree). Tree nodes are deterministic: verification treats their
   ``q`` as one-hot.
+
+In tree mode, greedy requests get trees and sampling requests get sampled chains: a deterministic
+child is accepted with probability ``p(x)`` — little when ``p`` is spread out — while a child sampled
+from ``q`` is accepted with ``min(1, p/q)``, i.e. ``1 − TV(p, q)`` on average.
 """
 
 from __future__ import annotations
@@ -53,11 +57,12 @@ class DraftModelProposer:
         self.budget = budget
         self.num_forwards = 0
         self._timings: list[tuple[str, int, float]] = []
+        self._chain_drafted: set[int] = set()  # sequences drafted as chains this step (draft KV in place)
 
-    def slots_needed(self, depth: int) -> int:
+    def slots_needed(self, depth: int, greedy: bool = True) -> int:
         if depth <= 0:
             return 0
-        if not self.tree:
+        if not self.tree or not greedy:
             return depth
         nodes = min(self.budget, self.topk + (depth - 1) * self.topk * self.topk)
         return max(nodes, (depth - 1) * self.topk)
@@ -70,7 +75,7 @@ class DraftModelProposer:
         # slots too, so the accepted ones stay valid; a tree's nodes were written in expansion order,
         # so they are recomputed by the next catch-up.
         root_end = seq.draft_num_computed
-        if not self.tree:
+        if seq.seq_id in self._chain_drafted:
             root_end += min(num_accepted, max(len(tree) - 1, 0))
         seq.draft_num_computed = root_end
 
@@ -82,9 +87,16 @@ class DraftModelProposer:
         logits = self._forward(chunks)  # [B, V] at each root
         for s in seqs:
             s.draft_num_computed = s.num_tokens
-        if self.tree:
-            return self._trees(seqs, depths, logits)
-        return self._chains(seqs, depths, logits)
+        as_tree = [self.tree and s.params.greedy for s in seqs]
+        self._chain_drafted = {s.seq_id for s, t in zip(seqs, as_tree) if not t}
+        out: list[DraftTree | None] = [None] * len(seqs)
+        for shape, draft in ((True, self._trees), (False, self._chains)):
+            idx = [i for i, t in enumerate(as_tree) if t == shape]
+            if idx:
+                sub = logits[idx] if len(idx) < len(seqs) else logits
+                for i, tree in zip(idx, draft([seqs[i] for i in idx], [depths[i] for i in idx], sub)):
+                    out[i] = tree
+        return out
 
     def _forward(self, chunks: list[ForwardChunk]) -> torch.Tensor:
         self.num_forwards += 1

@@ -26,8 +26,9 @@ class ProposeContext:
 class Proposer(Protocol):
     method: str  # "draft", ... (the metrics label)
 
-    def slots_needed(self, depth: int) -> int:
-        """KV slots past the root a draft of this depth may write (verify nodes and draft-side writes)."""
+    def slots_needed(self, depth: int, greedy: bool = True) -> int:
+        """KV slots past the root a draft of this depth may write (verify nodes and draft-side writes),
+        for a greedy or a sampling request (a proposer may draft them in different shapes)."""
         ...
 
     def propose(self, seqs: list[Sequence], depths: list[int], ctx: ProposeContext) -> list[DraftTree]:
