@@ -53,13 +53,35 @@ class AsyncEngine:
         self._stopping = False
         self.dead_error: str | None = None
         self.step_hooks: list = []  # callables(outputs, step_seconds), run on the loop thread
-        self._unstarted: set[str] = set()  # admitted, no output yet: what --max-queue-len bounds
+        self._unstarted: dict[
+            str, float
+        ] = {}  # admitted, no output yet (→ admission time): what --max-queue-len bounds
         self._consecutive_failures = 0
 
     @property
     def num_unstarted(self) -> int:
         """Requests accepted but not yet producing output (queued or still prefilling)."""
+        self._expire_reservations()
         return len(self._unstarted)
+
+    def reserve(self, request_ids: list[str], limit: int) -> bool:
+        """Count requests as waiting from now on, if that keeps the count within ``limit``. Called on
+        the event loop before the handler's first await, so a burst cannot slip past the bound."""
+        with self._lock:
+            self._expire_reservations()
+            if len(self._unstarted) + len(request_ids) > limit:
+                return False
+            now = time.monotonic()
+            for rid in request_ids:
+                self._unstarted[rid] = now
+        return True
+
+    def _expire_reservations(self, ttl: float = 60.0) -> None:
+        """Forget reservations whose request never started streaming (its handler died early)."""
+        now = time.monotonic()
+        stale = [r for r, t in self._unstarted.items() if r not in self._streams and now - t > ttl]
+        for r in stale:
+            del self._unstarted[r]
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -95,7 +117,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"duplicate request id {request_id!r}")
             self._streams[request_id] = (loop, stream)
-            self._unstarted.add(request_id)
+            self._unstarted.setdefault(request_id, time.monotonic())
         self._commands.put(_Add(request_id, prompt_ids, params, time.monotonic()))
         self._wakeup.set()
         finished = False
@@ -104,7 +126,7 @@ class AsyncEngine:
                 item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
-                self._unstarted.discard(request_id)
+                self._unstarted.pop(request_id, None)
                 finished = item.finished
                 yield item
                 if finished:
@@ -112,7 +134,7 @@ class AsyncEngine:
         finally:
             with self._lock:
                 self._streams.pop(request_id, None)
-                self._unstarted.discard(request_id)
+                self._unstarted.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
 

@@ -190,6 +190,10 @@ class LLMEngine:
         """Raise InvalidRequestError if this request cannot be served as asked."""
         if not prompt_ids:
             raise InvalidRequestError("the prompt must not be empty")
+        if params.n > self.config.max_num_seqs:
+            raise InvalidRequestError(
+                f"n = {params.n} exceeds the {self.config.max_num_seqs} sequences one batch can hold (--max-num-seqs)"
+            )
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")

@@ -56,6 +56,27 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param)
 
 
+class BearerAuth:
+    """Require ``Authorization: Bearer KEY`` (compared in constant time) except on open paths.
+
+    A plain ASGI middleware rather than ``@app.middleware("http")``: Starlette's BaseHTTPMiddleware
+    wraps ``receive`` so that ``Request.is_disconnected()`` never sees the client leave, and a
+    non-streaming request would then run to completion for nobody."""
+
+    def __init__(self, app, key: str, open_paths: set[str]) -> None:
+        self.app, self.key, self.open_paths = app, key.encode(), open_paths
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            token = given[7:] if given[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(token, self.key):
+                body = error_body("invalid or missing API key", "authentication_error", code="invalid_api_key")
+                await JSONResponse(body, 401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 @dataclass
 class ServerSettings:
     served_model_name: str
@@ -139,19 +160,8 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
         return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "internal_error"), 500)
 
     # -- auth -----------------------------------------------------------------------------------------
-    open_paths = {"/health", "/metrics"}
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        key = settings.api_key
-        if key and request.url.path not in open_paths:
-            given = request.headers.get("authorization", "")
-            token = given[7:] if given.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), key.encode()):
-                return JSONResponse(
-                    error_body("invalid or missing API key", "authentication_error", code="invalid_api_key"), 401
-                )
-        return await call_next(request)
+    if settings.api_key:
+        app.add_middleware(BearerAuth, key=settings.api_key, open_paths={"/health", "/metrics"})
 
     # -- plain endpoints ------------------------------------------------------------------------------
     @app.get("/health")
@@ -192,8 +202,9 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
         if name is not None and name != settings.served_model_name:
             raise APIError(404, f"The model `{name}` does not exist.", "not_found_error", "model", "model_not_found")
 
-    def check_capacity(eng: AsyncEngine, extra: int) -> None:
-        if eng.num_unstarted + extra > settings.max_queue_len:
+    def admit(eng: AsyncEngine, request_ids: list[str]) -> None:
+        """Reserve queue places now (429 if full), before any await lets another request in."""
+        if not eng.reserve(request_ids, settings.max_queue_len):
             raise APIError(
                 429,
                 f"the request queue is full ({settings.max_queue_len} requests waiting); retry shortly",
@@ -259,8 +270,8 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
                     if out.error:
                         m.request_failure.labels(**labels, reason="engine_error").inc()
                     else:
-                        for c in out.outputs:
-                            m.request_success.labels(**labels, finish_reason=c.finish_reason or "stop").inc()
+                        reason = out.outputs[0].finish_reason if out.outputs else None
+                        m.request_success.labels(**labels, finish_reason=reason or "stop").inc()
                         m.e2e.labels(**labels).observe(now - start)
                         if first is not None and tokens > 1:
                             m.tpot.labels(**labels).observe((now - first) / (tokens - 1))
@@ -350,6 +361,28 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
                 tokenizer_cache[token_id] = text
         return text
 
+    byte_decoder = None
+
+    def token_bytes(eng: AsyncEngine, token_id: int) -> list[int]:
+        """The token's own bytes — for part of a multi-byte character, that part, not U+FFFD."""
+        nonlocal byte_decoder
+        tok = eng.engine.tokenizer
+        piece = tok.convert_ids_to_tokens(token_id)
+        if piece is None:
+            return []
+        if byte_decoder is None:
+            byte_decoder = {}
+            decoder = getattr(getattr(tok, "backend_tokenizer", None), "decoder", None)
+            if decoder is not None and "ByteLevel" in type(decoder).__name__ + repr(decoder):
+                from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+                byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
+        if byte_decoder and all(c in byte_decoder for c in piece):
+            return [byte_decoder[c] for c in piece]
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece byte fallback
+            return [int(piece[3:5], 16)]
+        return list(token_text(eng, token_id).encode("utf-8"))
+
     # -- /v1/completions ------------------------------------------------------------------------------
     def completion_logprobs(eng, entries: list[TokenLogprob | None], offset: int) -> dict:
         tokens, token_lps, tops, offsets = [], [], [], []
@@ -387,8 +420,8 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
         params = make_params(req, req.max_tokens, want_lp, want_lp if req.echo and want_lp is not None else None)
         prompts = req.prompts()
         prompt_ids = prepare(eng, prompts, params)
-        check_capacity(eng, len(prompts))
         rid = f"cmpl-{uuid.uuid4().hex}"
+        admit(eng, [f"{rid}-{i}" for i in range(len(prompts))])
         created = int(time.time())
         name = settings.served_model_name
         n = req.n
@@ -511,8 +544,7 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
     # -- /v1/chat/completions -------------------------------------------------------------------------
     def chat_logprobs(eng, entries: list[TokenLogprob]) -> list[dict]:
         def item(tok: int, lp: float) -> dict:
-            text = token_text(eng, tok)
-            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+            return {"token": token_text(eng, tok), "logprob": lp, "bytes": token_bytes(eng, tok)}
 
         return [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]
 
@@ -536,8 +568,8 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
             max_tokens = max(1, eng.engine.max_model_len - len(prompt_ids))
         params = make_params(req, max_tokens, logprobs)
         ids = prepare(eng, [prompt_ids], params)
-        check_capacity(eng, 1)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        admit(eng, [f"{rid}-0"])
         created = int(time.time())
         name = settings.served_model_name
 

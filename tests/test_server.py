@@ -599,11 +599,6 @@ def test_chat_stream(client, http):
     assert events[-2]["choices"][0]["finish_reason"] == "length"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: chat logprobs 'bytes' is the UTF-8 of the token's decoded text (U+FFFD for part of a "
-    "character), not the token's own bytes, so split characters cannot be reassembled from it",
-)
 def test_chat_logprob_bytes_of_part_of_a_character(client, tok):
     lead = tok.encode("你")[0]  # the token of the character's first byte alone
     r = chat(client, max_tokens=1, logprobs=True, logit_bias={str(lead): 100})
@@ -895,11 +890,6 @@ def test_full_queue_is_429(queue_srv):
     wait_idle(queue_srv)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a request with n > max_num_seqs is accepted but the scheduler never admits it "
-    "(need_seats > seats forever), and it blocks every request queued behind it",
-)
 def test_more_choices_than_batch_seats_do_not_hang(queue_srv):
     wait_idle(queue_srv)
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "n": 2, "stream": True}
@@ -1024,11 +1014,6 @@ def test_stream_disconnect_aborts(srv, http):
     assert grown(before, scrape(http), "augur_request_failure_total", reason="client_disconnect") == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: the auth middleware (@app.middleware('http'), a Starlette BaseHTTPMiddleware) swallows the "
-    "http.disconnect that Request.is_disconnected() polls for, so until_disconnect never aborts",
-)
 def test_non_streaming_client_timeout_aborts(srv, http):
     wait_idle(srv)
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": LONG, "temperature": 0, "ignore_eos": True}
