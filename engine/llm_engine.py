@@ -97,6 +97,8 @@ class LLMEngine:
         self.groups: dict[str, SequenceGroup] = {}
         self.num_steps = 0
         self.spec_stats = SpecStats(config.num_speculative_tokens)
+        self._forward_seconds = 0.0  # this step's forward time (the rest is host work)
+        self._num_drafting = 0
         self.proposer = None
         self.controller = None
         if draft_model is not None and config.num_speculative_tokens > 0:
@@ -284,6 +286,9 @@ class LLMEngine:
         if not sched.scheduled:
             return []
         self.num_steps += 1
+        step_start = time.perf_counter()
+        self._forward_seconds = 0.0
+        self._num_drafting = 0
         try:
             touched, results = self._forward_and_sample(sched, want)
         except Exception as e:
@@ -306,7 +311,11 @@ class LLMEngine:
             if group.first_token_time is None:
                 group.first_token_time = now
             touched[group.request_id] = group
-        return [self._make_output(g) for g in touched.values()]
+        outputs = [self._make_output(g) for g in touched.values()]
+        if self.controller is not None:
+            host = time.perf_counter() - step_start - self._forward_seconds
+            self.controller.cost.observe_step(host, len(sched.scheduled), self._num_drafting)
+        return outputs
 
     def _plan_drafts(self) -> dict[int, int]:
         """Draft depth wanted per decoding sequence this step (seq_id → depth; absent = none)."""
@@ -353,8 +362,10 @@ class LLMEngine:
         if spec_seqs:
             drafted = self.proposer.propose(spec_seqs, depths, ProposeContext())
             trees = {s.seq_id: t for s, t in zip(spec_seqs, drafted) if len(t)}
+            self._num_drafting = len(spec_seqs)
             for kind, tokens, seconds in self.proposer.runner_timings():
                 self.controller.cost.observe(kind, tokens, seconds)
+                self._forward_seconds += seconds
 
         chunks: list[ForwardChunk] = []
         sample_rows: list[int] = []  # logits row each finishing chunk samples from (no draft)
@@ -399,6 +410,7 @@ class LLMEngine:
         with Timer() as timer:
             out = self.runner.forward(chunks)
             self._sync()
+        self._forward_seconds += timer.seconds
         if self.controller is not None:
             self.controller.cost.observe("target", sum(len(c.token_ids) for c in chunks), timer.seconds)
 

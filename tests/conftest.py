@@ -123,6 +123,14 @@ def model_dirs(tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def tiny_demo(tmp_path_factory) -> Path:
+    """The embedded demo pair, built at its tiny size through the real build path (about 20 s)."""
+    from engine.demo import DemoRecipe, build_demo
+
+    return build_demo(tmp_path_factory.mktemp("augur-home") / "demo", DemoRecipe.tiny(), device="cpu")
+
+
+@pytest.fixture(scope="session")
 def llama_dir(model_dirs) -> Path:
     return model_dirs["LlamaForCausalLM"]
 

@@ -19,9 +19,8 @@ from engine.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("augur-home") / "demo"
-    return build_demo(out, DemoRecipe.tiny(), device="cpu")
+def demo(tiny_demo):
+    return tiny_demo
 
 
 def test_layout_and_report(demo):

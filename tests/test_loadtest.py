@@ -93,10 +93,16 @@ RECORD_KEYS = {
 
 # -- a real server ------------------------------------------------------------------------------------
 @contextmanager
-def serve(model_dir: Path, **settings):
+def serve(model_dir: Path, draft_dir: Path | None = None, **settings):
     def engine():
         cfg = EngineConfig(
-            model=str(model_dir), device="cpu", dtype="float32", num_kv_blocks=256, block_size=4, max_model_len=256
+            model=str(model_dir),
+            draft_model=str(draft_dir) if draft_dir else None,
+            device="cpu",
+            dtype="float32",
+            num_kv_blocks=256,
+            block_size=4,
+            max_model_len=256,
         )
         return AsyncEngine(LLMEngine(cfg))
 
@@ -127,8 +133,9 @@ def serve(model_dir: Path, **settings):
 
 
 @pytest.fixture(scope="module")
-def server_url(llama_dir):
-    with serve(llama_dir) as url:
+def server_url(tiny_demo):
+    """A live demo server: the embedded pair (tiny build), speculating with its draft."""
+    with serve(tiny_demo / "target", tiny_demo / "draft") as url:
         yield url
 
 
@@ -256,7 +263,10 @@ def test_compare_speculation(server_url, tmp_path, capsys):
     assert ratios["e2e_s"]["p50"] == pytest.approx(
         runs["speculative"]["e2e_s"]["p50"] / runs["no_speculative"]["e2e_s"]["p50"]
     )
-    assert ratios["same_output"]["compared"] == 6
+    assert ratios["same_output"] == {"compared": 6, "identical": 6}  # greedy: speculation changes nothing
+    spec_mal = runs["speculative"]["mean_acceptance_length"]
+    assert runs["no_speculative"]["mean_acceptance_length"]["usage"] == pytest.approx(1.0)
+    assert spec_mal["server_metrics"] is not None and spec_mal["usage"] >= 1.0
     assert ratios["goodput"] is None
     assert len(list((tmp_path / "plots").glob("*.png"))) == 4
     out = capsys.readouterr().out

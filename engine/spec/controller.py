@@ -37,6 +37,22 @@ class CostModel:
     def __init__(self, ema: float = 0.2) -> None:
         self.ema = ema
         self.buckets: dict[str, dict[int, tuple[float, float]]] = {"target": {}, "draft": {}}  # b → (tokens, s)
+        # Host-side work outside the forwards (scheduling, sampling, drafting and verification
+        # bookkeeping): seconds per sequence in a plain step, and extra seconds per drafting sequence.
+        self.host_per_seq: float | None = None
+        self.host_per_draft: float = 0.0
+
+    def observe_step(self, host_seconds: float, num_seqs: int, num_drafting: int) -> None:
+        """What a whole step cost beyond its forwards, attributed to its sequences."""
+        if num_seqs <= 0:
+            return
+        a = self.ema
+        if num_drafting == 0:
+            per = host_seconds / num_seqs
+            self.host_per_seq = per if self.host_per_seq is None else (1 - a) * self.host_per_seq + a * per
+        elif self.host_per_seq is not None:
+            extra = max(host_seconds - self.host_per_seq * num_seqs, 0.0) / num_drafting
+            self.host_per_draft = (1 - a) * self.host_per_draft + a * extra
 
     def observe(self, kind: str, tokens: int, seconds: float) -> None:
         if tokens <= 0:
@@ -172,6 +188,7 @@ class SpecController:
         D = max(depths, default=0)
         if D:
             drafting = [d for d in depths if d]
+            t += self.cost.host_per_draft * len(drafting)
             t += self.cost.predict("draft", len(drafting) * 2)  # catch-up: about the root plus accepted
             for level in range(1, D):
                 t += self.cost.predict("draft", sum(1 for d in drafting if d > level))
