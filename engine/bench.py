@@ -181,9 +181,30 @@ def run_spec_bench(cfg: EngineConfig, args: argparse.Namespace) -> int:
                         "tokens": r.tokens,
                     }
                 )
+    # Acceptance at a fixed depth (the controller off): how well each draft shape predicts the target.
+    depth = cfg.num_speculative_tokens
+    for t in temps:
+        fixed = SamplingParams(temperature=t, max_tokens=args.max_tokens, ignore_eos=True, num_draft_tokens=depth)
+        for name, e in (("chain", chain), ("tree", tree)):
+            r = run_augur(e, prompts, args.max_tokens, 1, fixed)
+            rows.append(
+                {
+                    "temperature": t,
+                    "concurrency": 1,
+                    "method": f"{name}@K{depth}",
+                    "tokens_per_s": r.tokens_per_s,
+                    "ratio_vs_plain": None,
+                    "mean_acceptance_length": r.mean_acceptance_length,
+                    "target_forwards_per_token": r.engine_steps / r.tokens,
+                    "tokens": r.tokens,
+                }
+            )
     machine = machine_description(chain.device)
     print(f"augur bench --speculative: {chain.model_path} + draft {chain.draft_path} on {chain.device}; {machine}")
-    print(f"{len(prompts)} prompts ({source}), {args.max_tokens} output tokens each; depth tuned per request")
+    print(
+        f"{len(prompts)} prompts ({source}), {args.max_tokens} output tokens each; depth tuned per request "
+        f"(rows @K{depth}: fixed depth, controller off)"
+    )
     header = ("T", "conc", "method", "tok/s", "vs plain", "mean acc len", "fwd/token")
     print("  ".join(f"{h:>12}" for h in header))
     for r in rows:
@@ -192,7 +213,7 @@ def run_spec_bench(cfg: EngineConfig, args: argparse.Namespace) -> int:
             str(r["concurrency"]),
             r["method"],
             f"{r['tokens_per_s']:.1f}",
-            f"{r['ratio_vs_plain']:.2f}x",
+            "-" if r["ratio_vs_plain"] is None else f"{r['ratio_vs_plain']:.2f}x",
             f"{r['mean_acceptance_length']:.2f}",
             f"{r['target_forwards_per_token']:.3f}",
         )

@@ -103,3 +103,27 @@ def test_cuda_greedy_matches_cpu(llama_dir):
     engine = LLMEngine(cfg)
     assert engine.generate([PROMPT], GREEDY)[0].outputs[0].delta_token_ids == cpu
     assert torch.cuda.is_available()
+
+
+def test_speculative_bench_reports_every_cell(tmp_path, tiny_demo):
+    out = tmp_path / "spec.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "server.cli", "bench", "--speculative", "--model", str(tiny_demo / "target"),
+         "--draft-model", str(tiny_demo / "draft"), "--device", "cpu", "--num-prompts", "2", "--max-tokens", "4",
+         "--concurrency", "1", "2", "--temperatures", "0", "1", "--num-speculative-tokens", "2",
+         "--num-kv-blocks", "128", "--output", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    rows = json.loads(out.read_text())["results"]
+    cells = {(r["temperature"], r["concurrency"], r["method"]) for r in rows}
+    for t in (0.0, 1.0):
+        for c in (1, 2):
+            assert {(t, c, m) for m in ("plain", "chain", "tree")} <= cells
+        assert {(t, 1, "chain@K2"), (t, 1, "tree@K2")} <= cells
+    for r in rows:
+        assert r["tokens"] == 8 and r["mean_acceptance_length"] >= 1.0
+        if r["method"] == "plain":
+            assert r["ratio_vs_plain"] == 1.0 and r["mean_acceptance_length"] == 1.0
