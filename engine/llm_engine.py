@@ -370,7 +370,7 @@ class LLMEngine:
         chunks: list[ForwardChunk] = []
         sample_rows: list[int] = []  # logits row each finishing chunk samples from (no draft)
         sample_seqs: list[Sequence] = []
-        spec_rows: list[tuple[Sequence, DraftTree, int]] = []  # (seq, tree, first logits row)
+        spec_rows: list[tuple[Sequence, DraftTree, int, int]] = []  # (seq, tree, first logits row, depth)
         prompt_spans: list[tuple[Sequence, int, int, int]] = []  # (seq, first logits row, first position, count)
         row = 0
         for seq, n in sched.scheduled:
@@ -388,7 +388,7 @@ class LLMEngine:
                         tree_mask=layout.mask,
                     )
                 )
-                spec_rows.append((seq, tree, row))
+                spec_rows.append((seq, tree, row, max(layout.depths)))
                 row += len(tree) + 1
                 continue
             done = start + n == seq.num_tokens
@@ -453,11 +453,11 @@ class LLMEngine:
             results.extend((s, [t], [lp] if lp is not None else None) for s, t, lp in zip(row_seqs, tokens, logprobs))
         return touched, results
 
-    def _verify(self, logits: torch.Tensor, spec_rows: list[tuple[Sequence, DraftTree, int]]) -> list:
+    def _verify(self, logits: torch.Tensor, spec_rows: list[tuple[Sequence, DraftTree, int, int]]) -> list:
         """Accept losslessly from every drafted sequence's tree; move accepted KV into place."""
         rows: list[int] = []
         params, prompts, histories, gens = [], [], [], []
-        for seq, tree, first in spec_rows:
+        for seq, tree, first, _ in spec_rows:
             rows.extend(range(first, first + len(tree) + 1))
             paths: list[list[int]] = [[]]
             for tok, par in zip(tree.tokens, tree.parents):
@@ -472,16 +472,16 @@ class LLMEngine:
             params, prompts, histories, gens, self.eos_token_ids, self.runner.vocab_size, self.device
         )
         p = compute_probs(apply_logits_processors(raw, md) if md.needs_processing else raw, md)
-        inp, _ = build_verify_input(p, [t for _, t, _ in spec_rows], self.runner.vocab_size)
-        res = verify(inp, [seq.generator for seq, _, _ in spec_rows])
+        inp, _ = build_verify_input(p, [t for _, t, _, _ in spec_rows], self.runner.vocab_size)
+        res = verify(inp, [seq.generator for seq, *_ in spec_rows])
 
-        want_lp = any(seq.params.logprobs is not None for seq, _, _ in spec_rows)
+        want_lp = any(seq.params.logprobs is not None for seq, *_ in spec_rows)
         log_p = torch.log_softmax(raw.float(), -1) if want_lp else None
         moves_src, moves_dst = [], []
         results = []
         base = 0
         bs = self.config.block_size
-        for b, (seq, tree, _) in enumerate(spec_rows):
+        for b, (seq, tree, _, depth) in enumerate(spec_rows):
             acc_rows = res.accepted_rows[b]
             local = [r - base - 1 for r in acc_rows]  # node indices
             a = len(local)
@@ -509,7 +509,6 @@ class LLMEngine:
             seq.num_computed_tokens = c + 1 + a
             self.block_manager.release_tail(seq.block_table, seq.block_hashes, seq.num_computed_tokens)
             self.proposer.on_verified(seq, tree, a)
-            depth = max(tree_layout(tree).depths)
             self.controller.update(seq, depth, a)
             self.spec_stats.record(len(tree), a)
             seq.group.num_draft_tokens += len(tree)
