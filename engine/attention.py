@@ -60,12 +60,8 @@ def build_attention_metadata(
     max_blocks = (max_k + block_size - 1) // block_size
 
     # Slots of every context index of every sequence, from the block tables: [B, Kmax].
-    table = torch.zeros(B, max_blocks, dtype=torch.int64)
-    for b, bt in enumerate(block_tables):
-        nb = min(len(bt), max_blocks)
-        if nb:
-            table[b, :nb] = torch.tensor(bt[:nb], dtype=torch.int64)
-    table = table.to(device, non_blocking=True)
+    padded = [bt[:max_blocks] + [0] * (max_blocks - min(len(bt), max_blocks)) for bt in block_tables]
+    table = torch.tensor(padded, dtype=torch.int64).to(device, non_blocking=True)
     k_idx = torch.arange(max_k, device=device)
     kv_slots = table[:, k_idx // block_size] * block_size + (k_idx % block_size)
 
