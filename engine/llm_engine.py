@@ -22,11 +22,11 @@ from engine.sampler import SamplingMetadata, apply_logits_processors, compute_pr
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence, SequenceGroup, TokenLogprob
-from engine.spec.controller import SpecController, Timer
-from engine.spec.draft_model import DraftModelProposer
-from engine.spec.proposer import ProposeContext
-from engine.spec.tree import DraftTree, tree_layout
-from engine.spec.verify import build_verify_input, verify
+from engine.speculative.controller import SpecController, Timer
+from engine.speculative.draft_model import DraftModelProposer
+from engine.speculative.proposer import ProposeContext
+from engine.speculative.tree import DraftTree, tree_layout
+from engine.speculative.verify import build_verify_input, verify
 
 logger = logging.getLogger(__name__)
 

@@ -64,7 +64,7 @@ class Sequence:
         self.num_preemptions = 0
         # Speculative decoding state.
         self.draft_num_computed = 0  # leading tokens whose draft-model KV is valid
-        self.spec_estimate: Any = None  # engine.spec.controller.AcceptanceEstimate
+        self.spec_estimate: Any = None  # engine.speculative.controller.AcceptanceEstimate
         self.spec_idle_steps = 0  # consecutive steps the controller chose not to draft
         self.detok: Any = None  # engine.detokenizer.IncrementalDetokenizer
         # How much of the output the last RequestOutput already carried (for deltas).

@@ -13,15 +13,15 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-import engine.spec.verify as verify_mod
+import engine.speculative.verify as verify_mod
 from conftest import VOCAB, build_model_dir
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampler import SamplingMetadata, apply_logits_processors, compute_probs
 from engine.sampling_params import SamplingParams
-from engine.spec.controller import CostModel
-from engine.spec.tree import DraftTree, tree_layout
-from engine.spec.verify import build_verify_input, verify
+from engine.speculative.controller import CostModel
+from engine.speculative.tree import DraftTree, tree_layout
+from engine.speculative.verify import build_verify_input, verify
 
 
 # -- trees ------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from engine.sequence import Sequence
-from engine.spec.tree import DraftTree
+from engine.speculative.tree import DraftTree
 
 
 @dataclass

@@ -28,8 +28,8 @@ import torch
 from engine.model_runner import ForwardChunk, ModelRunner
 from engine.sampler import SamplingMetadata, apply_logits_processors, compute_probs, sample_from_probs
 from engine.sequence import Sequence
-from engine.spec.proposer import ProposeContext
-from engine.spec.tree import DraftTree
+from engine.speculative.proposer import ProposeContext
+from engine.speculative.tree import DraftTree
 
 
 class DraftModelProposer:
