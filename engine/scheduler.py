@@ -3,12 +3,28 @@
 Each step the scheduler decides which sequences run and how many of their uncomputed tokens each
 feeds, under a per-step token budget. It speaks plain Python lists and never touches a tensor.
 
-Policy, in order:
-1. Running sequences, oldest first: decodes take one token, unfinished prefills take a chunk. When
-   KV blocks run out, the newest running sequence is preempted (its blocks freed; it waits at the
-   front of the queue and is recomputed later — never dropped, never corrupted).
-2. If nothing was preempted, waiting sequences are admitted in arrival order while the token budget,
-   ``max_num_seqs`` and free blocks allow, reusing cached prefix blocks.
+Terms: a *decode* is a running sequence with exactly one uncomputed token (its next input); its
+*mandatory* token is that one, and a running prefill's mandatory tokens are its next chunk.
+*Lookahead* slots are extra KV slots a decode may get past its mandatory token, for a speculative
+draft the same forward verifies; each granted slot is one more token of that forward, so it is
+charged to the token budget.
+
+Policy, in three passes:
+1. Mandatory tokens. Running sequences, oldest first: decodes take one token, unfinished prefills
+   take a chunk. When KV blocks run out, the newest running sequence is preempted (its blocks
+   freed; it waits at the front of the queue and is recomputed later — never dropped, never
+   corrupted). No lookahead is granted here, so drafting can never starve a sequence of its token
+   nor force a preemption.
+2. Lookahead, only if nothing was preempted (a preemption means KV is short, and drafting would
+   hold blocks the victim needs back). The decodes of pass 1, in running order, each get
+   ``min(lookahead(seq), budget left)`` slots, shrunk to what the free pool gives without touching
+   the ``watermark_blocks`` reserve that admission keeps; a partial grant (or none) is normal.
+   Lookahead never preempts anyone.
+3. Admission, only if nothing was preempted: waiting sequences are admitted in arrival order while
+   the token budget, ``max_num_seqs`` and free blocks (less the watermark while anything runs)
+   allow, reusing cached prefix blocks.
+
+Every pass costs O(number of sequences) (lookahead also O(its blocks) per sequence).
 """
 
 from __future__ import annotations
@@ -40,7 +56,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        # Keep a few blocks in reserve when admitting new work so running decodes rarely preempt.
+        # Keep a few blocks in reserve when admitting new work (or drafting) so running decodes
+        # rarely preempt.
         self.watermark_blocks = max(1, block_manager.num_blocks // 100)
 
     # -- queue management --------------------------------------------------------------------------
@@ -71,28 +88,30 @@ class Scheduler:
     def schedule(
         self, token_budget: int | None = None, lookahead: Callable[[Sequence], int] | None = None
     ) -> SchedulerOutput:
-        """``lookahead(seq)``: extra KV slots a decoding sequence wants past its next token (for a
-        speculative draft). They are granted only when the budget and free blocks allow — drafting
-        never preempts anyone."""
+        """One step's plan (see the module docstring for the three passes).
+
+        ``lookahead(seq)``: extra KV slots a decoding sequence wants past its next token (for a
+        speculative draft); it is asked only for decodes that got their token. What was granted
+        is ``out.lookahead[seq.seq_id]`` (absent: none), possibly less than asked.
+        """
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens if token_budget is None else token_budget
+        decodes, budget = self._schedule_running(budget, out)
+        if out.preempted:
+            return out
+        if lookahead is not None:
+            budget = self._grant_lookahead(decodes, lookahead, budget, out)
+        self._admit(budget, out)
+        return out
 
+    def _schedule_running(self, budget: int, out: SchedulerOutput) -> tuple[list[Sequence], int]:
+        """Pass 1: mandatory tokens, oldest first, preempting the newest when blocks run out.
+        Returns the decodes scheduled and the budget left."""
+        decodes: list[Sequence] = []
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
-            extra = lookahead(seq) if lookahead is not None and seq.num_uncomputed_tokens == 1 else 0
-            extra = min(extra, budget - n)
-            if extra > 0:
-                end = seq.num_computed_tokens + n + extra
-                copies = self.bm.reserve(seq.block_table, seq.num_computed_tokens, end)
-                if copies is not None:
-                    out.scheduled.append((seq, n))
-                    out.block_copies.extend(copies)
-                    out.lookahead[seq.seq_id] = extra
-                    budget -= n + extra
-                    i += 1
-                    continue
             copies = self.bm.reserve(seq.block_table, seq.num_computed_tokens, seq.num_computed_tokens + n)
             while copies is None:
                 victim = self.running[-1]
@@ -104,11 +123,53 @@ class Scheduler:
                 break
             out.scheduled.append((seq, n))
             out.block_copies.extend(copies)
+            if seq.num_uncomputed_tokens == 1:
+                decodes.append(seq)
             budget -= n
             i += 1
+        return decodes, budget
 
-        if out.preempted:
-            return out
+    def _grant_lookahead(
+        self, decodes: list[Sequence], lookahead: Callable[[Sequence], int], budget: int, out: SchedulerOutput
+    ) -> int:
+        """Pass 2: lookahead slots from the budget and free blocks pass 1 left. Returns the budget left.
+
+        A decode's mandatory slot was made writable in pass 1, so its draft slots start one past
+        it. Slots in blocks the table already holds privately cost nothing; a new block, or a
+        private copy of a shared one, costs one block of the spare pool (free blocks above the
+        watermark). A grant stops at the last block that still fits, so it may be partial.
+        """
+        bm, bs = self.bm, self.bm.block_size
+        spare = max(0, bm.num_free_blocks - self.watermark_blocks)
+        for seq in decodes:
+            if budget <= 0:
+                break
+            want = min(lookahead(seq), budget)
+            if want <= 0:
+                continue
+            table = seq.block_table
+            first = seq.num_computed_tokens + 1
+            end = first + want
+            limit, cost = first, 0  # slots [first, limit) fit within `cost` blocks of the spare pool
+            for b in range(first // bs, -(-end // bs)):
+                c = 1 if b >= len(table) or bm.ref_count(table[b]) > 1 else 0
+                if cost + c > spare:
+                    break
+                cost += c
+                limit = (b + 1) * bs
+            extra = min(end, limit) - first
+            if extra <= 0:
+                continue
+            copies = bm.reserve(table, first, first + extra)
+            assert copies is not None, "the spare pool covers these blocks"
+            out.block_copies.extend(copies)
+            out.lookahead[seq.seq_id] = extra
+            budget -= extra
+            spare -= cost
+        return budget
+
+    def _admit(self, budget: int, out: SchedulerOutput) -> None:
+        """Pass 3: admit waiting sequences in arrival order, keeping the watermark free."""
         seats = self.max_num_seqs - sum(s.group.params.n if s.num_output_tokens == 0 else 1 for s in self.running)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
@@ -136,7 +197,6 @@ class Scheduler:
             out.block_copies.extend(copies)
             budget -= n
             seats -= need_seats
-        return out
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Free a running sequence's KV; it is recomputed from its tokens when readmitted."""
@@ -144,7 +204,6 @@ class Scheduler:
         self.bm.free(seq.block_table)
         seq.block_hashes.clear()
         seq.num_computed_tokens = 0
-        seq.draft_num_computed = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
