@@ -200,7 +200,7 @@ def run_spec_bench(cfg: EngineConfig, args: argparse.Namespace) -> int:
                 }
             )
     machine = machine_description(chain.device)
-    print(f"augur bench --speculative: {chain.model_path} + draft {chain.draft_path} on {chain.device}; {machine}")
+    print(f"augur bench --speculative: {chain.model_path} + draft {cfg.draft_model} on {chain.device}; {machine}")
     print(
         f"{len(prompts)} prompts ({source}), {args.max_tokens} output tokens each; depth tuned per request "
         f"(rows @K{depth}: fixed depth, controller off)"
@@ -221,7 +221,7 @@ def run_spec_bench(cfg: EngineConfig, args: argparse.Namespace) -> int:
     if args.output:
         report = {
             "model": str(chain.model_path),
-            "draft": str(chain.draft_path),
+            "draft": str(cfg.draft_model),
             "machine": machine,
             "device": str(chain.device),
             "prompts": source,

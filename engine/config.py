@@ -3,9 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
+
+
+@functools.cache
+def cpu_has_bf16_units() -> bool:
+    """Whether this CPU multiplies bf16 natively (AMX-BF16 or AVX512-BF16). Elsewhere bf16 matmuls
+    are emulated through float32 conversions, so float32 is the default there."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -14,7 +28,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class EngineConfig:
     model: str
     tokenizer: str | None = None  # defaults to the model's directory
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 on GPU)
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16 on GPU and bf16-capable CPUs)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     block_size: int = 16
@@ -50,7 +64,10 @@ class EngineConfig:
         check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be at least 2")
         if self.speculative_method is None:
             self.speculative_method = "draft" if self.draft_model else "none"
-        check(self.speculative_method in ("none", "draft"), "speculative_method must be none or draft")
+        from engine.speculative.proposer import known_methods
+
+        methods = ["none", *known_methods()]
+        check(self.speculative_method in methods, f"speculative_method must be one of {methods}")
         if self.speculative_method == "draft":
             check(bool(self.draft_model), "speculative_method draft needs --draft-model")
         check(0 <= self.num_speculative_tokens <= 32, "num_speculative_tokens must be in [0, 32]")
@@ -68,7 +85,9 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
-            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+            if self.torch_device.type == "cuda" or cpu_has_bf16_units():
+                return torch.bfloat16
+            return torch.float32
         return _DTYPES[self.dtype]
 
     @classmethod

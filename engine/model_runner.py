@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import build_attention_metadata
+from engine.attention import AttentionMetadata, build_attention_metadata
 from engine.sampler import Sampler, SamplerOutput, SamplingMetadata
 from engine.sampling_params import SamplingParams
 
@@ -35,7 +35,22 @@ class ForwardChunk:
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor  # [N, vocab] float32, rows of every chunk's trailing num_logits tokens, in order
-    hidden_states: dict[int, torch.Tensor]  # layer → [T, hidden] for the layers asked for
+    hidden_states: dict[int, torch.Tensor]  # layer → [T, hidden] for the layers asked for (every fed token)
+
+
+@dataclass
+class ForwardBatch:
+    """A forward's device inputs, built once from :class:`ForwardChunk` metadata (see :meth:`ModelRunner.prepare`).
+
+    Drafting loops prepare a level's batch on the host and feed it token ids that are still on the
+    device (the previous level's output), so no level waits for the host."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    logit_rows: torch.Tensor | None  # [N] int64 rows of the tokens needing logits; None: every token
+    num_seqs: int
+    num_tokens: int
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
@@ -60,31 +75,39 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         block_size: int,
-        num_blocks: int,
+        num_blocks: int | None = None,
     ) -> None:
         self.model = model
         self.hf_config = hf_config
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
-        self.num_blocks = num_blocks
         self.vocab_size = hf_config.vocab_size
-        attn = model.layers[0].self_attn
+        self.kv_bytes_per_token = kv_bytes_per_token(hf_config, dtype)
+        self.sampler = Sampler()
+        self.num_blocks = 0
+        self.kv_cache = torch.empty(0)
+        if num_blocks is not None:
+            self.allocate_kv(num_blocks)
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        """Allocate the KV pool, once its size is known (it is shared out with any proposer's cache)."""
+        attn = self.model.layers[0].self_attn
+        self.num_blocks = num_blocks
         # [layers, K/V, slots, kv_heads, head_dim]: one contiguous pool; slot = block * block_size + offset.
         self.kv_cache = torch.zeros(
-            model.num_layers,
+            self.model.num_layers,
             2,
-            num_blocks * block_size,
+            num_blocks * self.block_size,
             attn.num_kv_heads,
             attn.head_dim,
-            dtype=dtype,
-            device=device,
+            dtype=self.dtype,
+            device=self.device,
         )
-        self.sampler = Sampler()
         logger.info(
             "KV pool: %d blocks x %d tokens (%.1f MiB)",
             num_blocks,
-            block_size,
+            self.block_size,
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
         )
 
@@ -109,13 +132,8 @@ class ModelRunner:
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     # -- forward ----------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def forward(
-        self,
-        chunks: list[ForwardChunk],
-        layer_ids: list[int] | None = None,
-        hidden_layers: tuple[int, ...] = (),
-    ) -> ForwardOutput:
+    def prepare(self, chunks: list[ForwardChunk]) -> ForwardBatch:
+        """Host metadata → device tensors for one flattened forward (shared by every layer)."""
         token_ids: list[int] = []
         positions: list[int] = []
         logit_rows: list[int] = []
@@ -140,12 +158,36 @@ class ModelRunner:
             sliding_window=self.model.sliding_window,
             device=dev,
         )
-        hidden, captured = self.model(input_ids, pos, meta, self.kv_cache, layer_ids, hidden_layers)
-        if len(logit_rows) == hidden.shape[0]:
-            selected = hidden
-        else:
-            selected = hidden.index_select(0, torch.tensor(logit_rows, dtype=torch.int64).to(dev, non_blocking=True))
+        rows = None
+        if len(logit_rows) != len(token_ids):
+            rows = torch.tensor(logit_rows, dtype=torch.int64).to(dev, non_blocking=True)
+        return ForwardBatch(input_ids, pos, meta, rows, len(chunks), len(token_ids))
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        batch: ForwardBatch,
+        input_ids: torch.Tensor | None = None,  # [T] overrides batch.input_ids (tokens still on the device)
+        layer_ids: list[int] | None = None,
+        hidden_layers: tuple[int, ...] = (),
+    ) -> ForwardOutput:
+        ids = batch.input_ids if input_ids is None else input_ids
+        hidden, captured = self.model(ids, batch.positions, batch.meta, self.kv_cache, layer_ids, hidden_layers)
+        selected = hidden if batch.logit_rows is None else hidden.index_select(0, batch.logit_rows)
         return ForwardOutput(logits=self.model.compute_logits(selected), hidden_states=captured)
+
+    def forward(
+        self,
+        chunks: list[ForwardChunk],
+        layer_ids: list[int] | None = None,
+        hidden_layers: tuple[int, ...] = (),
+    ) -> ForwardOutput:
+        return self.execute(self.prepare(chunks), layer_ids=layer_ids, hidden_layers=hidden_layers)
+
+    def synchronize(self) -> None:
+        """Wait for the device (timings are taken after it)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # -- sampling ---------------------------------------------------------------------------------
     @torch.inference_mode()

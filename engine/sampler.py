@@ -107,25 +107,10 @@ class SamplingMetadata:
                 f"{batch}, {len(prompt_ids)}, {len(output_ids)}, {len(generators)}"
             )
         device = torch.device(device)
-        greedy = [p.greedy for p in params]
-        # Filters only shape random rows; greedy rows (and rows with a filter off) hold its "off" value.
-        temps, ks, ps, min_ps = [], [], [], []
-        for p, g in zip(params, greedy, strict=True):
-            temps.append(0.0 if g else p.temperature)
-            ks.append(p.top_k if not g and 0 < p.top_k < vocab_size else vocab_size)
-            ps.append(1.0 if g else p.top_p)
-            min_ps.append(0.0 if g else p.min_p)
-        temperature = _host_to_device(temps, device)
-        top_k = _host_to_device(ks, device, torch.int64) if any(k < vocab_size for k in ks) else None
-        top_p = _host_to_device(ps, device) if any(x < 1.0 for x in ps) else None
-        min_p = _host_to_device(min_ps, device) if any(x > 0.0 for x in min_ps) else None
-
         repetition = presence = frequency = prompt_mask = output_counts = None
         penalised = [i for i, p in enumerate(params) if p.needs_penalties]
         if penalised:
-            repetition = _host_to_device([p.repetition_penalty for p in params], device)
-            presence = _host_to_device([p.presence_penalty for p in params], device)
-            frequency = _host_to_device([p.frequency_penalty for p in params], device)
+            repetition, presence, frequency = _penalty_rows(params, device)
             flat = _flat_token_index(penalised, output_ids, vocab_size).to(device)  # [N]
             output_counts = torch.zeros(batch * vocab_size, dtype=torch.float32, device=device)
             # index_put_ with accumulate has a deterministic CUDA path; sums of 1.0 are exact anyway.
@@ -137,6 +122,93 @@ class SamplingMetadata:
                 prompt_mask = torch.zeros(batch * vocab_size, dtype=torch.bool, device=device)
                 prompt_mask[flat] = True
                 prompt_mask = prompt_mask.view(batch, vocab_size)
+        penalties = (repetition, presence, frequency, prompt_mask, output_counts)
+        num_outputs = [len(o) for o in output_ids]
+        return cls._assemble(params, num_outputs, generators, eos_token_ids, vocab_size, device, penalties)
+
+    def select(self, rows: list[int]) -> SamplingMetadata:
+        """The metadata of a subset of rows (a drafting level where some sequences stopped early)."""
+        if len(rows) == self.temperature.shape[0]:
+            return self
+        idx = torch.tensor(rows, dtype=torch.int64, device=self.temperature.device)
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.index_select(0, idx)
+
+        # A subset of a mixed batch keeps the mixed flags: slower paths, the same results.
+        return SamplingMetadata(
+            temperature=pick(self.temperature),
+            all_greedy=self.all_greedy,
+            all_random=self.all_random,
+            top_k=pick(self.top_k),
+            top_p=pick(self.top_p),
+            min_p=pick(self.min_p),
+            repetition_penalty=pick(self.repetition_penalty),
+            presence_penalty=pick(self.presence_penalty),
+            frequency_penalty=pick(self.frequency_penalty),
+            prompt_mask=pick(self.prompt_mask),
+            output_counts=pick(self.output_counts),
+            logit_bias=pick(self.logit_bias),
+            suppress_mask=pick(self.suppress_mask),
+            generators=[self.generators[r] for r in rows],
+            max_num_logprobs=self.max_num_logprobs,
+        )
+
+    @classmethod
+    def from_state(
+        cls,
+        params: Sequence[SamplingParams],
+        num_outputs: Sequence[int],
+        counts: Sequence[torch.Tensor | None],  # per row [V] float32 output-token counts (penalised rows)
+        prompt_masks: Sequence[torch.Tensor | None],  # per row [V] bool prompt tokens (repetition penalty)
+        generators: Sequence[torch.Generator | None],
+        eos_token_ids: Sequence[int],
+        vocab_size: int,
+        device: torch.device | str,
+        extra_tokens: Sequence[tuple[int, int]] = (),  # (row, token): one more occurrence in that row
+    ) -> SamplingMetadata:
+        """Like :meth:`build`, from token statistics each sequence keeps up to date instead of its
+        whole history: the cost is O(rows × vocab), never O(context). ``extra_tokens`` adds tokens a
+        row has beyond its sequence's (a draft tree's path above a verified node)."""
+        device = torch.device(device)
+        repetition = presence = frequency = prompt_mask = output_counts = None
+        if any(p.needs_penalties for p in params):
+            repetition, presence, frequency = _penalty_rows(params, device)
+            zeros = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+            output_counts = torch.stack([c if c is not None else zeros for c in counts])  # [B, V]
+            if extra_tokens:
+                idx = _host_to_device([list(x) for x in zip(*extra_tokens)], device, torch.int64)  # [2, N]
+                output_counts.index_put_((idx[0], idx[1]), torch.ones((), device=device), accumulate=True)
+            if any(m is not None for m in prompt_masks):
+                none = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+                prompt_mask = torch.stack([m if m is not None else none for m in prompt_masks])
+        penalties = (repetition, presence, frequency, prompt_mask, output_counts)
+        return cls._assemble(params, num_outputs, generators, eos_token_ids, vocab_size, device, penalties)
+
+    @classmethod
+    def _assemble(
+        cls,
+        params: Sequence[SamplingParams],
+        num_outputs: Sequence[int],
+        generators: Sequence[torch.Generator | None],
+        eos_token_ids: Sequence[int],
+        vocab_size: int,
+        device: torch.device,
+        penalties: tuple[torch.Tensor | None, ...],  # repetition, presence, frequency, prompt_mask, output_counts
+    ) -> SamplingMetadata:
+        repetition, presence, frequency, prompt_mask, output_counts = penalties
+        batch = len(params)
+        greedy = [p.greedy for p in params]
+        temps, ks, ps, min_ps = [], [], [], []
+        for p, g in zip(params, greedy, strict=True):
+            temps.append(0.0 if g else p.temperature)
+            ks.append(p.top_k if not g and 0 < p.top_k < vocab_size else vocab_size)
+            ps.append(1.0 if g else p.top_p)
+            min_ps.append(0.0 if g else p.min_p)
+        temperature = _host_to_device(temps, device)
+        top_k = _host_to_device(ks, device, torch.int64) if any(k < vocab_size for k in ks) else None
+        top_p = _host_to_device(ps, device) if any(x < 1.0 for x in ps) else None
+        min_p = _host_to_device(min_ps, device) if any(x > 0.0 for x in min_ps) else None
 
         bias_rows, bias_tokens, bias_values = [], [], []
         for i, p in enumerate(params):
@@ -154,7 +226,7 @@ class SamplingMetadata:
         # min_tokens: EOS is suppressed even with ignore_eos, which only changes when a row stops.
         sup_rows, sup_tokens = [], []
         for i, p in enumerate(params):
-            if len(output_ids[i]) < p.min_tokens:
+            if num_outputs[i] < p.min_tokens:
                 for tok in set(eos_token_ids).union(p.stop_token_ids):
                     if 0 <= tok < vocab_size:
                         sup_rows.append(i)
@@ -289,16 +361,25 @@ def sample_from_probs(probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor
     """
     if md.all_greedy:
         return probs.argmax(dim=-1)
+    tokens = (probs / exponential_noise(probs, md.generators)).argmax(dim=-1)  # [B]
+    if not md.all_random:
+        tokens = torch.where(md.temperature == 0, probs.argmax(dim=-1), tokens)
+    return tokens
+
+
+def exponential_noise(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """``[B, V]`` i.i.d. Exp(1) draws (clamped above 0); a row with a generator draws from it alone.
+
+    ``argmax(probs / E)`` samples a row of ``probs``; the order of ``probs / E``, best first, is a
+    sample *without replacement* (the exponential race), which is how sampled draft trees pick
+    distinct siblings."""
     exp = torch.empty_like(probs)  # [B, V]
-    seeded = [(row, gen) for row, gen in enumerate(md.generators) if gen is not None]
+    seeded = [(row, gen) for row, gen in enumerate(generators) if gen is not None]
     if len(seeded) < probs.shape[0]:
         exp.exponential_()
     for row, gen in seeded:
         exp[row].exponential_(generator=gen)
-    tokens = (probs / exp.clamp_min_(_TINY)).argmax(dim=-1)  # [B]
-    if not md.all_random:
-        tokens = torch.where(md.temperature == 0, probs.argmax(dim=-1), tokens)
-    return tokens
+    return exp.clamp_min_(_TINY)
 
 
 class Sampler:
@@ -331,6 +412,15 @@ class Sampler:
 
 
 # -- helpers -------------------------------------------------------------------------------------
+
+
+def _penalty_rows(params: Sequence[SamplingParams], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """[B] repetition, presence and frequency penalties (neutral values for rows without any)."""
+    return (
+        _host_to_device([p.repetition_penalty for p in params], device),
+        _host_to_device([p.presence_penalty for p in params], device),
+        _host_to_device([p.frequency_penalty for p in params], device),
+    )
 
 
 def _host_to_device(

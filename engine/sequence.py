@@ -62,9 +62,14 @@ class Sequence:
         self.logprobs: list[TokenLogprob] = []
         self.generator: torch.Generator | None = None  # per-request RNG when a seed is given
         self.num_preemptions = 0
+        # Penalty statistics, kept on the device across steps (see engine.speculative.step): [V] float32
+        # output-token counts and [V] bool prompt mask; None until a penalised request first samples.
+        self.token_counts: torch.Tensor | None = None
+        self.prompt_mask: torch.Tensor | None = None
         # Speculative decoding state.
-        self.draft_num_computed = 0  # leading tokens whose draft-model KV is valid
+        self.draft_num_computed = 0  # leading tokens whose draft-model KV is valid (draft-model proposer)
         self.spec_estimate: Any = None  # engine.speculative.controller.AcceptanceEstimate
+        self.spec_depth = 0  # the depth the controller last chose for it (hysteresis)
         self.spec_idle_steps = 0  # consecutive steps the controller chose not to draft
         self.detok: Any = None  # engine.detokenizer.IncrementalDetokenizer
         # How much of the output the last RequestOutput already carried (for deltas).
@@ -95,6 +100,13 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def tokens_left(self, max_model_len: int) -> int:
+        """Tokens it may still generate, by max_tokens and the context length."""
+        left = max_model_len - self.num_tokens
+        if self.params.max_tokens is not None:
+            left = min(left, self.params.max_tokens - self.num_output_tokens)
+        return left
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -35,6 +35,18 @@ def _isolated_augur_home(tmp_path_factory):
     mp.undo()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _float32_by_default():
+    """Tests compare with transformers in float32: keep ``dtype=auto`` at float32 even on CPUs whose
+    bf16 units would make it bfloat16 (tests of that choice patch it back)."""
+    import engine.config
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(engine.config, "cpu_has_bf16_units", lambda: False)
+    yield
+    mp.undo()
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:
     tok = Tokenizer(models.BPE())

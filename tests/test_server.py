@@ -29,6 +29,7 @@ from conftest import VOCAB
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.output_processor import OutputProcessor
 from server.app import ServerSettings, create_app
 
 MODEL = "tiny-llama"
@@ -917,14 +918,14 @@ def test_engine_failure_is_confined_to_its_request(srv, client, http, monkeypatc
     assert all(MARKER not in p for p in prompts)
     alone = [greedy(client, p, 12).choices[0].text for p in prompts]
 
-    original = LLMEngine._append_tokens
+    original = OutputProcessor.append
 
     def faulty(self, seq, tokens, logprobs):
         if MARKER in seq.prompt_ids:
             raise RuntimeError("injected fault")
         return original(self, seq, tokens, logprobs)
 
-    monkeypatch.setattr(LLMEngine, "_append_tokens", faulty)
+    monkeypatch.setattr(OutputProcessor, "append", faulty)
     wait_idle(srv)
     before = scrape(http)
     doomed = {"model": MODEL, "prompt": [MARKER, 20, 30], "max_tokens": 12, "temperature": 0}

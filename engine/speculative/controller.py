@@ -1,92 +1,97 @@
-"""Per-request draft depth, chosen each step to maximize tokens per second.
+"""Per-request draft depth, chosen each step to maximize tokens per second — and never to lose.
 
 Each request keeps an estimate of its own acceptance: ``alpha[j]``, the probability that draft
 position ``j`` is accepted given the positions before it were (an exponential moving average,
-starting from a prior). Drafting ``k`` positions then yields, in expectation,
-``1 + sum_{i<=k} prod_{j<=i} alpha[j]`` tokens from one verify step (the 1 is the recovered or
-bonus token).
+starting from what requests like it have been accepting). Drafting ``k`` positions then yields, in
+expectation, ``1 + sum_{i<=k} prod_{j<=i} alpha[j]`` tokens from one verify step.
 
-The cost of a step comes from measured timings (:class:`CostModel`): the target forward as a
-function of the batch's token count, and the draft forwards (one catch-up forward plus one per
-extra level of depth). The objective is useful tokens per second: the step's other work (prefill
-chunks) plus each decoding request's expected output. For each candidate maximum depth ``D`` the
-controller keeps, per request, the draft positions whose expected gain beats the marginal price of
-the target time they take (the current rate times that time), and picks the ``D`` with the best
-rate. With few requests the target forward costs
-about the same for 1 or 8 tokens, so drafts are cheap and long; as the batch fills, every draft
-token costs real target time, speculation shrinks, and at saturation it turns off (``D = 0`` is a
-true bypass: no draft forward at all).
+The cost side is a :class:`CostModel` of measured forward times, keyed by the shape the step runs
+(sequences × tokens), profiled at start-up over those shapes and refreshed online; each cell keeps
+its last observations and answers with their *median*, so one noisy timing moves nothing. The
+proposer declares its cost shape (:class:`~engine.speculative.proposer.CostShape`): a draft model's
+catch-up and per-level forwards, or nothing at all for a lookup.
+
+Planning: for each candidate maximum depth ``D``, every request keeps the positions whose expected
+gain beats the marginal price of the target time they take (the current rate times that time);
+the ``D`` with the best predicted rate wins — but the current ``D`` is only left when another beats
+it by a margin or for several steps in a row (hysteresis). Finally a measured :class:`Guard`
+compares the tokens/s that speculating and plain steps really achieved at the same batch size, and
+caps the depth when speculation loses (probing now and then so that it notices when it wins again).
 """
 
 from __future__ import annotations
 
-import math
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from engine.sequence import Sequence
 
 
 class CostModel:
-    """Seconds per forward as a function of its token count, for the target and the draft.
+    """Seconds per forward of a ``kind`` ("target", a proposer's kind) by batch shape.
 
-    Kept per power-of-two bucket of token counts (exponential moving averages), interpolated
-    linearly between measured buckets and extrapolated linearly beyond them.
+    Cells are keyed by the power-of-two buckets of the sequence count and the token count; each keeps
+    its last ``window`` observations and answers with their medians. Predictions interpolate
+    linearly in tokens within the nearest measured sequence bucket, never decreasing with tokens.
     """
 
-    def __init__(self, ema: float = 0.2) -> None:
-        self.ema = ema
-        self.buckets: dict[str, dict[int, tuple[float, float]]] = {"target": {}, "draft": {}}  # b → (tokens, s)
-        # Host-side work outside the forwards (scheduling, sampling, drafting and verification
-        # bookkeeping): seconds per sequence in a plain step, and extra seconds per drafting sequence.
-        self.host_per_seq: float | None = None
-        self.host_per_draft: float = 0.0
+    def __init__(self, window: int = 9) -> None:
+        self.window = window
+        self.cells: dict[tuple[str, int, int], deque[tuple[int, float]]] = {}
+        # Host-side work outside the forwards: seconds per sequence in a plain step, and extra seconds
+        # per drafting sequence (bookkeeping of drafts and verification).
+        self.host_per_seq: deque[float] = deque(maxlen=window)
+        self.host_per_draft: deque[float] = deque(maxlen=window)
 
-    def observe_step(self, host_seconds: float, num_seqs: int, num_drafting: int) -> None:
-        """What a whole step cost beyond its forwards, attributed to its sequences."""
+    def observe(self, kind: str, num_seqs: int, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or num_seqs <= 0:
+            return
+        key = (kind, num_seqs.bit_length(), tokens.bit_length())
+        self.cells.setdefault(key, deque(maxlen=self.window)).append((tokens, seconds))
+
+    def observe_host(self, host_seconds: float, num_seqs: int, num_drafting: int) -> None:
         if num_seqs <= 0:
             return
-        a = self.ema
         if num_drafting == 0:
-            per = host_seconds / num_seqs
-            self.host_per_seq = per if self.host_per_seq is None else (1 - a) * self.host_per_seq + a * per
-        elif self.host_per_seq is not None:
-            extra = max(host_seconds - self.host_per_seq * num_seqs, 0.0) / num_drafting
-            self.host_per_draft = (1 - a) * self.host_per_draft + a * extra
+            self.host_per_seq.append(host_seconds / num_seqs)
+        elif self.host_per_seq:
+            base = statistics.median(self.host_per_seq) * num_seqs
+            self.host_per_draft.append(max(host_seconds - base, 0.0) / num_drafting)
 
-    def observe(self, kind: str, tokens: int, seconds: float) -> None:
+    def host_draft_seconds(self) -> float:
+        return statistics.median(self.host_per_draft) if self.host_per_draft else 0.0
+
+    def predict(self, kind: str, num_seqs: int, tokens: int) -> float:
         if tokens <= 0:
-            return
-        b = max(0, int(math.log2(tokens)))
-        old = self.buckets[kind].get(b)
-        if old is None:
-            self.buckets[kind][b] = (float(tokens), seconds)
-        else:
-            a = self.ema
-            self.buckets[kind][b] = ((1 - a) * old[0] + a * tokens, (1 - a) * old[1] + a * seconds)
-
-    def predict(self, kind: str, tokens: int) -> float:
-        # A forward never gets cheaper with more tokens: noisy buckets are raised to their left neighbour.
-        pts = []
-        for t, sec in sorted(self.buckets[kind].values()):
-            pts.append((t, max(sec, pts[-1][1]) if pts else sec))
-        if not pts:
             return 0.0
-        if len(pts) == 1:
-            t0, s0 = pts[0]
-            return s0 * max(tokens, 1) / t0 if tokens > t0 else s0
-        if tokens <= pts[0][0]:
-            return pts[0][1]
-        for (t0, s0), (t1, s1) in zip(pts, pts[1:]):
+        rows = {sb for (k, sb, _) in self.cells if k == kind}
+        if not rows:
+            return 0.0
+        want = max(num_seqs, 1).bit_length()
+        sb = min(rows, key=lambda r: (abs(r - want), -r))
+        pts = []
+        for (k, s, _), obs in sorted(self.cells.items()):
+            if k == kind and s == sb:
+                pts.append((statistics.median(t for t, _ in obs), statistics.median(x for _, x in obs)))
+        pts.sort()
+        mono = []
+        for t, sec in pts:  # a forward never gets cheaper with more tokens
+            mono.append((t, max(sec, mono[-1][1]) if mono else sec))
+        if tokens <= mono[0][0]:
+            return mono[0][1]
+        for (t0, s0), (t1, s1) in zip(mono, mono[1:]):
             if tokens <= t1:
                 return s0 + (s1 - s0) * (tokens - t0) / max(t1 - t0, 1e-9)
-        (t0, s0), (t1, s1) = pts[-2], pts[-1]
-        slope = max((s1 - s0) / max(t1 - t0, 1e-9), 0.0)
-        return s1 + slope * (tokens - t1)
+        t1, s1 = mono[-1]
+        if len(mono) == 1:
+            return s1 * tokens / t1
+        t0, s0 = mono[-2]
+        return s1 + max((s1 - s0) / max(t1 - t0, 1e-9), 0.0) * (tokens - t1)
 
-    @property
-    def ready(self) -> bool:
-        return bool(self.buckets["target"]) and bool(self.buckets["draft"])
+    def ready(self, kinds: tuple[str, ...]) -> bool:
+        return all(any(k == kind for k, _, _ in self.cells) for kind in kinds)
 
 
 @dataclass
@@ -95,11 +100,7 @@ class AcceptanceEstimate:
     ema: float = 0.25
 
     def expected_tokens(self, k: int) -> float:
-        total, run = 1.0, 1.0
-        for j in range(k):
-            run *= self.alpha[j]
-            total += run
-        return total
+        return 1.0 + sum(self.gains(k))
 
     def gains(self, k: int) -> list[float]:
         """Expected extra tokens from each of the first k draft positions."""
@@ -117,28 +118,76 @@ class AcceptanceEstimate:
                 break  # positions after the first rejection were never tested
 
 
+class Guard:
+    """Measured tokens/s of speculating vs plain decode-only steps, per batch-size bucket.
+
+    When speculation's realised rate falls below ``margin`` times plain decoding's at the same batch
+    size, the depth cap for that bucket drops by one; when it clearly wins it rises again. A plain
+    step is forced every ``probe_every`` steps while speculating (and a depth-1 step while capped
+    at 0), so both rates stay current."""
+
+    def __init__(self, max_depth: int, margin: float = 0.97, ema: float = 0.1, probe_every: int = 50) -> None:
+        self.max_depth, self.margin, self.ema, self.probe_every = max_depth, margin, ema, probe_every
+        self.rate: dict[tuple[bool, int], float] = {}
+        self.count: dict[tuple[bool, int], int] = {}
+        self.cap: dict[int, int] = {}
+        self.steps = 0
+
+    def observe(self, num_seqs: int, tokens: int, seconds: float, speculated: bool) -> None:
+        if seconds <= 0 or num_seqs <= 0:
+            return
+        b, key = num_seqs.bit_length(), (speculated, num_seqs.bit_length())
+        r = tokens / seconds
+        self.rate[key] = r if key not in self.rate else (1 - self.ema) * self.rate[key] + self.ema * r
+        self.count[key] = self.count.get(key, 0) + 1
+        spec, plain = self.rate.get((True, b)), self.rate.get((False, b))
+        if spec is None or plain is None or min(self.count[(True, b)], self.count[(False, b)]) < 5:
+            return
+        cap = self.cap.get(b, self.max_depth)
+        if speculated and spec < self.margin * plain:
+            self.cap[b] = max(cap - 1, 0)
+            self.count[(True, b)] = 0  # judge the new cap on fresh steps
+        elif speculated and spec > plain / self.margin:
+            self.cap[b] = min(cap + 1, self.max_depth)
+
+    def limit(self, num_seqs: int) -> int:
+        """The most draft depth allowed this step (0: a plain step)."""
+        self.steps += 1
+        b = num_seqs.bit_length()
+        cap = self.cap.get(b, self.max_depth)
+        if self.steps % self.probe_every == 0:
+            return 1 if cap == 0 else 0
+        return cap
+
+
 @dataclass
 class SpecController:
     max_depth: int
-    slots_needed: object  # Callable[[int, bool], int]: target tokens a (greedy?) draft of this depth adds
+    proposer: object  # engine.speculative.proposer.Proposer: its slots_needed and cost shape
     cost: CostModel = field(default_factory=CostModel)
     prior: float = 0.6
     min_gain: float = 0.02  # never draft a position expected to add less than this
+    switch_margin: float = 0.03  # leave the current depth only for a predicted gain above this ...
+    patience: int = 3  # ... or when another depth was best this many plans in a row
 
     def __post_init__(self) -> None:
         # Population estimates (greedy / sampled requests accept very differently): a new request
         # starts from what requests like it have been accepting, not from a fixed guess.
         self.population = {g: AcceptanceEstimate([self.prior] * self.max_depth, ema=0.05) for g in (True, False)}
+        self.guard = Guard(self.max_depth)
+        self.depth = self.max_depth  # the current maximum depth (hysteresis state)
+        self._challenger, self._streak = None, 0
 
     def estimate(self, seq: Sequence) -> AcceptanceEstimate:
         if seq.spec_estimate is None:
             seq.spec_estimate = AcceptanceEstimate(list(self.population[seq.params.greedy].alpha))
         return seq.spec_estimate
 
-    def plan(self, seqs: list[Sequence], other_tokens: int) -> list[int]:
-        """Draft depth per decode sequence (0 = no speculation) for the coming step.
-
-        ``other_tokens`` counts the step's non-speculative target tokens (prefill chunks etc.)."""
+    def plan(self, seqs: list[Sequence], other_tokens: int, room: list[int] | None = None) -> list[int]:
+        """Draft depth per decode sequence (0 = none); ``room[i]`` caps sequence i's depth and
+        ``other_tokens`` counts the step's non-speculative target tokens (prefill chunks)."""
+        room = room if room is not None else [self.max_depth] * len(seqs)
+        cap = self.guard.limit(len(seqs))
         fixed: dict[int, int] = {}
         free: list[int] = []
         for i, seq in enumerate(seqs):
@@ -146,63 +195,103 @@ class SpecController:
             if p.speculative is False or self.max_depth == 0:
                 fixed[i] = 0
             elif p.num_draft_tokens is not None:
-                fixed[i] = min(p.num_draft_tokens, self.max_depth)
+                fixed[i] = min(p.num_draft_tokens, self.max_depth, room[i])
             else:
                 free.append(i)
         depths = [fixed.get(i, 0) for i in range(len(seqs))]
-        if not free or not self.cost.ready:
+        kinds = ("target",) + ((self.proposer.cost.kind,) if self.proposer.cost.kind else ())
+        if free and not self.cost.ready(kinds):
             for i in free:  # before any timing exists: draft at full depth, measure, then adapt
-                depths[i] = self.max_depth
+                depths[i] = min(self.max_depth, room[i], cap)
             return depths
-        gains = {i: self.estimate(seqs[i]).gains(self.max_depth) for i in free}
-        base_tokens = other_tokens + len(seqs)
-        greedy = [s.params.greedy for s in seqs]
-        best, best_rate = list(depths), -1.0
-        for D in range(self.max_depth + 1):
-            trial = list(depths)
-            for i in free:
-                trial[i] = D
-            # Keep, per sequence, the positions whose gain beats the marginal token price at this D.
-            for _ in range(2):
-                t = self._step_time(trial, base_tokens, greedy)
-                tokens = other_tokens + self._tokens(trial, seqs)
-                rate = tokens / t if t > 0 else 0.0
-                price = rate * self._marginal_token_time(trial, base_tokens, greedy)
-                for i in free:
-                    k = 0
-                    while k < D and gains[i][k] >= max(price, self.min_gain):
-                        k += 1
-                    trial[i] = k
-            t = self._step_time(trial, base_tokens, greedy)
+        if free:
+            gains = {i: self.estimate(seqs[i]).gains(self.max_depth) for i in free}
+            greedy = [s.params.greedy for s in seqs]
+            rates = {D: self._best_at(D, depths, free, gains, greedy, seqs, other_tokens, room) for D in range(cap + 1)}
+            best = max(rates, key=lambda D: rates[D][0])
+            cur = min(self.depth, cap)
+            if best != cur:
+                self._streak = self._streak + 1 if best == self._challenger else 1
+                self._challenger = best
+                if rates[best][0] > rates[cur][0] * (1 + self.switch_margin) or self._streak >= self.patience:
+                    cur, self._streak = best, 0
+            else:
+                self._streak = 0
+            self.depth = cur if cap == self.max_depth else self.depth
+            depths = rates[cur][1]
+        return self._probe_idle(seqs, depths, free, room)
+
+    def _best_at(self, D, depths, free, gains, greedy, seqs, other_tokens, room) -> tuple[float, list[int]]:
+        """Predicted rate and per-request depths when no request drafts deeper than ``D``."""
+        trial = list(depths)
+        for i in free:
+            trial[i] = min(D, room[i])
+        for _ in range(2):  # keep, per request, the positions whose gain beats the marginal token price
+            t = self._step_time(trial, other_tokens, greedy)
             rate = (other_tokens + self._tokens(trial, seqs)) / t if t > 0 else 0.0
-            if rate > best_rate * 1.0001:
-                best, best_rate = trial, rate
-        return best
+            price = rate * self._marginal_token_time(trial, other_tokens, greedy)
+            for i in free:
+                k = 0
+                while k < min(D, room[i]) and gains[i][k] >= max(price, self.min_gain):
+                    k += 1
+                trial[i] = k
+        t = self._step_time(trial, other_tokens, greedy)
+        return ((other_tokens + self._tokens(trial, seqs)) / t if t > 0 else 0.0), trial
+
+    def _probe_idle(self, seqs, depths, free, room) -> list[int]:
+        """A request kept at zero probes with one draft token now and then, so that a better phase
+        of its text (or a lighter load) is noticed."""
+        for i in free:
+            if depths[i] > 0:
+                seqs[i].spec_idle_steps = 0
+                continue
+            seqs[i].spec_idle_steps += 1
+            if seqs[i].spec_idle_steps >= 32 and room[i] > 0:
+                seqs[i].spec_idle_steps, depths[i] = 0, 1
+        return depths
 
     def _tokens(self, depths: list[int], seqs: list[Sequence]) -> float:
         return sum(self.estimate(s).expected_tokens(d) if d else 1.0 for s, d in zip(seqs, depths))
 
-    def _step_time(self, depths: list[int], base_tokens: int, greedy: list[bool]) -> float:
-        extra = sum(self.slots_needed(d, g) for d, g in zip(depths, greedy) if d)
-        t = self.cost.predict("target", base_tokens + extra)
-        D = max(depths, default=0)
-        if D:
-            drafting = [d for d in depths if d]
-            t += self.cost.host_per_draft * len(drafting)
-            t += self.cost.predict("draft", len(drafting) * 2)  # catch-up: about the root plus accepted
-            for level in range(1, D):
-                t += self.cost.predict("draft", sum(1 for d in drafting if d > level))
+    def _target_tokens(self, depths: list[int], other_tokens: int, greedy: list[bool]) -> int:
+        return other_tokens + len(depths) + sum(self.proposer.slots_needed(d, g) for d, g in zip(depths, greedy) if d)
+
+    def _step_time(self, depths: list[int], other_tokens: int, greedy: list[bool]) -> float:
+        n = len(depths) + (1 if other_tokens else 0)
+        t = self.cost.predict("target", n, self._target_tokens(depths, other_tokens, greedy))
+        drafting = [d for d in depths if d]
+        shape = self.proposer.cost
+        if drafting:
+            t += self.cost.host_draft_seconds() * len(drafting)
+        if drafting and shape.kind:
+            if shape.catch_up:  # about the root plus last step's accepted tokens
+                t += self.cost.predict(shape.kind, len(drafting), 2 * len(drafting))
+            if shape.per_level:
+                for level in range(1, max(drafting)):
+                    deeper = sum(1 for d in drafting if d > level)
+                    t += self.cost.predict(shape.kind, deeper, deeper)
         return t
 
-    def _marginal_token_time(self, depths: list[int], base_tokens: int, greedy: list[bool]) -> float:
-        n = base_tokens + sum(self.slots_needed(d, g) for d, g in zip(depths, greedy) if d)
-        return max(self.cost.predict("target", n + 1) - self.cost.predict("target", n), 0.0) + max(
-            self.cost.predict("draft", 2) - self.cost.predict("draft", 1), 0.0
-        )
+    def _marginal_token_time(self, depths: list[int], other_tokens: int, greedy: list[bool]) -> float:
+        n, m = len(depths) + 1, self._target_tokens(depths, other_tokens, greedy)
+        extra = max(self.cost.predict("target", n, m + 1) - self.cost.predict("target", n, m), 0.0)
+        kind = self.proposer.cost.kind
+        if kind:
+            extra += max(self.cost.predict(kind, 2, 2) - self.cost.predict(kind, 1, 1), 0.0)
+        return extra
 
     def update(self, seq: Sequence, drafted: int, accepted: int) -> None:
         self.estimate(seq).update(drafted, accepted)
         self.population[seq.params.greedy].update(drafted, accepted)
+
+    def observe_step(
+        self, num_seqs: int, tokens: int, seconds: float, forward_seconds: float, num_drafting: int, batch
+    ) -> None:
+        """A whole step's outcome: host time for the cost model; realised tokens/s of decode-only
+        steps (``batch.decode_only``) for the guard."""
+        self.cost.observe_host(seconds - forward_seconds, num_seqs, num_drafting)
+        if batch.decode_only:
+            self.guard.observe(num_seqs, tokens, seconds, num_drafting > 0)
 
 
 class Timer:

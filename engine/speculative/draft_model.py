@@ -1,22 +1,28 @@
 """Drafting with a separate small model that shares the target's tokenizer.
 
-The draft keeps its own KV pool, indexed by the *same* block tables as the target's (one block id
+The draft keeps its own KV cache, indexed by the *same* block tables as the target's (one block id
 names a block in both pools), so allocation, copy-on-write, preemption and tail release stay in sync
-by construction. ``Sequence.draft_num_computed`` counts the leading tokens whose draft KV is valid;
-each step first feeds the draft what it has not seen (up to the root), then drafts:
+by construction. ``Sequence.draft_num_computed`` counts the leading tokens whose draft KV is valid.
+Each step first *catches up* (feeds the draft what it has not seen, up to the root; long catch-ups,
+e.g. a new prompt, are chunked under the step's token budget and draft nothing until done), then
+drafts every level without waiting for the host: each level's tokens stay on the device and feed
+the next forward, whose metadata the host prepared in advance. One transfer at the end builds the
+trees.
 
-- chains: ``K`` tokens, one draft forward per token; greedy requests take the argmax, sampled ones
-  sample from the draft distribution ``q`` shaped by the request's own parameters (kept for
-  rejection sampling);
-- trees (EAGLE-2-style dynamic expansion): each level expands the ``topk`` nodes with the highest
-  cumulative draft log-probability into their ``topk`` best children; finally all nodes are reranked
-  by cumulative log-probability and the best ``budget`` kept (an ancestor always outranks its
-  descendants, so the kept set is a tree). Tree nodes are deterministic: verification treats their
-  ``q`` as one-hot.
+- *chains*: ``K`` tokens; greedy requests take the argmax, sampled ones sample from the draft
+  distribution ``q`` shaped by the request's own parameters (kept for rejection sampling);
+- *greedy trees* (EAGLE-2-style dynamic expansion): each level expands the ``topk`` nodes with the
+  highest cumulative draft log-probability into their ``topk`` best children; finally all nodes are
+  reranked by cumulative log-probability and the best ``budget`` kept (an ancestor always outranks
+  its descendants, so the kept set is a tree). Nodes are deterministic: ``q`` is one-hot.
+- *sampled trees*: each level draws ``topk`` distinct children of the spine node *without
+  replacement* from ``q`` (the exponential race), and the first of them continues the spine. The
+  ``i``-th sibling's row carries the distribution it was really drawn from — ``q`` without the
+  earlier siblings, renormalized — so recursive rejection sampling stays exact.
 
-In tree mode, greedy requests get trees and sampling requests get sampled chains: a deterministic
-child is accepted with probability ``p(x)`` — little when ``p`` is spread out — while a child sampled
-from ``q`` is accepted with ``min(1, p/q)``, i.e. ``1 − TV(p, q)`` on average.
+Prefix reuse: the draft's blocks follow the target's hashes. A block whose draft KV the draft wrote
+for a full block with hash ``h`` stays valid as long as the draft writes nothing else into it, so a
+target prefix-cache hit on ``h`` is a draft hit too and its catch-up starts after it.
 """
 
 from __future__ import annotations
@@ -25,15 +31,18 @@ import time
 
 import torch
 
-from engine.model_runner import ForwardChunk, ModelRunner
-from engine.sampler import SamplingMetadata, apply_logits_processors, compute_probs, sample_from_probs
+from engine.loader import load_config, load_model, load_tokenizer, resolve_model_path
+from engine.model_runner import ForwardBatch, ForwardChunk, ModelRunner
+from engine.sampler import SamplingMetadata, apply_logits_processors, compute_probs, exponential_noise
 from engine.sequence import Sequence
-from engine.speculative.proposer import ProposeContext
+from engine.speculative.proposer import CostShape, ProposeContext, Proposer, register
 from engine.speculative.tree import DraftTree
 
 
-class DraftModelProposer:
+@register
+class DraftModelProposer(Proposer):
     method = "draft"
+    cost = CostShape(kind="draft")
 
     def __init__(
         self,
@@ -43,7 +52,8 @@ class DraftModelProposer:
         tree: bool,
         topk: int = 2,
         budget: int = 16,
-    ):
+        catch_up_budget: int = 2048,
+    ) -> None:
         if topk < 1 or budget < 1:
             raise ValueError("spec tree topk and budget must be positive")
         self.runner = runner
@@ -55,173 +65,255 @@ class DraftModelProposer:
         self.tree = tree
         self.topk = topk
         self.budget = budget
+        self.catch_up_budget = catch_up_budget
+        self.kv_bytes_per_token = runner.kv_bytes_per_token
         self.num_forwards = 0
-        self._timings: list[tuple[str, int, float]] = []
-        self._chain_drafted: set[int] = set()  # sequences drafted as chains this step (draft KV in place)
+        self._timings: list[tuple[str, int, int, float]] = []
+        self._valid: dict[int, int] = {}  # block id → hash of the full block whose draft KV it holds
 
+    @classmethod
+    def build(cls, config, target: ModelRunner, *, tokenizer, eos_token_ids: list[int]) -> DraftModelProposer:
+        if not config.draft_model:
+            raise ValueError("speculative method 'draft' needs --draft-model")
+        path = resolve_model_path(config.draft_model)
+        draft_config = load_config(path)
+        check_same_vocabulary(tokenizer, load_tokenizer(path), draft_config, target.hf_config, path)
+        max_positions = target.model.rope_cos.shape[0]
+        model = load_model(path, draft_config, target.dtype, target.device, max_positions)
+        runner = ModelRunner(model, draft_config, target.device, target.dtype, config.block_size)
+        tree = config.spec_tree_topk > 1
+        budget, catch_up = config.spec_tree_budget, config.max_num_batched_tokens
+        return cls(runner, target.vocab_size, eos_token_ids, tree, config.spec_tree_topk, budget, catch_up)
+
+    # -- shape ----------------------------------------------------------------------------------
     def slots_needed(self, depth: int, greedy: bool = True) -> int:
         if depth <= 0:
             return 0
-        if not self.tree or not greedy:
+        if not self.tree:
             return depth
-        nodes = min(self.budget, self.topk + (depth - 1) * self.topk * self.topk)
-        return max(nodes, (depth - 1) * self.topk)
+        k = self.topk
+        if not greedy:
+            return k * depth  # k siblings per level; the draft writes one spine node per level
+        nodes = min(self.budget, k + (depth - 1) * k * k)
+        return max(nodes, (depth - 1) * k)  # the draft writes k nodes per level past the first
+
+    # -- cache and lifecycle --------------------------------------------------------------------
+    def allocate_kv(self, num_blocks: int) -> None:
+        self.runner.allocate_kv(num_blocks)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        for _, dst in copies:
+            self._valid.pop(dst, None)
         self.runner.copy_blocks(copies)
 
-    def on_verified(self, seq: Sequence, tree: DraftTree, num_accepted: int) -> None:
-        # The root's draft KV is in place (catch-up wrote it). A chain's fed nodes sit in their final
-        # slots too, so the accepted ones stay valid; a tree's nodes were written in expansion order,
-        # so they are recomputed by the next catch-up.
-        root_end = seq.draft_num_computed
-        if seq.seq_id in self._chain_drafted:
-            root_end += min(num_accepted, max(len(tree) - 1, 0))
-        seq.draft_num_computed = root_end
+    def on_verified(self, seq: Sequence, tree: DraftTree, accepted: list[int]) -> None:
+        # The root's draft KV is in place (catch-up wrote it). A chain's (or a sampled tree's spine)
+        # fed nodes sit in their final slots, so accepted ones stay valid while they follow the spine;
+        # a greedy tree's nodes were written in expansion order and are recomputed by the next catch-up.
+        spine = self._spine(tree)
+        keep = 0
+        while keep < len(accepted) and keep < len(spine) - 1 and accepted[keep] == spine[keep]:
+            keep += 1
+        seq.draft_num_computed += keep
 
-    # -- drafting ---------------------------------------------------------------------------------
+    def on_fork(self, parent: Sequence, child: Sequence) -> None:
+        child.draft_num_computed = parent.draft_num_computed
+
+    def on_preempt(self, seq: Sequence) -> None:
+        seq.draft_num_computed = 0
+
+    def _spine(self, tree: DraftTree) -> list[int]:
+        """Node indices whose draft KV sits in its final slot: chains and sampled trees' first children."""
+        if tree.q is None and not tree.is_chain:
+            return []
+        spine, want = [], -1
+        for i, par in enumerate(tree.parents):
+            if par == want:
+                spine.append(i)
+                want = i
+        return spine
+
+    def timings(self) -> list[tuple[str, int, int, float]]:
+        out, self._timings = self._timings, []
+        return out
+
+    # -- drafting -------------------------------------------------------------------------------
     def propose(self, seqs: list[Sequence], depths: list[int], ctx: ProposeContext) -> list[DraftTree]:
-        chunks = [
-            ForwardChunk(s.token_ids[s.draft_num_computed :], s.draft_num_computed, s.block_table, 1) for s in seqs
-        ]
-        logits = self._forward(chunks)  # [B, V] at each root
-        for s in seqs:
-            s.draft_num_computed = s.num_tokens
-        as_tree = [self.tree and s.params.greedy for s in seqs]
-        self._chain_drafted = {s.seq_id for s, t in zip(seqs, as_tree) if not t}
-        out: list[DraftTree | None] = [None] * len(seqs)
-        for shape, draft in ((True, self._trees), (False, self._chains)):
-            idx = [i for i, t in enumerate(as_tree) if t == shape]
-            if idx:
-                sub = logits[idx] if len(idx) < len(seqs) else logits
-                for i, tree in zip(idx, draft([seqs[i] for i in idx], [depths[i] for i in idx], sub)):
+        ready, chunks, budget = [], [], self.catch_up_budget
+        for i, s in enumerate(seqs):
+            self._skip_cached_prefix(s)
+            n = s.num_tokens - s.draft_num_computed
+            take = min(n, max(budget, 1))
+            budget -= take
+            chunks.append(ForwardChunk(s.token_ids[s.draft_num_computed :][:take], s.draft_num_computed, s.block_table,
+                                       int(take == n)))  # fmt: skip
+            if take == n:
+                ready.append(i)
+        logits = self._forward(self.runner.prepare(chunks), chunks)  # [len(ready), V] at each ready root
+        for s, c in zip(seqs, chunks):
+            s.draft_num_computed += len(c.token_ids)
+            self._mark_valid(s)
+        out = [DraftTree() for _ in seqs]
+        groups = {True: [], False: []}
+        for j, i in enumerate(ready):
+            groups[self.tree and seqs[i].params.greedy].append((i, j))
+        for as_tree, members in groups.items():
+            if members:
+                sub = logits[[j for _, j in members]]
+                draft = self._greedy_trees if as_tree else self._sampled
+                trees = draft([seqs[i] for i, _ in members], [depths[i] for i, _ in members], sub)
+                for (i, _), tree in zip(members, trees):
                     out[i] = tree
         return out
 
-    def _forward(self, chunks: list[ForwardChunk]) -> torch.Tensor:
+    def _forward(self, batch: ForwardBatch, chunks: list[ForwardChunk], input_ids=None) -> torch.Tensor:
+        """One draft forward (logits widened to the target's vocabulary), timed for the cost model."""
         self.num_forwards += 1
         t0 = time.perf_counter()
-        for c in chunks:
-            if any(t >= self.draft_vocab_size for t in c.token_ids):
-                c.token_ids = [t if t < self.draft_vocab_size else 0 for t in c.token_ids]
-        logits = self.runner.forward(chunks).logits
+        bs = self.runner.block_size
+        for c in chunks:  # the draft overwrites these slots: their blocks no longer hold a cached prefix
+            for b in range(c.ctx_len // bs, (c.ctx_len + len(c.token_ids) - 1) // bs + 1):
+                self._valid.pop(c.block_table[b], None)
+        if input_ids is None and self.draft_vocab_size < self.vocab_size:
+            batch.input_ids = batch.input_ids.clamp(max=self.draft_vocab_size - 1)
+        logits = self.runner.execute(batch, input_ids=input_ids).logits
         if logits.shape[1] != self.vocab_size:
             wide = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
             n = min(self.vocab_size, logits.shape[1])
             wide[:, :n] = logits[:, :n]
             logits = wide
-        if logits.device.type == "cuda":
-            torch.cuda.synchronize(logits.device)
-        self._timings.append(("draft", sum(len(c.token_ids) for c in chunks), time.perf_counter() - t0))
+        self.runner.synchronize()
+        self._timings.append(("draft", batch.num_seqs, batch.num_tokens, time.perf_counter() - t0))
         return logits
 
-    def runner_timings(self) -> list[tuple[str, int, float]]:
-        """(kind, tokens, seconds) of the draft forwards since the last call, for the cost model."""
-        out, self._timings = self._timings, []
-        return out
+    def _level(self, seqs: list[Sequence], ids: torch.Tensor, per_seq: int, first: list[int], depth: int,
+               masks: list[torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+        """Feed ``per_seq`` device-resident tokens per sequence at slots ``root + 1 + first[b] ...``,
+        all at position ``root + depth``; returns their logits."""
+        chunks = []
+        for b, s in enumerate(seqs):
+            root = s.num_tokens - 1
+            chunks.append(
+                ForwardChunk([0] * per_seq, root + 1 + first[b], s.block_table, per_seq, [root + depth] * per_seq,
+                             masks[b] if masks is not None else None, root + 1 if masks is not None else None)
+            )  # fmt: skip
+        if self.draft_vocab_size < self.vocab_size:
+            ids = ids.clamp(max=self.draft_vocab_size - 1)
+        return self._forward(self.runner.prepare(chunks), chunks, input_ids=ids.reshape(-1))
 
-    def _chains(self, seqs: list[Sequence], depths: list[int], logits: torch.Tensor) -> list[DraftTree]:
-        B = len(seqs)
-        drafted: list[list[int]] = [[] for _ in range(B)]
-        q_rows: list[list[torch.Tensor]] = [[] for _ in range(B)]
-        active = [b for b in range(B) if depths[b] > 0]
-        cur = logits[active] if len(active) < B else logits
-        d = 0
-        while active:
-            md = SamplingMetadata.build(
-                [seqs[b].params for b in active],
-                [seqs[b].prompt_ids for b in active],
-                [seqs[b].output_ids + drafted[b] for b in active],
-                [seqs[b].generator for b in active],
-                self.eos_token_ids,
-                self.vocab_size,
-                self.runner.device,
-            )
-            q = compute_probs(apply_logits_processors(cur, md) if md.needs_processing else cur, md)
-            chosen = sample_from_probs(q, md).tolist()
-            for i, b in enumerate(active):
-                drafted[b].append(chosen[i])
-                if not seqs[b].params.greedy:
-                    q_rows[b].append(q[i])
-            d += 1
-            nxt = [b for b in active if depths[b] > d]
+    def _sampled(self, seqs: list[Sequence], depths: list[int], logits: torch.Tensor) -> list[DraftTree]:
+        """Chains (``topk`` 1 or greedy requests in chain mode) and sampled trees: one spine token per
+        level is fed back; sampled trees add ``topk - 1`` distinct siblings per level as leaves."""
+        B, D = len(seqs), max(depths)
+        k = self.topk if self.tree else 1
+        md = SamplingMetadata.from_state(
+            [s.params for s in seqs], [s.num_output_tokens for s in seqs], [s.token_counts for s in seqs],
+            [s.prompt_mask for s in seqs], [s.generator for s in seqs], self.eos_token_ids, self.vocab_size,
+            self.runner.device,
+        )  # fmt: skip
+        level_rows: list[list[int]] = []
+        level_tokens: list[torch.Tensor] = []  # [A, k] per level
+        level_q: list[torch.Tensor] = []  # [A, k, V] per level (the distribution each sibling was drawn from)
+        rows, cur = list(range(B)), logits
+        for d in range(D):
+            mdl = md.select(rows)
+            q = compute_probs(apply_logits_processors(cur, mdl) if mdl.needs_processing else cur, mdl)  # [A, V]
+            if k == 1:
+                order = (q if mdl.all_greedy else q / exponential_noise(q, mdl.generators)).argmax(-1, keepdim=True)
+                qs = q[:, None]
+            else:  # k distinct siblings, and the distribution each was drawn from
+                order = (q / exponential_noise(q, mdl.generators)).topk(k, dim=-1).indices  # [A, k]
+                taken = torch.zeros_like(q, dtype=torch.bool)
+                qs = []
+                for i in range(k):
+                    qi = q.masked_fill(taken, 0.0)
+                    qs.append(qi / qi.sum(-1, keepdim=True).clamp_min(1e-30))
+                    taken.scatter_(1, order[:, i : i + 1], True)
+                qs = torch.stack(qs, 1)
+            level_rows.append(rows)
+            level_tokens.append(order)
+            level_q.append(qs)
+            nxt = [b for b in rows if depths[b] > d + 1]
             if not nxt:
                 break
-            chunks = [ForwardChunk([drafted[b][-1]], seqs[b].num_tokens + d - 1, seqs[b].block_table, 1) for b in nxt]
-            cur = self._forward(chunks)
-            active = nxt
-        return [DraftTree.chain(drafted[b], torch.stack(q_rows[b]) if q_rows[b] else None) for b in range(B)]
-
-    def _trees(self, seqs: list[Sequence], depths: list[int], logits: torch.Tensor) -> list[DraftTree]:
-        k = self.topk
-        B = len(seqs)
-        # Per sequence: generated nodes (token, parent node index, cumulative log q, depth) and, for
-        # nodes fed to the draft, their run index (their KV slot is root slot + 1 + run index).
-        nodes: list[list[tuple[int, int, float, int]]] = [[] for _ in range(B)]
-        run_of_node: list[dict[int, int]] = [{} for _ in range(B)]
-        run_chain: list[list[list[int]]] = [[] for _ in range(B)]  # run index → run indices of its path
-        frontier: list[list[int]] = [[] for _ in range(B)]
-
-        logq = torch.log_softmax(logits.float(), -1)
-        top_v, top_i = logq.topk(k, dim=-1)
-        top_v, top_i = top_v.tolist(), top_i.tolist()
+            keep = torch.tensor([rows.index(b) for b in nxt], device=cur.device)
+            spine = order[keep, 0]
+            cur = self._level([seqs[b] for b in nxt], spine, 1, [d] * len(nxt), d + 1)
+            rows = nxt
+        # One transfer: tokens and the probability each sibling had, for every level.
+        tok_host = [t.tolist() for t in level_tokens]
+        p_host = [qs.gather(2, t[:, :, None])[:, :, 0].tolist() for qs, t in zip(level_q, level_tokens)]
+        trees = []
         for b in range(B):
-            if depths[b] <= 0:
-                continue
-            for j in range(k):
-                nodes[b].append((top_i[b][j], -1, top_v[b][j], 1))
-            frontier[b] = list(range(k))
-
-        level = 1
-        while True:
-            expand = [b for b in range(B) if depths[b] > level and frontier[b]]
-            if not expand:
-                break
-            chunks = []
-            for b in expand:
-                seq = seqs[b]
-                root = seq.num_tokens - 1
-                first_run = len(run_chain[b])
-                for node in frontier[b]:
-                    parent = nodes[b][node][1]
-                    path = (run_chain[b][run_of_node[b][parent]] if parent >= 0 else []) + [len(run_chain[b])]
-                    run_of_node[b][node] = len(run_chain[b])
-                    run_chain[b].append(path)
-                n_run = len(run_chain[b])
-                mask = torch.zeros(k, n_run, dtype=torch.bool)
+            toks, parents, qrows, spine_node = [], [], [], -1
+            for d, rows_d in enumerate(level_rows):
+                if b not in rows_d:
+                    break
+                a = rows_d.index(b)
+                first = len(toks)
                 for i in range(k):
-                    mask[i, run_chain[b][first_run + i]] = True
-                chunks.append(
-                    ForwardChunk(
-                        [nodes[b][node][0] for node in frontier[b]],
-                        root + 1 + first_run,
-                        seq.block_table,
-                        k,
-                        positions=[root + level] * k,
-                        tree_mask=mask,
-                        mask_start=root + 1,
-                    )
-                )
-            child_logq = torch.log_softmax(self._forward(chunks).float(), -1)  # [len(expand) * k, V]
-            cv, ci = child_logq.topk(k, dim=-1)
-            cv, ci = cv.view(len(expand), k, k), ci.view(len(expand), k, k)
-            level += 1
-            for e, b in enumerate(expand):
-                parents = frontier[b]
-                base = torch.tensor([nodes[b][p][2] for p in parents], device=cv.device)[:, None]
-                scores = (base + cv[e]).flatten()  # [k * k] cumulative log q of every child
-                tokens = ci[e].flatten().tolist()
-                order = scores.argsort(descending=True).tolist()
-                score_list = scores.tolist()
-                first_new = len(nodes[b])
-                for j in range(k * k):
-                    nodes[b].append((tokens[j], parents[j // k], score_list[j], level))
-                frontier[b] = [first_new + j for j in order[:k]]
-        return [self._select(nodes[b]) if depths[b] > 0 else DraftTree() for b in range(B)]
+                    if i > 0 and p_host[d][a][i] <= 0.0:
+                        continue  # fewer than k tokens have mass (top-k / top-p): no such sibling
+                    toks.append(tok_host[d][a][i])
+                    parents.append(spine_node)
+                    qrows.append(level_q[d][a, i])
+                spine_node = first
+            q = None if seqs[b].params.greedy else torch.stack(qrows)
+            trees.append(DraftTree(toks, parents, q))
+        return trees
 
-    def _select(self, nodes: list[tuple[int, int, float, int]]) -> DraftTree:
+    def _greedy_trees(self, seqs: list[Sequence], depths: list[int], logits: torch.Tensor) -> list[DraftTree]:
+        k, B, D = self.topk, len(seqs), max(depths)
+        dev = logits.device
+        score, tok = torch.log_softmax(logits.float(), -1).topk(k, dim=-1)  # [B, k] level 1
+        levels = [(list(range(B)), tok, score, torch.full_like(tok, -1))]  # (rows, tokens, scores, parent ids)
+        f_ids = torch.arange(k, device=dev).expand(B, k)  # frontier node ids
+        f_tok, f_score, f_run = tok, score, None  # frontier tokens, scores, parents' run rows
+        run_max = max(D - 1, 1) * k
+        anc = torch.zeros(B, run_max, run_max, dtype=torch.bool, device=dev)  # run row → its ancestors' run rows
+        rows = list(range(B))
+        for level in range(2, D + 1):
+            nxt = [b for b in rows if depths[b] >= level]
+            if not nxt:
+                break
+            keep = torch.tensor([rows.index(b) for b in nxt], device=dev)
+            f_ids, f_tok, f_score = f_ids[keep], f_tok[keep], f_score[keep]
+            first = (level - 2) * k  # run rows of the frontier fed now
+            new = torch.arange(first, first + k, device=dev)
+            sub = anc[nxt]  # [A, R, R]
+            if f_run is not None:
+                sub[:, first : first + k] = sub.gather(1, f_run[keep][:, :, None].expand(-1, -1, run_max))
+            sub[:, new, new] = True
+            anc[nxt] = sub
+            masks = [sub[a, first : first + k, : first + k] for a in range(len(nxt))]
+            child = torch.log_softmax(self._level([seqs[b] for b in nxt], f_tok, k, [first] * len(nxt), level - 1,
+                                                  masks).float(), -1)  # fmt: skip
+            cv, ci = child.view(len(nxt), k, -1).topk(k, dim=-1)  # [A, k, k]
+            c_score = (f_score[:, :, None] + cv).flatten(1)  # [A, k*k] cumulative log q
+            c_tok = ci.flatten(1)
+            c_par = f_ids.repeat_interleave(k, dim=1)
+            levels.append((nxt, c_tok, c_score, c_par))
+            f_score, sel = c_score.topk(k, dim=-1)
+            base = k + (level - 2) * k * k
+            f_ids, f_tok, f_run = base + sel, c_tok.gather(1, sel), first + sel // k
+            rows = nxt
+        host = [(r, t.tolist(), s.tolist(), p.tolist()) for r, t, s, p in levels]  # one transfer
+        trees = []
+        for b in range(B):
+            nodes: dict[int, tuple[int, int, float, int]] = {}  # id → (token, parent id, score, depth)
+            for level, (r, t, s, p) in enumerate(host, start=1):
+                if b not in r:
+                    break
+                a = r.index(b)
+                base = 0 if level == 1 else k + (level - 2) * k * k
+                for j in range(len(t[a])):
+                    nodes[base + j] = (t[a][j], p[a][j], s[a][j], level)
+            trees.append(self._select(nodes))
+        return trees
+
+    def _select(self, nodes: dict[int, tuple[int, int, float, int]]) -> DraftTree:
         """Keep the ``budget`` best nodes by cumulative log q, in topological order, siblings best first."""
-        ranked = sorted(range(len(nodes)), key=lambda i: (-nodes[i][2], nodes[i][3]))[: self.budget]
+        ranked = sorted(nodes, key=lambda i: (-nodes[i][2], nodes[i][3]))[: self.budget]
         kept = set(ranked)
         kept = {i for i in kept if all(a in kept for a in _ancestors(nodes, i))}
         order = sorted(kept, key=lambda i: (nodes[i][3], -nodes[i][2]))
@@ -231,11 +323,41 @@ class DraftModelProposer:
             [new_index[nodes[i][1]] if nodes[i][1] >= 0 else -1 for i in order],
         )
 
+    # -- prefix reuse ---------------------------------------------------------------------------
+    def _skip_cached_prefix(self, seq: Sequence) -> None:
+        """Start catch-up after the leading full blocks whose draft KV is valid for their hash."""
+        bs, n = self.runner.block_size, 0
+        while n < len(seq.block_hashes) and self._valid.get(seq.block_table[n]) == seq.block_hashes[n]:
+            n += 1
+        n = min(n * bs, seq.num_tokens - 1)  # the root is always fed
+        if n > seq.draft_num_computed:
+            seq.draft_num_computed = n
 
-def _ancestors(nodes: list[tuple[int, int, float, int]], i: int) -> list[int]:
+    def _mark_valid(self, seq: Sequence) -> None:
+        bs = self.runner.block_size
+        for i in range(min(len(seq.block_hashes), seq.draft_num_computed // bs)):
+            self._valid[seq.block_table[i]] = seq.block_hashes[i]
+
+
+def _ancestors(nodes: dict[int, tuple[int, int, float, int]], i: int) -> list[int]:
     out = []
     p = nodes[i][1]
     while p >= 0:
         out.append(p)
         p = nodes[p][1]
     return out
+
+
+def check_same_vocabulary(target_tok, draft_tok, draft_config, target_config, draft_path) -> None:
+    """A draft must speak the target's vocabulary: same ids for the same tokens."""
+    if draft_tok.get_vocab() != target_tok.get_vocab():
+        raise ValueError(
+            f"the draft model {draft_path} has a different tokenizer vocabulary from the target; "
+            "speculative decoding needs the same tokenizer"
+        )
+    # Checkpoints of one family often pad their embedding tables differently (Qwen2.5-7B: 152064,
+    # Qwen2.5-0.5B: 151936); that is fine as long as both cover the shared tokenizer.
+    need = len(target_tok)
+    for name, cfg in (("draft", draft_config), ("target", target_config)):
+        if cfg.vocab_size < need:
+            raise ValueError(f"the {name} model's vocab_size ({cfg.vocab_size}) is smaller than its tokenizer ({need})")

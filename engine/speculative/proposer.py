@@ -1,44 +1,153 @@
-"""The one interface every drafting method implements.
+"""The one interface every drafting method implements, and the registry that builds them by name.
 
-Every proposer gets the same inputs — the sequences to draft for, each one's draft depth, and what
-the last target forward produced (hidden states of chosen layers, for heads that read them) — and
-returns the same output: one :class:`DraftTree` per sequence (a chain is a tree). The engine never
-branches on the method.
+Every proposer gets the same inputs — the sequences to draft for, each one's draft depth, and a
+:class:`ProposeContext` with what the target's forwards produced for them (hidden states of the
+layers the proposer asked for) — and returns the same output: one :class:`DraftTree` per sequence
+(a chain is a tree). The speculative step (``engine/speculative/step.py``) never branches on the
+method; what differs between methods lives behind these hooks:
+
+- ``build(config, target, ...)``: the registry's constructor; a method loads what it needs (a draft
+  model, heads, nothing at all) and may reuse the target runner (layer skipping, heads on the
+  target's LM head).
+- ``kv_bytes_per_token`` / ``allocate_kv(num_blocks)``: a proposer with its own KV cache is sized
+  into the one pool (its cache is indexed by the target's block tables, one slot per target slot).
+- ``hidden_layers``: target layers whose hidden states are captured in every prefill and verify
+  forward and handed over (:meth:`Proposer.on_computed`, and ``ProposeContext.hidden_states``).
+- ``cost``: the shape of the proposer's own cost (:class:`CostShape`), so the one controller tunes
+  every method: a draft model's forwards, or nothing for a lookup.
+- lifecycle: ``on_computed`` (tokens whose target KV became final, with their hidden states),
+  ``on_verified`` (which nodes of its tree the target kept), ``on_fork``, ``on_preempt``,
+  ``on_free``, ``copy_blocks`` (copy-on-write in its own cache).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from engine.sequence import Sequence
 from engine.speculative.tree import DraftTree
 
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.model_runner import ModelRunner
+
+
+@dataclass(frozen=True)
+class CostShape:
+    """How a proposer spends time, in terms the controller's cost model measures.
+
+    ``kind`` names the cost-model table its forwards are timed in (``None``: drafting costs no model
+    time, e.g. a lookup). A model-based proposer runs one *catch-up* forward per step over what it
+    has not seen (the root and the tokens accepted last step), then one forward per further draft
+    level over that level's nodes.
+    """
+
+    kind: str | None = None
+    catch_up: bool = True
+    per_level: bool = True
+
 
 @dataclass
 class ProposeContext:
-    # layer → [T, hidden] from the last target forward, for proposers that read the target's states
-    hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
+    # seq_id → {layer: [n, hidden]} target hidden states of the tokens that became final in the
+    # sequence's last target forward (the rows handed to on_computed), for proposers that read them
+    hidden_states: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
 
 
-class Proposer(Protocol):
-    method: str  # "draft", ... (the metrics label)
+class Proposer:
+    """Base class: the default hooks do nothing, so a method overrides only what it needs."""
 
+    method: ClassVar[str] = ""  # the registry key and the metrics label
+    cost: ClassVar[CostShape] = CostShape()
+    hidden_layers: tuple[int, ...] = ()  # target layers to capture (the last is num_layers - 1)
+    kv_bytes_per_token: int = 0  # bytes of its own KV per pool slot (0: none)
+
+    @classmethod
+    def build(cls, config: EngineConfig, target: ModelRunner, *, tokenizer, eos_token_ids: list[int]) -> Proposer:
+        raise NotImplementedError
+
+    # -- shape and drafting ---------------------------------------------------------------------
     def slots_needed(self, depth: int, greedy: bool = True) -> int:
-        """KV slots past the root a draft of this depth may write (verify nodes and draft-side writes),
-        for a greedy or a sampling request (a proposer may draft them in different shapes)."""
-        ...
+        """KV slots past the root a draft of this depth may take (verify nodes and draft-side
+        writes), for a greedy or a sampling request (a method may draft them in different shapes)."""
+        raise NotImplementedError
+
+    def depth_for_slots(self, slots: int, depth: int, greedy: bool) -> int:
+        """The deepest draft no deeper than ``depth`` that fits in ``slots`` granted KV slots."""
+        while depth > 0 and self.slots_needed(depth, greedy) > slots:
+            depth -= 1
+        return depth
 
     def propose(self, seqs: list[Sequence], depths: list[int], ctx: ProposeContext) -> list[DraftTree]:
         """Draft a tree of at most ``depths[i]`` levels for each sequence (its last token is the root)."""
-        ...
+        raise NotImplementedError
 
-    def on_verified(self, seq: Sequence, tree: DraftTree, num_accepted: int) -> None:
-        """Bring the proposer's own state (e.g. its KV) in line after verification kept ``num_accepted``."""
-        ...
+    def timings(self) -> list[tuple[str, int, int, float]]:
+        """(cost kind, sequences, tokens, seconds) of the proposer's forwards since the last call."""
+        return []
+
+    # -- its own cache --------------------------------------------------------------------------
+    def allocate_kv(self, num_blocks: int) -> None:
+        """Allocate the proposer's KV cache for a pool of ``num_blocks`` (only if kv_bytes_per_token)."""
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Mirror the target cache's copy-on-write block copies in the proposer's own cache, if any."""
-        ...
+        """Mirror the target cache's copy-on-write block copies in the proposer's own cache."""
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def on_computed(self, seq: Sequence, start: int, hidden: dict[int, torch.Tensor]) -> None:
+        """Target KV of ``seq`` tokens ``start .. start + n`` became final in the last forward;
+        ``hidden[layer]`` is ``[n, hidden]`` for each layer in ``hidden_layers`` (empty otherwise)."""
+
+    def on_verified(self, seq: Sequence, tree: DraftTree, accepted: list[int]) -> None:
+        """Verification kept the nodes ``accepted`` (node indices, root to leaf) of the sequence's tree."""
+
+    def on_fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` was forked off ``parent`` (n > 1): it shares the parent's blocks so far."""
+
+    def on_preempt(self, seq: Sequence) -> None:
+        """``seq`` lost its KV blocks; everything it had computed will be recomputed."""
+
+    def on_free(self, seq: Sequence) -> None:
+        """``seq`` finished or was aborted."""
+
+
+_REGISTRY: dict[str, type[Proposer]] = {}
+
+
+def register(cls: type[Proposer]) -> type[Proposer]:
+    """Class decorator: make a proposer buildable by its ``method`` name."""
+    if not cls.method:
+        raise ValueError(f"{cls.__name__} has no method name")
+    _REGISTRY[cls.method] = cls
+    return cls
+
+
+def proposer_class(method: str) -> type[Proposer]:
+    _load_builtin()
+    if method not in _REGISTRY:
+        raise ValueError(f"unknown speculative method {method!r}; known: {sorted(_REGISTRY)}")
+    return _REGISTRY[method]
+
+
+def known_methods() -> list[str]:
+    _load_builtin()
+    return sorted(_REGISTRY)
+
+
+_builtin_loaded = False
+
+
+def _load_builtin() -> None:
+    """Import the built-in methods once (each module registers itself)."""
+    global _builtin_loaded
+    if not _builtin_loaded:
+        _builtin_loaded = True
+        import engine.speculative.draft_model  # noqa: F401
+
+
+# A draft of depth d for a (greedy?) request: KV slots past the root it takes.
+SlotsFn = Callable[[int, bool], int]

@@ -161,3 +161,28 @@ def build_verify_input(
         sampled=torch.tensor(sampled, device=device) if any_q else None,
     )
     return inp, roots
+
+
+def greedy_accept(targets: list[int], trees: list, roots: list[int]) -> list[tuple[list[int], int]]:
+    """Verification when every row is greedy: ``targets[r]`` is the target's argmax at row ``r``.
+
+    Walking down from each root, keep the child whose token equals the argmax at its parent's row;
+    the argmax where the walk stops is the recovered (or bonus) token. This is :func:`verify` for a
+    one-hot ``p`` without building any ``[R, V]`` tensor. Returns ``(accepted node indices, final
+    token)`` per tree.
+    """
+    out = []
+    for tree, root in zip(trees, roots):
+        kids: dict[int, list[int]] = {}
+        for i, par in enumerate(tree.parents):
+            kids.setdefault(par, []).append(i)
+        node, accepted = -1, []
+        while True:
+            want = targets[root + node + 1]
+            nxt = next((c for c in kids.get(node, ()) if tree.tokens[c] == want), None)
+            if nxt is None:
+                out.append((accepted, want))
+                break
+            accepted.append(nxt)
+            node = nxt
+    return out

@@ -1,0 +1,89 @@
+"""From a forward's logits to accepted draft nodes, for a batch of samples (see ``step.py``).
+
+Greedy samples take the fast path: one argmax per row and a walk on the host
+(:func:`~engine.speculative.verify.greedy_accept`); sampling samples go through lossless
+rejection sampling (:func:`~engine.speculative.verify.verify`). Every row is shaped exactly as plain
+sampling would shape it — a node's row as if its path above had been emitted — so penalties count
+the path's tokens too. Penalty statistics live on the sequence, on the device, updated with each
+step's tokens: building a row costs O(vocab), never O(context).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.sampler import SamplingMetadata, apply_logits_processors, compute_probs
+from engine.sequence import Sequence
+from engine.speculative.verify import build_verify_input, greedy_accept, verify
+
+
+class RowsMetadata:
+    def __init__(self, vocab_size: int, device: torch.device, eos_token_ids: list[int]) -> None:
+        self.vocab_size, self.device, self.eos_token_ids = vocab_size, device, eos_token_ids
+
+    def __call__(self, samples: list) -> tuple[list[int], SamplingMetadata]:
+        """Logits rows of every sample's root and nodes, and their sampling metadata."""
+        rows, params, num_out, counts, masks, gens, extra = [], [], [], [], [], [], []
+        for s in samples:
+            seq = s.seq
+            st = penalty_state(seq, self.vocab_size, self.device)
+            paths: list[list[int]] = [[]]
+            for t, par in zip(s.tree.tokens, s.tree.parents):
+                paths.append(paths[par + 1] + [t])
+            for i, path in enumerate(paths):
+                extra.extend((len(rows), t) for t in path)
+                rows.append(s.row + i)
+                params.append(seq.params)
+                num_out.append(seq.num_output_tokens + len(path))
+                counts.append(st[0])
+                masks.append(st[1])
+                gens.append(seq.generator)
+        extra = extra if any(p.needs_penalties for p in params) else []
+        V, dev, eos = self.vocab_size, self.device, self.eos_token_ids
+        return rows, SamplingMetadata.from_state(params, num_out, counts, masks, gens, eos, V, dev, extra)
+
+
+def accept_greedy(samples: list, logits: torch.Tensor, rows_md: RowsMetadata) -> list[tuple[list[int], int]]:
+    """(accepted node indices, final token) per greedy sample: the target's argmax decides."""
+    rows, md = rows_md(samples)
+    raw = logits[rows]
+    targets = (apply_logits_processors(raw, md) if md.needs_processing else raw).argmax(-1).tolist()
+    roots, r = [], 0
+    for s in samples:
+        roots.append(r)
+        r += len(s.tree) + 1
+    return greedy_accept(targets, [s.tree for s in samples], roots)
+
+
+def accept_random(samples: list, logits: torch.Tensor, rows_md: RowsMetadata) -> list[tuple[list[int], int]]:
+    """(accepted node indices, final token) per sampling sample, by lossless rejection sampling."""
+    rows, md = rows_md(samples)
+    raw = logits[rows]
+    p = compute_probs(apply_logits_processors(raw, md) if md.needs_processing else raw, md)
+    inp, roots = build_verify_input(p, [s.tree for s in samples], rows_md.vocab_size)
+    res = verify(inp, [s.seq.generator for s in samples])
+    accepted = [[r - root - 1 for r in acc] for acc, root in zip(res.accepted_rows, roots)]
+    return list(zip(accepted, res.final_tokens))
+
+
+def penalty_state(seq: Sequence, vocab_size: int, device: torch.device) -> tuple[torch.Tensor | None, ...]:
+    """A penalised sequence's ``[V]`` output-token counts and prompt mask, built once from its
+    history and then kept up to date by :func:`count_tokens`."""
+    p = seq.params
+    if not p.needs_penalties:
+        return None, None
+    if seq.token_counts is None:
+        seq.token_counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        count_tokens(seq, seq.output_ids, vocab_size)
+        if p.repetition_penalty != 1.0:
+            seq.prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            ids = [t for t in seq.prompt_ids if 0 <= t < vocab_size]
+            seq.prompt_mask[torch.tensor(ids, dtype=torch.int64, device=device)] = True
+    return seq.token_counts, seq.prompt_mask
+
+
+def count_tokens(seq: Sequence, tokens: list[int], vocab_size: int) -> None:
+    if seq.token_counts is not None and tokens:
+        dev = seq.token_counts.device
+        idx = torch.tensor([t for t in tokens if 0 <= t < vocab_size], dtype=torch.int64, device=dev)
+        seq.token_counts.index_put_((idx,), torch.ones((), device=dev), accumulate=True)

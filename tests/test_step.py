@@ -1,0 +1,301 @@
+"""The speculative step, stage by stage, and proposers of every shape through the same engine path.
+
+A zero-cost lookup proposer and a proposer that reads the target's hidden states (a random head)
+are registered here like any method; the engine never branches on them.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import VOCAB, build_model_dir
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model_runner import ForwardChunk
+from engine.sampling_params import SamplingParams
+from engine.scheduler import SchedulerOutput
+from engine.speculative.controller import CostModel, Guard
+from engine.speculative.proposer import CostShape, Proposer, register
+from engine.speculative.step import Sample
+from engine.speculative.tree import DraftTree
+
+
+@register
+class LookupProposer(Proposer):
+    """Prompt lookup: find the last token's previous occurrence and copy what followed. No model cost."""
+
+    method = "test-lookup"
+    cost = CostShape(kind=None)
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    @classmethod
+    def build(cls, config, target, *, tokenizer, eos_token_ids):
+        return cls()
+
+    def slots_needed(self, depth: int, greedy: bool = True) -> int:
+        return depth
+
+    def propose(self, seqs, depths, ctx):
+        self.calls += 1
+        out = []
+        for s, d in zip(seqs, depths):
+            ids = s.token_ids
+            last = ids[-1]
+            hit = max((i for i in range(len(ids) - 1) if ids[i] == last), default=None)
+            out.append(DraftTree.chain(ids[hit + 1 : hit + 1 + d]) if hit is not None else DraftTree())
+        return out
+
+
+@register
+class HiddenHeadProposer(Proposer):
+    """Medusa-like random heads on the target's last-layer hidden state of the last computed token."""
+
+    method = "test-hidden"
+    cost = CostShape(kind=None)
+
+    def __init__(self, layer: int, hidden: int, vocab: int, max_depth: int) -> None:
+        self.hidden_layers = (layer,)
+        g = torch.Generator().manual_seed(0)
+        self.heads = torch.randn(max_depth, hidden, vocab, generator=g)
+        self.seen: dict[int, int] = {}  # seq_id → tokens whose hidden states were handed over
+        self.rows_ok = True
+
+    @classmethod
+    def build(cls, config, target, *, tokenizer, eos_token_ids):
+        cfg = target.hf_config
+        return cls(cfg.num_hidden_layers - 1, cfg.hidden_size, cfg.vocab_size, config.num_speculative_tokens)
+
+    def slots_needed(self, depth: int, greedy: bool = True) -> int:
+        return depth
+
+    def on_computed(self, seq, start, hidden):
+        rows = hidden[self.hidden_layers[0]]
+        # A prompt may start after a prefix-cache hit; after that the ranges follow each other.
+        self.rows_ok &= seq.seq_id not in self.seen or start == self.seen[seq.seq_id]
+        self.seen[seq.seq_id] = start + rows.shape[0]
+
+    def on_preempt(self, seq):
+        self.seen.pop(seq.seq_id, None)
+
+    def propose(self, seqs, depths, ctx):
+        out = []
+        for s, d in zip(seqs, depths):
+            h = ctx.hidden_states[s.seq_id][self.hidden_layers[0]][-1]  # the newest final token's state
+            out.append(DraftTree.chain([int((h @ self.heads[i]).argmax()) for i in range(d)]))
+        return out
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory, tokenizer_dir):
+    return build_model_dir(tmp_path_factory.mktemp("step") / "t", tokenizer_dir, "LlamaForCausalLM", std=0.3)
+
+
+def make(target, method=None, **kw) -> LLMEngine:
+    kw.setdefault("num_kv_blocks", 256)
+    kw.setdefault("block_size", 4)
+    return LLMEngine(EngineConfig(model=str(target), speculative_method=method, device="cpu", **kw))
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    return [o.outputs[0].delta_token_ids for o in engine.generate(prompts, params)]
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Repetitive prompts so that lookup finds something to copy.
+    out = []
+    for _ in range(n):
+        motif = [rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 5))]
+        out.append((motif * 6)[: rng.randint(6, 24)])
+    return out
+
+
+@pytest.mark.parametrize("method", ["test-lookup", "test-hidden"])
+def test_every_proposer_shape_is_exact_through_the_engine(target, method):
+    ps = prompts(8, seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, num_draft_tokens=3)
+    plain = run(make(target), ps, params)
+    eng = make(target, method, num_kv_blocks=40, max_num_batched_tokens=48)  # small pool: preemption too
+    assert run(eng, ps, params) == plain
+    st = eng.spec_stats
+    assert st.num_drafts > 0
+    if method == "test-lookup":
+        assert st.num_accepted_tokens > 0, "repetitive text: lookup should be right sometimes"
+    else:
+        assert eng.proposer.rows_ok, "hidden states must be handed over for contiguous token ranges"
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def test_hidden_states_handed_over_are_the_targets(target):
+    eng = make(target, "test-hidden", num_speculative_tokens=2)
+    eng.add_request("h", [5, 6, 7, 8, 9, 10], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    seq = eng.groups["h"].seqs[0]
+    layer = eng.proposer.hidden_layers[0]
+    got = eng.step_runner._hidden[seq.seq_id][layer][-1]
+    # A fresh forward over the same tokens gives the same hidden state at the last computed token.
+    fresh = make(target)
+    table: list[int] = []
+    n = seq.num_computed_tokens
+    fresh.block_manager.reserve(table, 0, n)
+    out = fresh.runner.forward([ForwardChunk(seq.token_ids[:n], 0, table, 1)], hidden_layers=(layer,))
+    torch.testing.assert_close(got, out.hidden_states[layer][n - 1], atol=1e-4, rtol=1e-4)
+
+
+def test_lookup_that_finds_nothing_costs_no_draft_work(target):
+    eng = make(target, "test-lookup", num_speculative_tokens=3)
+    out = eng.generate([[3, 4, 5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    assert len(out[0].outputs[0].delta_token_ids) == 1
+    assert eng.spec_stats.num_drafts == 0  # an empty tree is plain decoding: nothing verified as a draft
+
+
+# -- the stages, one by one ----------------------------------------------------------------------------
+def test_build_lays_out_prefill_decode_and_tree(target):
+    eng = make(target, "test-lookup", num_speculative_tokens=3)
+    step = eng.step_runner
+    eng.add_request("a", [3, 4, 5, 3, 4], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    eng.add_request("b", [9, 10, 11, 12, 13, 14], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    eng.step()  # both prompts prefilled, one token each
+    a, b = eng.groups["a"].seqs[0], eng.groups["b"].seqs[0]
+    eng.add_request("c", [20, 21, 22], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    c = eng.scheduler.waiting[0]
+    for s, n in ((a, 4), (b, 1), (c, 3)):  # a: 1 + 3 slots for its tree
+        eng.block_manager.reserve(s.block_table, s.num_computed_tokens, s.num_computed_tokens + n)
+    tree = DraftTree([7, 8, 9], [-1, -1, 0])
+    sched = SchedulerOutput(scheduled=[(a, 1), (b, 1), (c, 3)])
+    batch = step.build(sched, {a.seq_id: (tree, 2)})
+    ca, cb, cc = batch.chunks
+    assert ca.token_ids == [a.token_ids[-1], 7, 8, 9] and ca.positions == [a.num_tokens - 1 + d for d in (0, 1, 1, 2)]
+    assert ca.tree_mask.tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
+    assert (cb.token_ids, cb.num_logits) == ([b.token_ids[-1]], 1)
+    assert (cc.token_ids, cc.num_logits) == ([20, 21, 22], 1)
+    # Logits rows: a's root and nodes (0-3), b's decode (4), c's last prompt token (5).
+    assert [(s.seq, s.row, s.tok, len(s.tree)) for s in batch.samples] == [(a, 0, 0, 3), (b, 4, 4, 0), (c, 5, 7, 0)]
+    assert [(s, start, n) for s, start, n, _ in batch.computed] == [(b, b.num_tokens - 1, 1), (c, 0, 3)]
+
+
+def test_accept_greedy_walks_the_tree_and_commit_moves_kv(target):
+    eng = make(target, "test-lookup", num_speculative_tokens=3)
+    step = eng.step_runner
+    eng.add_request("a", [3, 4, 5, 6], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    eng.step()
+    a = eng.groups["a"].seqs[0]
+    c = a.num_computed_tokens
+    eng.block_manager.reserve(a.block_table, c, c + 4)
+    tree = DraftTree([7, 8, 9], [-1, -1, 1])  # root → 7, root → 8 → 9
+    sample = Sample(a, tree, 0, 0, depth=2)
+    from engine.speculative.step import Batch
+
+    batch = Batch(samples=[sample])
+    logits = torch.full((4, VOCAB), -10.0)
+    logits[0, 8] = logits[2, 9] = logits[3, 42] = 10.0  # the target says 8, then 9, then 42
+    emits = step.accept(batch, logits)
+    assert emits[0].tokens == [8, 9, 42] and sample.accepted == [1, 2]
+    # Accepted nodes 1 and 2 were fed at slots c+2, c+3; they belong at c+1, c+2.
+    bs = eng.config.block_size
+    slot = lambda i: a.block_table[i // bs] * bs + i % bs  # noqa: E731
+    kv = eng.runner.kv_cache
+    kv[:, :, slot(c + 2)] = 2.0
+    kv[:, :, slot(c + 3)] = 3.0
+    step.commit(batch, emits, {})
+    assert a.num_computed_tokens == c + 3
+    assert torch.all(kv[:, :, slot(c + 1)] == 2.0) and torch.all(kv[:, :, slot(c + 2)] == 3.0)
+
+
+# -- the controller ------------------------------------------------------------------------------------
+def test_cost_model_median_ignores_one_noisy_timing():
+    cost = CostModel()
+    for _ in range(6):
+        cost.observe("target", 4, 8, 0.010)
+    cost.observe("target", 4, 8, 0.500)  # one stall (a page fault, another process)
+    assert cost.predict("target", 4, 8) == pytest.approx(0.010)
+
+
+def test_controller_hysteresis_and_guard_back_off(target, tmp_path, tokenizer_dir):
+    from test_spec import cheap_draft_costs, noisy_copy
+
+    eng = LLMEngine(
+        EngineConfig(model=str(target), draft_model=str(noisy_copy(target, tmp_path / "d", 0.0)), device="cpu",
+                     num_kv_blocks=256, block_size=4, spec_tree_topk=1, num_speculative_tokens=4)
+    )  # fmt: skip
+    ctl = eng.controller
+    eng.add_request("x", [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+    eng.step()
+    seq = eng.groups["x"].seqs[0]
+    ctl.cost = cheap_draft_costs()
+    ctl.estimate(seq).alpha = [0.95] * 4
+    assert ctl.plan([seq], 0) == [4]
+    # Depth 3 becomes slightly better than 4 (about 1%, within the switching margin): one plan does
+    # not flip the depth, several in a row do.
+    ctl.estimate(seq).alpha = [0.95, 0.95, 0.95, 0.28]
+    assert ctl.plan([seq], 0) == [4] and ctl.depth == 4
+    plans = [ctl.plan([seq], 0) for _ in range(ctl.patience)]
+    assert plans[-1] == [3] and ctl.depth == 3
+    # A clearly better depth (well beyond the margin) is taken at once.
+    ctl.estimate(seq).alpha = [0.5, 0.05, 0.05, 0.05]
+    assert ctl.plan([seq], 0) == [1]
+
+    # The guard: speculating steps measured slower than plain ones at the same batch size cap the depth.
+    guard = Guard(max_depth=4, probe_every=10**9)
+    for _ in range(6):
+        guard.observe(1, 1, 0.010, speculated=False)  # plain: 100 tok/s
+    for _ in range(6):
+        guard.observe(1, 2, 0.030, speculated=True)  # speculating: 67 tok/s
+    assert guard.limit(1) < 4
+    for _ in range(60):  # it keeps losing: the cap reaches 0, a true bypass
+        guard.observe(1, 2, 0.030, speculated=True)
+    assert guard.limit(1) == 0
+    # A probe now and then re-measures speculation; when it wins, the cap rises again.
+    probing = Guard(max_depth=4, probe_every=3)
+    probing.cap[1] = 0
+    assert [probing.limit(1) for _ in range(3)] == [0, 0, 1]
+    for _ in range(6):
+        probing.observe(1, 1, 0.010, speculated=False)
+        probing.observe(1, 4, 0.015, speculated=True)
+    assert probing.cap[1] > 0
+
+
+# -- the draft model: prefix reuse and chunked catch-up ------------------------------------------------
+def test_draft_prefix_cache_hit_skips_catch_up_and_catch_up_is_chunked(target, tmp_path):
+    from test_spec import noisy_copy
+
+    draft = noisy_copy(target, tmp_path / "d", 0.3)
+    cfg = dict(model=str(target), draft_model=str(draft), device="cpu", num_kv_blocks=256, block_size=4,
+               spec_tree_topk=1, max_num_batched_tokens=16)  # fmt: skip
+    prompt = [random.Random(3).randrange(3, VOCAB) for _ in range(40)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, num_draft_tokens=3)
+    plain = run(make(target, num_kv_blocks=256, block_size=4), [prompt], params)
+
+    eng = LLMEngine(EngineConfig(**cfg))
+    fed: list[int] = []
+    orig = eng.proposer.timings
+
+    def spy():
+        t = orig()
+        fed.extend(tokens for _, _, tokens, _ in t)
+        return t
+
+    eng.proposer.timings = spy
+    assert run(eng, [prompt], params) == plain
+    assert fed and max(fed) <= 16, "catch-up of a 40-token prompt is chunked under the 16-token budget"
+    first_total = sum(fed)
+    fed.clear()
+    assert run(eng, [prompt], params) == plain  # the same prompt again: a prefix-cache hit
+    assert sum(fed) < first_total - 24, "the cached prompt blocks' draft KV was reused"
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def test_dtype_auto_is_bf16_only_where_the_cpu_multiplies_bf16(monkeypatch):
+    import engine.config
+
+    cfg = EngineConfig(model="unused", device="cpu")
+    assert cfg.torch_dtype == torch.float32
+    monkeypatch.setattr(engine.config, "cpu_has_bf16_units", lambda: True)
+    assert cfg.torch_dtype == torch.bfloat16
+    assert EngineConfig(model="unused", device="cpu", dtype="float32").torch_dtype == torch.float32
