@@ -1,0 +1,372 @@
+"""Augur against its peers, one server at a time: ``python -m loadtest.peers --help``.
+
+Augur's speed goals are ratios against the servers users would otherwise pick (vLLM, llama.cpp) on the
+same model pair, prompts and machine. This tool starts each server in turn, waits until it answers,
+drives it with the same closed-loop streaming load (``loadtest.runner``), stops its whole process group
+and only then starts the next: two servers sharing a few CPU cores would measure each other.
+
+A server is a shell command that serves an OpenAI-compatible API on ``{port}`` (substituted as plain
+text, so JSON braces in the command are safe): ``--server NAME=COMMAND``, or a built-in ``--preset``.
+Peer presets call ``$AUGUR_PEERS_SCRIPTS/serve_{vllm,llamacpp}.sh MODE {port}`` (default: the
+``shared/peers`` folder beside the repository); a peer whose script or install is missing is reported
+as skipped, so one command works on any machine.
+
+Every request sends ``ignore_eos`` so every server emits exactly ``--max-tokens`` tokens, and the table
+reports output tok/s, TTFT and TPOT medians, tok/s relative to the baseline server at the same
+concurrency, and the mean acceptance length (tokens per target forward) where the server reports one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+from loadtest.config import LoadTestConfig
+from loadtest.prompts import Prompt, load_prompts
+from loadtest.report import build_report
+from loadtest.runner import run_load
+
+REPO = Path(__file__).resolve().parents[1]
+_VENV_AUGUR = Path(sys.executable).with_name("augur")  # python -m from .venv: .venv/bin/augur
+AUGUR_EXE = str(_VENV_AUGUR) if _VENV_AUGUR.exists() else "augur"
+AUGUR_PRESETS = {
+    "augur-default": "",
+    "augur-plain": " --speculative-method none",
+    "augur-chains": " --spec-tree-topk 1",
+    "augur-bf16": " --dtype bfloat16",
+}
+PEER_PRESETS = {f"{peer}-{mode}": (peer, mode) for peer in ("vllm", "llamacpp") for mode in ("draft", "plain", "ngram")}
+PRESETS = [*AUGUR_PRESETS, *PEER_PRESETS]
+DESCRIPTION = "Start each server in turn (never two at once), drive it with the same streaming load, stop it, and \
+tabulate tok/s, TTFT, TPOT and acceptance length. Servers run in command-line order; the baseline is the first."
+PEER_FILES = {  # what setup_<peer>.sh leaves under $PEERS
+    "vllm": ["vllm/venv/bin/python"],
+    "llamacpp": [
+        f"llamacpp/{f}" for f in ("build/bin/llama-server", *(f"models/demo-{m}-f32.gguf" for m in ("target", "draft")))
+    ],
+}
+
+
+@dataclass
+class ServerSpec:
+    name: str
+    command: str  # a shell command with a {port} placeholder
+    skip: str | None = None  # why it cannot run on this machine; None: run it
+
+
+@dataclass
+class ServerResult:
+    name: str
+    command: str
+    status: str = "pending"  # "ok" | "skipped" | "failed"
+    reason: str | None = None
+    model: str | None = None
+    startup_s: float | None = None
+    runs: list[dict] = field(default_factory=list)  # one summary per concurrency
+
+
+# -- which servers ---------------------------------------------------------------------------------------
+def peer_spec(name: str) -> ServerSpec:
+    """A peer preset; skipped (not failed) when its serve script or install is absent."""
+    peer, mode = PEER_PRESETS[name]
+    scripts = Path(os.environ.get("AUGUR_PEERS_SCRIPTS") or REPO.parent / "shared" / "peers").expanduser()
+    script = scripts / f"serve_{peer}.sh"
+    command = f"{shlex.quote(str(script))} {mode} {{port}}"
+    home = Path(os.environ.get("PEERS") or Path.home() / ".cache" / "augur-peers").expanduser()
+    if not os.access(script, os.X_OK):
+        return ServerSpec(name, command, f"no executable {script} (set AUGUR_PEERS_SCRIPTS)")
+    missing = [str(home / n) for n in PEER_FILES[peer] if not (home / n).exists()]
+    if missing:
+        return ServerSpec(name, command, f"not installed: {missing[0]} missing (run {scripts}/setup_{peer}.sh)")
+    return ServerSpec(name, command)
+
+
+def parse_server(text: str) -> ServerSpec:
+    name, sep, command = text.partition("=")
+    if not sep or not name.strip() or "{port}" not in command:
+        raise argparse.ArgumentTypeError(f"expected NAME=COMMAND with a {{port}} placeholder, got {text!r}")
+    return ServerSpec(name.strip(), command.strip())
+
+
+def parse_preset(name: str) -> ServerSpec:
+    if name in AUGUR_PRESETS:
+        return ServerSpec(name, f"{shlex.quote(AUGUR_EXE)} serve --port {{port}}{AUGUR_PRESETS[name]}")
+    if name in PEER_PRESETS:
+        return peer_spec(name)
+    raise argparse.ArgumentTypeError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+
+
+def demo_dir() -> Path:
+    """Asked of ``augur demo path`` rather than imported: keeps torch out of the load generator."""
+    out = subprocess.run([AUGUR_EXE, "demo", "path"], capture_output=True, text=True, check=True)
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def machine() -> dict:
+    """What the numbers were measured on: they mean little without it."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": cpu, "cores": cores, "platform": platform.platform(), "python": platform.python_version()}
+
+
+# -- one server's life ----------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a process of the group still runs (Linux ``/proc``). Zombies do not count: reparented
+    ones wait for an init that may never reap them, and they hold no cores."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _ppid, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue  # exited meanwhile
+        if int(pgrp) == pgid and state != "Z":
+            return True
+    return False
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM the whole process group (vLLM forks engine workers), SIGKILL what outlives the grace
+    period, and return only once the group is gone, so the next server has the cores to itself."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            proc.poll()  # reap the leader
+            if not group_alive(proc.pid):
+                return
+            time.sleep(0.2)
+    print(f"peers: process group {proc.pid} survived SIGKILL", file=sys.stderr)
+
+
+async def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float, model: str | None) -> str | None:
+    """Poll until ``/v1/models`` lists a model and a one-token completion succeeds (some servers list
+    their model while still loading it); returns ``model`` or else the listed id. Raises if the server
+    exits or is late."""
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(base_url=url, timeout=120.0) as client:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"exited with status {proc.returncode} before answering")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"did not answer within {timeout_s:.0f} s")
+            try:
+                models = (await client.get("/v1/models")).json().get("data") or []
+                name = model or (models[0]["id"] if models else None)
+                body = {"prompt": "def", "max_tokens": 1, "temperature": 0.0, **({"model": name} if name else {})}
+                if (await client.post("/v1/completions", json=body)).status_code == 200:
+                    return name
+            except (httpx.HTTPError, OSError, ValueError, KeyError, TypeError, AttributeError):
+                pass
+            await asyncio.sleep(1.0)
+
+
+def summarize_run(report: dict) -> dict:
+    mal = report["mean_acceptance_length"]
+    return {
+        "concurrency": report["concurrency"],
+        "output_tok_s": report["output_throughput"],
+        "ttft_p50_s": report["ttft_s"]["p50"],
+        "tpot_p50_s": report["tpot_s"]["p50"],
+        "mean_acceptance_length": mal["usage"] if mal["usage"] is not None else mal["server_metrics"],
+        "completed": report["num_completed"],
+        "failed": report["num_failed"],
+        "errors": report["error_examples"],
+        "output_tokens": report["total_output_tokens"],
+        "duration_s": report["duration_s"],
+    }
+
+
+async def measure(spec: ServerSpec, args: argparse.Namespace, prompts: list[Prompt], log_dir: Path) -> ServerResult:
+    """Start one server, wait for it, run the load at each concurrency, and stop it whatever happens."""
+    result = ServerResult(spec.name, spec.command)
+    if spec.skip:
+        result.status, result.reason = "skipped", spec.skip
+        return result
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = log_dir / f"{spec.name}.log"
+    print(f"peers: starting {spec.name} on port {port} (log: {log_path})", file=sys.stderr)
+    started = time.monotonic()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            spec.command.replace("{port}", str(port)),
+            shell=True,
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        result.model = await wait_ready(url, proc, args.startup_timeout, args.model)
+        result.startup_s = time.monotonic() - started
+        for c in args.concurrency:
+            config = LoadTestConfig(
+                url=url,
+                num_requests=args.num_prompts,
+                concurrency=c,
+                api="completions",
+                prompts=args.prompts,
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                model=result.model,
+                ignore_eos=True,
+                warmup=args.warmup,
+                progress=not args.no_progress,
+                seed=args.seed,
+            )
+            run = await run_load(config, prompts, result.model, label=f"{spec.name} c={c}")
+            result.runs.append(summarize_run(build_report(run, config)))
+        result.status = "ok"
+    except RuntimeError as e:
+        result.status, result.reason = "failed", f"{e} (log: {log_path})"
+        tail = "\n".join(log_path.read_text(errors="replace").strip().splitlines()[-15:])
+        print(f"peers: {spec.name} failed: {result.reason}; its last lines:\n{tail}", file=sys.stderr)
+    finally:
+        stop(proc)
+    return result
+
+
+# -- the table -----------------------------------------------------------------------------------------
+def _f(x: float | None, fmt: str, scale: float = 1.0) -> str:
+    return "-" if x is None else format(x * scale, fmt)
+
+
+def add_ratios(results: list[ServerResult], baseline: str | None) -> str | None:
+    """tok/s divided by the baseline server's tok/s at the same concurrency (above 1: faster)."""
+    ok = [r for r in results if r.status == "ok"]
+    base = next((r for r in ok if r.name == baseline), None) if baseline else (ok[0] if ok else None)
+    by_c = {run["concurrency"]: run["output_tok_s"] for run in base.runs} if base else {}
+    for r in ok:
+        for run in r.runs:
+            b = by_c.get(run["concurrency"])
+            run["ratio"] = run["output_tok_s"] / b if b else None
+    return base.name if base else None
+
+
+def markdown(results: list[ServerResult], baseline: str | None, info: dict) -> str:
+    m, load = info["machine"], info["load"]
+    lines = [
+        f"Machine: {m['cpu']}, {m['cores']} cores ({m['platform']}). Load: {load['num_prompts']} prompts from "
+        f"`{load['prompts']}`, {load['max_tokens']} tokens each (ignore_eos), temperature {load['temperature']}, "
+        f"closed loop after {load['warmup']} warm-up request(s); {info['date']}.",
+        "",
+        f"| server | concurrency | tok/s | vs {baseline or '-'} | TTFT p50 (ms) | TPOT p50 (ms) | accept. len | ok |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        for run in r.runs:
+            lines.append(
+                f"| {r.name} | {run['concurrency']} | {run['output_tok_s']:.1f} | {_f(run.get('ratio'), '.2f')} | "
+                f"{_f(run['ttft_p50_s'], '.0f', 1e3)} | {_f(run['tpot_p50_s'], '.1f', 1e3)} | "
+                f"{_f(run['mean_acceptance_length'], '.2f')} | {run['completed']}/{run['completed'] + run['failed']} |"
+            )
+    lines.append("")
+    for r in results:
+        note = f" ({r.status}: {r.reason})" if r.status != "ok" and r.reason else ""
+        lines.append(f"- {r.name}: `{r.command}`{note}")
+    return "\n".join(lines) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m loadtest.peers", description=DESCRIPTION)
+    many = {"dest": "servers", "action": "append"}  # one list, so servers run in command-line order
+    p.add_argument(
+        "--server", **many, type=parse_server, metavar="NAME=COMMAND", help="a shell command serving on {port}"
+    )
+    p.add_argument(
+        "--preset",
+        **many,
+        type=parse_preset,
+        metavar="NAME",
+        help=f"{', '.join(PRESETS)} (default: all, in this order)",
+    )
+    p.add_argument("--baseline", help="ratios are tok/s over this server's (default: the first that ran)")
+    p.add_argument("--prompts", help="a .jsonl prompt file (default: the demo pair's held-out prompts.jsonl)")
+    p.add_argument("--num-prompts", type=int, default=16, help="requests per concurrency level")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--warmup", type=int, default=2, help="unrecorded requests before each measured run")
+    p.add_argument("--model", help="model name sent to every server (default: each server's GET /v1/models)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for a server to answer")
+    p.add_argument("--log-dir", help="server logs (default: a new temporary folder)")
+    p.add_argument("--output-md", help="write the markdown table here")
+    p.add_argument("--output-json", help="write every number here")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt  # so a SIGTERM to this tool still stops the server it started
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.num_prompts < 1 or args.max_tokens < 1 or min(args.concurrency) < 1 or args.warmup < 0:
+        parser.error("--num-prompts, --max-tokens and --concurrency must be at least 1, --warmup at least 0")
+    signal.signal(signal.SIGTERM, _interrupt)
+    specs: list[ServerSpec] = args.servers or [parse_preset(n) for n in PRESETS]
+    try:
+        args.prompts = args.prompts or str(demo_dir() / "prompts.jsonl")
+        prompts = load_prompts(args.prompts)[: args.num_prompts]
+    except (ValueError, OSError, subprocess.CalledProcessError) as e:
+        parser.error(f"--prompts: {e}")
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="augur-peers-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    load = {
+        k: getattr(args, k)
+        for k in ("prompts", "num_prompts", "max_tokens", "concurrency", "temperature", "warmup", "seed")
+    }
+    info = {"machine": machine(), "load": load, "date": time.strftime("%Y-%m-%d %H:%M %Z")}
+    results = []
+    try:
+        for spec in specs:
+            results.append(asyncio.run(measure(spec, args, prompts, log_dir)))
+    except KeyboardInterrupt:
+        print("peers: interrupted; reporting what finished", file=sys.stderr)
+    baseline = add_ratios(results, args.baseline)
+    if args.baseline and baseline is None:
+        print(f"peers: baseline {args.baseline!r} did not run; no ratios", file=sys.stderr)
+    table = markdown(results, baseline, info)
+    print(table)
+    if args.output_md:
+        Path(args.output_md).write_text(table, encoding="utf-8")
+    if args.output_json:
+        out = {**info, "baseline": baseline, "servers": [asdict(r) for r in results]}
+        Path(args.output_json).write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+    return 0 if any(r.status == "ok" for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,74 @@
+"""``python -m loadtest.peers`` end to end: it starts a real Augur server (the tiny demo pair) as a
+subprocess, measures it at two concurrencies, stops it, and reports a peer whose scripts are missing as
+skipped rather than failing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from loadtest.peers import AUGUR_EXE
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def processes_mentioning(text: str) -> list[str]:
+    """Command lines of live processes that contain ``text``."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in args and cmdline.parent.name != str(os.getpid()):
+            found.append(args)
+    return found
+
+
+def test_peers_measures_one_server_at_a_time_and_skips_missing_peers(tiny_demo, tmp_path):
+    target = tiny_demo / "target"
+    serve = (
+        f"{shlex.quote(AUGUR_EXE)} serve --port {{port}} --model {shlex.quote(str(target))} "
+        f"--draft-model {shlex.quote(str(tiny_demo / 'draft'))} --served-model-name tiny --device cpu "
+        "--dtype float32 --num-kv-blocks 256 --block-size 4 --max-model-len 256"
+    )
+    md, js = tmp_path / "peers.md", tmp_path / "peers.json"
+    cmd = [
+        sys.executable, "-m", "loadtest.peers", "--server", f"tiny={serve}", "--preset", "vllm-plain",
+        "--prompts", str(tiny_demo / "prompts.jsonl"), "--num-prompts", "4", "--max-tokens", "8",
+        "--concurrency", "1", "2", "--warmup", "1", "--startup-timeout", "60", "--no-progress",
+        "--log-dir", str(tmp_path / "logs"), "--output-md", str(md), "--output-json", str(js),
+    ]  # fmt: skip
+    env = {**os.environ, "AUGUR_PEERS_SCRIPTS": str(tmp_path / "no-such-scripts")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    report = json.loads(js.read_text())
+    assert report["machine"]["cores"] >= 1 and report["machine"]["cpu"]
+    assert report["baseline"] == "tiny"
+    tiny, vllm = report["servers"]
+    assert tiny["name"] == "tiny" and tiny["status"] == "ok" and tiny["model"] == "tiny"
+    assert [run["concurrency"] for run in tiny["runs"]] == [1, 2]
+    for run in tiny["runs"]:
+        assert run["output_tok_s"] > 0 and run["completed"] == 4 and run["failed"] == 0
+        assert run["output_tokens"] == 4 * 8  # ignore_eos: every request ran to max_tokens
+        assert run["ttft_p50_s"] > 0 and run["tpot_p50_s"] > 0
+        assert run["mean_acceptance_length"] >= 1.0  # Augur reports it; peers would show '-'
+    assert tiny["runs"][0]["ratio"] == 1.0
+    assert vllm["name"] == "vllm-plain" and vllm["status"] == "skipped" and vllm["runs"] == []
+    assert "no-such-scripts" in vllm["reason"]
+
+    table = md.read_text()
+    assert table in proc.stdout
+    rows = [line.split("|")[1:-1] for line in table.splitlines() if line.startswith("| tiny ")]
+    assert [int(r[1]) for r in rows] == [1, 2] and all(float(r[2]) > 0 for r in rows)
+    assert "vllm-plain" in table and "skipped" in table
+
+    # The server is gone: neither its process group nor any process serving the tiny pair is left.
+    logs = list((tmp_path / "logs").glob("tiny.log"))
+    assert logs and "serving" in logs[0].read_text()
+    assert processes_mentioning(str(target)) == []
