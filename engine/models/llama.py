@@ -18,6 +18,7 @@ from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.attention import AttentionMetadata, paged_attention
+from engine.models.packed import PackedLinear, pack_linears
 
 
 class RMSNorm(nn.Module):
@@ -191,8 +192,16 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x), captured
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] → [N, vocab] float32
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()
+
+    def pack_for_cpu(self) -> None:
+        """Prepack every linear layer's weights (see ``engine.models.packed``); a tied output layer gets
+        a packed copy of the embedding table."""
+        pack_linears(self)
+        if self.lm_head is None:
+            self.lm_head = PackedLinear(self.embed_tokens.weight, None)
 
     # -- weights ------------------------------------------------------------------------------------
     _fused = {  # checkpoint name piece → (our fused parameter, shard)

@@ -44,12 +44,19 @@ class CostModel:
         # per drafting sequence (bookkeeping of drafts and verification).
         self.host_per_seq: deque[float] = deque(maxlen=window)
         self.host_per_draft: deque[float] = deque(maxlen=window)
+        # Planning asks for many predictions per step: each (kind, sequence bucket)'s curve of
+        # (median tokens, median seconds) points is built once and kept until a new observation.
+        self._curves: dict[tuple[str, int], list[tuple[float, float]]] = {}
+        self._rows: dict[str, list[int]] = {}
+        self._host_draft: float | None = None
 
     def observe(self, kind: str, num_seqs: int, tokens: int, seconds: float) -> None:
         if tokens <= 0 or num_seqs <= 0:
             return
         key = (kind, num_seqs.bit_length(), tokens.bit_length())
         self.cells.setdefault(key, deque(maxlen=self.window)).append((tokens, seconds))
+        self._curves.pop((kind, key[1]), None)
+        self._rows.pop(kind, None)
 
     def observe_host(self, host_seconds: float, num_seqs: int, num_drafting: int) -> None:
         if num_seqs <= 0:
@@ -59,26 +66,23 @@ class CostModel:
         elif self.host_per_seq:
             base = statistics.median(self.host_per_seq) * num_seqs
             self.host_per_draft.append(max(host_seconds - base, 0.0) / num_drafting)
+            self._host_draft = None
 
     def host_draft_seconds(self) -> float:
-        return statistics.median(self.host_per_draft) if self.host_per_draft else 0.0
+        if self._host_draft is None:
+            self._host_draft = statistics.median(self.host_per_draft) if self.host_per_draft else 0.0
+        return self._host_draft
 
     def predict(self, kind: str, num_seqs: int, tokens: int) -> float:
         if tokens <= 0:
             return 0.0
-        rows = {sb for (k, sb, _) in self.cells if k == kind}
+        rows = self._rows.get(kind)
+        if rows is None:
+            rows = self._rows[kind] = sorted({sb for (k, sb, _) in self.cells if k == kind})
         if not rows:
             return 0.0
         want = max(num_seqs, 1).bit_length()
-        sb = min(rows, key=lambda r: (abs(r - want), -r))
-        pts = []
-        for (k, s, _), obs in sorted(self.cells.items()):
-            if k == kind and s == sb:
-                pts.append((statistics.median(t for t, _ in obs), statistics.median(x for _, x in obs)))
-        pts.sort()
-        mono = []
-        for t, sec in pts:  # a forward never gets cheaper with more tokens
-            mono.append((t, max(sec, mono[-1][1]) if mono else sec))
+        mono = self._curve(kind, min(rows, key=lambda r: (abs(r - want), -r)))
         if tokens <= mono[0][0]:
             return mono[0][1]
         for (t0, s0), (t1, s1) in zip(mono, mono[1:]):
@@ -89,6 +93,20 @@ class CostModel:
             return s1 * tokens / t1
         t0, s0 = mono[-2]
         return s1 + max((s1 - s0) / max(t1 - t0, 1e-9), 0.0) * (tokens - t1)
+
+    def _curve(self, kind: str, sb: int) -> list[tuple[float, float]]:
+        curve = self._curves.get((kind, sb))
+        if curve is None:
+            pts = sorted(
+                (statistics.median(t for t, _ in obs), statistics.median(x for _, x in obs))
+                for (k, s, _), obs in self.cells.items()
+                if k == kind and s == sb
+            )
+            curve = []
+            for t, sec in pts:  # a forward never gets cheaper with more tokens
+                curve.append((t, max(sec, curve[-1][1]) if curve else sec))
+            self._curves[(kind, sb)] = curve
+        return curve
 
     def ready(self, kinds: tuple[str, ...]) -> bool:
         return all(any(k == kind for k, _, _ in self.cells) for kind in kinds)
