@@ -142,103 +142,12 @@ def demo_prompts(tokenizer, model_path: Path, n: int) -> list[list[int]] | None:
     return [tokenizer.encode(t) for t in texts[:n]] if texts else None
 
 
-def run_spec_bench(cfg: EngineConfig, args: argparse.Namespace) -> int:
-    """Plain decoding vs chains vs trees, at each temperature and concurrency, in one run."""
-    if not cfg.draft_model:
-        raise ValueError("--speculative needs a draft model (--draft-model, or the demo pair)")
-    cfg.max_num_seqs = max(cfg.max_num_seqs, max(args.concurrency))
-    chain = LLMEngine(dataclasses.replace(cfg, spec_tree_topk=1))
-    tree = LLMEngine(dataclasses.replace(cfg, spec_tree_topk=max(2, cfg.spec_tree_topk)))
-    prompts = demo_prompts(chain.tokenizer, chain.model_path, args.num_prompts)
-    source = "the demo pair's held-out prompts"
-    if prompts is None:
-        lo, hi = args.prompt_lens
-        prompts, source = make_prompts(args.num_prompts, lo, hi, len(chain.tokenizer)), "random token prompts"
-    temps = args.temperatures
-    warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    for e in (chain, tree):
-        run_augur(e, prompts[:2], 4, 2, warm)
-    rows = []
-    for t in temps:
-        for c in sorted(args.concurrency):
-            base = SamplingParams(temperature=t, max_tokens=args.max_tokens, ignore_eos=True, seed=None)
-            cells = {
-                "plain": run_augur(chain, prompts, args.max_tokens, c, dataclasses.replace(base, speculative=False)),
-                "chain": run_augur(chain, prompts, args.max_tokens, c, base),
-                "tree": run_augur(tree, prompts, args.max_tokens, c, base),
-            }
-            plain_tps = cells["plain"].tokens_per_s
-            for name, r in cells.items():
-                rows.append(
-                    {
-                        "temperature": t,
-                        "concurrency": c,
-                        "method": name,
-                        "tokens_per_s": r.tokens_per_s,
-                        "ratio_vs_plain": r.tokens_per_s / plain_tps,
-                        "mean_acceptance_length": r.mean_acceptance_length,
-                        "target_forwards_per_token": r.engine_steps / r.tokens,
-                        "tokens": r.tokens,
-                    }
-                )
-    # Acceptance at a fixed depth (the controller off): how well each draft shape predicts the target.
-    depth = cfg.num_speculative_tokens
-    for t in temps:
-        fixed = SamplingParams(temperature=t, max_tokens=args.max_tokens, ignore_eos=True, num_draft_tokens=depth)
-        for name, e in (("chain", chain), ("tree", tree)):
-            r = run_augur(e, prompts, args.max_tokens, 1, fixed)
-            rows.append(
-                {
-                    "temperature": t,
-                    "concurrency": 1,
-                    "method": f"{name}@K{depth}",
-                    "tokens_per_s": r.tokens_per_s,
-                    "ratio_vs_plain": None,
-                    "mean_acceptance_length": r.mean_acceptance_length,
-                    "target_forwards_per_token": r.engine_steps / r.tokens,
-                    "tokens": r.tokens,
-                }
-            )
-    machine = machine_description(chain.device)
-    print(f"augur bench --speculative: {chain.model_path} + draft {cfg.draft_model} on {chain.device}; {machine}")
-    print(
-        f"{len(prompts)} prompts ({source}), {args.max_tokens} output tokens each; depth tuned per request "
-        f"(rows @K{depth}: fixed depth, controller off)"
-    )
-    header = ("T", "conc", "method", "tok/s", "vs plain", "mean acc len", "fwd/token")
-    print("  ".join(f"{h:>12}" for h in header))
-    for r in rows:
-        cells = (
-            f"{r['temperature']:g}",
-            str(r["concurrency"]),
-            r["method"],
-            f"{r['tokens_per_s']:.1f}",
-            "-" if r["ratio_vs_plain"] is None else f"{r['ratio_vs_plain']:.2f}x",
-            f"{r['mean_acceptance_length']:.2f}",
-            f"{r['target_forwards_per_token']:.3f}",
-        )
-        print("  ".join(f"{x:>12}" for x in cells))
-    if args.output:
-        report = {
-            "model": str(chain.model_path),
-            "draft": str(cfg.draft_model),
-            "machine": machine,
-            "device": str(chain.device),
-            "prompts": source,
-            "num_prompts": len(prompts),
-            "max_tokens": args.max_tokens,
-            "spec_tree_topk": tree.config.spec_tree_topk,
-            "spec_tree_budget": tree.config.spec_tree_budget,
-            "num_speculative_tokens": cfg.num_speculative_tokens,
-            "results": rows,
-        }
-        Path(args.output).write_text(json.dumps(report, indent=2))
-    return 0
-
-
 def run_bench(cfg: EngineConfig, args: argparse.Namespace) -> int:
     if getattr(args, "speculative", False):
+        from engine.bench_speculative import run_spec_bench
+
         return run_spec_bench(cfg, args)
+    args.concurrency = args.concurrency or [1, 16]
     max_c = max(args.concurrency)
     cfg.max_num_seqs = max(cfg.max_num_seqs, max_c)
     engine = LLMEngine(cfg)

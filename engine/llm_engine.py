@@ -237,6 +237,8 @@ class LLMEngine:
             emits, prompt_seqs = self.step_runner.run()
         except Exception as e:
             failed = {seq.group.request_id: seq.group for seq in self.step_runner.scheduled}
+            if not failed:
+                raise  # it failed before any request was in it: not a request's fault
             logger.exception("engine step failed; failing the %d requests in it", len(failed))
             return [self._fail_group(g, f"{type(e).__name__}: {e}") for g in failed.values() if g.error is None]
         if not emits and not prompt_seqs:

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from engine.models import model_class_for
-from engine.models.packed import packing_supported
+from engine.models.packed import MIN_PACKED_BYTES, linear_weight_bytes, packing_supported
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -94,6 +94,6 @@ def load_model(path: Path, config, dtype: torch.dtype, device: torch.device, max
     model = model.to_empty(device=device).to(dtype)
     model.init_buffers(max_positions)
     model.load_weights((k, v.to(device)) for k, v in iter_safetensors(path))
-    if packing_supported(dtype, device):
+    if packing_supported(dtype, device) and linear_weight_bytes(model) >= MIN_PACKED_BYTES:
         model.pack_for_cpu()
     return model.eval()

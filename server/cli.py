@@ -163,7 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(bench)
     bench.add_argument("--num-prompts", type=int, default=16)
     bench.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
-    bench.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    bench.add_argument(
+        "--concurrency", type=int, nargs="+", default=None, help="default: 1 16 (plain), 1 8 32 (--speculative)"
+    )
     bench.add_argument("--prompt-lens", type=int, nargs=2, default=[8, 128], metavar=("MIN", "MAX"))
     bench.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     bench.add_argument(
@@ -172,6 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="plain vs chain vs tree speculation (needs a draft; the demo pair has one)",
     )
     bench.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="with --speculative")
+    bench.add_argument(
+        "--dtypes", nargs="+", default=None, help="with --speculative: dtypes to measure (default: float32 bfloat16)"
+    )
+    bench.add_argument(
+        "--fresh-runs", type=int, default=5, help="with --speculative: fresh engines whose acceptance lengths compare"
+    )
     bench.add_argument("--output", default=None, help="write the results as JSON")
     bench.set_defaults(func=cmd_bench)
 

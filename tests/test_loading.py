@@ -111,19 +111,51 @@ def test_speculative_bench_reports_every_cell(tmp_path, tiny_demo):
         [sys.executable, "-m", "server.cli", "bench", "--speculative", "--model", str(tiny_demo / "target"),
          "--draft-model", str(tiny_demo / "draft"), "--device", "cpu", "--num-prompts", "2", "--max-tokens", "4",
          "--concurrency", "1", "2", "--temperatures", "0", "1", "--num-speculative-tokens", "2",
-         "--num-kv-blocks", "128", "--output", str(out)],
+         "--dtypes", "float32", "bfloat16", "--fresh-runs", "2", "--num-kv-blocks", "128", "--output", str(out)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     import json
 
-    rows = json.loads(out.read_text())["results"]
-    cells = {(r["temperature"], r["concurrency"], r["method"]) for r in rows}
-    for t in (0.0, 1.0):
-        for c in (1, 2):
-            assert {(t, c, m) for m in ("plain", "chain", "tree")} <= cells
-        assert {(t, 1, "chain@K2"), (t, 1, "tree@K2")} <= cells
+    report = json.loads(out.read_text())
+    rows = report["results"]
+    cells = {(r["dtype"], r["temperature"], r["concurrency"], r["method"]) for r in rows}
+    for d in ("float32", "bfloat16"):
+        for t in (0.0, 1.0):
+            for c in (1, 2):
+                assert {(d, t, c, m) for m in ("plain", "default", "chains")} <= cells
+            assert {(d, t, 1, "default@K2"), (d, t, 1, "chains@K2")} <= cells
     for r in rows:
         assert r["tokens"] == 8 and r["mean_acceptance_length"] >= 1.0
         if r["method"] == "plain":
             assert r["ratio_vs_plain"] == 1.0 and r["mean_acceptance_length"] == 1.0
+    assert len(report["fresh_runs_mean_acceptance_length"]) == 2
+    assert "worst default cell" in proc.stdout and "fresh engines" in proc.stdout
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM"])  # untied + tied output, q/k/v biases
+def test_prepacked_cpu_linears_match_plain_ones(model_dirs, arch):
+    """Models too small to be packed by default run the same with packed weights (1 and 5 rows)."""
+    from engine.model_runner import ForwardChunk
+    from engine.models.packed import PackedLinear, packing_supported
+
+    if not packing_supported(torch.float32, torch.device("cpu")):
+        pytest.skip("oneDNN is not available")
+    plain = LLMEngine(EngineConfig(model=str(model_dirs[arch]), device="cpu", num_kv_blocks=32, block_size=4))
+    packed = LLMEngine(EngineConfig(model=str(model_dirs[arch]), device="cpu", num_kv_blocks=32, block_size=4))
+    packed.runner.model.pack_for_cpu()
+    assert any(isinstance(m, PackedLinear) for m in packed.runner.model.modules())
+    assert not any(isinstance(m, torch.nn.Linear) for m in packed.runner.model.modules())
+    for eng in (plain, packed):
+        table: list[int] = []
+        eng.block_manager.reserve(table, 0, 12)
+        eng._table = table
+    logits = []
+    for eng in (plain, packed):
+        first = eng.runner.forward([ForwardChunk(PROMPT, 0, eng._table, len(PROMPT))]).logits
+        step = eng.runner.forward([ForwardChunk([3, 4, 5, 6, 7], len(PROMPT), eng._table, 5)]).logits
+        logits.append(torch.cat([first, step]))
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
+    assert greedy_tokens(str(model_dirs[arch])) == [
+        o for o in packed.generate([PROMPT], GREEDY)[0].outputs[0].delta_token_ids
+    ]

@@ -17,9 +17,9 @@ from engine.llm_engine import LLMEngine
 from engine.model_runner import ForwardChunk
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
+from engine.speculative.batch import Batch, Sample
 from engine.speculative.controller import CostModel, Guard
 from engine.speculative.proposer import CostShape, Proposer, register
-from engine.speculative.step import Sample
 from engine.speculative.tree import DraftTree
 
 
@@ -190,8 +190,6 @@ def test_accept_greedy_walks_the_tree_and_commit_moves_kv(target):
     eng.block_manager.reserve(a.block_table, c, c + 4)
     tree = DraftTree([7, 8, 9], [-1, -1, 1])  # root → 7, root → 8 → 9
     sample = Sample(a, tree, 0, 0, depth=2)
-    from engine.speculative.step import Batch
-
     batch = Batch(samples=[sample])
     logits = torch.full((4, VOCAB), -10.0)
     logits[0, 8] = logits[2, 9] = logits[3, 42] = 10.0  # the target says 8, then 9, then 42

@@ -8,6 +8,11 @@ its matmul then reads each weight once per forward, whatever the number of rows.
 target that makes a 1-token forward's matmuls 1.6x faster and a 5-token one's 2x faster, which is
 what speculation needs: verifying a draft tree should cost about what decoding one token does.
 
+oneDNN's per-call overhead (tens of microseconds) only pays off when the weights stream from
+memory: a small model whose weights stay in the CPU's caches (the 2.5M-parameter demo draft) runs
+faster unpacked (1.2 vs 2.3 ms a forward), so only models whose linear weights exceed
+:data:`MIN_PACKED_BYTES` are packed.
+
 The packed weight replaces the original (no extra memory), so packing is for inference only.
 """
 
@@ -15,6 +20,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+MIN_PACKED_BYTES = 32 * 2**20  # about a large L3 cache
+
+
+def linear_weight_bytes(model: nn.Module) -> int:
+    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, nn.Linear))
 
 
 def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:

@@ -70,6 +70,9 @@ class DraftModelProposer(Proposer):
         self.num_forwards = 0
         self._timings: list[tuple[str, int, int, float]] = []
         self._valid: dict[int, int] = {}  # block id → hash of the full block whose draft KV it holds
+        # seq_id → node indices of this step's tree whose draft KV the draft wrote at their final slot
+        # (root + 1 + i for the i-th of them): valid once verification keeps them.
+        self._written: dict[int, list[int]] = {}
 
     @classmethod
     def build(cls, config, target: ModelRunner, *, tokenizer, eos_token_ids: list[int]) -> DraftModelProposer:
@@ -107,12 +110,12 @@ class DraftModelProposer(Proposer):
         self.runner.copy_blocks(copies)
 
     def on_verified(self, seq: Sequence, tree: DraftTree, accepted: list[int]) -> None:
-        # The root's draft KV is in place (catch-up wrote it). A chain's (or a sampled tree's spine)
-        # fed nodes sit in their final slots, so accepted ones stay valid while they follow the spine;
-        # a greedy tree's nodes were written in expansion order and are recomputed by the next catch-up.
-        spine = self._spine(tree)
+        # The root's draft KV is in place (catch-up wrote it). Nodes the draft fed at their final slot
+        # (a chain's, a sampled tree's spine, a greedy tree's best first child) stay valid while the
+        # accepted path follows them; anything else is recomputed by the next catch-up.
+        written = self._written.pop(seq.seq_id, [])
         keep = 0
-        while keep < len(accepted) and keep < len(spine) - 1 and accepted[keep] == spine[keep]:
+        while keep < min(len(accepted), len(written)) and accepted[keep] == written[keep]:
             keep += 1
         seq.draft_num_computed += keep
 
@@ -121,17 +124,10 @@ class DraftModelProposer(Proposer):
 
     def on_preempt(self, seq: Sequence) -> None:
         seq.draft_num_computed = 0
+        self._written.pop(seq.seq_id, None)
 
-    def _spine(self, tree: DraftTree) -> list[int]:
-        """Node indices whose draft KV sits in its final slot: chains and sampled trees' first children."""
-        if tree.q is None and not tree.is_chain:
-            return []
-        spine, want = [], -1
-        for i, par in enumerate(tree.parents):
-            if par == want:
-                spine.append(i)
-                want = i
-        return spine
+    def on_free(self, seq: Sequence) -> None:
+        self._written.pop(seq.seq_id, None)
 
     def timings(self) -> list[tuple[str, int, int, float]]:
         out, self._timings = self._timings, []
@@ -245,7 +241,7 @@ class DraftModelProposer(Proposer):
         p_host = [qs.gather(2, t[:, :, None])[:, :, 0].tolist() for qs, t in zip(level_q, level_tokens)]
         trees = []
         for b in range(B):
-            toks, parents, qrows, spine_node = [], [], [], -1
+            toks, parents, qrows, spine_node, spine = [], [], [], -1, []
             for d, rows_d in enumerate(level_rows):
                 if b not in rows_d:
                     break
@@ -258,8 +254,10 @@ class DraftModelProposer(Proposer):
                     parents.append(spine_node)
                     qrows.append(level_q[d][a, i])
                 spine_node = first
+                spine.append(first)
             q = None if seqs[b].params.greedy else torch.stack(qrows)
             trees.append(DraftTree(toks, parents, q))
+            self._written[seqs[b].seq_id] = spine[:-1]  # each spine node but the last was fed back
         return trees
 
     def _greedy_trees(self, seqs: list[Sequence], depths: list[int], logits: torch.Tensor) -> list[DraftTree]:
@@ -309,6 +307,9 @@ class DraftModelProposer(Proposer):
                 for j in range(len(t[a])):
                     nodes[base + j] = (t[a][j], p[a][j], s[a][j], level)
             trees.append(self._select(nodes))
+            # Level 2 fed the level-1 frontier best first: the best first child (always node 0 of the
+            # kept tree) sits at slot root + 1.
+            self._written[seqs[b].seq_id] = [0] if depths[b] >= 2 else []
         return trees
 
     def _select(self, nodes: dict[int, tuple[int, int, float, int]]) -> DraftTree:
