@@ -19,7 +19,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampler import SamplingMetadata, apply_logits_processors, compute_probs
 from engine.sampling_params import SamplingParams
-from engine.speculative.controller import CostModel
+from engine.speculative.controller import CostModel, Guard
 from engine.speculative.tree import DraftTree, tree_layout
 from engine.speculative.verify import build_verify_input, verify
 
@@ -441,9 +441,13 @@ def test_controller_long_with_identical_draft_and_off_with_random_draft(pair):
     # Its acceptance estimates say every draft token is kept (the depth grows as they rise) ...
     assert len(decode) == 2
     assert all(min(s.spec_estimate.alpha[:5]) > 0.9 for s in decode)
-    # ... so with a cheap draft it drafts as long as allowed,
+    # ... so with a cheap draft it drafts as long as allowed (once the hysteresis lets it move),
     good.controller.cost = cheap_draft_costs()
-    assert good.controller.plan(decode, 0) == [6, 6]
+    # The guard measures real steps, where this "draft" costs as much as the target: judged alone, the
+    # plan needs a fresh guard (and no early plain probes in these direct plan() calls).
+    good.controller.guard = Guard(6, min_samples=0)
+    plans = [good.controller.plan(decode, 0) for _ in range(good.controller.patience + 1)]
+    assert plans[-1] == [6, 6]
     # but when every batched token costs real target time (a saturated device), a draft that is right
     # 90% of the time loses, and speculation turns off (after the hysteresis' few steps).
     good.controller.cost = cheap_draft_costs(target_per_token=0.02)
@@ -459,6 +463,7 @@ def test_controller_long_with_identical_draft_and_off_with_random_draft(pair):
         bad.controller.cost = cheap_draft_costs()
         bad.step()
     bad.controller.cost = cheap_draft_costs()
+    bad.controller.guard = Guard(6, min_samples=0)
     decode = [s for s in bad.scheduler.running if s.num_uncomputed_tokens == 1]
     assert len(decode) == 2 and bad.controller.plan(decode, 0) == [0, 0]
     drafts_before = bad.proposer.num_forwards

@@ -223,6 +223,7 @@ def test_controller_hysteresis_and_guard_back_off(target, tmp_path, tokenizer_di
                      num_kv_blocks=256, block_size=4, spec_tree_topk=1, num_speculative_tokens=4)
     )  # fmt: skip
     ctl = eng.controller
+    ctl.guard.min_samples = 0  # this part is about the plan alone: no early plain probes
     eng.add_request("x", [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
     eng.step()
     seq = eng.groups["x"].seqs[0]
@@ -249,6 +250,13 @@ def test_controller_hysteresis_and_guard_back_off(target, tmp_path, tokenizer_di
     for _ in range(60):  # it keeps losing: the cap reaches 0, a true bypass
         guard.observe(1, 2, 0.030, speculated=True)
     assert guard.limit(1) == 0
+    # A fresh bucket learns plain decoding's rate early: every 4th step is plain until it has 5 samples.
+    fresh = Guard(max_depth=4, probe_every=10**9)
+    limits = []
+    for _ in range(24):
+        limits.append(fresh.limit(1))
+        fresh.observe(1, 1, 0.010, speculated=limits[-1] > 0)
+    assert limits[3::4][:5] == [0] * 5 and limits[23] == 4 and limits.count(0) == 5
     # A probe now and then re-measures speculation; when it wins, the cap rises again.
     probing = Guard(max_depth=4, probe_every=3)
     probing.cap[1] = 0

@@ -140,12 +140,15 @@ class Guard:
     """Measured tokens/s of speculating vs plain decode-only steps, per batch-size bucket.
 
     When speculation's realised rate falls below ``margin`` times plain decoding's at the same batch
-    size, the depth cap for that bucket drops by one; when it clearly wins it rises again. A plain
-    step is forced every ``probe_every`` steps while speculating (and a depth-1 step while capped
-    at 0), so both rates stay current."""
+    size, the depth cap for that bucket halves; when it clearly wins it rises by one again. Until a
+    bucket has ``min_samples`` plain steps, every 4th step there is plain; after that a plain step
+    every ``probe_every`` steps (a depth-1 step while capped at 0) keeps both rates current."""
 
-    def __init__(self, max_depth: int, margin: float = 0.97, ema: float = 0.1, probe_every: int = 50) -> None:
+    def __init__(
+        self, max_depth: int, margin: float = 0.97, ema: float = 0.3, probe_every: int = 50, min_samples: int = 5
+    ) -> None:
         self.max_depth, self.margin, self.ema, self.probe_every = max_depth, margin, ema, probe_every
+        self.min_samples = min_samples
         self.rate: dict[tuple[bool, int], float] = {}
         self.count: dict[tuple[bool, int], int] = {}
         self.cap: dict[int, int] = {}
@@ -159,11 +162,11 @@ class Guard:
         self.rate[key] = r if key not in self.rate else (1 - self.ema) * self.rate[key] + self.ema * r
         self.count[key] = self.count.get(key, 0) + 1
         spec, plain = self.rate.get((True, b)), self.rate.get((False, b))
-        if spec is None or plain is None or min(self.count[(True, b)], self.count[(False, b)]) < 5:
+        if spec is None or plain is None or min(self.count[(True, b)], self.count[(False, b)]) < self.min_samples:
             return
         cap = self.cap.get(b, self.max_depth)
         if speculated and spec < self.margin * plain:
-            self.cap[b] = max(cap - 1, 0)
+            self.cap[b] = cap // 2  # back off fast: a losing depth costs every step it stays
             self.count[(True, b)] = 0  # judge the new cap on fresh steps
         elif speculated and spec > plain / self.margin:
             self.cap[b] = min(cap + 1, self.max_depth)
@@ -173,6 +176,8 @@ class Guard:
         self.steps += 1
         b = num_seqs.bit_length()
         cap = self.cap.get(b, self.max_depth)
+        if cap > 0 and self.count.get((False, b), 0) < self.min_samples and self.steps % 4 == 0:
+            return 0  # learn plain decoding's rate at this batch size early, not after probe_every steps
         if self.steps % self.probe_every == 0:
             return 1 if cap == 0 else 0
         return cap
@@ -206,6 +211,7 @@ class SpecController:
         ``other_tokens`` counts the step's non-speculative target tokens (prefill chunks)."""
         room = room if room is not None else [self.max_depth] * len(seqs)
         cap = self.guard.limit(len(seqs))
+        self._memo: dict[tuple[str, int, int], float] = {}
         fixed: dict[int, int] = {}
         free: list[int] = []
         for i, seq in enumerate(seqs):
@@ -222,7 +228,7 @@ class SpecController:
             for i in free:  # before any timing exists: draft at full depth, measure, then adapt
                 depths[i] = min(self.max_depth, room[i], cap)
             return depths
-        if free:
+        if free and cap > 0:
             gains = {i: self.estimate(seqs[i]).gains(self.max_depth) for i in free}
             greedy = [s.params.greedy for s in seqs]
             rates = {D: self._best_at(D, depths, free, gains, greedy, seqs, other_tokens, room) for D in range(cap + 1)}
@@ -268,6 +274,13 @@ class SpecController:
                 seqs[i].spec_idle_steps, depths[i] = 0, 1
         return depths
 
+    def _predict(self, kind: str, num_seqs: int, tokens: int) -> float:
+        """``cost.predict``, memoized for one plan (which asks for the same shapes many times)."""
+        key = (kind, num_seqs, tokens)
+        if key not in self._memo:
+            self._memo[key] = self.cost.predict(kind, num_seqs, tokens)
+        return self._memo[key]
+
     def _tokens(self, depths: list[int], seqs: list[Sequence]) -> float:
         return sum(self.estimate(s).expected_tokens(d) if d else 1.0 for s, d in zip(seqs, depths))
 
@@ -276,26 +289,26 @@ class SpecController:
 
     def _step_time(self, depths: list[int], other_tokens: int, greedy: list[bool]) -> float:
         n = len(depths) + (1 if other_tokens else 0)
-        t = self.cost.predict("target", n, self._target_tokens(depths, other_tokens, greedy))
+        t = self._predict("target", n, self._target_tokens(depths, other_tokens, greedy))
         drafting = [d for d in depths if d]
         shape = self.proposer.cost
         if drafting:
             t += self.cost.host_draft_seconds() * len(drafting)
         if drafting and shape.kind:
             if shape.catch_up:  # about the root plus last step's accepted tokens
-                t += self.cost.predict(shape.kind, len(drafting), 2 * len(drafting))
+                t += self._predict(shape.kind, len(drafting), 2 * len(drafting))
             if shape.per_level:
                 for level in range(1, max(drafting)):
                     deeper = sum(1 for d in drafting if d > level)
-                    t += self.cost.predict(shape.kind, deeper, deeper)
+                    t += self._predict(shape.kind, deeper, deeper)
         return t
 
     def _marginal_token_time(self, depths: list[int], other_tokens: int, greedy: list[bool]) -> float:
         n, m = len(depths) + 1, self._target_tokens(depths, other_tokens, greedy)
-        extra = max(self.cost.predict("target", n, m + 1) - self.cost.predict("target", n, m), 0.0)
+        extra = max(self._predict("target", n, m + 1) - self._predict("target", n, m), 0.0)
         kind = self.proposer.cost.kind
         if kind:
-            extra += max(self.cost.predict(kind, 2, 2) - self.cost.predict(kind, 1, 1), 0.0)
+            extra += max(self._predict(kind, 2, 2) - self._predict(kind, 1, 1), 0.0)
         return extra
 
     def update(self, seq: Sequence, drafted: int, accepted: int) -> None:
