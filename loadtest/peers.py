@@ -46,7 +46,7 @@ AUGUR_EXE = str(_VENV_AUGUR) if _VENV_AUGUR.exists() else "augur"
 AUGUR_PRESETS = {
     "augur-default": "",
     "augur-plain": " --speculative-method none",
-    "augur-chains": " --spec-tree-topk 1",
+    "augur-trees": " --spec-tree-topk 2",
     "augur-bf16": " --dtype bfloat16",
 }
 PEER_PRESETS = {f"{peer}-{mode}": (peer, mode) for peer in ("vllm", "llamacpp") for mode in ("draft", "plain", "ngram")}

@@ -40,7 +40,9 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
     )
     sp.add_argument("--draft-model", default=None, help="draft model directory or cached hub id (same tokenizer)")
     sp.add_argument("--num-speculative-tokens", type=int, default=4, help="most draft positions per request and step")
-    sp.add_argument("--spec-tree-topk", type=int, default=2, help="children per expanded tree node; 1 = chains")
+    sp.add_argument(
+        "--spec-tree-topk", type=int, default=None, help="children per tree node; 1 = chains (default: 1 CPU, 2 GPU)"
+    )
     sp.add_argument("--spec-tree-budget", type=int, default=12, help="most draft-tree nodes per request and step")
     if engine_seed:  # `generate` uses --seed for its one request instead
         g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")

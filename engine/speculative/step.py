@@ -49,13 +49,14 @@ class Step:
         self.hidden_layers = proposer.hidden_layers if proposer else ()
         self._hidden: dict[int, dict[int, torch.Tensor]] = {}  # seq_id → last forward's final rows
         self.rows = RowsMetadata(runner.vocab_size, runner.device, eos_token_ids)
+        self.scheduled: list[Sequence] = []  # this step's sequences (the engine fails them if it raises)
+        self.forward_seconds = 0.0  # this step's target and proposer forwards (the rest is host work)
 
     def run(self) -> tuple[list[Emit], list[Sequence]]:
         """One step. Returns what each sampled sequence emitted, and the sequences whose prompt
         logprobs grew (they get an output even without a new token)."""
         t0 = time.perf_counter()
-        self.forward_seconds = 0.0
-        self.scheduled: list[Sequence] = []
+        self.forward_seconds, self.scheduled = 0.0, []
         want = self.plan()
         sched = self.scheduler.schedule(lookahead=self._lookahead(want) if want else None)
         if not sched.scheduled:
