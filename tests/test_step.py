@@ -215,13 +215,14 @@ def test_cost_model_median_ignores_one_noisy_timing():
     assert cost.predict("target", 4, 8) == pytest.approx(0.010)
 
 
-def test_controller_hysteresis_and_guard_back_off(target, tmp_path, tokenizer_dir):
+def test_controller_hysteresis_and_guard_back_off(target, tmp_path):
     from test_spec import cheap_draft_costs, noisy_copy
 
-    eng = LLMEngine(
-        EngineConfig(model=str(target), draft_model=str(noisy_copy(target, tmp_path / "d", 0.0)), device="cpu",
-                     num_kv_blocks=256, block_size=4, spec_tree_topk=1, num_speculative_tokens=4)
-    )  # fmt: skip
+    draft = noisy_copy(target, tmp_path / "d", 0.0)
+    cfg = EngineConfig(
+        model=str(target), draft_model=str(draft), device="cpu", num_kv_blocks=256, block_size=4, spec_tree_topk=1
+    )
+    eng = LLMEngine(cfg)
     ctl = eng.controller
     ctl.guard.min_samples = 0  # this part is about the plan alone: no early plain probes
     eng.add_request("x", [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
@@ -272,8 +273,10 @@ def test_draft_prefix_cache_hit_skips_catch_up_and_catch_up_is_chunked(target, t
     from test_spec import noisy_copy
 
     draft = noisy_copy(target, tmp_path / "d", 0.3)
-    cfg = dict(model=str(target), draft_model=str(draft), device="cpu", num_kv_blocks=256, block_size=4,
-               spec_tree_topk=1, max_num_batched_tokens=16)  # fmt: skip
+    cfg = dict(
+        model=str(target), draft_model=str(draft), device="cpu", num_kv_blocks=256, block_size=4, spec_tree_topk=1
+    )
+    cfg["max_num_batched_tokens"] = 16
     prompt = [random.Random(3).randrange(3, VOCAB) for _ in range(40)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, num_draft_tokens=3)
     plain = run(make(target, num_kv_blocks=256, block_size=4), [prompt], params)

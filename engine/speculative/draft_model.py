@@ -141,8 +141,8 @@ class DraftModelProposer(Proposer):
             n = s.num_tokens - s.draft_num_computed
             take = min(n, max(budget, 1))
             budget -= take
-            chunks.append(ForwardChunk(s.token_ids[s.draft_num_computed :][:take], s.draft_num_computed, s.block_table,
-                                       int(take == n)))  # fmt: skip
+            start = s.draft_num_computed
+            chunks.append(ForwardChunk(s.token_ids[start : start + take], start, s.block_table, int(take == n)))
             if take == n:
                 ready.append(i)
         logits = self._forward(self.runner.prepare(chunks), chunks)  # [len(ready), V] at each ready root
@@ -182,17 +182,24 @@ class DraftModelProposer(Proposer):
         self._timings.append(("draft", batch.num_seqs, batch.num_tokens, time.perf_counter() - t0))
         return logits
 
-    def _level(self, seqs: list[Sequence], ids: torch.Tensor, per_seq: int, first: list[int], depth: int,
-               masks: list[torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+    def _level(
+        self,
+        seqs: list[Sequence],
+        ids: torch.Tensor,  # [A, per_seq] tokens still on the device
+        per_seq: int,
+        first: list[int],
+        depth: int,
+        masks: list[torch.Tensor] | None = None,  # per sequence [per_seq, first + per_seq] ancestor mask
+    ) -> torch.Tensor:
         """Feed ``per_seq`` device-resident tokens per sequence at slots ``root + 1 + first[b] ...``,
         all at position ``root + depth``; returns their logits."""
         chunks = []
         for b, s in enumerate(seqs):
             root = s.num_tokens - 1
-            chunks.append(
-                ForwardChunk([0] * per_seq, root + 1 + first[b], s.block_table, per_seq, [root + depth] * per_seq,
-                             masks[b] if masks is not None else None, root + 1 if masks is not None else None)
-            )  # fmt: skip
+            mask, mask_start = (masks[b], root + 1) if masks is not None else (None, None)
+            positions = [root + depth] * per_seq
+            slot = root + 1 + first[b]
+            chunks.append(ForwardChunk([0] * per_seq, slot, s.block_table, per_seq, positions, mask, mask_start))
         if self.draft_vocab_size < self.vocab_size:
             ids = ids.clamp(max=self.draft_vocab_size - 1)
         return self._forward(self.runner.prepare(chunks), chunks, input_ids=ids.reshape(-1))
@@ -203,10 +210,15 @@ class DraftModelProposer(Proposer):
         B, D = len(seqs), max(depths)
         k = self.topk if self.tree else 1
         md = SamplingMetadata.from_state(
-            [s.params for s in seqs], [s.num_output_tokens for s in seqs], [s.token_counts for s in seqs],
-            [s.prompt_mask for s in seqs], [s.generator for s in seqs], self.eos_token_ids, self.vocab_size,
+            [s.params for s in seqs],
+            [s.num_output_tokens for s in seqs],
+            [s.token_counts for s in seqs],
+            [s.prompt_mask for s in seqs],
+            [s.generator for s in seqs],
+            self.eos_token_ids,
+            self.vocab_size,
             self.runner.device,
-        )  # fmt: skip
+        )
         level_rows: list[list[int]] = []
         level_tokens: list[torch.Tensor] = []  # [A, k] per level
         level_q: list[torch.Tensor] = []  # [A, k, V] per level (the distribution each sibling was drawn from)
@@ -284,8 +296,8 @@ class DraftModelProposer(Proposer):
             sub[:, new, new] = True
             anc[nxt] = sub
             masks = [sub[a, first : first + k, : first + k] for a in range(len(nxt))]
-            child = torch.log_softmax(self._level([seqs[b] for b in nxt], f_tok, k, [first] * len(nxt), level - 1,
-                                                  masks).float(), -1)  # fmt: skip
+            logits = self._level([seqs[b] for b in nxt], f_tok, k, [first] * len(nxt), level - 1, masks)
+            child = torch.log_softmax(logits.float(), -1)
             cv, ci = child.view(len(nxt), k, -1).topk(k, dim=-1)  # [A, k, k]
             c_score = (f_score[:, :, None] + cv).flatten(1)  # [A, k*k] cumulative log q
             c_tok = ci.flatten(1)
