@@ -13,8 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata, build_attention_metadata
-from engine.sampler import Sampler, SamplerOutput, SamplingMetadata
-from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +82,6 @@ class ModelRunner:
         self.block_size = block_size
         self.vocab_size = hf_config.vocab_size
         self.kv_bytes_per_token = kv_bytes_per_token(hf_config, dtype)
-        self.sampler = Sampler()
         self.num_blocks = 0
         self.kv_cache = torch.empty(0)
         if num_blocks is not None:
@@ -190,21 +187,6 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     # -- sampling ---------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def sample(
-        self,
-        logits: torch.Tensor,  # [B, vocab]
-        params: list[SamplingParams],
-        prompt_ids: list[list[int]],
-        output_ids: list[list[int]],
-        generators: list[torch.Generator | None],
-        eos_token_ids: list[int],
-    ) -> SamplerOutput:
-        md = SamplingMetadata.build(
-            params, prompt_ids, output_ids, generators, eos_token_ids, self.vocab_size, self.device
-        )
-        return self.sampler(logits, md)
-
     def make_generator(self, seed: int) -> torch.Generator:
         g = torch.Generator(device=self.device)
         g.manual_seed(seed)

@@ -149,10 +149,33 @@ def test_hidden_states_handed_over_are_the_targets(target):
 
 
 def test_lookup_that_finds_nothing_costs_no_draft_work(target):
+    """A step whose lookup found nothing feeds the target exactly what plain decoding would (one token)."""
     eng = make(target, "test-lookup", num_speculative_tokens=3)
-    out = eng.generate([[3, 4, 5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-    assert len(out[0].outputs[0].delta_token_ids) == 1
-    assert eng.spec_stats.num_drafts == 0  # an empty tree is plain decoding: nothing verified as a draft
+    found: list[bool] = []
+    fed: list[int] = []
+    propose, forward = eng.proposer.propose, eng.runner.forward
+
+    def spy_propose(seqs, depths, ctx):
+        trees = propose(seqs, depths, ctx)
+        found.append(any(len(t) for t in trees))
+        return trees
+
+    def spy_forward(chunks, **kw):
+        fed.append(sum(len(c.token_ids) for c in chunks))
+        return forward(chunks, **kw)
+
+    eng.proposer.propose, eng.runner.forward = spy_propose, spy_forward
+    prompt = list(range(3, 23))  # no token repeats: the first decode steps find nothing to copy
+    eng.add_request("q", prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    steps: list[tuple[bool | None, int]] = []
+    while eng.has_unfinished_requests():
+        before = len(found)
+        eng.step()
+        steps.append((found[-1] if len(found) > before else None, fed[-1]))
+    misses = [n for hit, n in steps if hit is False]
+    assert misses, "the lookup was asked and found nothing at least once"
+    assert all(n == 1 for n in misses), f"a step without a draft fed {misses} tokens"
+    assert eng.spec_stats.num_drafts == sum(1 for hit, _ in steps if hit)
 
 
 # -- the stages, one by one ----------------------------------------------------------------------------

@@ -22,7 +22,6 @@ caps the depth when speculation loses (probing now and then so that it notices w
 from __future__ import annotations
 
 import statistics
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -323,14 +322,3 @@ class SpecController:
         self.cost.observe_host(seconds - forward_seconds, num_seqs, num_drafting)
         if batch.decode_only:
             self.guard.observe(num_seqs, tokens, seconds, num_drafting > 0)
-
-
-class Timer:
-    """Wall time of a block; callers synchronize the device first where it matters."""
-
-    def __enter__(self) -> Timer:
-        self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.seconds = time.perf_counter() - self.t0

@@ -73,6 +73,7 @@ class DraftModelProposer(Proposer):
         # seq_id → node indices of this step's tree whose draft KV the draft wrote at their final slot
         # (root + 1 + i for the i-th of them): valid once verification keeps them.
         self._written: dict[int, list[int]] = {}
+        self._marked: dict[int, int] = {}  # seq_id → leading full blocks already recorded in _valid
 
     @classmethod
     def build(cls, config, target: ModelRunner, *, tokenizer, eos_token_ids: list[int]) -> DraftModelProposer:
@@ -125,9 +126,11 @@ class DraftModelProposer(Proposer):
     def on_preempt(self, seq: Sequence) -> None:
         seq.draft_num_computed = 0
         self._written.pop(seq.seq_id, None)
+        self._marked.pop(seq.seq_id, None)
 
     def on_free(self, seq: Sequence) -> None:
         self._written.pop(seq.seq_id, None)
+        self._marked.pop(seq.seq_id, None)
 
     def timings(self) -> list[tuple[str, int, int, float]]:
         out, self._timings = self._timings, []
@@ -219,7 +222,7 @@ class DraftModelProposer(Proposer):
             self.vocab_size,
             self.runner.device,
         )
-        level_rows: list[list[int]] = []
+        level_rows: list[dict[int, int]] = []  # per level: sequence index → its row at that level
         level_tokens: list[torch.Tensor] = []  # [A, k] per level
         level_q: list[torch.Tensor] = []  # [A, k, V] per level (the distribution each sibling was drawn from)
         rows, cur = list(range(B)), logits
@@ -238,13 +241,14 @@ class DraftModelProposer(Proposer):
                     qs.append(qi / qi.sum(-1, keepdim=True).clamp_min(1e-30))
                     taken.scatter_(1, order[:, i : i + 1], True)
                 qs = torch.stack(qs, 1)
-            level_rows.append(rows)
+            at = {b: a for a, b in enumerate(rows)}
+            level_rows.append(at)
             level_tokens.append(order)
             level_q.append(qs)
             nxt = [b for b in rows if depths[b] > d + 1]
             if not nxt:
                 break
-            keep = torch.tensor([rows.index(b) for b in nxt], device=cur.device)
+            keep = torch.tensor([at[b] for b in nxt], device=cur.device)
             spine = order[keep, 0]
             cur = self._level([seqs[b] for b in nxt], spine, 1, [d] * len(nxt), d + 1)
             rows = nxt
@@ -254,10 +258,10 @@ class DraftModelProposer(Proposer):
         trees = []
         for b in range(B):
             toks, parents, qrows, spine_node, spine = [], [], [], -1, []
-            for d, rows_d in enumerate(level_rows):
-                if b not in rows_d:
+            for d, at in enumerate(level_rows):
+                if b not in at:
                     break
-                a = rows_d.index(b)
+                a = at[b]
                 first = len(toks)
                 for i in range(k):
                     if i > 0 and p_host[d][a][i] <= 0.0:
@@ -276,7 +280,8 @@ class DraftModelProposer(Proposer):
         k, B, D = self.topk, len(seqs), max(depths)
         dev = logits.device
         score, tok = torch.log_softmax(logits.float(), -1).topk(k, dim=-1)  # [B, k] level 1
-        levels = [(list(range(B)), tok, score, torch.full_like(tok, -1))]  # (rows, tokens, scores, parent ids)
+        # per level: (sequence index → its row, tokens, scores, parent ids)
+        levels = [({b: b for b in range(B)}, tok, score, torch.full_like(tok, -1))]
         f_ids = torch.arange(k, device=dev).expand(B, k)  # frontier node ids
         f_tok, f_score, f_run = tok, score, None  # frontier tokens, scores, parents' run rows
         run_max = max(D - 1, 1) * k
@@ -286,7 +291,8 @@ class DraftModelProposer(Proposer):
             nxt = [b for b in rows if depths[b] >= level]
             if not nxt:
                 break
-            keep = torch.tensor([rows.index(b) for b in nxt], device=dev)
+            at = {b: a for a, b in enumerate(rows)}
+            keep = torch.tensor([at[b] for b in nxt], device=dev)
             f_ids, f_tok, f_score = f_ids[keep], f_tok[keep], f_score[keep]
             first = (level - 2) * k  # run rows of the frontier fed now
             new = torch.arange(first, first + k, device=dev)
@@ -302,7 +308,7 @@ class DraftModelProposer(Proposer):
             c_score = (f_score[:, :, None] + cv).flatten(1)  # [A, k*k] cumulative log q
             c_tok = ci.flatten(1)
             c_par = f_ids.repeat_interleave(k, dim=1)
-            levels.append((nxt, c_tok, c_score, c_par))
+            levels.append(({b: a for a, b in enumerate(nxt)}, c_tok, c_score, c_par))
             f_score, sel = c_score.topk(k, dim=-1)
             base = k + (level - 2) * k * k
             f_ids, f_tok, f_run = base + sel, c_tok.gather(1, sel), first + sel // k
@@ -311,10 +317,10 @@ class DraftModelProposer(Proposer):
         trees = []
         for b in range(B):
             nodes: dict[int, tuple[int, int, float, int]] = {}  # id → (token, parent id, score, depth)
-            for level, (r, t, s, p) in enumerate(host, start=1):
-                if b not in r:
+            for level, (at, t, s, p) in enumerate(host, start=1):
+                if b not in at:
                     break
-                a = r.index(b)
+                a = at[b]
                 base = 0 if level == 1 else k + (level - 2) * k * k
                 for j in range(len(t[a])):
                     nodes[base + j] = (t[a][j], p[a][j], s[a][j], level)
@@ -339,7 +345,8 @@ class DraftModelProposer(Proposer):
     # -- prefix reuse ---------------------------------------------------------------------------
     def _skip_cached_prefix(self, seq: Sequence) -> None:
         """Start catch-up after the leading full blocks whose draft KV is valid for their hash."""
-        bs, n = self.runner.block_size, 0
+        bs = self.runner.block_size
+        n = seq.draft_num_computed // bs  # the blocks before are computed already
         while n < len(seq.block_hashes) and self._valid.get(seq.block_table[n]) == seq.block_hashes[n]:
             n += 1
         n = min(n * bs, seq.num_tokens - 1)  # the root is always fed
@@ -347,9 +354,12 @@ class DraftModelProposer(Proposer):
             seq.draft_num_computed = n
 
     def _mark_valid(self, seq: Sequence) -> None:
-        bs = self.runner.block_size
-        for i in range(min(len(seq.block_hashes), seq.draft_num_computed // bs)):
+        """Record the full blocks whose draft KV is now computed, from where the last call stopped:
+        blocks before are final and never written again while the sequence holds them."""
+        end = min(len(seq.block_hashes), seq.draft_num_computed // self.runner.block_size)
+        for i in range(self._marked.get(seq.seq_id, 0), end):
             self._valid[seq.block_table[i]] = seq.block_hashes[i]
+        self._marked[seq.seq_id] = max(end, self._marked.get(seq.seq_id, 0))
 
 
 def _ancestors(nodes: dict[int, tuple[int, int, float, int]], i: int) -> list[int]:

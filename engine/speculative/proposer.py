@@ -22,7 +22,7 @@ method; what differs between methods lives behind these hooks:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -58,8 +58,9 @@ class ProposeContext:
     hidden_states: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
 
 
-class Proposer:
-    """Base class: the default hooks do nothing, so a method overrides only what it needs."""
+class Proposer(ABC):
+    """Base class: a method must say how to build it, what a draft costs in KV slots and how to
+    draft; the other hooks do nothing by default, so it overrides only what it needs."""
 
     method: ClassVar[str] = ""  # the registry key and the metrics label
     cost: ClassVar[CostShape] = CostShape()
@@ -67,14 +68,15 @@ class Proposer:
     kv_bytes_per_token: int = 0  # bytes of its own KV per pool slot (0: none)
 
     @classmethod
+    @abstractmethod
     def build(cls, config: EngineConfig, target: ModelRunner, *, tokenizer, eos_token_ids: list[int]) -> Proposer:
-        raise NotImplementedError
+        """Load what the method needs; ``target`` is the target's runner (its model, vocabulary, device)."""
 
     # -- shape and drafting ---------------------------------------------------------------------
+    @abstractmethod
     def slots_needed(self, depth: int, greedy: bool = True) -> int:
         """KV slots past the root a draft of this depth may take (verify nodes and draft-side
         writes), for a greedy or a sampling request (a method may draft them in different shapes)."""
-        raise NotImplementedError
 
     def depth_for_slots(self, slots: int, depth: int, greedy: bool) -> int:
         """The deepest draft no deeper than ``depth`` that fits in ``slots`` granted KV slots."""
@@ -82,36 +84,37 @@ class Proposer:
             depth -= 1
         return depth
 
+    @abstractmethod
     def propose(self, seqs: list[Sequence], depths: list[int], ctx: ProposeContext) -> list[DraftTree]:
         """Draft a tree of at most ``depths[i]`` levels for each sequence (its last token is the root)."""
-        raise NotImplementedError
 
     def timings(self) -> list[tuple[str, int, int, float]]:
         """(cost kind, sequences, tokens, seconds) of the proposer's forwards since the last call."""
         return []
 
+    # Every hook below is deliberately a no-op unless a method overrides it (hence the B027 waivers).
     # -- its own cache --------------------------------------------------------------------------
-    def allocate_kv(self, num_blocks: int) -> None:
+    def allocate_kv(self, num_blocks: int) -> None:  # noqa: B027
         """Allocate the proposer's KV cache for a pool of ``num_blocks`` (only if kv_bytes_per_token)."""
 
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:  # noqa: B027
         """Mirror the target cache's copy-on-write block copies in the proposer's own cache."""
 
     # -- lifecycle ------------------------------------------------------------------------------
-    def on_computed(self, seq: Sequence, start: int, hidden: dict[int, torch.Tensor]) -> None:
+    def on_computed(self, seq: Sequence, start: int, hidden: dict[int, torch.Tensor]) -> None:  # noqa: B027
         """Target KV of ``seq`` tokens ``start .. start + n`` became final in the last forward;
         ``hidden[layer]`` is ``[n, hidden]`` for each layer in ``hidden_layers`` (empty otherwise)."""
 
-    def on_verified(self, seq: Sequence, tree: DraftTree, accepted: list[int]) -> None:
+    def on_verified(self, seq: Sequence, tree: DraftTree, accepted: list[int]) -> None:  # noqa: B027
         """Verification kept the nodes ``accepted`` (node indices, root to leaf) of the sequence's tree."""
 
-    def on_fork(self, parent: Sequence, child: Sequence) -> None:
+    def on_fork(self, parent: Sequence, child: Sequence) -> None:  # noqa: B027
         """``child`` was forked off ``parent`` (n > 1): it shares the parent's blocks so far."""
 
-    def on_preempt(self, seq: Sequence) -> None:
+    def on_preempt(self, seq: Sequence) -> None:  # noqa: B027
         """``seq`` lost its KV blocks; everything it had computed will be recomputed."""
 
-    def on_free(self, seq: Sequence) -> None:
+    def on_free(self, seq: Sequence) -> None:  # noqa: B027
         """``seq`` finished or was aborted."""
 
 
@@ -148,6 +151,3 @@ def _load_builtin() -> None:
         _builtin_loaded = True
         import engine.speculative.draft_model  # noqa: F401
 
-
-# A draft of depth d for a (greedy?) request: KV slots past the root it takes.
-SlotsFn = Callable[[int, bool], int]

@@ -12,6 +12,7 @@ target kept; the *final* token is the recovered or bonus token sampled after the
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 
@@ -85,7 +86,7 @@ class Step:
         if not decode:
             return {}
         other = sum(s.num_uncomputed_tokens for s in self.scheduler.running if s.num_uncomputed_tokens > 1)
-        other += sum(s.num_tokens for s in list(self.scheduler.waiting)[:4])  # likely admissions
+        other += sum(s.num_tokens for s in itertools.islice(self.scheduler.waiting, 4))  # likely admissions
         # Never draft past max_tokens or the context: the final token takes the last place.
         room = [max(s.tokens_left(self.max_model_len) - 1, 0) for s in decode]
         depths = self.controller.plan(decode, min(other, self.scheduler.max_num_batched_tokens), room)
