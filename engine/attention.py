@@ -12,6 +12,9 @@ Terms:
 
 This module builds that metadata once per forward (shared by all layers) and computes attention with
 ``scaled_dot_product_attention`` on padded ``[B, Qmax]`` queries and ``[B, Kmax]`` gathered keys.
+
+Attention is the custom operator ``torch.ops.augur.paged_attention``: it writes the KV pool in place,
+which ``torch.compile`` keeps opaque (a compiled model calls it as it is, and never copies the pool).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ class AttentionMetadata:
     kv_slots: torch.Tensor  # [B, Kmax] int64: cache slots of each sequence's keys (padding → 0)
     mask: torch.Tensor  # [B, 1, Qmax, Kmax] bool, True = may attend
     sliding_mask: torch.Tensor | None  # same, with the sliding window applied (None if no layer needs it)
-    q_index: torch.Tensor | None  # [T] int64: flat token → row of the padded [B * Qmax] queries; None if Qmax == 1
+    q_index: torch.Tensor  # [T] int64: flat token → row of the padded [B * Qmax] queries
     num_seqs: int
     max_q: int
 
@@ -108,7 +111,7 @@ def build_attention_metadata(
         sliding_mask[:, :, 0] |= pad_row
         sliding_mask = sliding_mask[:, None]
 
-    q_index = None if max_q == 1 else seq_of_tok * max_q + idx_in_seq
+    q_index = seq_of_tok * max_q + idx_in_seq
     return AttentionMetadata(
         slot_mapping=slot_mapping,
         kv_slots=kv_slots,
@@ -124,31 +127,51 @@ def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
-    k_cache: torch.Tensor,  # [num_slots, Hkv, D]
-    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    kv_pool: torch.Tensor,  # [layers, 2, num_slots, Hkv, D]
+    layer: int,
     meta: AttentionMetadata,
     scale: float,
     sliding: bool = False,
 ) -> torch.Tensor:  # [T, H * D]
-    """Write the new K/V into the cache, then attend each sequence's queries to its context."""
+    """Write the new K/V into ``kv_pool[layer]``, then attend each sequence's queries to its context."""
+    mask = meta.sliding_mask if sliding else meta.mask
+    return torch.ops.augur.paged_attention(
+        q, k, v, kv_pool, layer, meta.slot_mapping, meta.kv_slots, mask, meta.q_index, scale
+    )
+
+
+_lib = torch.library.Library("augur", "DEF")
+_lib.define(
+    "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_pool, int layer, Tensor slot_mapping, "
+    "Tensor kv_slots, Tensor mask, Tensor q_index, float scale) -> Tensor"
+)
+
+
+def _paged_attention_impl(q, k, v, kv_pool, layer, slot_mapping, kv_slots, mask, q_index, scale):
     T, H, D = q.shape
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
-    B, Q = meta.num_seqs, meta.max_q
-    flat_slots = meta.kv_slots.view(-1)
+    B, Q = kv_slots.shape[0], mask.shape[2]
+    k_cache, v_cache = kv_pool[layer, 0], kv_pool[layer, 1]
+    k_cache.index_copy_(0, slot_mapping, k)
+    v_cache.index_copy_(0, slot_mapping, v)
+    flat_slots = kv_slots.view(-1)
     keys = k_cache.index_select(0, flat_slots).view(B, -1, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, Kmax, D]
     values = v_cache.index_select(0, flat_slots).view(B, -1, *v_cache.shape[1:]).transpose(1, 2)
-    if meta.q_index is None:
+    if Q == 1:  # one new token per sequence: the flat batch is already [B, 1]
         qp = q.view(B, 1, H, D)
     else:
         qp = q.new_zeros(B * Q, H, D)
-        qp.index_copy_(0, meta.q_index, q)
+        qp.index_copy_(0, q_index, q)
         qp = qp.view(B, Q, H, D)
-    mask = meta.sliding_mask if sliding else meta.mask
     out = F.scaled_dot_product_attention(
         qp.transpose(1, 2), keys, values, attn_mask=mask, scale=scale, enable_gqa=keys.shape[1] != H
     )  # [B, H, Q, D]
     out = out.transpose(1, 2).reshape(B * Q, H * D)
-    if meta.q_index is not None:
-        out = out.index_select(0, meta.q_index)
-    return out
+    return out if Q == 1 else out.index_select(0, q_index)
+
+
+def _paged_attention_fake(q, k, v, kv_pool, layer, slot_mapping, kv_slots, mask, q_index, scale):
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+_lib.impl("paged_attention", _paged_attention_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("augur::paged_attention", _paged_attention_fake, lib=_lib)

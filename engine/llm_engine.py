@@ -18,6 +18,7 @@ from engine.config import EngineConfig
 from engine.kv import BlockManager
 from engine.loader import eos_token_ids, load_config, load_model, load_tokenizer, resolve_model_path
 from engine.model_runner import ForwardChunk, ModelRunner, available_memory_bytes
+from engine.models.packed import linear_weight_bytes
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -51,9 +52,10 @@ class LLMEngine:
         max_len = config.max_model_len or model_max
 
         t0 = time.perf_counter()
-        model = load_model(self.model_path, self.hf_config, self.dtype, self.device, max_len)
+        compiled = config.compile_enabled
+        model = load_model(self.model_path, self.hf_config, self.dtype, self.device, max_len, pack=not compiled)
         logger.info("loaded %s in %.1fs (%s, %s)", self.model_path, time.perf_counter() - t0, self.dtype, self.device)
-        self.runner = ModelRunner(model, self.hf_config, self.device, self.dtype, config.block_size)
+        self.runner = ModelRunner(model, self.hf_config, self.device, self.dtype, config.block_size, compile=compiled)
         self.proposer = None
         if config.speculative_method != "none" and config.num_speculative_tokens > 0:
             cls = proposer_class(config.speculative_method)
@@ -83,6 +85,9 @@ class LLMEngine:
         self.step_runner = Step(
             self.runner, self.scheduler, self.proposer, self.controller, self._fork, self.eos_token_ids, max_len
         )
+        self.runner.warmup()
+        if self.proposer is not None:
+            self.proposer.warmup()
         if self.controller is not None:
             self._profile()
 
@@ -97,9 +102,10 @@ class LLMEngine:
     def _profile(self, budget_s: float = 5.0) -> None:
         """Time target and proposer forwards over the shapes the step runs (sequences × tokens per
         sequence), seeding the controller's cost model; stops early past ``budget_s`` seconds."""
-        kinds = [(self.runner, "target")]
-        if self.proposer.cost.kind and isinstance(getattr(self.proposer, "runner", None), ModelRunner):
-            kinds.append((self.proposer.runner, self.proposer.cost.kind))
+        kinds = [(self.runner.forward, self.runner, "target")]
+        probe = self.proposer.cost_probe() if self.proposer.cost.kind else None
+        if probe is not None:
+            kinds.append((probe, self.runner, self.proposer.cost.kind))
         bs, ctx = self.config.block_size, 32
         free = self.block_manager.num_free_blocks
         deadline = time.perf_counter() + budget_s
@@ -110,10 +116,10 @@ class LLMEngine:
                     continue
                 tables = [list(range(i * -(-(ctx + per) // bs), (i + 1) * -(-(ctx + per) // bs))) for i in range(S)]
                 chunks = [ForwardChunk([3] * per, ctx, t, per) for t in tables]
-                for runner, kind in kinds:
+                for forward, runner, kind in kinds:
                     for rep in range(3):
                         t0 = time.perf_counter()
-                        runner.forward(chunks)
+                        forward(chunks)
                         runner.synchronize()
                         if rep:
                             self.controller.cost.observe(kind, S, S * per, time.perf_counter() - t0)
@@ -128,7 +134,10 @@ class LLMEngine:
         # A proposer's own cache has one slot per target slot: it is sized into the same pool.
         per_token = self.runner.kv_bytes_per_token + (self.proposer.kv_bytes_per_token if self.proposer else 0)
         per_block = per_token * c.block_size
-        blocks = int(available_memory_bytes(self.device) * c.kv_cache_memory_fraction) // per_block
+        available = available_memory_bytes(self.device)
+        if self.runner.compiled and self.device.type == "cpu":
+            available -= linear_weight_bytes(self.runner.model)  # the frozen copy compilation will make
+        blocks = int(available * c.kv_cache_memory_fraction) // per_block
         if self.device.type == "cpu":
             # On a CPU the pool shares RAM with everything else: take no more than a full batch needs.
             blocks = min(blocks, c.max_num_seqs * (-(-max_len // c.block_size) + 1))

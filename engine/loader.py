@@ -86,14 +86,17 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, f.get_tensor(key)
 
 
-def load_model(path: Path, config, dtype: torch.dtype, device: torch.device, max_positions: int) -> torch.nn.Module:
-    """Build the model without initializing weights (meta device), then fill it from the checkpoint."""
+def load_model(
+    path: Path, config, dtype: torch.dtype, device: torch.device, max_positions: int, pack: bool = True
+) -> torch.nn.Module:
+    """Build the model without initializing weights (meta device), then fill it from the checkpoint.
+    ``pack``: prepack large CPU models' linears (not for a compiled model: inductor packs its own)."""
     cls = model_class_for(config)
     with torch.device("meta"):
         model = cls(config, max_positions)
     model = model.to_empty(device=device).to(dtype)
     model.init_buffers(max_positions)
     model.load_weights((k, v.to(device)) for k, v in iter_safetensors(path))
-    if packing_supported(dtype, device) and linear_weight_bytes(model) >= MIN_PACKED_BYTES:
+    if pack and packing_supported(dtype, device) and linear_weight_bytes(model) >= MIN_PACKED_BYTES:
         model.pack_for_cpu()
     return model.eval()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -46,9 +47,44 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
-    logit_rows: torch.Tensor | None  # [N] int64 rows of the tokens needing logits; None: every token
+    logit_rows: torch.Tensor  # [N] int64 rows of the tokens needing logits
     num_seqs: int
     num_tokens: int
+
+
+class LogitsForward(torch.nn.Module):
+    """The model's forward and output layer, on the rows that need logits: what gets compiled."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, positions, meta, kv_cache, logit_rows, layer_ids, hidden_layers):
+        hidden, captured = self.model(input_ids, positions, meta, kv_cache, layer_ids, hidden_layers)
+        return self.model.compute_logits(hidden.index_select(0, logit_rows)), captured
+
+
+def compile_forward(fn: torch.nn.Module, device: torch.device):
+    """``torch.compile`` a forward for every batch shape at once.
+
+    Shapes are dynamic from the first call, and sizes 0 and 1 are not special-cased
+    (``backed_size_oblivious``), so one graph serves a lone decode token, a verify chunk and a mixed
+    batch alike: no recompilation mid-serving. Attention is an opaque custom operator
+    (``augur::paged_attention``), so the graph never copies the KV pool. On a CPU, freezing turns the
+    weights into constants that inductor prepacks for its GEMM kernels (a second copy of the linear
+    weights, taken at the first call).
+    """
+    import torch._dynamo
+    import torch._inductor.config
+    import torch.fx.experimental._config as fx_config
+
+    fx_config.backed_size_oblivious = True
+    fx_config.use_duck_shape = False  # equal sizes seen once are not assumed equal forever
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    if device.type == "cpu":
+        # Read when the graph is traced, so it cannot be a per-compile option.
+        torch._inductor.config.freezing = True
+    return torch.compile(fn, dynamic=True)
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
@@ -74,6 +110,7 @@ class ModelRunner:
         dtype: torch.dtype,
         block_size: int,
         num_blocks: int | None = None,
+        compile: bool = False,
     ) -> None:
         self.model = model
         self.hf_config = hf_config
@@ -86,6 +123,10 @@ class ModelRunner:
         self.kv_cache = torch.empty(0)
         if num_blocks is not None:
             self.allocate_kv(num_blocks)
+        self.compiled = compile
+        self._run = LogitsForward(model)
+        if compile:
+            self._run = compile_forward(self._run, device)
 
     def allocate_kv(self, num_blocks: int) -> None:
         """Allocate the KV pool, once its size is known (it is shared out with any proposer's cache)."""
@@ -155,9 +196,7 @@ class ModelRunner:
             sliding_window=self.model.sliding_window,
             device=dev,
         )
-        rows = None
-        if len(logit_rows) != len(token_ids):
-            rows = torch.tensor(logit_rows, dtype=torch.int64).to(dev, non_blocking=True)
+        rows = torch.tensor(logit_rows, dtype=torch.int64).to(dev, non_blocking=True)
         return ForwardBatch(input_ids, pos, meta, rows, len(chunks), len(token_ids))
 
     @torch.inference_mode()
@@ -169,9 +208,11 @@ class ModelRunner:
         hidden_layers: tuple[int, ...] = (),
     ) -> ForwardOutput:
         ids = batch.input_ids if input_ids is None else input_ids
-        hidden, captured = self.model(ids, batch.positions, batch.meta, self.kv_cache, layer_ids, hidden_layers)
-        selected = hidden if batch.logit_rows is None else hidden.index_select(0, batch.logit_rows)
-        return ForwardOutput(logits=self.model.compute_logits(selected), hidden_states=captured)
+        layers = None if layer_ids is None else tuple(layer_ids)
+        logits, captured = self._run(
+            ids, batch.positions, batch.meta, self.kv_cache, batch.logit_rows, layers, hidden_layers
+        )
+        return ForwardOutput(logits=logits, hidden_states=captured)
 
     def forward(
         self,
@@ -180,6 +221,17 @@ class ModelRunner:
         hidden_layers: tuple[int, ...] = (),
     ) -> ForwardOutput:
         return self.execute(self.prepare(chunks), layer_ids=layer_ids, hidden_layers=hidden_layers)
+
+    def warmup(self) -> None:
+        """Run the forward once for each graph a compiled model needs (one new token, several), so
+        that no request waits for a compilation. Writes only slots of block 0, which every later
+        forward overwrites before reading (a token's K/V is written before attention reads it)."""
+        if not self.compiled:
+            return
+        t0 = time.perf_counter()
+        for n in (1, 2):
+            self.forward([ForwardChunk([0] * n, 0, [0], n)])
+        logger.info("compiled %s forward in %.1fs", type(self.model).__name__, time.perf_counter() - t0)
 
     def synchronize(self) -> None:
         """Wait for the device (timings are taken after it)."""

@@ -31,6 +31,12 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
     g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument(
+        "--compile",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="torch.compile the forwards (auto: $AUGUR_COMPILE, else on for CPU; compiling takes ~1 min at start)",
+    )
     sp = p.add_argument_group("speculative decoding")
     sp.add_argument(
         "--speculative-method",

@@ -47,6 +47,16 @@ def _float32_by_default():
     mp.undo()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _eager_by_default():
+    """Compiling every test engine would take minutes: ``compile=auto`` means eager in the tests
+    (servers they start inherit it); the compiled path has tests of its own that ask for it."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("AUGUR_COMPILE", "off")
+    yield
+    mp.undo()
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:
     tok = Tokenizer(models.BPE())

@@ -73,7 +73,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.sliding = sliding_window_of(config, layer_idx) is not None
 
-    def forward(self, x, cos, sin, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, cos, sin, kv_pool: torch.Tensor, layer: int, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
@@ -82,7 +82,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, sliding=self.sliding)
+        out = paged_attention(q, k, v, kv_pool, layer, meta, self.scale, sliding=self.sliding)
         return self.o_proj(out)
 
 
@@ -107,8 +107,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+    def forward(self, x, cos, sin, kv_pool, layer, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_pool, layer, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -186,7 +186,7 @@ class LlamaForCausalLM(nn.Module):
         wanted = set(hidden_layers)
         captured: dict[int, torch.Tensor] = {}
         for i in range(self.num_layers) if layer_ids is None else layer_ids:
-            x = self.layers[i](x, cos, sin, kv_caches[i], meta)
+            x = self.layers[i](x, cos, sin, kv_caches, i, meta)
             if i in wanted:
                 captured[i] = x
         return self.norm(x), captured

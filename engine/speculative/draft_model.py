@@ -83,8 +83,10 @@ class DraftModelProposer(Proposer):
         draft_config = load_config(path)
         check_same_vocabulary(tokenizer, load_tokenizer(path), draft_config, target.hf_config, path)
         max_positions = target.model.rope_cos.shape[0]
-        model = load_model(path, draft_config, target.dtype, target.device, max_positions)
-        runner = ModelRunner(model, draft_config, target.device, target.dtype, config.block_size)
+        model = load_model(path, draft_config, target.dtype, target.device, max_positions, pack=not target.compiled)
+        runner = ModelRunner(
+            model, draft_config, target.device, target.dtype, config.block_size, compile=target.compiled
+        )
         tree = config.spec_tree_topk > 1
         budget, catch_up = config.spec_tree_budget, config.max_num_batched_tokens
         return cls(runner, target.vocab_size, eos_token_ids, tree, config.spec_tree_topk, budget, catch_up)
@@ -104,6 +106,12 @@ class DraftModelProposer(Proposer):
     # -- cache and lifecycle --------------------------------------------------------------------
     def allocate_kv(self, num_blocks: int) -> None:
         self.runner.allocate_kv(num_blocks)
+
+    def warmup(self) -> None:
+        self.runner.warmup()
+
+    def cost_probe(self):
+        return self.runner.forward
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         for _, dst in copies:

@@ -23,6 +23,7 @@ method; what differs between methods lives behind these hooks:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -33,7 +34,7 @@ from engine.speculative.tree import DraftTree
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
-    from engine.model_runner import ModelRunner
+    from engine.model_runner import ForwardChunk, ModelRunner
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,15 @@ class Proposer(ABC):
         """(cost kind, sequences, tokens, seconds) of the proposer's forwards since the last call."""
         return []
 
+    def cost_probe(self) -> Callable[[list[ForwardChunk]], object] | None:
+        """A function running one of the proposer's forwards over these chunks, which the engine times
+        at start-up (sequences x tokens) to seed the controller's cost model; None: nothing to time."""
+        return None
+
     # Every hook below is deliberately a no-op unless a method overrides it (hence the B027 waivers).
+    def warmup(self) -> None:  # noqa: B027
+        """One-off work before the first request (compiling the proposer's forwards)."""
+
     # -- its own cache --------------------------------------------------------------------------
     def allocate_kv(self, num_blocks: int) -> None:  # noqa: B027
         """Allocate the proposer's KV cache for a pool of ``num_blocks`` (only if kv_bytes_per_token)."""
@@ -150,4 +159,3 @@ def _load_builtin() -> None:
     if not _builtin_loaded:
         _builtin_loaded = True
         import engine.speculative.draft_model  # noqa: F401
-
