@@ -42,6 +42,16 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+@dataclass(frozen=True)
+class EngineLoad:
+    """The engine's load, published by its thread after each change: others read it without
+    touching the scheduler's queues while that thread mutates them."""
+
+    running: int = 0  # requests running
+    waiting: int = 0  # requests waiting to run
+    kv_usage: float = 0.0  # fraction of KV blocks in use
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -57,6 +67,7 @@ class AsyncEngine:
             str, float
         ] = {}  # admitted, no output yet (→ admission time): what --max-queue-len bounds
         self._consecutive_failures = 0
+        self.load = EngineLoad()
 
     @property
     def num_unstarted(self) -> int:
@@ -114,6 +125,10 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         with self._lock:
+            # Checked again under the lock the dying loop thread takes to fail every stream: a
+            # request either sees the death here or is among the streams that get its error.
+            if self.dead_error is not None:
+                raise EngineDeadError(self.dead_error)
             if request_id in self._streams:
                 raise ValueError(f"duplicate request id {request_id!r}")
             self._streams[request_id] = (loop, stream)
@@ -170,9 +185,14 @@ class AsyncEngine:
             except Exception as e:  # validated already; anything here is confined to this request
                 self._deliver(cmd.request_id, e)
 
+    def _publish_load(self) -> None:
+        e = self.engine
+        self.load = EngineLoad(e.num_requests_running, e.num_requests_waiting, e.block_manager.usage)
+
     def _run(self) -> None:
         while not self._stopping:
             self._drain_commands()
+            self._publish_load()
             if not self.engine.has_unfinished_requests():
                 self._wakeup.wait(timeout=1.0)
                 self._wakeup.clear()
@@ -185,12 +205,12 @@ class AsyncEngine:
                 # The engine confines ordinary failures to their requests; reaching here is a bug in
                 # the step itself. Fail what is in flight; after repeated failures declare it dead.
                 self._consecutive_failures += 1
-                self._fail_running(traceback.format_exc())
+                self._fail_step(traceback.format_exc())
                 if self._consecutive_failures >= 3:
-                    self.dead_error = "the engine failed 3 steps in a row"
-                    logger.error(self.dead_error)
+                    self._die("the engine failed 3 steps in a row")
                     return
                 continue
+            self._publish_load()
             elapsed = time.perf_counter() - t0
             for out in outputs:
                 self._deliver(out.request_id, out)
@@ -200,10 +220,26 @@ class AsyncEngine:
                 except Exception:
                     logger.exception("step hook failed")
 
-    def _fail_running(self, tb: str) -> None:
-        """A step raised: fail the requests that were in it, keep serving the rest of the world."""
+    def _fail_step(self, tb: str) -> None:
+        """A step raised outside the engine's own confinement: fail the requests that were in it
+        (none if it failed before scheduling anyone), keep serving the rest."""
         logger.error("engine step failed; failing its requests:\n%s", tb)
-        for request_id in list(self.engine.groups):
+        in_step = {seq.group.request_id for seq in self.engine.step_runner.scheduled}
+        self._fail_requests([r for r in self.engine.groups if r in in_step], tb.strip().splitlines()[-1])
+
+    def _die(self, reason: str) -> None:
+        """Stop serving: every request in the engine fails, every waiting stream gets the error, and
+        no new request is taken (``generate`` checks ``dead_error`` under the same lock)."""
+        logger.error(reason)
+        self._fail_requests(list(self.engine.groups), reason)
+        with self._lock:
+            self.dead_error = reason
+            targets = list(self._streams.items())
+        for _, (loop, stream) in targets:
+            loop.call_soon_threadsafe(stream.put_nowait, EngineDeadError(reason))
+
+    def _fail_requests(self, request_ids: list[str], error: str) -> None:
+        for request_id in request_ids:
             group = self.engine.groups[request_id]
             self.engine.abort(request_id)
             err = RequestOutput(
@@ -212,6 +248,6 @@ class AsyncEngine:
                 [CompletionOutput(s.index, "", "", [], None, s.num_output_tokens, "error") for s in group.seqs],
                 True,
                 RequestStats(arrival_time=group.arrival_time, num_prompt_tokens=group.num_prompt_tokens),
-                error=tb.strip().splitlines()[-1],
+                error=error,
             )
             self._deliver(request_id, err)

@@ -17,14 +17,13 @@ import torch
 from engine.config import EngineConfig
 from engine.kv import BlockManager
 from engine.loader import eos_token_ids, load_config, load_model, load_tokenizer, resolve_model_path
-from engine.model_runner import ForwardChunk, ModelRunner, available_memory_bytes
-from engine.models.packed import linear_weight_bytes
+from engine.model_runner import ModelRunner, kv_pool_blocks
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import FinishReason, Sequence, SequenceGroup, TokenLogprob
-from engine.speculative.controller import SpecController
+from engine.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus, TokenLogprob
+from engine.speculative.controller import SpecController, profile_costs
 from engine.speculative.proposer import proposer_class
 from engine.speculative.step import Step
 
@@ -33,6 +32,13 @@ logger = logging.getLogger(__name__)
 
 class InvalidRequestError(ValueError):
     """The request itself is wrong (the server answers 400)."""
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """A device (CUDA) or host allocation failed: the step was too big, not wrong."""
+    if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(e, RuntimeError) and "can't allocate memory" in str(e)  # the CPU allocator's message
 
 
 class LLMEngine:
@@ -62,7 +68,8 @@ class LLMEngine:
             self.proposer = cls.build(config, self.runner, tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids)
             logger.info("speculative method %s", cls.method)
 
-        num_blocks = self._num_kv_blocks(max_len)
+        extra = self.proposer.kv_bytes_per_token if self.proposer else 0  # sized into the same pool
+        num_blocks = config.num_kv_blocks or kv_pool_blocks(self.runner, extra, config, max_len)
         capacity = num_blocks * config.block_size
         if capacity < max_len:
             if config.max_model_len is not None:
@@ -80,6 +87,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.groups: dict[str, SequenceGroup] = {}
         self.num_steps = 0
+        self._max_token_chars: int | None = None
         self.controller = SpecController(config.num_speculative_tokens, self.proposer) if self.proposer else None
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, max_len, self._finish_seq)
         self.step_runner = Step(
@@ -88,8 +96,14 @@ class LLMEngine:
         self.runner.warmup()
         if self.proposer is not None:
             self.proposer.warmup()
-        if self.controller is not None:
-            self._profile()
+        if self.controller is not None:  # seed the cost model with timings of the shapes the step runs
+            probes = [(self.runner.forward, "target")]
+            probe = self.proposer.cost_probe() if self.proposer.cost.kind else None
+            if probe is not None:
+                probes.append((probe, self.proposer.cost.kind))
+            c = config
+            limits = (c.block_size, c.max_num_seqs, c.max_num_batched_tokens, self.block_manager.num_free_blocks)
+            profile_costs(self.controller.cost, probes, self.runner.synchronize, *limits)
 
     @property
     def spec_method(self) -> str:
@@ -99,52 +113,6 @@ class LLMEngine:
     def spec_stats(self):
         return self.step_runner.stats
 
-    def _profile(self, budget_s: float = 5.0) -> None:
-        """Time target and proposer forwards over the shapes the step runs (sequences × tokens per
-        sequence), seeding the controller's cost model; stops early past ``budget_s`` seconds."""
-        kinds = [(self.runner.forward, self.runner, "target")]
-        probe = self.proposer.cost_probe() if self.proposer.cost.kind else None
-        if probe is not None:
-            kinds.append((probe, self.runner, self.proposer.cost.kind))
-        bs, ctx = self.config.block_size, 32
-        free = self.block_manager.num_free_blocks
-        deadline = time.perf_counter() + budget_s
-        S = 1
-        while S <= min(self.config.max_num_seqs, 32):
-            for per in (1, 2, 4, 8, 16):
-                if S * per > self.config.max_num_batched_tokens or S * -(-(ctx + per) // bs) > free:
-                    continue
-                tables = [list(range(i * -(-(ctx + per) // bs), (i + 1) * -(-(ctx + per) // bs))) for i in range(S)]
-                chunks = [ForwardChunk([3] * per, ctx, t, per) for t in tables]
-                for forward, runner, kind in kinds:
-                    for rep in range(3):
-                        t0 = time.perf_counter()
-                        forward(chunks)
-                        runner.synchronize()
-                        if rep:
-                            self.controller.cost.observe(kind, S, S * per, time.perf_counter() - t0)
-                if time.perf_counter() > deadline:
-                    return
-            S *= 2
-
-    def _num_kv_blocks(self, max_len: int) -> int:
-        c = self.config
-        if c.num_kv_blocks is not None:
-            return c.num_kv_blocks
-        # A proposer's own cache has one slot per target slot: it is sized into the same pool.
-        per_token = self.runner.kv_bytes_per_token + (self.proposer.kv_bytes_per_token if self.proposer else 0)
-        per_block = per_token * c.block_size
-        available = available_memory_bytes(self.device)
-        if self.runner.compiled and self.device.type == "cpu":
-            available -= linear_weight_bytes(self.runner.model)  # the frozen copy compilation will make
-        blocks = int(available * c.kv_cache_memory_fraction) // per_block
-        if self.device.type == "cpu":
-            # On a CPU the pool shares RAM with everything else: take no more than a full batch needs.
-            blocks = min(blocks, c.max_num_seqs * (-(-max_len // c.block_size) + 1))
-        if blocks < 1:
-            raise ValueError("no memory left for the KV cache")
-        return blocks
-
     # -- requests ---------------------------------------------------------------------------------
     @property
     def vocab_size(self) -> int:
@@ -152,8 +120,22 @@ class LLMEngine:
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            self.check_text_fits(prompt)
             return self.tokenizer.encode(prompt)
         return list(prompt)
+
+    def check_text_fits(self, text: str) -> None:
+        """Refuse, before tokenizing it, a text too long for the context whatever its tokens: no token
+        decodes to more characters than its vocabulary entry has (byte-level, SentencePiece and
+        added tokens alike), so it needs at least len(text) / that many tokens."""
+        if len(text) <= self.max_model_len:
+            return
+        if self._max_token_chars is None:
+            self._max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1) or 1
+        if len(text) > self.max_model_len * self._max_token_chars:
+            raise InvalidRequestError(
+                f"the prompt ({len(text)} characters) cannot fit the context of {self.max_model_len} tokens"
+            )
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError if this request cannot be served as asked."""
@@ -207,7 +189,8 @@ class LLMEngine:
     def _init_seq(self, seq: Sequence, seed_offset: int) -> None:
         self.outputs.init_sequence(seq)
         if seq.params.seed is not None:
-            seq.generator = self.runner.make_generator(seq.params.seed + seed_offset)
+            # Choice i of an n > 1 request draws from seed + i, wrapped into 64 bits.
+            seq.generator = self.runner.make_generator((seq.params.seed + seed_offset) % 2**64)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks. False if it is unknown or already done."""
@@ -245,6 +228,8 @@ class LLMEngine:
         try:
             emits, prompt_seqs = self.step_runner.run()
         except Exception as e:
+            if is_out_of_memory(e) and self.step_runner.scheduled:
+                return self._shrink_after_oom(e)
             failed = {seq.group.request_id: seq.group for seq in self.step_runner.scheduled}
             if not failed:
                 raise  # it failed before any request was in it: not a request's fault
@@ -252,12 +237,15 @@ class LLMEngine:
             return [self._fail_group(g, f"{type(e).__name__}: {e}") for g in failed.values() if g.error is None]
         if not emits and not prompt_seqs:
             return []
+        self.scheduler.regrow()
         self.num_steps += 1
         touched = {seq.group.request_id: seq.group for seq in prompt_seqs}
         now = time.monotonic()
         for e in emits:
             seq, group = e.seq, e.seq.group
-            if group.error is not None:
+            if group.error is not None:  # it failed alone inside the step (e.g. forking): report it
+                if group.request_id in self.groups:
+                    touched[group.request_id] = group
                 continue
             group.num_decode_steps += 1
             try:
@@ -272,6 +260,22 @@ class LLMEngine:
             touched[group.request_id] = group
         return [self._make_output(g) for g in touched.values()]
 
+    def _shrink_after_oom(self, error: Exception) -> list[RequestOutput]:
+        """A forward ran out of memory. Nothing of that step is kept: its sequences are preempted
+        (recomputed later from their tokens) and steps shrink until they fit (``Scheduler.shrink``;
+        they grow back after steps that do). Only a lone sequence that does not fit the smallest
+        step fails, alone; the engine itself never fails for it."""
+        seqs = [s for s in self.step_runner.scheduled if s.status is SequenceStatus.RUNNING]
+        if not self.scheduler.shrink(len(seqs), self.config.block_size):
+            logger.error("out of memory with one sequence in the smallest step: failing it (%s)", error)
+            return [self._fail_group(seqs[0].group, f"out of memory: {error}")] if seqs else []
+        for seq in reversed(seqs):
+            self.step_runner.preempt(seq)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        logger.warning("out of memory: preempted the step's %d sequences and halved the step", len(seqs))
+        return []
+
     def _fail_group(self, group: SequenceGroup, error: str, emit: bool = True) -> RequestOutput | None:
         """End a request that failed inside the engine; its blocks are freed at once."""
         group.error = error
@@ -282,19 +286,26 @@ class LLMEngine:
         return self._make_output(group) if emit else None
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Fork the other n - 1 choices of ``parent``'s request. If that fails, the request fails
+        alone: its blocks (the children's shared references too) are freed, the step goes on."""
         group = parent.group
         children = []
-        for i in range(1, group.params.n):
-            child = Sequence(group, parent.prompt_ids, index=i)
-            child.block_table = self.block_manager.fork(parent.block_table)
-            child.block_hashes = list(parent.block_hashes)
-            child.num_computed_tokens = parent.num_computed_tokens
-            self._init_seq(child, seed_offset=i)
-            if self.proposer is not None:
-                self.proposer.on_fork(parent, child)
-            group.seqs.append(child)
-            self.scheduler.add_running(child)
-            children.append(child)
+        try:
+            for i in range(1, group.params.n):
+                child = Sequence(group, parent.prompt_ids, index=i)
+                child.block_table = self.block_manager.fork(parent.block_table)
+                group.seqs.append(child)
+                self.scheduler.add_running(child)
+                child.block_hashes = list(parent.block_hashes)
+                child.num_computed_tokens = parent.num_computed_tokens
+                self._init_seq(child, seed_offset=i)
+                if self.proposer is not None:
+                    self.proposer.on_fork(parent, child)
+                children.append(child)
+        except Exception as e:
+            logger.exception("request %s failed while forking its choices", group.request_id)
+            self._fail_group(group, f"{type(e).__name__}: {e}", emit=False)
+            return []
         return children
 
     def _make_output(self, group: SequenceGroup) -> RequestOutput:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata, build_attention_metadata
+from engine.models.packed import linear_weight_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,22 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     kv_heads = config.num_key_value_heads or num_heads
     return 2 * config.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def kv_pool_blocks(runner: ModelRunner, extra_bytes_per_token: int, config, max_len: int) -> int:
+    """KV blocks that fit the memory left (``config.kv_cache_memory_fraction`` of it); each token
+    also pays ``extra_bytes_per_token`` (a proposer's own cache, one slot per target slot)."""
+    per_block = (runner.kv_bytes_per_token + extra_bytes_per_token) * config.block_size
+    available = available_memory_bytes(runner.device)
+    if runner.compiled and runner.device.type == "cpu":
+        available -= linear_weight_bytes(runner.model)  # the frozen copy compilation will make
+    blocks = int(available * config.kv_cache_memory_fraction) // per_block
+    if runner.device.type == "cpu":
+        # On a CPU the pool shares RAM with everything else: take no more than a full batch needs.
+        blocks = min(blocks, config.max_num_seqs * (-(-max_len // config.block_size) + 1))
+    if blocks < 1:
+        raise ValueError("no memory left for the KV cache")
+    return blocks
 
 
 def available_memory_bytes(device: torch.device) -> int:

@@ -30,6 +30,7 @@ from engine.sampling_params import SamplingParams
 
 # Smallest positive float32: exponential draws are clamped to it so that ``0 / 0`` never makes a NaN.
 _TINY = torch.finfo(torch.float32).tiny
+_MIN_REPETITION_PENALTY = 1e-30
 
 
 @dataclass
@@ -415,9 +416,14 @@ class Sampler:
 
 
 def _penalty_rows(params: Sequence[SamplingParams], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """[B] repetition, presence and frequency penalties (neutral values for rows without any)."""
+    """[B] repetition, presence and frequency penalties (neutral values for rows without any).
+
+    A repetition penalty below ``_MIN_REPETITION_PENALTY`` acts as that value, which is already its
+    limit: seen tokens' positive logits are scaled by 1e30 (finite in float32 for any real logit, so
+    the largest of them takes all the mass, as it does when the penalty tends to 0), negative ones
+    fall to about 0. Below it, float32 would divide by 0 and sample from NaNs."""
     return (
-        _host_to_device([p.repetition_penalty for p in params], device),
+        _host_to_device([max(p.repetition_penalty, _MIN_REPETITION_PENALTY) for p in params], device),
         _host_to_device([p.presence_penalty for p in params], device),
         _host_to_device([p.frequency_penalty for p in params], device),
     )
@@ -483,4 +489,5 @@ def _top_p_keep(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor
     mass_before = torch.nn.functional.pad(cumulative[:, :-1], (1, 0))  # [B, V], exclusive prefix sums
     total = cumulative[:, -1:]  # [B, 1]
     keep = mass_before < top_p.unsqueeze(1) * total
+    keep[:, 0] = True  # even when top_p underflows float32 (a top_p of 1e-300 is 0 here)
     return keep | (top_p >= 1.0).unsqueeze(1)

@@ -69,6 +69,10 @@ class SamplingParams:
             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
         )
         check(
+            self.seed is None or -(2**63) <= self.seed < 2**64,
+            f"seed must be a 64-bit integer (in [-2^63, 2^64)), got {self.seed}",
+        )
+        check(
             self.max_tokens is None or self.max_tokens >= 1,
             f"max_tokens must be at least 1, got {self.max_tokens}",
         )

@@ -54,6 +54,8 @@ class Scheduler:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self._limits = (max_num_seqs, max_num_batched_tokens)  # as configured: shrink() is undone by regrow()
+        self._good_steps = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # Keep a few blocks in reserve when admitting new work (or drafting) so running decodes
@@ -199,6 +201,31 @@ class Scheduler:
             seats -= need_seats
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.preempt(seq)
+        out.preempted.append(seq)
+
+    def shrink(self, num_in_step: int, min_tokens: int) -> bool:
+        """Halve the step (token budget and sequences, from the ``num_in_step`` of the step that did
+        not fit). False when it is already as small as it gets."""
+        if num_in_step <= 1 and self.max_num_batched_tokens <= min_tokens:
+            return False
+        self.max_num_batched_tokens = max(min_tokens, self.max_num_batched_tokens // 2)
+        self.max_num_seqs = max(1, min(self.max_num_seqs, num_in_step) // 2)
+        self._good_steps = 0
+        return True
+
+    def regrow(self, every: int = 64) -> None:
+        """After ``every`` steps that fit, double the limits back towards the configured ones."""
+        seqs, tokens = self._limits
+        if self.max_num_seqs >= seqs and self.max_num_batched_tokens >= tokens:
+            return
+        self._good_steps += 1
+        if self._good_steps >= every:
+            self._good_steps = 0
+            self.max_num_seqs = min(seqs, self.max_num_seqs * 2)
+            self.max_num_batched_tokens = min(tokens, self.max_num_batched_tokens * 2)
+
+    def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's KV; it is recomputed from its tokens when readmitted."""
         self.running.remove(seq)
         self.bm.free(seq.block_table)
@@ -207,4 +234,3 @@ class Scheduler:
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
-        out.preempted.append(seq)

@@ -46,6 +46,8 @@ AUGUR_EXE = str(_VENV_AUGUR) if _VENV_AUGUR.exists() else "augur"
 AUGUR_PRESETS = {
     "augur-default": "",
     "augur-plain": " --speculative-method none",
+    "augur-eager": " --compile off",
+    "augur-plain-eager": " --speculative-method none --compile off",
     "augur-trees": " --spec-tree-topk 2",
     "augur-bf16": " --dtype bfloat16",
 }

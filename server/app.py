@@ -31,8 +31,16 @@ from engine.llm_engine import InvalidRequestError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprob
+from server.limits import BodyLimits
 from server.metrics import Metrics
-from server.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedError, error_body
+from server.protocol import (
+    BadBodyError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    UnsupportedError,
+    error_body,
+    parse_json_body,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +91,8 @@ class ServerSettings:
     api_key: str | None = None
     max_queue_len: int = 256
     disconnect_poll_s: float = 0.2
+    max_request_bytes: int = 16 * 2**20  # larger bodies get 413
+    body_timeout_s: float = 30.0  # a body not received within this gets 408
 
 
 @dataclass
@@ -97,7 +107,7 @@ class ServerState:
         self.metrics = Metrics(self.settings.served_model_name)
 
     def attach(self, engine: AsyncEngine) -> None:
-        self.metrics.bind_engine(engine.engine)
+        self.metrics.bind_engine(engine.engine, lambda: engine.load)
         engine.step_hooks.append(self.metrics.on_step)
         engine.start()
         self.engine = engine
@@ -124,7 +134,8 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
         if state.engine is not None:
             state.engine.shutdown()
 
-    app = FastAPI(title="Augur", version=AUGUR_VERSION, lifespan=lifespan)
+    # No redirect_slashes: `POST /v1/completions/` is a 404 in OpenAI's shape, not an empty 307.
+    app = FastAPI(title="Augur", version=AUGUR_VERSION, lifespan=lifespan, redirect_slashes=False)
     app.state.augur = state
     m = state.metrics
     labels = m.labels
@@ -159,7 +170,8 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
         m.request_failure.labels(**labels, reason="internal").inc()
         return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "internal_error"), 500)
 
-    # -- auth -----------------------------------------------------------------------------------------
+    # -- limits and auth (the last added runs first: auth, then the body limits) ------------------------
+    app.add_middleware(BodyLimits, max_bytes=settings.max_request_bytes, timeout_s=settings.body_timeout_s)
     if settings.api_key:
         app.add_middleware(BearerAuth, key=settings.api_key, open_paths={"/health", "/metrics"})
 
@@ -204,6 +216,7 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
 
     def admit(eng: AsyncEngine, request_ids: list[str]) -> None:
         """Reserve queue places now (429 if full), before any await lets another request in."""
+        check_queue_bound(len(request_ids))
         if not eng.reserve(request_ids, settings.max_queue_len):
             raise APIError(
                 429,
@@ -213,12 +226,12 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
             )
 
     async def parse(request: Request, model):
+        raw = await request.body()
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise bad_request("the request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise bad_request("the request body must be a JSON object")
+            # A big body is parsed off the event loop, which keeps answering everyone else meanwhile.
+            body = parse_json_body(raw) if len(raw) < 2**16 else await asyncio.to_thread(parse_json_body, raw)
+        except BadBodyError as e:
+            raise bad_request(str(e)) from None
         try:
             return model.model_validate(body)
         except UnsupportedError as e:
@@ -226,16 +239,30 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
         except ValidationError as e:
             raise RequestValidationError(e.errors()) from None
 
-    def prepare(eng: AsyncEngine, prompts: list[str | list[int]], params: SamplingParams) -> list[list[int]]:
-        ids = []
-        for p in prompts:
-            try:
+    def check_queue_bound(num_prompts: int) -> None:
+        if num_prompts > settings.max_queue_len:  # would never fit, however long the client waited
+            raise bad_request(
+                f"{num_prompts} prompts exceed the server's queue of {settings.max_queue_len} requests", "prompt"
+            )
+
+    async def off_loop(fn, size: int):
+        """Run CPU work (tokenizing, rendering a chat template) on a worker thread when the input is
+        big enough to hold the event loop up: /health and every stream keep being served meanwhile."""
+        return fn() if size < 4096 else await asyncio.to_thread(fn)
+
+    async def prepare(eng: AsyncEngine, prompts: list[str | list[int]], params: SamplingParams) -> list[list[int]]:
+        def work() -> list[list[int]]:
+            ids = []
+            for p in prompts:
                 tokens = eng.engine.tokenize(p)
                 eng.engine.validate(tokens, params)
-            except InvalidRequestError as e:
-                raise bad_request(str(e), "prompt") from None
-            ids.append(tokens)
-        return ids
+                ids.append(tokens)
+            return ids
+
+        try:
+            return await off_loop(work, sum(len(p) for p in prompts))
+        except InvalidRequestError as e:
+            raise bad_request(str(e), "prompt") from None
 
     def make_params(req, max_tokens, logprobs, prompt_logprobs=None) -> SamplingParams:
         try:
@@ -411,7 +438,7 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
             pos += len(text)
         return res
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(request: Request):
         req: CompletionRequest = await parse(request, CompletionRequest)
         check_model(req.model)
@@ -419,7 +446,8 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
         want_lp = req.logprobs
         params = make_params(req, req.max_tokens, want_lp, want_lp if req.echo and want_lp is not None else None)
         prompts = req.prompts()
-        prompt_ids = prepare(eng, prompts, params)
+        check_queue_bound(len(prompts))
+        prompt_ids = await prepare(eng, prompts, params)
         rid = f"cmpl-{uuid.uuid4().hex}"
         admit(eng, [f"{rid}-{i}" for i in range(len(prompts))])
         created = int(time.time())
@@ -436,6 +464,7 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
                 finals: dict[int, RequestOutput] = {}
                 completion_tokens = 0
                 echoed: set[int] = set()
+                ended: set[int] = set()  # choices whose finish_reason was sent: nothing more for them
                 try:
                     async for i, out in merged(eng, rid, prompt_ids, params):
                         if out.error:
@@ -443,6 +472,10 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
                             break
                         for c in out.outputs:
                             idx = i * n + c.index
+                            if idx in ended:
+                                continue
+                            if c.finished:
+                                ended.add(idx)
                             text = c.delta_text
                             lp = None
                             if want_lp is not None:
@@ -548,7 +581,7 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
 
         return [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
         req: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
         check_model(req.model)
@@ -560,14 +593,24 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
             messages = req.chat_messages()
         except UnsupportedError as e:
             raise bad_request(str(e), e.param) from None
-        rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=req.add_generation_prompt)
-        prompt_ids = tok.encode(rendered, add_special_tokens=False)
+
+        def render() -> list[int]:
+            rendered = tok.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=req.add_generation_prompt
+            )
+            eng.engine.check_text_fits(rendered)
+            return tok.encode(rendered, add_special_tokens=False)
+
+        try:
+            prompt_ids = await off_loop(render, sum(len(m["content"]) for m in messages))
+        except InvalidRequestError as e:
+            raise bad_request(str(e), "messages") from None
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.completion_limit
         if max_tokens is None:
             max_tokens = max(1, eng.engine.max_model_len - len(prompt_ids))
         params = make_params(req, max_tokens, logprobs)
-        ids = prepare(eng, [prompt_ids], params)
+        ids = await prepare(eng, [prompt_ids], params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         admit(eng, [f"{rid}-0"])
         created = int(time.time())
@@ -591,12 +634,17 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
                 final: RequestOutput | None = None
                 tokens = 0
                 started: set[int] = set()
+                ended: set[int] = set()  # choices whose finish_reason was sent: nothing more for them
                 try:
                     async for _, out in merged(eng, rid, ids, params):
                         if out.error:
                             yield sse(engine_failure(out).body())
                             break
                         for c in out.outputs:
+                            if c.index in ended:
+                                continue
+                            if c.finished:
+                                ended.add(c.index)
                             if c.index not in started:
                                 started.add(c.index)
                                 first = {"index": c.index, "delta": {"role": "assistant", "content": ""}}
@@ -656,4 +704,30 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
 
         return JSONResponse(await until_disconnect(request, collect()))
 
+    publish_request_schemas(app, [CompletionRequest, ChatCompletionRequest])
     return app
+
+
+def request_body(model) -> dict:
+    """The OpenAPI request body of a handler that parses its JSON itself (off the event loop)."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def publish_request_schemas(app: FastAPI, models: list) -> None:
+    """Put the pydantic request models (and the models they nest) into /openapi.json's components,
+    where :func:`request_body` points: generated clients and fuzzers see the real schema."""
+    from fastapi.openapi.utils import get_openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(js.pop("$defs", {}))
+                components[model.__name__] = js
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi

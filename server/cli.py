@@ -100,15 +100,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from engine.async_engine import AsyncEngine
     from engine.llm_engine import LLMEngine
     from server.app import ServerSettings, create_app
+    from server.limits import uvicorn_config
 
     demo = not args.model
     config = engine_config_from_args(args)  # builds the demo pair first when no model is given
     name = args.served_model_name or ("augur-demo" if demo else os.path.basename(os.path.normpath(config.model)))
     api_key = args.api_key or os.environ.get("AUGUR_API_KEY") or None
-    settings = ServerSettings(served_model_name=name, api_key=api_key, max_queue_len=args.max_queue_len)
+    settings = ServerSettings(
+        served_model_name=name,
+        api_key=api_key,
+        max_queue_len=args.max_queue_len,
+        max_request_bytes=args.max_request_bytes,
+        body_timeout_s=args.body_timeout,
+    )
     app = create_app(settings, lambda: AsyncEngine(LLMEngine(config)))
     print(f"Augur serving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+    server_config = uvicorn_config(
+        app,
+        args.host,
+        args.port,
+        args.log_level.lower(),
+        header_timeout_s=args.header_timeout,
+        timeout_keep_alive_s=args.timeout_keep_alive,
+        limit_concurrency=args.limit_concurrency or None,
+    )
+    uvicorn.Server(server_config).run()
     return 0
 
 
@@ -148,6 +164,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require this bearer key (or set AUGUR_API_KEY)")
     serve.add_argument("--served-model-name", default=None, help="default: augur-demo, or the model directory's name")
     serve.add_argument("--max-queue-len", type=int, default=256, help="requests waiting beyond this get 429")
+    serve.add_argument(
+        "--max-request-bytes", type=int, default=16 * 2**20, help="larger request bodies get 413 (default 16 MiB)"
+    )
+    serve.add_argument("--body-timeout", type=float, default=30.0, help="seconds to receive a request body (else 408)")
+    serve.add_argument(
+        "--header-timeout", type=float, default=10.0, help="seconds to receive a request's headers (else closed)"
+    )
+    serve.add_argument("--timeout-keep-alive", type=float, default=5.0, help="seconds an idle connection stays open")
+    serve.add_argument(
+        "--limit-concurrency", type=int, default=1024, help="most open connections; beyond, 503 (0: no limit)"
+    )
     serve.add_argument("--config", default=None, help="YAML file of flags (the command line overrides it)")
     serve.set_defaults(func=cmd_serve)
 

@@ -118,12 +118,13 @@ class Metrics:
         self._spec_seen = (0, 0, 0, [])
         self._engine = None
 
-    def bind_engine(self, engine) -> None:
-        """Gauges read the engine's state at scrape time (approximate reads of another thread's lists)."""
+    def bind_engine(self, engine, load) -> None:
+        """Gauges read ``load()``, the engine's load as its thread last published it (never the
+        scheduler's queues themselves, which that thread mutates)."""
         self._engine = engine
-        self.running.labels(**self.labels).set_function(lambda: engine.num_requests_running)
-        self.waiting.labels(**self.labels).set_function(lambda: engine.num_requests_waiting)
-        self.kv_usage.labels(**self.labels).set_function(lambda: engine.block_manager.usage)
+        self.running.labels(**self.labels).set_function(lambda: load().running)
+        self.waiting.labels(**self.labels).set_function(lambda: load().waiting)
+        self.kv_usage.labels(**self.labels).set_function(lambda: load().kv_usage)
         method = engine.spec_method
         self.spec_acceptance_rate.labels(method=method).set_function(lambda: self._spec_window_value("rate"))
         self.spec_mean_acceptance_length.labels(method=method).set_function(lambda: self._spec_window_value("mal"))

@@ -6,9 +6,11 @@ The server knows nothing of tensors: it validates requests here, turns them into
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 from engine.sampling_params import SamplingParams
 
@@ -21,14 +23,50 @@ class UnsupportedError(ValueError):
         self.param = param
 
 
+class BadBodyError(ValueError):
+    """The body is not a JSON object Augur can take (400)."""
+
+
+def parse_json_body(raw: bytes) -> dict:
+    """Parse a request body: a JSON object, UTF-8, with no NaN/Infinity literals and no lone UTF-16
+    surrogates (which JSON's ``\\ud800`` escapes can smuggle into a string, and no tokenizer takes)."""
+
+    def no_constant(name: str):
+        raise BadBodyError(f"{name} is not a valid JSON value")
+
+    try:
+        body = json.loads(raw, parse_constant=no_constant)
+    except RecursionError:
+        raise BadBodyError("the request body is nested too deeply") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise BadBodyError("the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise BadBodyError("the request body must be a JSON object")
+    if _SURROGATE.search(raw):
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise BadBodyError("the request body contains a lone UTF-16 surrogate (invalid Unicode)") from None
+        except RecursionError:
+            raise BadBodyError("the request body is nested too deeply") from None
+    return body
+
+
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]", re.ASCII)  # a \uD800-\uDFFF escape: check it is paired
+
+# Integers must be integers: JSON true/false or "12" are not token ids or counts.
+TokenId = Annotated[StrictInt, Field(ge=0, lt=2**31)]
+Seed = Annotated[StrictInt, Field(ge=-(2**63), lt=2**64)]
+
+
 class SpeculativeOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    enabled: bool = True
-    num_draft_tokens: int | None = Field(default=None, ge=0, le=64)
+    enabled: StrictBool = True
+    num_draft_tokens: StrictInt | None = Field(default=None, ge=0, le=64)
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _Sampling(BaseModel):
@@ -37,26 +75,26 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    n: int = Field(default=1, ge=1, le=64)
+    n: StrictInt = Field(default=1, ge=1, le=64)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # Extensions.
-    top_k: int = Field(default=0, ge=-1)
+    top_k: StrictInt = Field(default=0, ge=-1)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
-    min_tokens: int = Field(default=0, ge=0)
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    stop_token_ids: list[int] | None = None
+    min_tokens: StrictInt = Field(default=0, ge=0)
+    ignore_eos: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=64)
     speculative: SpeculativeOptions | None = None
 
     @field_validator("stop")
@@ -74,11 +112,12 @@ class _Sampling(BaseModel):
     def _bias(cls, v):
         if v is None:
             return v
+        if len(v) > 1024:
+            raise ValueError(f"logit_bias may hold at most 1024 tokens, got {len(v)}")
         for key, bias in v.items():
-            try:
-                int(key)
-            except ValueError:
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+            # Plain decimal digits only: int() would also take "1_0", " 7" or "+3".
+            if not (key.isascii() and key.isdigit() and int(key) < 2**31):
+                raise ValueError(f"logit_bias keys must be token ids (decimal integers), got {key!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {key}")
         return v
@@ -122,12 +161,29 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = Field(default=16, ge=1)
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    echo: StrictBool = False
     suffix: str | None = None
-    best_of: int | None = Field(default=None, ge=1)
+    best_of: StrictInt | None = Field(default=None, ge=1)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v):
+        """One clear message for a prompt of the wrong shape (not one per branch of the union); the
+        range of token ids is the engine's to check, against the vocabulary."""
+
+        def ids(x) -> bool:
+            return isinstance(x, list) and all(type(t) is int for t in x)
+
+        if isinstance(v, str) or (
+            isinstance(v, list) and (all(isinstance(x, str) for x in v) or ids(v) or all(ids(x) for x in v))
+        ):
+            return v
+        raise ValueError(
+            "prompt must be a string, a list of strings, a list of token ids (integers) or a list of such lists"
+        )
 
     @field_validator("prompt")
     @classmethod
@@ -180,16 +236,16 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictBool = True
 
     @model_validator(mode="after")
     def _check(self):

@@ -13,93 +13,24 @@ import json
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import httpx
 import openai
 import pytest
 import torch
-import uvicorn
-from fastapi import FastAPI
 from transformers import AutoTokenizer
 
 from conftest import VOCAB
 from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
 from engine.output_processor import OutputProcessor
 from server.app import ServerSettings, create_app
+from servers import MAX_LEN, NUM_BLOCKS, Served, engine_factory, serve, wait_until
 
 MODEL = "tiny-llama"
 API_KEY = "sk-test-0123456789"
-NUM_BLOCKS = 1024
-MAX_LEN = 512
 REPLACEMENT = "\ufffd"
-
-
-# -- servers --------------------------------------------------------------------------------------------
-@dataclass
-class Served:
-    app: FastAPI
-    port: int
-
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def async_engine(self) -> AsyncEngine:
-        return self.app.state.augur.engine
-
-    @property
-    def engine(self) -> LLMEngine:
-        return self.async_engine.engine
-
-
-def engine_factory(model_dir, **kw) -> Callable[[], AsyncEngine]:
-    def make() -> AsyncEngine:
-        config = EngineConfig(
-            model=str(model_dir),
-            device="cpu",
-            dtype="float32",
-            num_kv_blocks=NUM_BLOCKS,
-            block_size=4,
-            max_model_len=MAX_LEN,
-            **kw,
-        )
-        return AsyncEngine(LLMEngine(config))
-
-    return make
-
-
-def wait_until(ok: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    """Poll ``ok`` until it holds; the bound only turns a hang into a failure, it is no timing claim."""
-    deadline = time.monotonic() + timeout
-    while not ok():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-
-
-@contextmanager
-def serve(app: FastAPI, wait_ready: bool = True) -> Iterator[Served]:
-    """Run ``app`` under uvicorn on a free loopback port, in a thread of this process."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
-    thread.start()
-    wait_until(lambda: server.started or not thread.is_alive(), "uvicorn to start")
-    assert server.started, "uvicorn failed to start"
-    served = Served(app, server.servers[0].sockets[0].getsockname()[1])
-    try:
-        if wait_ready:
-            wait_until(lambda: httpx.get(served.base + "/health").status_code == 200, "/health to answer 200")
-        yield served
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
-        assert not thread.is_alive(), "uvicorn did not shut down"
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -22,9 +22,12 @@ caps the depth when speculation loses (probing now and then so that it notices w
 from __future__ import annotations
 
 import statistics
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.model_runner import ForwardChunk
 from engine.sequence import Sequence
 
 
@@ -322,3 +325,36 @@ class SpecController:
         self.cost.observe_host(seconds - forward_seconds, num_seqs, num_drafting)
         if batch.decode_only:
             self.guard.observe(num_seqs, tokens, seconds, num_drafting > 0)
+
+
+def profile_costs(
+    cost: CostModel,
+    probes: list[tuple[Callable[[list[ForwardChunk]], object], str]],
+    synchronize: Callable[[], None],
+    block_size: int,
+    max_seqs: int,
+    max_tokens: int,
+    free_blocks: int,
+    budget_s: float = 5.0,
+) -> None:
+    """Time each probe (a forward over chunks: the target's, a proposer's) over the shapes the step
+    runs (sequences x tokens per sequence), seeding ``cost``; stops early past ``budget_s`` seconds."""
+    ctx = 32
+    deadline = time.perf_counter() + budget_s
+    S = 1
+    while S <= min(max_seqs, 32):
+        for per in (1, 2, 4, 8, 16):
+            blocks = -(-(ctx + per) // block_size)
+            if S * per > max_tokens or S * blocks > free_blocks:
+                continue
+            chunks = [ForwardChunk([3] * per, ctx, list(range(i * blocks, (i + 1) * blocks)), per) for i in range(S)]
+            for forward, kind in probes:
+                for rep in range(3):
+                    t0 = time.perf_counter()
+                    forward(chunks)
+                    synchronize()
+                    if rep:
+                        cost.observe(kind, S, S * per, time.perf_counter() - t0)
+            if time.perf_counter() > deadline:
+                return
+        S *= 2

@@ -220,6 +220,13 @@ class Step:
             self._hidden[seq.seq_id] = rows
         self.proposer.on_computed(seq, start, rows)
 
+    def preempt(self, seq: Sequence) -> None:
+        """Take a running sequence's KV away (it is recomputed from its tokens later)."""
+        self.scheduler.preempt(seq)
+        self._hidden.pop(seq.seq_id, None)
+        if self.proposer is not None:
+            self.proposer.on_preempt(seq)
+
     def forget(self, seq: Sequence) -> None:
         """A sequence finished or was aborted."""
         self._hidden.pop(seq.seq_id, None)
