@@ -188,9 +188,8 @@ class LLMEngine:
 
     def _init_seq(self, seq: Sequence, seed_offset: int) -> None:
         self.outputs.init_sequence(seq)
-        if seq.params.seed is not None:
-            # Choice i of an n > 1 request draws from seed + i, wrapped into 64 bits.
-            seq.generator = self.runner.make_generator((seq.params.seed + seed_offset) % 2**64)
+        if seq.params.seed is not None:  # choice i of an n > 1 request samples with seed + i, in 64 bits
+            seq.seed = (seq.params.seed + seed_offset) % 2**64
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks. False if it is unknown or already done."""
@@ -294,13 +293,17 @@ class LLMEngine:
             for i in range(1, group.params.n):
                 child = Sequence(group, parent.prompt_ids, index=i)
                 child.block_table = self.block_manager.fork(parent.block_table)
+                try:
+                    child.block_hashes = list(parent.block_hashes)
+                    child.num_computed_tokens = parent.num_computed_tokens
+                    self._init_seq(child, seed_offset=i)
+                    if self.proposer is not None:
+                        self.proposer.on_fork(parent, child)
+                except Exception:
+                    self.block_manager.free(child.block_table)  # its shared references, not yet anyone's
+                    raise
                 group.seqs.append(child)
                 self.scheduler.add_running(child)
-                child.block_hashes = list(parent.block_hashes)
-                child.num_computed_tokens = parent.num_computed_tokens
-                self._init_seq(child, seed_offset=i)
-                if self.proposer is not None:
-                    self.proposer.on_fork(parent, child)
                 children.append(child)
         except Exception as e:
             logger.exception("request %s failed while forking its choices", group.request_id)

@@ -254,9 +254,3 @@ class ModelRunner:
         """Wait for the device (timings are taken after it)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-    # -- sampling ---------------------------------------------------------------------------------
-    def make_generator(self, seed: int) -> torch.Generator:
-        g = torch.Generator(device=self.device)
-        g.manual_seed(seed)
-        return g

@@ -368,8 +368,35 @@ def sample_from_probs(probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor
     return tokens
 
 
-def exponential_noise(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """``[B, V]`` i.i.d. Exp(1) draws (clamped above 0); a row with a generator draws from it alone.
+@dataclass(frozen=True)
+class NoiseKey:
+    """The randomness of one seeded output position: the noise drawn for it depends on the request's
+    seed and the position alone (never on batch mates, on how many tokens a step emitted, or on
+    what was drafted), which is what makes a seeded request's output a function of its seed."""
+
+    seed: int  # the choice's seed, in [0, 2^64)
+    position: int  # index of the output token being sampled
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        g = torch.Generator(device=device)
+        g.manual_seed(_mix64(self.seed, self.position))
+        return g
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(seed: int, position: int) -> int:
+    """SplitMix64's finaliser over (seed, position): nearby keys give unrelated generator seeds."""
+    x = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def exponential_noise(probs: torch.Tensor, generators: Sequence[torch.Generator | NoiseKey | None]) -> torch.Tensor:
+    """``[B, V]`` i.i.d. Exp(1) draws (clamped above 0); a row with a generator draws from it alone,
+    a row with a :class:`NoiseKey` from the noise of that key.
 
     ``argmax(probs / E)`` samples a row of ``probs``; the order of ``probs / E``, best first, is a
     sample *without replacement* (the exponential race), which is how sampled draft trees pick
@@ -379,6 +406,8 @@ def exponential_noise(probs: torch.Tensor, generators: Sequence[torch.Generator 
     if len(seeded) < probs.shape[0]:
         exp.exponential_()
     for row, gen in seeded:
+        if isinstance(gen, NoiseKey):
+            gen = gen.generator(probs.device)
         exp[row].exponential_(generator=gen)
     return exp.clamp_min_(_TINY)
 

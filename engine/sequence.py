@@ -11,6 +11,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from engine.sampler import NoiseKey
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.logprobs: list[TokenLogprob] = []
-        self.generator: torch.Generator | None = None  # per-request RNG when a seed is given
+        self.seed: int | None = None  # this choice's seed (the request's + its index, in 64 bits), if seeded
         self.num_preemptions = 0
         # Penalty statistics, kept on the device across steps (see engine.speculative.step): [V] float32
         # output-token counts and [V] bool prompt mask; None until a penalised request first samples.
@@ -100,6 +101,10 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def noise_key(self, ahead: int = 0) -> NoiseKey | None:
+        """The randomness of the output token ``ahead`` places past those emitted (seeded only)."""
+        return None if self.seed is None else NoiseKey(self.seed, self.num_output_tokens + ahead)
 
     def tokens_left(self, max_model_len: int) -> int:
         """Tokens it may still generate, by max_tokens and the context length."""

@@ -347,14 +347,14 @@ def test_a_request_failing_as_it_forks_fails_alone(llama_dir, monkeypatch):
     eng.add_request("alone", [5, 6, 7], mate)
     alone = drain(eng)["alone"][0]
 
-    original = eng.runner.make_generator
+    original = eng.outputs.init_sequence
 
-    def faulty(seed: int):
-        if seed == 12346:  # the doomed request's second choice
+    def faulty(seq):
+        if seq.group.request_id == "doomed" and seq.index == 1:  # its second choice, as it forks
             raise RuntimeError("injected fork fault")
-        return original(seed)
+        return original(seq)
 
-    monkeypatch.setattr(eng.runner, "make_generator", faulty)
+    monkeypatch.setattr(eng.outputs, "init_sequence", faulty)
     eng.add_request("doomed", [9, 10, 11], SamplingParams(n=3, seed=12345, temperature=1.0, max_tokens=5))
     eng.add_request("mate", [5, 6, 7], mate)
     done = drain(eng)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampler import SamplingMetadata, apply_logits_processors, compute_probs
+from engine.sampler import SamplingMetadata, apply_logits_processors, compute_probs, exponential_noise
 from engine.sequence import Sequence
 from engine.speculative.verify import build_verify_input, greedy_accept, verify
 
@@ -37,7 +37,7 @@ class RowsMetadata:
                 num_out.append(seq.num_output_tokens + len(path))
                 counts.append(st[0])
                 masks.append(st[1])
-                gens.append(seq.generator)
+                gens.append(seq.noise_key(len(path)))  # the noise of the position this row samples
         extra = extra if any(p.needs_penalties for p in params) else []
         V, dev, eos = self.vocab_size, self.device, self.eos_token_ids
         return rows, SamplingMetadata.from_state(params, num_out, counts, masks, gens, eos, V, dev, extra)
@@ -55,13 +55,30 @@ def accept_greedy(samples: list, logits: torch.Tensor, rows_md: RowsMetadata) ->
     return greedy_accept(targets, [s.tree for s in samples], roots)
 
 
+def accept_seeded(samples: list, logits: torch.Tensor, rows_md: RowsMetadata) -> list[tuple[list[int], int]]:
+    """(accepted node indices, final token) per seeded sampling sample, drafter-invariantly: each row's
+    token is the target's own sample for that output position, ``argmax(p / E)`` with ``E`` the noise
+    of (seed, position) alone, and a draft node is kept while it equals it. What is emitted is
+    therefore exactly what plain decoding with that seed emits, whatever was drafted or batched; it
+    is a sample of ``p`` because ``E`` is i.i.d. Exp(1) for every key."""
+    rows, md = rows_md(samples)
+    raw = logits[rows]
+    p = compute_probs(apply_logits_processors(raw, md) if md.needs_processing else raw, md)
+    targets = (p / exponential_noise(p, md.generators)).argmax(-1).tolist()
+    roots, r = [], 0
+    for s in samples:
+        roots.append(r)
+        r += len(s.tree) + 1
+    return greedy_accept(targets, [s.tree for s in samples], roots)
+
+
 def accept_random(samples: list, logits: torch.Tensor, rows_md: RowsMetadata) -> list[tuple[list[int], int]]:
-    """(accepted node indices, final token) per sampling sample, by lossless rejection sampling."""
+    """(accepted node indices, final token) per unseeded sampling sample, by lossless rejection sampling."""
     rows, md = rows_md(samples)
     raw = logits[rows]
     p = compute_probs(apply_logits_processors(raw, md) if md.needs_processing else raw, md)
     inp, roots = build_verify_input(p, [s.tree for s in samples], rows_md.vocab_size)
-    res = verify(inp, [s.seq.generator for s in samples])
+    res = verify(inp, [None] * len(samples))
     accepted = [[r - root - 1 for r in acc] for acc, root in zip(res.accepted_rows, roots)]
     return list(zip(accepted, res.final_tokens))
 

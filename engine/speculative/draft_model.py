@@ -225,7 +225,7 @@ class DraftModelProposer(Proposer):
             [s.num_output_tokens for s in seqs],
             [s.token_counts for s in seqs],
             [s.prompt_mask for s in seqs],
-            [s.generator for s in seqs],
+            [s.noise_key() for s in seqs],
             self.eos_token_ids,
             self.vocab_size,
             self.runner.device,
@@ -237,11 +237,14 @@ class DraftModelProposer(Proposer):
         for d in range(D):
             mdl = md.select(rows)
             q = compute_probs(apply_logits_processors(cur, mdl) if mdl.needs_processing else cur, mdl)  # [A, V]
+            # A seeded request drafts with the noise its verification samples the same position with
+            # (coupled draws: the draft is kept whenever its choice is also the target's).
+            noise = [seqs[b].noise_key(d) if not seqs[b].params.greedy else None for b in rows]
             if k == 1:
-                order = (q if mdl.all_greedy else q / exponential_noise(q, mdl.generators)).argmax(-1, keepdim=True)
+                order = (q if mdl.all_greedy else q / exponential_noise(q, noise)).argmax(-1, keepdim=True)
                 qs = q[:, None]
             else:  # k distinct siblings, and the distribution each was drawn from
-                order = (q / exponential_noise(q, mdl.generators)).topk(k, dim=-1).indices  # [A, k]
+                order = (q / exponential_noise(q, noise)).topk(k, dim=-1).indices  # [A, k]
                 taken = torch.zeros_like(q, dtype=torch.bool)
                 qs = []
                 for i in range(k):

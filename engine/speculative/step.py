@@ -22,7 +22,7 @@ from engine.logprobs import record_prompt_logprobs, token_logprobs, wants_prompt
 from engine.model_runner import ForwardChunk, ModelRunner
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
-from engine.speculative.accept import RowsMetadata, accept_greedy, accept_random, count_tokens
+from engine.speculative.accept import RowsMetadata, accept_greedy, accept_random, accept_seeded, count_tokens
 from engine.speculative.batch import Batch, Emit, Sample
 from engine.speculative.proposer import ProposeContext, Proposer
 from engine.speculative.stats import SpecStats
@@ -173,8 +173,9 @@ class Step:
             if s.fork:  # the other choices of an n > 1 request draw their first token from the same row
                 b.samples.extend(Sample(c, _EMPTY, s.row, s.tok) for c in self.fork(s.seq))
         results = {}
-        for accept, part in ((accept_greedy, True), (accept_random, False)):
-            samples = [s for s in b.samples if s.seq.params.greedy is part]
+        kind = lambda s: "greedy" if s.seq.params.greedy else "seeded" if s.seq.seed is not None else "random"  # noqa: E731
+        for accept, part in ((accept_greedy, "greedy"), (accept_seeded, "seeded"), (accept_random, "random")):
+            samples = [s for s in b.samples if kind(s) == part]
             results.update(zip(map(id, samples), accept(samples, logits, self.rows) if samples else []))
         emits = []
         for s in b.samples:
