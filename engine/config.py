@@ -51,6 +51,8 @@ class EngineConfig:
     # matmul time, chains measured faster than trees in almost every cell), trees (2) on GPU.
     spec_tree_topk: int | None = None
     spec_tree_budget: int = 12  # the most draft-tree nodes per request and step
+    ngram_min: int = 1  # ngram (prompt lookup): the shortest suffix matched
+    ngram_max: int = 4  # ... and the longest, tried first
 
     def __post_init__(self) -> None:
         def check(ok: bool, msg: str) -> None:
@@ -85,6 +87,7 @@ class EngineConfig:
             self.spec_tree_topk = 2 if self.torch_device.type == "cuda" else 1
         check(self.spec_tree_topk >= 1, "spec_tree_topk must be at least 1")
         check(self.spec_tree_budget >= 1, "spec_tree_budget must be at least 1")
+        check(1 <= self.ngram_min <= self.ngram_max, "need 1 <= ngram_min <= ngram_max")
 
     @property
     def torch_device(self) -> torch.device:

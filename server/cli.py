@@ -7,6 +7,7 @@ import logging
 import sys
 
 from engine.config import EngineConfig
+from engine.speculative.proposer import known_methods
 
 
 def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> None:
@@ -41,8 +42,9 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
     sp.add_argument(
         "--speculative-method",
         default=None,
-        choices=["draft", "none"],
-        help="draft: a separate draft model; none: plain decoding (default: draft when a draft model is given)",
+        choices=["none", *known_methods()],
+        help="draft: a separate draft model; ngram: prompt lookup; none: plain decoding "
+        "(default: draft when a draft model is given)",
     )
     sp.add_argument("--draft-model", default=None, help="draft model directory or cached hub id (same tokenizer)")
     sp.add_argument("--num-speculative-tokens", type=int, default=4, help="most draft positions per request and step")
@@ -50,6 +52,8 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
         "--spec-tree-topk", type=int, default=None, help="children per tree node; 1 = chains (default: 1 CPU, 2 GPU)"
     )
     sp.add_argument("--spec-tree-budget", type=int, default=12, help="most draft-tree nodes per request and step")
+    sp.add_argument("--ngram-min", type=int, default=1, help="ngram: shortest suffix to look up")
+    sp.add_argument("--ngram-max", type=int, default=4, help="ngram: longest suffix to look up (tried first)")
     if engine_seed:  # `generate` uses --seed for its one request instead
         g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
 
@@ -64,7 +68,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         demo = ensure_demo()
         values["model"] = str(demo / "target")
         # The demo pair speculates with its own draft by default.
-        if values.get("speculative_method") != "none" and not values.get("draft_model"):
+        if values.get("speculative_method") in (None, "draft") and not values.get("draft_model"):
             values["draft_model"] = str(demo / "draft")
     return EngineConfig(**values)
 

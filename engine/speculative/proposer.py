@@ -159,3 +159,4 @@ def _load_builtin() -> None:
     if not _builtin_loaded:
         _builtin_loaded = True
         import engine.speculative.draft_model  # noqa: F401
+        import engine.speculative.ngram  # noqa: F401
