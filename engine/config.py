@@ -53,6 +53,8 @@ class EngineConfig:
     spec_tree_budget: int = 12  # the most draft-tree nodes per request and step
     ngram_min: int = 1  # ngram (prompt lookup): the shortest suffix matched
     ngram_max: int = 4  # ... and the longest, tried first
+    suffix_order: int = 8  # suffix: the longest context whose continuations are counted
+    suffix_cache_tokens: int = 1_000_000  # suffix: tokens of finished outputs kept to draft from
 
     def __post_init__(self) -> None:
         def check(ok: bool, msg: str) -> None:
@@ -88,6 +90,8 @@ class EngineConfig:
         check(self.spec_tree_topk >= 1, "spec_tree_topk must be at least 1")
         check(self.spec_tree_budget >= 1, "spec_tree_budget must be at least 1")
         check(1 <= self.ngram_min <= self.ngram_max, "need 1 <= ngram_min <= ngram_max")
+        check(self.suffix_order >= 1, "suffix_order must be at least 1")
+        check(self.suffix_cache_tokens >= 0, "suffix_cache_tokens must be non-negative")
 
     @property
     def torch_device(self) -> torch.device:

@@ -71,8 +71,8 @@ def test_a_request_whose_lookup_finds_nothing_costs_no_draft_work(target):
     assert eng.spec_stats.num_drafts == 0 and eng.spec_stats.num_draft_tokens == 0
 
 
-def samples(target, params: SamplingParams, prompt: list[int], n: int) -> dict:
-    eng = make(target, "ngram", num_kv_blocks=4096, max_num_seqs=1024, block_size=8)
+def samples(target, params: SamplingParams, prompt: list[int], n: int, method: str = "ngram") -> dict:
+    eng = make(target, method, num_kv_blocks=4096, max_num_seqs=1024, block_size=8)
     per = 64
     for i in range(n // per):
         eng.add_request(f"s{i}", prompt, SamplingParams(**{**params.__dict__, "n": per}))

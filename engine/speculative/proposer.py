@@ -160,3 +160,4 @@ def _load_builtin() -> None:
         _builtin_loaded = True
         import engine.speculative.draft_model  # noqa: F401
         import engine.speculative.ngram  # noqa: F401
+        import engine.speculative.suffix  # noqa: F401
