@@ -93,7 +93,7 @@ class LLMEngine:
         self.step_runner = Step(
             self.runner, self.scheduler, self.proposer, self.controller, self._fork, self.eos_token_ids, max_len
         )
-        self.runner.warmup()
+        self.runner.warmup(self.step_runner.hidden_layers)
         if self.proposer is not None:
             self.proposer.warmup()
         if self.controller is not None:  # seed the cost model with timings of the shapes the step runs

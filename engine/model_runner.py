@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata, build_attention_metadata
+from engine.models.layer_skip import LayerSkip
 from engine.models.packed import linear_weight_bytes
 
 logger = logging.getLogger(__name__)
@@ -60,8 +61,8 @@ class LogitsForward(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids, positions, meta, kv_cache, logit_rows, layer_ids, hidden_layers):
-        hidden, captured = self.model(input_ids, positions, meta, kv_cache, layer_ids, hidden_layers)
+    def forward(self, input_ids, positions, meta, kv_cache, logit_rows, skip, hidden_layers):
+        hidden, captured = self.model(input_ids, positions, meta, kv_cache, skip, hidden_layers)
         return self.model.compute_logits(hidden.index_select(0, logit_rows)), captured
 
 
@@ -221,33 +222,34 @@ class ModelRunner:
         self,
         batch: ForwardBatch,
         input_ids: torch.Tensor | None = None,  # [T] overrides batch.input_ids (tokens still on the device)
-        layer_ids: list[int] | None = None,
+        skip: LayerSkip | None = None,
         hidden_layers: tuple[int, ...] = (),
     ) -> ForwardOutput:
         ids = batch.input_ids if input_ids is None else input_ids
-        layers = None if layer_ids is None else tuple(layer_ids)
         logits, captured = self._run(
-            ids, batch.positions, batch.meta, self.kv_cache, batch.logit_rows, layers, hidden_layers
+            ids, batch.positions, batch.meta, self.kv_cache, batch.logit_rows, skip, hidden_layers
         )
         return ForwardOutput(logits=logits, hidden_states=captured)
 
     def forward(
         self,
         chunks: list[ForwardChunk],
-        layer_ids: list[int] | None = None,
+        skip: LayerSkip | None = None,
         hidden_layers: tuple[int, ...] = (),
     ) -> ForwardOutput:
-        return self.execute(self.prepare(chunks), layer_ids=layer_ids, hidden_layers=hidden_layers)
+        return self.execute(self.prepare(chunks), skip=skip, hidden_layers=hidden_layers)
 
-    def warmup(self) -> None:
-        """Run the forward once for each graph a compiled model needs (one new token, several), so
-        that no request waits for a compilation. Writes only slots of block 0, which every later
-        forward overwrites before reading (a token's K/V is written before attention reads it)."""
+    def warmup(self, hidden_layers: tuple[int, ...] = (), skip: LayerSkip | None = None) -> None:
+        """Run the forward once for each graph a compiled model needs (one new token, several; with
+        the hidden layers the step captures), so that no request waits for a compilation. Writes only
+        the first blocks' slots, which every later forward overwrites before reading (a token's K/V
+        is written before attention reads it)."""
         if not self.compiled:
             return
         t0 = time.perf_counter()
         for n in (1, 2):
-            self.forward([ForwardChunk([0] * n, 0, [0], n)])
+            blocks = list(range(-(-n // self.block_size)))
+            self.forward([ForwardChunk([0] * n, 0, blocks, n)], skip=skip, hidden_layers=hidden_layers)
         logger.info("compiled %s forward in %.1fs", type(self.model).__name__, time.perf_counter() - t0)
 
     def synchronize(self) -> None:

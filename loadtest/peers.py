@@ -48,6 +48,8 @@ AUGUR_PRESETS = {
     "augur-plain": " --speculative-method none",
     "augur-eager": " --compile off",
     "augur-plain-eager": " --speculative-method none --compile off",
+    "augur-ngram": " --speculative-method ngram",
+    "augur-suffix": " --speculative-method suffix",
     "augur-trees": " --spec-tree-topk 2",
     "augur-bf16": " --dtype bfloat16",
 }

@@ -43,7 +43,8 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
         "--speculative-method",
         default=None,
         choices=["none", *known_methods()],
-        help="draft: a separate draft model; ngram: prompt lookup; suffix: suffix-tree trees; none: plain decoding "
+        help="draft: a separate draft model; ngram: prompt lookup; suffix: suffix-tree trees; "
+        "layer-skip: the target with sublayers skipped; none: plain decoding "
         "(default: draft when a draft model is given)",
     )
     sp.add_argument("--draft-model", default=None, help="draft model directory or cached hub id (same tokenizer)")
@@ -55,6 +56,9 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
     sp.add_argument("--ngram-min", type=int, default=1, help="ngram: shortest suffix to look up")
     sp.add_argument("--ngram-max", type=int, default=4, help="ngram: longest suffix to look up (tried first)")
     sp.add_argument("--suffix-order", type=int, default=8, help="suffix: longest context counted")
+    sp.add_argument(
+        "--layer-skip-config", default=None, help="layer-skip: JSON of skipped sublayers (default: the middle half)"
+    )
     sp.add_argument(
         "--suffix-cache-tokens", type=int, default=1_000_000, help="suffix: tokens of finished outputs to draft from"
     )

@@ -4,7 +4,7 @@ One compact implementation; the family members differ only in a few switches (cl
 Qwen2 has biases on q/k/v, Qwen3 normalizes q and k per head, Mistral may use a sliding window.
 
 The forward takes one flattened batch of new tokens from many sequences (see ``engine.attention``)
-and can run a subset of layers (self-speculative drafting) and return chosen layers' hidden states
+and can skip attention and MLP sublayers (self-speculative drafting) and return chosen layers' hidden states
 (Medusa/EAGLE-style heads read them).
 """
 
@@ -18,6 +18,7 @@ from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.attention import AttentionMetadata, paged_attention
+from engine.models.layer_skip import LayerSkip
 from engine.models.packed import PackedLinear, pack_linears
 
 
@@ -107,9 +108,12 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_pool, layer, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_pool, layer, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, kv_pool, layer, meta, attn: bool = True, mlp: bool = True) -> torch.Tensor:
+        if attn:
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_pool, layer, meta)
+        if mlp:
+            x = x + self.mlp(self.post_attention_layernorm(x))
+        return x
 
 
 def sliding_window_of(config, layer_idx: int) -> int | None:
@@ -175,18 +179,22 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         meta: AttentionMetadata,
         kv_caches: torch.Tensor,  # [num_layers, 2, num_slots, Hkv, D]
-        layer_ids: Sequence[int] | None = None,
+        skip: LayerSkip | None = None,
         hidden_layers: Sequence[int] = (),
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Returns the final-normed hidden states [T, hidden] and ``{layer: its output [T, hidden]}`` for
-        each layer in ``hidden_layers``. ``layer_ids`` runs only those layers (in order)."""
+        each layer in ``hidden_layers``. ``skip`` leaves those attention / MLP sublayers out (a
+        skipped attention writes no K/V: self-speculative drafts, which verification overwrites)."""
         x = self.embed_tokens(input_ids)
         cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # [T, 1, D]
         sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
         wanted = set(hidden_layers)
         captured: dict[int, torch.Tensor] = {}
-        for i in range(self.num_layers) if layer_ids is None else layer_ids:
-            x = self.layers[i](x, cos, sin, kv_caches, i, meta)
+        for i in range(self.num_layers):
+            if skip is None:
+                x = self.layers[i](x, cos, sin, kv_caches, i, meta)
+            elif i not in skip.attn or i not in skip.mlp:
+                x = self.layers[i](x, cos, sin, kv_caches, i, meta, i not in skip.attn, i not in skip.mlp)
             if i in wanted:
                 captured[i] = x
         return self.norm(x), captured

@@ -146,6 +146,23 @@ class DraftModelProposer(Proposer):
 
     # -- drafting -------------------------------------------------------------------------------
     def propose(self, seqs: list[Sequence], depths: list[int], ctx: ProposeContext) -> list[DraftTree]:
+        ready, logits = self._root_logits(seqs)
+        out = [DraftTree() for _ in seqs]
+        groups = {True: [], False: []}
+        for j, i in enumerate(ready):
+            groups[self.tree and seqs[i].params.greedy].append((i, j))
+        for as_tree, members in groups.items():
+            if members:
+                sub = logits[[j for _, j in members]]
+                draft = self._greedy_trees if as_tree else self._sampled
+                trees = draft([seqs[i] for i, _ in members], [depths[i] for i, _ in members], sub)
+                for (i, _), tree in zip(members, trees):
+                    out[i] = tree
+        return out
+
+    def _root_logits(self, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor]:
+        """Catch up (feed the draft what it has not seen, chunked under the budget): the indices of
+        the sequences whose root was reached, and the draft's logits there ``[len(ready), V]``."""
         ready, chunks, budget = [], [], self.catch_up_budget
         for i, s in enumerate(seqs):
             self._skip_cached_prefix(s)
@@ -160,18 +177,7 @@ class DraftModelProposer(Proposer):
         for s, c in zip(seqs, chunks):
             s.draft_num_computed += len(c.token_ids)
             self._mark_valid(s)
-        out = [DraftTree() for _ in seqs]
-        groups = {True: [], False: []}
-        for j, i in enumerate(ready):
-            groups[self.tree and seqs[i].params.greedy].append((i, j))
-        for as_tree, members in groups.items():
-            if members:
-                sub = logits[[j for _, j in members]]
-                draft = self._greedy_trees if as_tree else self._sampled
-                trees = draft([seqs[i] for i, _ in members], [depths[i] for i, _ in members], sub)
-                for (i, _), tree in zip(members, trees):
-                    out[i] = tree
-        return out
+        return ready, logits
 
     def _forward(self, batch: ForwardBatch, chunks: list[ForwardChunk], input_ids=None) -> torch.Tensor:
         """One draft forward (logits widened to the target's vocabulary), timed for the cost model."""

@@ -159,5 +159,6 @@ def _load_builtin() -> None:
     if not _builtin_loaded:
         _builtin_loaded = True
         import engine.speculative.draft_model  # noqa: F401
+        import engine.speculative.layer_skip  # noqa: F401
         import engine.speculative.ngram  # noqa: F401
         import engine.speculative.suffix  # noqa: F401

@@ -1,0 +1,76 @@
+"""Self-speculative decoding by layer skipping (``--speculative-method layer-skip``).
+
+The draft is the target itself with some attention and MLP sublayers left out (a
+:class:`~engine.models.layer_skip.LayerSkip`, from ``--layer-skip-config`` or the untuned default):
+no second model, no extra weights, no cache of its own. It reads the target's KV of the context and
+writes draft-time K/V (of the sublayers it runs) only into the slots of the root and the draft
+nodes, which the verify forward then overwrites with the full model's. Each step is one root
+forward (the sequence's last token, which the target has not cached yet) and one forward per
+further level; chains, greedy trees and sampled trees are drawn exactly as the draft-model method
+draws them (this class reuses its drafting, with the target in place of the draft model).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.model_runner import ForwardBatch, ForwardChunk, ModelRunner
+from engine.models.layer_skip import LayerSkip
+from engine.sequence import Sequence
+from engine.speculative.draft_model import DraftModelProposer
+from engine.speculative.proposer import CostShape, register
+from engine.speculative.tree import DraftTree
+
+
+@register
+class LayerSkipProposer(DraftModelProposer):
+    method = "layer-skip"
+    cost = CostShape(kind="layer-skip")  # a root forward (like a catch-up), then one per level
+
+    def __init__(
+        self, target: ModelRunner, skip: LayerSkip, eos_token_ids: list[int], tree: bool, topk: int, budget: int
+    ) -> None:
+        super().__init__(target, target.vocab_size, eos_token_ids, tree, topk, budget)
+        self.skip = skip.check(target.model.num_layers)
+        self.kv_bytes_per_token = 0  # it drafts in the target's own cache
+
+    @classmethod
+    def build(cls, config, target: ModelRunner, *, tokenizer, eos_token_ids) -> LayerSkipProposer:
+        layers = target.model.num_layers
+        skip = LayerSkip.load(config.layer_skip_config) if config.layer_skip_config else LayerSkip.middle(layers)
+        tree = config.spec_tree_topk > 1
+        return cls(target, skip, eos_token_ids, tree, config.spec_tree_topk, config.spec_tree_budget)
+
+    # The target owns the cache: nothing to allocate, copy or keep valid across steps.
+    def allocate_kv(self, num_blocks: int) -> None:
+        pass
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        pass
+
+    def on_verified(self, seq: Sequence, tree: DraftTree, accepted: list[int]) -> None:
+        self._written.pop(seq.seq_id, None)
+
+    def on_fork(self, parent: Sequence, child: Sequence) -> None:
+        pass
+
+    def warmup(self) -> None:
+        self.runner.warmup(skip=self.skip)
+
+    def cost_probe(self):
+        return lambda chunks: self.runner.forward(chunks, skip=self.skip)
+
+    def _root_logits(self, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor]:
+        """Every sequence is ready: its context is in the target's cache; feed its root token."""
+        chunks = [ForwardChunk([s.token_ids[-1]], s.num_tokens - 1, s.block_table, 1) for s in seqs]
+        return list(range(len(seqs))), self._forward(self.runner.prepare(chunks), chunks)
+
+    def _forward(self, batch: ForwardBatch, chunks: list[ForwardChunk], input_ids=None) -> torch.Tensor:
+        self.num_forwards += 1
+        t0 = time.perf_counter()
+        logits = self.runner.execute(batch, input_ids=input_ids, skip=self.skip).logits
+        self.runner.synchronize()
+        self._timings.append((self.cost.kind, batch.num_seqs, batch.num_tokens, time.perf_counter() - t0))
+        return logits

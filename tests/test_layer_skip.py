@@ -1,0 +1,127 @@
+"""Self-speculative decoding by layer skipping: the skip plan, greedy identity through the engine
+(chains and trees, under preemption), the target's distribution under sampling with a failing wrong
+rule, and a draft that shares the target's weights and cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_ngram import repetitive
+from test_spec import exact_joint, g_statistic, g_test_threshold, small_vocab_pair  # noqa: F401
+
+import engine.speculative.verify as verify_mod
+from conftest import build_model_dir
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model_runner import ForwardChunk
+from engine.models.layer_skip import LayerSkip
+from engine.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory, tokenizer_dir):
+    return build_model_dir(
+        tmp_path_factory.mktemp("layer-skip") / "t", tokenizer_dir, "LlamaForCausalLM", std=0.3, num_hidden_layers=4
+    )
+
+
+def make(target, method=None, **kw) -> LLMEngine:
+    kw.setdefault("num_kv_blocks", 256)
+    kw.setdefault("block_size", 4)
+    return LLMEngine(EngineConfig(model=str(target), speculative_method=method, device="cpu", **kw))
+
+
+def write_skip(tmp_path, skip: LayerSkip) -> str:
+    path = tmp_path / "skip.json"
+    path.write_text(json.dumps(skip.to_dict()))
+    return str(path)
+
+
+def test_skip_plan_round_trips_and_is_checked(tmp_path):
+    skip = LayerSkip(frozenset({1, 2}), frozenset({2}))
+    assert LayerSkip.load(write_skip(tmp_path, skip)) == skip
+    assert LayerSkip.middle(8) == LayerSkip(frozenset(range(2, 6)), frozenset(range(2, 6)))
+    assert LayerSkip.middle(2) == LayerSkip()  # too few layers to skip any by default
+    with pytest.raises(ValueError, match="layers"):
+        LayerSkip(frozenset({5})).check(4)
+    with pytest.raises(ValueError, match="every sublayer"):
+        LayerSkip(frozenset(range(2)), frozenset(range(2))).check(2)
+
+
+def test_a_skipped_forward_is_the_model_without_those_sublayers(target):
+    eng = make(target)
+    runner = eng.runner
+    chunk = [ForwardChunk([5, 6, 7, 8], 0, [1, 2], 4)]
+    full = runner.forward(chunk).logits
+    assert torch.equal(runner.forward(chunk, skip=LayerSkip()).logits, full)
+    skipped = runner.forward(chunk, skip=LayerSkip(frozenset({1}), frozenset({2}))).logits
+    assert not torch.allclose(skipped, full)
+    # By hand: the same layers with attention 1 and MLP 2 left out.
+    model = runner.model
+    for layer in (model.layers[1].self_attn, model.layers[2].mlp):
+        original = layer.forward
+        layer.forward = lambda *a, _o=original, **k: torch.zeros_like(_o(*a, **k))
+    try:
+        torch.testing.assert_close(runner.forward(chunk).logits, skipped)
+    finally:
+        del model.layers[1].self_attn.forward, model.layers[2].mlp.forward
+
+
+@pytest.mark.parametrize("topk", [1, 2], ids=["chains", "trees"])
+def test_greedy_output_is_the_plain_decoders(target, tmp_path, topk):
+    prompts = repetitive(8, seed=7)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = [o.outputs[0].delta_token_ids for o in make(target).generate(prompts, params)]
+    config = write_skip(tmp_path, LayerSkip(frozenset({1, 2}), frozenset({2})))
+    eng = make(
+        target, "layer-skip", layer_skip_config=config, spec_tree_topk=topk, num_kv_blocks=48, max_num_batched_tokens=40
+    )
+    assert eng.proposer.kv_bytes_per_token == 0 and eng.proposer.runner is eng.runner  # shares the target
+    pinned = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, num_draft_tokens=3)
+    assert [o.outputs[0].delta_token_ids for o in eng.generate(prompts, pinned)] == plain
+    st = eng.spec_stats
+    assert st.num_drafts > 0 and st.num_accepted_tokens > 0
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def samples(target_dir, params, prompt, n, skip_json, topk) -> dict:
+    eng = make(
+        target_dir,
+        "layer-skip",
+        layer_skip_config=skip_json,
+        spec_tree_topk=topk,
+        num_kv_blocks=4096,
+        max_num_seqs=1024,
+        block_size=8,
+    )
+    per = 64
+    for i in range(n // per):
+        eng.add_request(f"s{i}", prompt, SamplingParams(**{**params.__dict__, "n": per}))
+    toks: dict = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            for c in o.outputs:
+                toks.setdefault((o.request_id, c.index), []).extend(c.delta_token_ids)
+    assert eng.spec_stats.num_drafts > 0
+    counts: dict = {}
+    for v in toks.values():
+        counts[tuple(v[:3])] = counts.get(tuple(v[:3]), 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("topk", [1, 2], ids=["chains", "trees"])
+def test_sampling_keeps_the_targets_distribution(small_vocab_pair, tmp_path, monkeypatch, topk):  # noqa: F811
+    target_dir, _ = small_vocab_pair
+    skip_json = write_skip(tmp_path, LayerSkip(frozenset({1}), frozenset()))  # a 2-layer target
+    params = SamplingParams(temperature=0.9, top_k=6, max_tokens=3, ignore_eos=True, num_draft_tokens=3)
+    prompt = [0, 3, 4, 5]
+    n = 12_800
+    expected = exact_joint(target_dir, prompt, params)
+    stat, dof = g_statistic(samples(target_dir, params, prompt, n, skip_json, topk), expected, n)
+    assert stat < g_test_threshold(dof), f"G={stat:.1f} dof={dof}"
+    if topk == 1:  # a wrong rule: after a rejection, sample from p again, not from the residual
+        monkeypatch.setattr(verify_mod, "reject_residual", lambda P_, q_: P_)
+        stat, dof = g_statistic(samples(target_dir, params, prompt, n, skip_json, topk), expected, n)
+        assert stat > g_test_threshold(dof), f"the wrong rule went unnoticed: G={stat:.1f} dof={dof}"
