@@ -8,13 +8,13 @@ import json
 
 import pytest
 import torch
-from test_ngram import repetitive
+from test_ngram import samples
 from test_spec import exact_joint, g_statistic, g_test_threshold, small_vocab_pair  # noqa: F401
+from test_step import make
+from test_step import prompts as repetitive_prompts
 
 import engine.speculative.verify as verify_mod
 from conftest import build_model_dir
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
 from engine.model_runner import ForwardChunk
 from engine.models.layer_skip import LayerSkip
 from engine.sampling_params import SamplingParams
@@ -25,12 +25,6 @@ def target(tmp_path_factory, tokenizer_dir):
     return build_model_dir(
         tmp_path_factory.mktemp("layer-skip") / "t", tokenizer_dir, "LlamaForCausalLM", std=0.3, num_hidden_layers=4
     )
-
-
-def make(target, method=None, **kw) -> LLMEngine:
-    kw.setdefault("num_kv_blocks", 256)
-    kw.setdefault("block_size", 4)
-    return LLMEngine(EngineConfig(model=str(target), speculative_method=method, device="cpu", **kw))
 
 
 def write_skip(tmp_path, skip: LayerSkip) -> str:
@@ -71,7 +65,7 @@ def test_a_skipped_forward_is_the_model_without_those_sublayers(target):
 
 @pytest.mark.parametrize("topk", [1, 2], ids=["chains", "trees"])
 def test_greedy_output_is_the_plain_decoders(target, tmp_path, topk):
-    prompts = repetitive(8, seed=7)
+    prompts = repetitive_prompts(8, seed=7)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     plain = [o.outputs[0].delta_token_ids for o in make(target).generate(prompts, params)]
     config = write_skip(tmp_path, LayerSkip(frozenset({1, 2}), frozenset({2})))
@@ -86,31 +80,6 @@ def test_greedy_output_is_the_plain_decoders(target, tmp_path, topk):
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 
-def samples(target_dir, params, prompt, n, skip_json, topk) -> dict:
-    eng = make(
-        target_dir,
-        "layer-skip",
-        layer_skip_config=skip_json,
-        spec_tree_topk=topk,
-        num_kv_blocks=4096,
-        max_num_seqs=1024,
-        block_size=8,
-    )
-    per = 64
-    for i in range(n // per):
-        eng.add_request(f"s{i}", prompt, SamplingParams(**{**params.__dict__, "n": per}))
-    toks: dict = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            for c in o.outputs:
-                toks.setdefault((o.request_id, c.index), []).extend(c.delta_token_ids)
-    assert eng.spec_stats.num_drafts > 0
-    counts: dict = {}
-    for v in toks.values():
-        counts[tuple(v[:3])] = counts.get(tuple(v[:3]), 0) + 1
-    return counts
-
-
 @pytest.mark.parametrize("topk", [1, 2], ids=["chains", "trees"])
 def test_sampling_keeps_the_targets_distribution(small_vocab_pair, tmp_path, monkeypatch, topk):  # noqa: F811
     target_dir, _ = small_vocab_pair
@@ -119,9 +88,18 @@ def test_sampling_keeps_the_targets_distribution(small_vocab_pair, tmp_path, mon
     prompt = [0, 3, 4, 5]
     n = 12_800
     expected = exact_joint(target_dir, prompt, params)
-    stat, dof = g_statistic(samples(target_dir, params, prompt, n, skip_json, topk), expected, n)
+    kw = dict(layer_skip_config=skip_json, spec_tree_topk=topk)
+    stat, dof = g_statistic(
+        samples(target_dir, params, prompt, n, "layer-skip", **kw),
+        expected,
+        n,
+    )
     assert stat < g_test_threshold(dof), f"G={stat:.1f} dof={dof}"
     if topk == 1:  # a wrong rule: after a rejection, sample from p again, not from the residual
         monkeypatch.setattr(verify_mod, "reject_residual", lambda P_, q_: P_)
-        stat, dof = g_statistic(samples(target_dir, params, prompt, n, skip_json, topk), expected, n)
+        stat, dof = g_statistic(
+            samples(target_dir, params, prompt, n, "layer-skip", **kw),
+            expected,
+            n,
+        )
         assert stat > g_test_threshold(dof), f"the wrong rule went unnoticed: G={stat:.1f} dof={dof}"

@@ -3,16 +3,15 @@ the target's distribution under sampling (with a wrong rule failing), and no dra
 
 from __future__ import annotations
 
-import random
-
 import numpy as np
 import pytest
 from test_spec import exact_joint, g_statistic, g_test_threshold, small_vocab_pair  # noqa: F401
+from test_step import make
+from test_step import prompts as repetitive_prompts
 
 import engine.speculative.verify as verify_mod
-from conftest import VOCAB, build_model_dir
+from conftest import build_model_dir
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.speculative.ngram import NgramProposer, find_continuation
 
@@ -34,23 +33,8 @@ def target(tmp_path_factory, tokenizer_dir):
     return build_model_dir(tmp_path_factory.mktemp("ngram") / "t", tokenizer_dir, "LlamaForCausalLM", std=0.3)
 
 
-def make(target, method=None, **kw) -> LLMEngine:
-    kw.setdefault("num_kv_blocks", 256)
-    kw.setdefault("block_size", 4)
-    return LLMEngine(EngineConfig(model=str(target), speculative_method=method, device="cpu", **kw))
-
-
-def repetitive(n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        motif = [rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 6))]
-        out.append((motif * 8)[: rng.randint(8, 30)])
-    return out
-
-
 def test_greedy_output_is_the_plain_decoders(target):
-    prompts = repetitive(10, seed=3)
+    prompts = repetitive_prompts(10, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     plain = [o.outputs[0].delta_token_ids for o in make(target).generate(prompts, params)]
     eng = make(target, "ngram", num_kv_blocks=48, max_num_batched_tokens=40)  # small pool: preemption too
@@ -71,8 +55,9 @@ def test_a_request_whose_lookup_finds_nothing_costs_no_draft_work(target):
     assert eng.spec_stats.num_drafts == 0 and eng.spec_stats.num_draft_tokens == 0
 
 
-def samples(target, params: SamplingParams, prompt: list[int], n: int, method: str = "ngram") -> dict:
-    eng = make(target, method, num_kv_blocks=4096, max_num_seqs=1024, block_size=8)
+def samples(target, params: SamplingParams, prompt: list[int], n: int, method: str = "ngram", **kw) -> dict:
+    """The first 3 tokens of ``n`` sampled continuations of ``prompt``, counted, through ``method``."""
+    eng = make(target, method, num_kv_blocks=4096, max_num_seqs=1024, block_size=8, **kw)
     per = 64
     for i in range(n // per):
         eng.add_request(f"s{i}", prompt, SamplingParams(**{**params.__dict__, "n": per}))

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import random
 
-from test_ngram import make, repetitive, samples, target  # noqa: F401
+from test_ngram import samples, target  # noqa: F401
 from test_spec import exact_joint, g_statistic, g_test_threshold, small_vocab_pair  # noqa: F401
+from test_step import make
+from test_step import prompts as repetitive_prompts
 
 import engine.speculative.verify as verify_mod
 from engine.sampling_params import SamplingParams
@@ -45,7 +47,7 @@ def test_trees_follow_counts_best_first():
 
 
 def test_greedy_output_is_the_plain_decoders_and_the_store_fills(target):  # noqa: F811
-    prompts = repetitive(12, seed=5)
+    prompts = repetitive_prompts(12, seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     plain = [o.outputs[0].delta_token_ids for o in make(target).generate(prompts, params)]
     eng = make(target, "suffix", num_kv_blocks=64, max_num_batched_tokens=48, spec_tree_topk=2)
