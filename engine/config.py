@@ -54,7 +54,7 @@ class EngineConfig:
     ngram_min: int = 1  # ngram (prompt lookup): the shortest suffix matched
     ngram_max: int = 4  # ... and the longest, tried first
     suffix_order: int = 8  # suffix: the longest context whose continuations are counted
-    suffix_cache_tokens: int = 1_000_000  # suffix: tokens of finished outputs kept to draft from
+    suffix_cache_tokens: int = 100_000  # suffix: tokens of finished outputs kept (~2 KB each at worst)
     layer_skip_config: str | None = None  # layer-skip: JSON of skipped sublayers (default: the middle half)
 
     def __post_init__(self) -> None:

@@ -60,7 +60,7 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
         "--layer-skip-config", default=None, help="layer-skip: JSON of skipped sublayers (default: the middle half)"
     )
     sp.add_argument(
-        "--suffix-cache-tokens", type=int, default=1_000_000, help="suffix: tokens of finished outputs to draft from"
+        "--suffix-cache-tokens", type=int, default=100_000, help="suffix: tokens of finished outputs to draft from"
     )
     if engine_seed:  # `generate` uses --seed for its one request instead
         g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
