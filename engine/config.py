@@ -40,11 +40,13 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     # torch.compile the target and draft forwards: auto | on | off. auto: the AUGUR_COMPILE environment
-    # variable (on/off) if set, else on for CPUs (measured 1.1-1.6x per forward), off on GPUs until
-    # their CUDA-graph path lands.
+    # variable (on/off) if set, else on for CPUs (measured 1.06-1.27x per target forward, 1.2-1.9x per
+    # draft forward: docs/benchmarks.md), off on GPUs until their CUDA-graph path lands.
     compile: str = "auto"
     # Speculative decoding.
-    speculative_method: str | None = None  # none | draft (default: draft when a draft model is given)
+    # none | draft | ngram | suffix | layer-skip (the registry's methods; default: draft when a draft
+    # model is given, else none)
+    speculative_method: str | None = None
     draft_model: str | None = None
     num_speculative_tokens: int = 4  # the most draft positions (tree depth) per request and step
     # children per expanded node; 1 = chains. None: chains on CPU (where every verified token costs real

@@ -68,7 +68,7 @@ def onehot_rows(argmaxes: list[int]) -> torch.Tensor:
 def run_verify(trees: list[DraftTree], argmaxes: list[list[int]]) -> list[list[int]]:
     p = onehot_rows([a for seq in argmaxes for a in seq])
     inp, roots = build_verify_input(p, trees, V)
-    out = verify(inp, [None] * len(trees))
+    out = verify(inp)
     result = []
     for b, t in enumerate(trees):
         acc = [t.tokens[r - roots[b] - 1] for r in out.accepted_rows[b]]
@@ -149,7 +149,7 @@ def tabular_speculation(P: torch.Tensor, Q: torch.Tensor, n: int, mode: str, see
                 trees.append(DraftTree(kids + grand, [-1, -1, 0, 0]))
                 rows += [P[a], P[kids[0]], P[kids[1]], P[grand[0]], P[grand[1]]]
         inp, roots = build_verify_input(torch.stack(rows), trees, Vt)
-        res = verify(inp, [None] * len(trees))
+        res = verify(inp)
         for j, i in enumerate(active):
             toks = [trees[j].tokens[r - roots[j] - 1] for r in res.accepted_rows[j]] + [res.final_tokens[j]]
             out[i].extend(toks)

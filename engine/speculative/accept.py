@@ -47,12 +47,7 @@ def accept_greedy(samples: list, logits: torch.Tensor, rows_md: RowsMetadata) ->
     """(accepted node indices, final token) per greedy sample: the target's argmax decides."""
     rows, md = rows_md(samples)
     raw = logits[rows]
-    targets = (apply_logits_processors(raw, md) if md.needs_processing else raw).argmax(-1).tolist()
-    roots, r = [], 0
-    for s in samples:
-        roots.append(r)
-        r += len(s.tree) + 1
-    return greedy_accept(targets, [s.tree for s in samples], roots)
+    return _walk(samples, (apply_logits_processors(raw, md) if md.needs_processing else raw).argmax(-1))
 
 
 def accept_seeded(samples: list, logits: torch.Tensor, rows_md: RowsMetadata) -> list[tuple[list[int], int]]:
@@ -64,12 +59,16 @@ def accept_seeded(samples: list, logits: torch.Tensor, rows_md: RowsMetadata) ->
     rows, md = rows_md(samples)
     raw = logits[rows]
     p = compute_probs(apply_logits_processors(raw, md) if md.needs_processing else raw, md)
-    targets = (p / exponential_noise(p, md.generators)).argmax(-1).tolist()
+    return _walk(samples, (p / exponential_noise(p, md.generators)).argmax(-1))
+
+
+def _walk(samples: list, targets: torch.Tensor) -> list[tuple[list[int], int]]:
+    """Keep each tree's nodes while they equal the target's token of their parent's row (one transfer)."""
     roots, r = [], 0
     for s in samples:
         roots.append(r)
         r += len(s.tree) + 1
-    return greedy_accept(targets, [s.tree for s in samples], roots)
+    return greedy_accept(targets.tolist(), [s.tree for s in samples], roots)
 
 
 def accept_random(samples: list, logits: torch.Tensor, rows_md: RowsMetadata) -> list[tuple[list[int], int]]:
@@ -78,7 +77,7 @@ def accept_random(samples: list, logits: torch.Tensor, rows_md: RowsMetadata) ->
     raw = logits[rows]
     p = compute_probs(apply_logits_processors(raw, md) if md.needs_processing else raw, md)
     inp, roots = build_verify_input(p, [s.tree for s in samples], rows_md.vocab_size)
-    res = verify(inp, [None] * len(samples))
+    res = verify(inp)
     accepted = [[r - root - 1 for r in acc] for acc, root in zip(res.accepted_rows, roots)]
     return list(zip(accepted, res.final_tokens))
 

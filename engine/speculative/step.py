@@ -101,8 +101,7 @@ class Step:
         if self.proposer is not None:
             self.proposer.copy_blocks(sched.block_copies)
             for seq in sched.preempted:
-                self.proposer.on_preempt(seq)
-                self._hidden.pop(seq.seq_id, None)
+                self._lost_kv(seq)
 
     # 2. propose: a tree per drafting sequence, as deep as its granted KV slots allow
     def propose(self, sched: SchedulerOutput, want: dict[int, int]) -> dict[int, tuple[DraftTree, int]]:
@@ -224,6 +223,9 @@ class Step:
     def preempt(self, seq: Sequence) -> None:
         """Take a running sequence's KV away (it is recomputed from its tokens later)."""
         self.scheduler.preempt(seq)
+        self._lost_kv(seq)
+
+    def _lost_kv(self, seq: Sequence) -> None:
         self._hidden.pop(seq.seq_id, None)
         if self.proposer is not None:
             self.proposer.on_preempt(seq)

@@ -42,17 +42,11 @@ class VerifyOutput:
     final_tokens: list[int]  # per sequence, the recovered or bonus token
 
 
-def _randoms(
-    generators: list[torch.Generator | None], n_uniform: int, vocab: int, device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sequence uniforms [B, n] and exponentials [B, V]; a seeded sequence draws from its own generator."""
-    B = len(generators)
+def _randoms(B: int, n_uniform: int, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uniforms [B, n] for the accept tests and exponentials [B, V] for the final draws (unseeded
+    requests only: seeded ones are verified by ``accept_seeded``, with keyed noise)."""
     u = torch.rand(B, max(n_uniform, 1), device=device)
     e = torch.empty(B, vocab, device=device).exponential_()
-    for b, g in enumerate(generators):
-        if g is not None:
-            u[b] = torch.rand(u.shape[1], device=device, generator=g)
-            e[b].exponential_(generator=g)
     return u, e.clamp_(min=torch.finfo(torch.float32).tiny)
 
 
@@ -66,11 +60,11 @@ def reject_residual(P: torch.Tensor, q_rows: torch.Tensor) -> torch.Tensor:
     return (P / P.sum(-1, keepdim=True)).sub_(q_rows).clamp_(min=0.0)
 
 
-def verify(inp: VerifyInput, generators: list[torch.Generator | None]) -> VerifyOutput:
+def verify(inp: VerifyInput) -> VerifyOutput:
     p, children, roots = inp.p, inp.children, inp.roots
     B, C = roots.shape[0], children.shape[1]
     device = p.device
-    u, e = _randoms(generators, (inp.max_depth + 1) * C, p.shape[1], device)
+    u, e = _randoms(B, (inp.max_depth + 1) * C, p.shape[1], device)
     cur = roots.clone()
     alive = torch.ones(B, dtype=torch.bool, device=device)
     P = p[cur].clone()  # the current residual, unnormalized
