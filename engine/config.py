@@ -58,6 +58,10 @@ class EngineConfig:
     suffix_order: int = 8  # suffix: the longest context whose continuations are counted
     suffix_cache_tokens: int = 100_000  # suffix: tokens of finished outputs kept (~2 KB each at worst)
     layer_skip_config: str | None = None  # layer-skip: JSON of skipped sublayers (default: the middle half)
+    # Model-based drafters stop a draft early where their top-1 probability falls below a threshold that
+    # adapts so that this fraction of the drafted tokens is accepted (Draft & Verify). 0: off; None: the
+    # method's default (on, 0.7, for layer-skip; off for a draft model).
+    spec_early_stop: float | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, msg: str) -> None:
@@ -95,6 +99,10 @@ class EngineConfig:
         check(1 <= self.ngram_min <= self.ngram_max, "need 1 <= ngram_min <= ngram_max")
         check(self.suffix_order >= 1, "suffix_order must be at least 1")
         check(self.suffix_cache_tokens >= 0, "suffix_cache_tokens must be non-negative")
+        check(
+            self.spec_early_stop is None or 0.0 <= self.spec_early_stop < 1.0,
+            "spec_early_stop must be in [0, 1) (0 turns it off)",
+        )
 
     @property
     def torch_device(self) -> torch.device:

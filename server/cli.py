@@ -60,6 +60,14 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
         "--layer-skip-config", default=None, help="layer-skip: JSON of skipped sublayers (default: the middle half)"
     )
     sp.add_argument(
+        "--spec-early-stop",
+        type=float,
+        default=None,
+        metavar="RATE",
+        help="draft-model and layer-skip drafts stop where the drafter's confidence falls below a threshold "
+        "adapted to accept this fraction of drafted tokens; 0 = off (default: 0.7 layer-skip, off draft)",
+    )
+    sp.add_argument(
         "--suffix-cache-tokens", type=int, default=100_000, help="suffix: tokens of finished outputs to draft from"
     )
     if engine_seed:  # `generate` uses --seed for its one request instead

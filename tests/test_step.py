@@ -192,7 +192,7 @@ def test_build_lays_out_prefill_decode_and_tree(target):
         eng.block_manager.reserve(s.block_table, s.num_computed_tokens, s.num_computed_tokens + n)
     tree = DraftTree([7, 8, 9], [-1, -1, 0])
     sched = SchedulerOutput(scheduled=[(a, 1), (b, 1), (c, 3)])
-    batch = step.build(sched, {a.seq_id: (tree, 2)})
+    batch = step.build(sched, {a.seq_id: tree})
     ca, cb, cc = batch.chunks
     assert ca.token_ids == [a.token_ids[-1], 7, 8, 9] and ca.positions == [a.num_tokens - 1 + d for d in (0, 1, 1, 2)]
     assert ca.tree_mask.tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
@@ -200,6 +200,7 @@ def test_build_lays_out_prefill_decode_and_tree(target):
     assert (cc.token_ids, cc.num_logits) == ([20, 21, 22], 1)
     # Logits rows: a's root and nodes (0-3), b's decode (4), c's last prompt token (5).
     assert [(s.seq, s.row, s.tok, len(s.tree)) for s in batch.samples] == [(a, 0, 0, 3), (b, 4, 4, 0), (c, 5, 7, 0)]
+    assert batch.samples[0].depth == tree.depth == 2  # the controller learns from the levels really drafted
     assert [(s, start, n) for s, start, n, _ in batch.computed] == [(b, b.num_tokens - 1, 1), (c, 0, 3)]
 
 

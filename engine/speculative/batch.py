@@ -26,7 +26,7 @@ class Sample:
     tree: DraftTree  # empty: plain sampling
     row: int  # logits row of the root; node i is row + 1 + i
     tok: int  # flat token index of the root in the forward (for hidden states)
-    depth: int = 0  # the draft depth it was planned (for the controller)
+    depth: int = 0  # levels its draft really reached (the controller learns from those positions only)
     fork: bool = False  # its prompt just finished and its request has n > 1: the other choices fork here
     accepted: list[int] = field(default_factory=list)  # node indices the target kept, root to leaf
 

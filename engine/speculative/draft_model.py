@@ -35,6 +35,7 @@ from engine.loader import load_config, load_model, load_tokenizer, resolve_model
 from engine.model_runner import ForwardBatch, ForwardChunk, ModelRunner
 from engine.sampler import SamplingMetadata, apply_logits_processors, compute_probs, exponential_noise
 from engine.sequence import Sequence
+from engine.speculative.early_stop import EarlyStop, draft_confidence, early_stop_for
 from engine.speculative.proposer import CostShape, ProposeContext, Proposer, register
 from engine.speculative.tree import DraftTree
 
@@ -53,6 +54,7 @@ class DraftModelProposer(Proposer):
         topk: int = 2,
         budget: int = 16,
         catch_up_budget: int = 2048,
+        early_stop: EarlyStop | None = None,
     ) -> None:
         if topk < 1 or budget < 1:
             raise ValueError("spec tree topk and budget must be positive")
@@ -66,6 +68,7 @@ class DraftModelProposer(Proposer):
         self.topk = topk
         self.budget = budget
         self.catch_up_budget = catch_up_budget
+        self.early_stop = early_stop  # Draft & Verify's confidence exit (None: draft the planned depth)
         self.kv_bytes_per_token = runner.kv_bytes_per_token
         self.num_forwards = 0
         self._timings: list[tuple[str, int, int, float]] = []
@@ -89,7 +92,8 @@ class DraftModelProposer(Proposer):
         )
         tree = config.spec_tree_topk > 1
         budget, catch_up = config.spec_tree_budget, config.max_num_batched_tokens
-        return cls(runner, target.vocab_size, eos_token_ids, tree, config.spec_tree_topk, budget, catch_up)
+        stop = early_stop_for(config, default=None)
+        return cls(runner, target.vocab_size, eos_token_ids, tree, config.spec_tree_topk, budget, catch_up, stop)
 
     # -- shape ----------------------------------------------------------------------------------
     def slots_needed(self, depth: int, greedy: bool = True) -> int:
@@ -122,11 +126,17 @@ class DraftModelProposer(Proposer):
         # The root's draft KV is in place (catch-up wrote it). Nodes the draft fed at their final slot
         # (a chain's, a sampled tree's spine, a greedy tree's best first child) stay valid while the
         # accepted path follows them; anything else is recomputed by the next catch-up.
+        self.observe_acceptance(seq, tree, accepted)
         written = self._written.pop(seq.seq_id, [])
         keep = 0
         while keep < min(len(accepted), len(written)) and accepted[keep] == written[keep]:
             keep += 1
         seq.draft_num_computed += keep
+
+    def observe_acceptance(self, seq: Sequence, tree: DraftTree, accepted: list[int]) -> None:
+        """Move the early-stop threshold by how much of the drafted depth the target accepted."""
+        if self.early_stop is not None and len(tree):
+            self.early_stop.observe(seq.params.greedy, tree.depth, len(accepted))
 
     def on_fork(self, parent: Sequence, child: Sequence) -> None:
         child.draft_num_computed = parent.draft_num_computed
@@ -199,6 +209,18 @@ class DraftModelProposer(Proposer):
         self._timings.append(("draft", batch.num_seqs, batch.num_tokens, time.perf_counter() - t0))
         return logits
 
+    def _sure(self, logits: torch.Tensor, q: torch.Tensor, greedy: list[bool]) -> list[int]:
+        """Rows (of ``[A, V]`` draft logits and their ``q``) whose top-1 draft probability reaches
+        their early-stop threshold (one small transfer: the rows that go on drafting)."""
+        conf = draft_confidence(logits, q, greedy)
+        return [a for a, ok in enumerate((conf >= self.early_stop.thresholds(greedy, conf.device)).tolist()) if ok]
+
+    def _sure_levels(self, logp: torch.Tensor, rows: list[int]) -> list[int]:
+        """Greedy trees: the sequences of ``rows`` (``logp[a]``: top-1 log q of each node the row
+        would extend) where some node's child reaches the greedy threshold."""
+        ok = (logp.amax(-1).exp() >= self.early_stop.gamma[True]).tolist()
+        return [b for b, sure in zip(rows, ok) if sure]
+
     def _level(
         self,
         seqs: list[Sequence],
@@ -240,9 +262,19 @@ class DraftModelProposer(Proposer):
         level_tokens: list[torch.Tensor] = []  # [A, k] per level
         level_q: list[torch.Tensor] = []  # [A, k, V] per level (the distribution each sibling was drawn from)
         rows, cur = list(range(B)), logits
+        fed = [0] * B  # spine tokens fed back per sequence (their draft KV sits at their final slots)
         for d in range(D):
             mdl = md.select(rows)
-            q = compute_probs(apply_logits_processors(cur, mdl) if mdl.needs_processing else cur, mdl)  # [A, V]
+            cur = apply_logits_processors(cur, mdl) if mdl.needs_processing else cur
+            q = compute_probs(cur, mdl)  # [A, V]
+            if self.early_stop is not None:  # rows whose drafter is unsure stop before this level
+                sure = self._sure(cur, q, [seqs[b].params.greedy for b in rows])
+                if len(sure) < len(rows):
+                    if not sure:
+                        break
+                    idx = torch.tensor(sure, device=cur.device)
+                    rows, cur, q = [rows[a] for a in sure], cur[idx], q[idx]
+                    mdl = md.select(rows)
             # A seeded request drafts with the noise its verification samples the same position with
             # (coupled draws: the draft is kept whenever its choice is also the target's).
             noise = [seqs[b].noise_key(d) if not seqs[b].params.greedy else None for b in rows]
@@ -268,6 +300,8 @@ class DraftModelProposer(Proposer):
             keep = torch.tensor([at[b] for b in nxt], device=cur.device)
             spine = order[keep, 0]
             cur = self._level([seqs[b] for b in nxt], spine, 1, [d] * len(nxt), d + 1)
+            for b in nxt:
+                fed[b] += 1
             rows = nxt
         # One transfer: tokens and the probability each sibling had, for every level.
         tok_host = [t.tolist() for t in level_tokens]
@@ -288,22 +322,27 @@ class DraftModelProposer(Proposer):
                     qrows.append(level_q[d][a, i])
                 spine_node = first
                 spine.append(first)
-            q = None if seqs[b].params.greedy else torch.stack(qrows)
+            q = torch.stack(qrows) if qrows and not seqs[b].params.greedy else None  # [n, V]
             trees.append(DraftTree(toks, parents, q))
-            self._written[seqs[b].seq_id] = spine[:-1]  # each spine node but the last was fed back
+            self._written[seqs[b].seq_id] = spine[: fed[b]]
         return trees
 
     def _greedy_trees(self, seqs: list[Sequence], depths: list[int], logits: torch.Tensor) -> list[DraftTree]:
         k, B, D = self.topk, len(seqs), max(depths)
         dev = logits.device
         score, tok = torch.log_softmax(logits.float(), -1).topk(k, dim=-1)  # [B, k] level 1
+        rows = list(range(B))
+        if self.early_stop is not None:  # an unsure root drafts nothing
+            rows = self._sure_levels(score[:, :1], rows)
+            if len(rows) < B:
+                keep = torch.tensor(rows, dtype=torch.long, device=dev)
+                score, tok = score[keep], tok[keep]
         # per level: (sequence index → its row, tokens, scores, parent ids)
-        levels = [({b: b for b in range(B)}, tok, score, torch.full_like(tok, -1))]
-        f_ids = torch.arange(k, device=dev).expand(B, k)  # frontier node ids
+        levels = [({b: a for a, b in enumerate(rows)}, tok, score, torch.full_like(tok, -1))] if rows else []
+        f_ids = torch.arange(k, device=dev).expand(len(rows), k)  # frontier node ids
         f_tok, f_score, f_run = tok, score, None  # frontier tokens, scores, parents' run rows
         run_max = max(D - 1, 1) * k
         anc = torch.zeros(B, run_max, run_max, dtype=torch.bool, device=dev)  # run row → its ancestors' run rows
-        rows = list(range(B))
         for level in range(2, D + 1):
             nxt = [b for b in rows if depths[b] >= level]
             if not nxt:
@@ -322,6 +361,15 @@ class DraftModelProposer(Proposer):
             logits = self._level([seqs[b] for b in nxt], f_tok, k, [first] * len(nxt), level - 1, masks)
             child = torch.log_softmax(logits.float(), -1)
             cv, ci = child.view(len(nxt), k, -1).topk(k, dim=-1)  # [A, k, k]
+            if self.early_stop is not None:  # a row stops when no frontier node has a confident child
+                sure = self._sure_levels(cv[:, :, 0], nxt)
+                if len(sure) < len(nxt):
+                    if not sure:
+                        break
+                    at = {b: a for a, b in enumerate(nxt)}
+                    keep = torch.tensor([at[b] for b in sure], device=dev)
+                    cv, ci, f_ids, f_score = cv[keep], ci[keep], f_ids[keep], f_score[keep]
+                    nxt = sure
             c_score = (f_score[:, :, None] + cv).flatten(1)  # [A, k*k] cumulative log q
             c_tok = ci.flatten(1)
             c_par = f_ids.repeat_interleave(k, dim=1)

@@ -8,6 +8,10 @@ nodes, which the verify forward then overwrites with the full model's. Each step
 forward (the sequence's last token, which the target has not cached yet) and one forward per
 further level; chains, greedy trees and sampled trees are drawn exactly as the draft-model method
 draws them (this class reuses its drafting, with the target in place of the draft model).
+
+A draft level here costs a large part of a target forward, so a draft the drafter is unsure of is
+cut short by default (``engine/speculative/early_stop.py``, Draft & Verify's adaptive confidence
+exit, aiming at ``EARLY_STOP_TARGET`` of the drafted tokens accepted; ``--spec-early-stop``).
 """
 
 from __future__ import annotations
@@ -20,8 +24,11 @@ from engine.model_runner import ForwardBatch, ForwardChunk, ModelRunner
 from engine.models.layer_skip import LayerSkip
 from engine.sequence import Sequence
 from engine.speculative.draft_model import DraftModelProposer
+from engine.speculative.early_stop import EarlyStop, early_stop_for
 from engine.speculative.proposer import CostShape, register
 from engine.speculative.tree import DraftTree
+
+EARLY_STOP_TARGET = 0.7  # the acceptance rate of drafted tokens the confidence threshold aims at
 
 
 @register
@@ -30,9 +37,16 @@ class LayerSkipProposer(DraftModelProposer):
     cost = CostShape(kind="layer-skip")  # a root forward (like a catch-up), then one per level
 
     def __init__(
-        self, target: ModelRunner, skip: LayerSkip, eos_token_ids: list[int], tree: bool, topk: int, budget: int
+        self,
+        target: ModelRunner,
+        skip: LayerSkip,
+        eos_token_ids: list[int],
+        tree: bool,
+        topk: int,
+        budget: int,
+        early_stop: EarlyStop | None = None,
     ) -> None:
-        super().__init__(target, target.vocab_size, eos_token_ids, tree, topk, budget)
+        super().__init__(target, target.vocab_size, eos_token_ids, tree, topk, budget, early_stop=early_stop)
         self.skip = skip.check(target.model.num_layers)
         self.kv_bytes_per_token = 0  # it drafts in the target's own cache
 
@@ -40,8 +54,8 @@ class LayerSkipProposer(DraftModelProposer):
     def build(cls, config, target: ModelRunner, *, tokenizer, eos_token_ids) -> LayerSkipProposer:
         layers = target.model.num_layers
         skip = LayerSkip.load(config.layer_skip_config) if config.layer_skip_config else LayerSkip.middle(layers)
-        tree = config.spec_tree_topk > 1
-        return cls(target, skip, eos_token_ids, tree, config.spec_tree_topk, config.spec_tree_budget)
+        tree, stop = config.spec_tree_topk > 1, early_stop_for(config, default=EARLY_STOP_TARGET)
+        return cls(target, skip, eos_token_ids, tree, config.spec_tree_topk, config.spec_tree_budget, stop)
 
     # The target owns the cache: nothing to allocate, copy or keep valid across steps.
     def allocate_kv(self, num_blocks: int) -> None:
@@ -51,6 +65,7 @@ class LayerSkipProposer(DraftModelProposer):
         pass
 
     def on_verified(self, seq: Sequence, tree: DraftTree, accepted: list[int]) -> None:
+        self.observe_acceptance(seq, tree, accepted)
         self._written.pop(seq.seq_id, None)
 
     def on_fork(self, parent: Sequence, child: Sequence) -> None:

@@ -104,7 +104,7 @@ class Step:
                 self._lost_kv(seq)
 
     # 2. propose: a tree per drafting sequence, as deep as its granted KV slots allow
-    def propose(self, sched: SchedulerOutput, want: dict[int, int]) -> dict[int, tuple[DraftTree, int]]:
+    def propose(self, sched: SchedulerOutput, want: dict[int, int]) -> dict[int, DraftTree]:
         seqs, depths = [], []
         for seq, _ in sched.scheduled:
             d = want.get(seq.seq_id, 0)
@@ -119,21 +119,21 @@ class Step:
         for kind, num_seqs, tokens, seconds in self.proposer.timings():
             self.controller.cost.observe(kind, num_seqs, tokens, seconds)
             self.forward_seconds += seconds
-        return {s.seq_id: (t, d) for s, t, d in zip(seqs, trees, depths) if len(t)}
+        return {s.seq_id: t for s, t in zip(seqs, trees) if len(t)}
 
     # 3. build the one forward: prefill chunks, plain decodes and draft trees side by side
-    def build(self, sched: SchedulerOutput, trees: dict[int, tuple[DraftTree, int]]) -> Batch:
+    def build(self, sched: SchedulerOutput, trees: dict[int, DraftTree]) -> Batch:
         b = Batch()
         row = tok = 0
         for seq, n in sched.scheduled:
             start = seq.num_computed_tokens
             if seq.seq_id in trees:
-                tree, depth = trees[seq.seq_id]
+                tree = trees[seq.seq_id]
                 lay = tree_layout(tree)
                 ids = [seq.token_ids[start]] + tree.tokens
                 positions = [start + d for d in lay.depths]
                 b.chunks.append(ForwardChunk(ids, start, seq.block_table, len(ids), positions, lay.mask))
-                b.samples.append(Sample(seq, tree, row, tok, depth))
+                b.samples.append(Sample(seq, tree, row, tok, max(lay.depths)))
                 row, tok = row + len(tree) + 1, tok + len(tree) + 1
                 continue
             done, group, wants_prompt = start + n == seq.num_tokens, seq.group, wants_prompt_logprobs(seq, start)

@@ -39,6 +39,14 @@ class DraftTree:
         return len(self.tokens)
 
     @property
+    def depth(self) -> int:
+        """Levels below the root (0 for an empty tree)."""
+        levels: list[int] = []
+        for p in self.parents:
+            levels.append(levels[p] + 1 if p >= 0 else 1)
+        return max(levels, default=0)
+
+    @property
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents))
 
