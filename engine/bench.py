@@ -147,6 +147,10 @@ def run_bench(cfg: EngineConfig, args: argparse.Namespace) -> int:
         from engine.bench_speculative import run_spec_bench
 
         return run_spec_bench(cfg, args)
+    if getattr(args, "methods", None):
+        from engine.bench_methods import run_methods_bench
+
+        return run_methods_bench(cfg, args)
     args.concurrency = args.concurrency or [1, 16]
     max_c = max(args.concurrency)
     cfg.max_num_seqs = max(cfg.max_num_seqs, max_c)

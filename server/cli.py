@@ -1,4 +1,4 @@
-"""The ``augur`` command line: ``generate`` and ``bench`` (the server arrives as ``serve``)."""
+"""The ``augur`` command line: ``serve``, ``generate``, ``bench``, ``tune-layer-skip`` and ``demo``."""
 
 from __future__ import annotations
 
@@ -154,6 +154,54 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(engine_config_from_args(args), args)
 
 
+def cmd_tune_layer_skip(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from engine.speculative.tune_layer_skip import tune_layer_skip, write_result
+    from loadtest.prompts import load_prompts
+
+    config = engine_config_from_args(args)
+    if args.compile == "auto":  # each skip set would compile its own graph: tune eagerly
+        config = dataclasses.replace(config, compile="off")
+    from engine.loader import load_tokenizer, resolve_model_path
+
+    tokenizer = load_tokenizer(resolve_model_path(config.tokenizer or config.model))
+    if args.prompts:
+        prompts = [_prompt_ids(tokenizer, p) for p in load_prompts(args.prompts)][: args.num_prompts]
+    else:
+        from engine.bench import demo_prompts
+
+        prompts = demo_prompts(tokenizer, resolve_model_path(config.model), args.num_prompts)
+        if prompts is None:
+            raise ValueError("--prompts FILE is needed for a model other than the demo target")
+    result = tune_layer_skip(
+        config,
+        prompts,
+        trials=args.trials,
+        max_tokens=args.max_tokens,
+        concurrency=args.concurrency,
+        temperature=args.temperature,
+        seed=args.tune_seed,
+    )
+    out = write_result(result, args.output, config.model)
+    best = result.best
+    print(
+        f"best: skip attention {sorted(best.skip.attn)}, mlp {sorted(best.skip.mlp)}: "
+        f"{best.tokens_per_s:.1f} tok/s vs plain {result.plain_tokens_per_s:.1f} "
+        f"({best.tokens_per_s / result.plain_tokens_per_s:.2f}x), "
+        f"{best.mean_acceptance_length:.2f} tokens per verify step"
+    )
+    print(f"wrote {out}: serve it with --speculative-method layer-skip --layer-skip-config {out}")
+    return 0
+
+
+def _prompt_ids(tokenizer, prompt) -> list[int]:
+    """A prompt set's entry as token ids: a conversation through the chat template when there is one."""
+    if prompt.messages is not None and getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template(prompt.as_messages(), add_generation_prompt=True, tokenize=True))
+    return tokenizer.encode(prompt.as_text())
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     import json
 
@@ -235,8 +283,43 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--fresh-runs", type=int, default=5, help="with --speculative: fresh engines whose acceptance lengths compare"
     )
+    bench.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        choices=[m for m in known_methods() if m != "draft"],
+        help="drafting methods without a draft model side by side against plain decoding (T x concurrency x "
+        "prompt set; default concurrency 1 8)",
+    )
+    bench.add_argument(
+        "--prompt-sets",
+        nargs="+",
+        default=["held-out", "copy"],
+        choices=["held-out", "copy"],
+        help="with --methods: held-out prompts, and prompts whose continuation copies from the prompt",
+    )
     bench.add_argument("--output", default=None, help="write the results as JSON")
     bench.set_defaults(func=cmd_bench)
+
+    tune = sub.add_parser(
+        "tune-layer-skip",
+        parents=[common],
+        help="find the layer-skip draft's skipped sublayers by Bayesian optimisation of measured tokens/s",
+    )
+    add_engine_args(tune)
+    tune.add_argument(
+        "--prompts",
+        default=None,
+        help="a .jsonl prompt file or a shipped set (code, chat, tutorial); default: the demo pair's held-out prompts",
+    )
+    tune.add_argument("--num-prompts", type=int, default=8)
+    tune.add_argument("--max-tokens", type=int, default=64, help="output tokens per prompt and trial")
+    tune.add_argument("--concurrency", type=int, default=1, help="requests in flight while timing")
+    tune.add_argument("--temperature", type=float, default=0.0)
+    tune.add_argument("--trials", type=int, default=40, help="skip sets measured")
+    tune.add_argument("--tune-seed", type=int, default=0, help="the optimiser's seed")
+    tune.add_argument("--output", default="layer-skip.json", help="the JSON --layer-skip-config loads")
+    tune.set_defaults(func=cmd_tune_layer_skip)
 
     demo = sub.add_parser("demo", parents=[common], help="the embedded demo target/draft pair")
     demo_sub = demo.add_subparsers(dest="demo_command", required=True)

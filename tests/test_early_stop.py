@@ -24,7 +24,7 @@ from engine.speculative.early_stop import EarlyStop, draft_confidence
 
 
 def test_the_threshold_follows_acceptance_per_kind_of_request():
-    es = EarlyStop(0.7, start=0.3, step=0.02)
+    es = EarlyStop(0.7, start=0.3, step=0.05)
     for _ in range(5):
         es.observe(True, 4, 0)  # greedy drafts rejected: draft only what the drafter is sure of
     assert es.gamma[True] > 0.3 and es.gamma[False] == 0.3

@@ -25,10 +25,11 @@ class EarlyStop:
 
     After each verified draft the acceptance rate ``accepted / drafted`` feeds an exponential moving
     average; if the average is below ``target`` the threshold rises by ``step``, else it falls by
-    ``step``, within ``[0, ceiling]`` (a ceiling below 1 lets the most confident drafts through)."""
+    ``step``, within ``[0, ceiling]`` (a ceiling below 1 lets the most confident drafts through).
+    It starts at 0 — drafts as deep as the controller allows — until acceptance says otherwise."""
 
     def __init__(
-        self, target: float, start: float = 0.3, step: float = 0.02, ema: float = 0.3, ceiling: float = 0.95
+        self, target: float, start: float = 0.0, step: float = 0.05, ema: float = 0.3, ceiling: float = 0.95
     ) -> None:
         if not 0.0 < target < 1.0:
             raise ValueError(f"the early-stop target acceptance rate must be in (0, 1), got {target}")
