@@ -258,9 +258,9 @@ def test_controller_hysteresis_and_guard_back_off(target, tmp_path):
     # Depth 3 becomes slightly better than 4 (about 1%, within the switching margin): one plan does
     # not flip the depth, several in a row do.
     ctl.estimate(seq).alpha = [0.95, 0.95, 0.95, 0.28]
-    assert ctl.plan([seq], 0) == [4] and ctl.depth == 4
+    assert ctl.plan([seq], 0) == [4] and ctl.depth[True] == 4
     plans = [ctl.plan([seq], 0) for _ in range(ctl.patience)]
-    assert plans[-1] == [3] and ctl.depth == 3
+    assert plans[-1] == [3] and ctl.depth[True] == 3
     # A clearly better depth (well beyond the margin) is taken at once.
     ctl.estimate(seq).alpha = [0.5, 0.05, 0.05, 0.05]
     assert ctl.plan([seq], 0) == [1]
@@ -284,12 +284,23 @@ def test_controller_hysteresis_and_guard_back_off(target, tmp_path):
     assert limits[3::4][:5] == [0] * 5 and limits[23] == 4 and limits.count(0) == 5
     # A probe now and then re-measures speculation; when it wins, the cap rises again.
     probing = Guard(max_depth=4, probe_every=3)
-    probing.cap[1] = 0
+    probing.cap[(1, True)] = 0
     assert [probing.limit(1) for _ in range(3)] == [0, 0, 1]
     for _ in range(6):
         probing.observe(1, 1, 0.010, speculated=False)
         probing.observe(1, 4, 0.015, speculated=True)
-    assert probing.cap[1] > 0
+    assert probing.cap[(1, True)] > 0
+
+
+def test_guard_keeps_greedy_and_sampled_batches_apart():
+    """Sampled traffic on which speculation loses must not stop speculation for greedy traffic."""
+    guard = Guard(max_depth=4, probe_every=10**9)
+    for _ in range(6):
+        guard.observe(1, 1, 0.010, speculated=False, greedy=False)
+    for _ in range(60):
+        guard.observe(1, 2, 0.030, speculated=True, greedy=False)
+    assert guard.limit(1, greedy=False) == 0
+    assert max(guard.limit(1, greedy=True) for _ in range(3)) == 4
 
 
 # -- the draft model: prefix reuse and chunked catch-up ------------------------------------------------

@@ -139,10 +139,12 @@ class AcceptanceEstimate:
 
 
 class Guard:
-    """Measured tokens/s of speculating vs plain decode-only steps, per batch-size bucket.
+    """Measured tokens/s of speculating vs plain decode-only steps, per bucket: the batch size's power
+    of two, and whether the batch is all greedy (sampled text is accepted far less often, so a server
+    whose sampled traffic makes speculation lose must not stop speculating for its greedy traffic).
 
-    When speculation's realised rate falls below ``margin`` times plain decoding's at the same batch
-    size, the depth cap for that bucket halves; when it clearly wins it rises by one again. Until a
+    When speculation's realised rate falls below ``margin`` times plain decoding's in the same bucket,
+    the depth cap for that bucket halves; when it clearly wins it rises by one again. Until a
     bucket has ``min_samples`` plain steps, every 4th step there is plain; after that a plain step
     every ``probe_every`` steps (a depth-1 step while capped at 0) keeps both rates current."""
 
@@ -151,15 +153,16 @@ class Guard:
     ) -> None:
         self.max_depth, self.margin, self.ema, self.probe_every = max_depth, margin, ema, probe_every
         self.min_samples = min_samples
-        self.rate: dict[tuple[bool, int], float] = {}
-        self.count: dict[tuple[bool, int], int] = {}
-        self.cap: dict[int, int] = {}
+        self.rate: dict[tuple[bool, tuple[int, bool]], float] = {}  # (speculated, bucket) → tokens/s
+        self.count: dict[tuple[bool, tuple[int, bool]], int] = {}
+        self.cap: dict[tuple[int, bool], int] = {}  # bucket → depth cap
         self.steps = 0
 
-    def observe(self, num_seqs: int, tokens: int, seconds: float, speculated: bool) -> None:
+    def observe(self, num_seqs: int, tokens: int, seconds: float, speculated: bool, greedy: bool = True) -> None:
         if seconds <= 0 or num_seqs <= 0:
             return
-        b, key = num_seqs.bit_length(), (speculated, num_seqs.bit_length())
+        b = (num_seqs.bit_length(), greedy)
+        key = (speculated, b)
         r = tokens / seconds
         self.rate[key] = r if key not in self.rate else (1 - self.ema) * self.rate[key] + self.ema * r
         self.count[key] = self.count.get(key, 0) + 1
@@ -173,10 +176,11 @@ class Guard:
         elif speculated and spec > plain / self.margin:
             self.cap[b] = min(cap + 1, self.max_depth)
 
-    def limit(self, num_seqs: int) -> int:
-        """The most draft depth allowed this step (0: a plain step)."""
+    def limit(self, num_seqs: int, greedy: bool = True) -> int:
+        """The most draft depth allowed this step (0: a plain step) for a batch of ``num_seqs``, all
+        greedy or not."""
         self.steps += 1
-        b = num_seqs.bit_length()
+        b = (num_seqs.bit_length(), greedy)
         cap = self.cap.get(b, self.max_depth)
         if cap > 0 and self.count.get((False, b), 0) < self.min_samples and self.steps % 4 == 0:
             return 0  # learn plain decoding's rate at this batch size early, not after probe_every steps
@@ -200,8 +204,9 @@ class SpecController:
         # starts from what requests like it have been accepting, not from a fixed guess.
         self.population = {g: AcceptanceEstimate([self.prior] * self.max_depth, ema=0.05) for g in (True, False)}
         self.guard = Guard(self.max_depth)
-        self.depth = self.max_depth  # the current maximum depth (hysteresis state)
-        self._challenger, self._streak = None, 0
+        # The current maximum depth (hysteresis state), for all-greedy batches and for the others.
+        self.depth = {True: self.max_depth, False: self.max_depth}
+        self._challenger, self._streak = {True: None, False: None}, {True: 0, False: 0}
 
     def estimate(self, seq: Sequence) -> AcceptanceEstimate:
         if seq.spec_estimate is None:
@@ -212,7 +217,8 @@ class SpecController:
         """Draft depth per decode sequence (0 = none); ``room[i]`` caps sequence i's depth and
         ``other_tokens`` counts the step's non-speculative target tokens (prefill chunks)."""
         room = room if room is not None else [self.max_depth] * len(seqs)
-        cap = self.guard.limit(len(seqs))
+        kind = all(s.params.greedy for s in seqs)
+        cap = self.guard.limit(len(seqs), kind)
         self._memo: dict[tuple[str, int, int], float] = {}
         fixed: dict[int, int] = {}
         free: list[int] = []
@@ -235,15 +241,16 @@ class SpecController:
             greedy = [s.params.greedy for s in seqs]
             rates = {D: self._best_at(D, depths, free, gains, greedy, seqs, other_tokens, room) for D in range(cap + 1)}
             best = max(rates, key=lambda D: rates[D][0])
-            cur = min(self.depth, cap)
+            cur = min(self.depth[kind], cap)
             if best != cur:
-                self._streak = self._streak + 1 if best == self._challenger else 1
-                self._challenger = best
-                if rates[best][0] > rates[cur][0] * (1 + self.switch_margin) or self._streak >= self.patience:
-                    cur, self._streak = best, 0
+                self._streak[kind] = self._streak[kind] + 1 if best == self._challenger[kind] else 1
+                self._challenger[kind] = best
+                if rates[best][0] > rates[cur][0] * (1 + self.switch_margin) or self._streak[kind] >= self.patience:
+                    cur, self._streak[kind] = best, 0
             else:
-                self._streak = 0
-            self.depth = cur if cap == self.max_depth else self.depth
+                self._streak[kind] = 0
+            if cap == self.max_depth:
+                self.depth[kind] = cur
             depths = rates[cur][1]
         return self._probe_idle(seqs, depths, free, room)
 
@@ -324,7 +331,8 @@ class SpecController:
         steps (``batch.decode_only``) for the guard."""
         self.cost.observe_host(seconds - forward_seconds, num_seqs, num_drafting)
         if batch.decode_only:
-            self.guard.observe(num_seqs, tokens, seconds, num_drafting > 0)
+            greedy = all(s.seq.params.greedy for s in batch.samples)
+            self.guard.observe(num_seqs, tokens, seconds, num_drafting > 0, greedy)
 
 
 def profile_costs(

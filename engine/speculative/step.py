@@ -170,7 +170,10 @@ class Step:
     def accept(self, b: Batch, logits: torch.Tensor) -> list[Emit]:
         for s in list(b.samples):
             if s.fork:  # the other choices of an n > 1 request draw their first token from the same row
-                b.samples.extend(Sample(c, _EMPTY, s.row, s.tok) for c in self.fork(s.seq))
+                children = self.fork(s.seq)
+                b.samples.extend(Sample(c, _EMPTY, s.row, s.tok) for c in children)
+                if s.seq.seq_id in self._hidden:  # same prefix, same hidden states: they draft next step too
+                    self._hidden.update((c.seq_id, self._hidden[s.seq.seq_id]) for c in children)
         results = {}
         kind = lambda s: "greedy" if s.seq.params.greedy else "seeded" if s.seq.seed is not None else "random"  # noqa: E731
         for accept, part in ((accept_greedy, "greedy"), (accept_seeded, "seeded"), (accept_random, "random")):
