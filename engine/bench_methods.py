@@ -39,8 +39,10 @@ def copy_prompts(tokenizer, prompts: list[list[int]]) -> list[list[int]]:
 
 def run_methods_bench(cfg: EngineConfig, args: argparse.Namespace) -> int:
     conc = sorted(args.concurrency or [1, 8])
-    base = dataclasses.replace(cfg, max_num_seqs=max(cfg.max_num_seqs, max(conc)), draft_model=None)
-    plain_engine = LLMEngine(dataclasses.replace(base, speculative_method="none"))
+    base = dataclasses.replace(
+        cfg, max_num_seqs=max(cfg.max_num_seqs, max(conc)), speculative_method="none", draft_model=None
+    )
+    plain_engine = LLMEngine(base)
     n = max(args.num_prompts, max(conc))
     held_out, source = _prompts(plain_engine, n, args)
     sets = {"held-out": held_out, "copy": copy_prompts(plain_engine.tokenizer, held_out)}

@@ -44,8 +44,8 @@ class EngineConfig:
     # draft forward: docs/benchmarks.md), off on GPUs until their CUDA-graph path lands.
     compile: str = "auto"
     # Speculative decoding.
-    # none | draft | ngram | suffix | layer-skip (the registry's methods; default: draft when a draft
-    # model is given, else none)
+    # none | draft | ngram | suffix | layer-skip | medusa (the registry's methods; default: the method
+    # whose layout the --draft-model directory has — medusa for Medusa heads, else draft — or none)
     speculative_method: str | None = None
     draft_model: str | None = None
     num_speculative_tokens: int = 4  # the most draft positions (tree depth) per request and step
@@ -83,9 +83,10 @@ class EngineConfig:
         check(self.compile in ("auto", "on", "off"), f"compile must be auto, on or off, got {self.compile!r}")
         env = os.environ.get("AUGUR_COMPILE", "")
         check(env in ("", "on", "off"), f"AUGUR_COMPILE must be on or off, got {env!r}")
-        if self.speculative_method is None:
-            self.speculative_method = "draft" if self.draft_model else "none"
-        from engine.speculative.proposer import known_methods
+        from engine.speculative.proposer import known_methods, method_for_draft
+
+        if self.speculative_method is None:  # a draft directory's layout names its method (Medusa heads, ...)
+            self.speculative_method = method_for_draft(self.draft_model) if self.draft_model else "none"
 
         methods = ["none", *known_methods()]
         check(self.speculative_method in methods, f"speculative_method must be one of {methods}")

@@ -1,4 +1,4 @@
-"""The ``augur`` command line: ``serve``, ``generate``, ``bench``, ``tune-layer-skip`` and ``demo``."""
+"""The ``augur`` command line: ``serve``, ``generate``, ``bench``, ``tune-layer-skip``, ``train-draft``, ``demo``."""
 
 from __future__ import annotations
 
@@ -202,6 +202,50 @@ def _prompt_ids(tokenizer, prompt) -> list[int]:
     return tokenizer.encode(prompt.as_text())
 
 
+def cmd_train_draft(args: argparse.Namespace) -> int:
+    import dataclasses
+    from pathlib import Path
+
+    from engine.speculative.train_draft import TrainConfig, train_draft
+
+    demo = not args.model
+    config = engine_config_from_args(args)
+    if args.data:
+        from loadtest.prompts import load_prompts
+
+        prompts = [p.as_text() for p in load_prompts(args.data)][: args.num_prompts]
+    elif demo:
+        from engine.demo import DemoRecipe, make_prompts, split_corpus
+
+        recipe = dataclasses.replace(DemoRecipe(), num_prompts=args.num_prompts)
+        prompts = [p["prompt"] for p in make_prompts(split_corpus(recipe)[0], recipe)]  # train files only
+    else:
+        raise ValueError("--data FILE (a .jsonl prompt file) is needed for a model other than the demo target")
+    if args.output:
+        out = Path(args.output)
+    elif demo:
+        out = Path(config.model).parent / args.method
+    else:
+        raise ValueError("--output DIR is needed for a model other than the demo target")
+    cfg = TrainConfig(
+        method=args.method,
+        num_heads=args.num_heads,
+        num_layers=args.num_layers,
+        gen_tokens=args.gen_tokens,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+    )
+    report = train_draft(config, out, prompts, cfg, resume=args.resume)
+    before, after = report["heldout_before"], report["heldout_after"]
+    for k, (kb, ka, ab, aa) in enumerate(
+        zip(before["kl"], after["kl"], before["top1_agreement"], after["top1_agreement"])
+    ):
+        print(f"head {k}: held-out KL to the target {kb:.3f} -> {ka:.3f}, top-1 agreement {ab:.2f} -> {aa:.2f}")
+    print(f"wrote {out}: serve it with --draft-model {out}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     import json
 
@@ -320,6 +364,25 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--tune-seed", type=int, default=0, help="the optimiser's seed")
     tune.add_argument("--output", default="layer-skip.json", help="the JSON --layer-skip-config loads")
     tune.set_defaults(func=cmd_tune_layer_skip)
+
+    train = sub.add_parser(
+        "train-draft", parents=[common], help="train draft heads (Medusa) on the target by self-distillation"
+    )
+    add_engine_args(train)
+    train.add_argument("--method", default="medusa", choices=["medusa"])
+    train.add_argument(
+        "--data", default=None, help="a .jsonl prompt file or a shipped set; default: the demo's training files"
+    )
+    train.add_argument("--num-prompts", type=int, default=256, help="prompts the target continues")
+    train.add_argument("--gen-tokens", type=int, default=128, help="tokens generated per prompt (greedy and T=1)")
+    train.add_argument("--num-heads", type=int, default=4)
+    train.add_argument("--num-layers", type=int, default=1, help="residual blocks per head")
+    train.add_argument("--steps", type=int, default=1500)
+    train.add_argument("--batch-size", type=int, default=256, help="positions per step")
+    train.add_argument("--lr", type=float, default=1e-3)
+    train.add_argument("--resume", action="store_true", help="continue from the output's checkpoint.pt")
+    train.add_argument("--output", default=None, help="output directory (default for the demo: beside its target)")
+    train.set_defaults(func=cmd_train_draft)
 
     demo = sub.add_parser("demo", parents=[common], help="the embedded demo target/draft pair")
     demo_sub = demo.add_subparsers(dest="demo_command", required=True)

@@ -25,6 +25,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -72,6 +73,12 @@ class Proposer(ABC):
     @abstractmethod
     def build(cls, config: EngineConfig, target: ModelRunner, *, tokenizer, eos_token_ids: list[int]) -> Proposer:
         """Load what the method needs; ``target`` is the target's runner (its model, vocabulary, device)."""
+
+    @classmethod
+    def claims(cls, path: Path) -> bool:
+        """Whether a ``--draft-model`` directory is this method's (its layout says so), so that
+        ``--draft-model DIR`` alone picks the method. The draft-model method is the fallback."""
+        return False
 
     # -- shape and drafting ---------------------------------------------------------------------
     @abstractmethod
@@ -145,6 +152,17 @@ def proposer_class(method: str) -> type[Proposer]:
     return _REGISTRY[method]
 
 
+def method_for_draft(path: str | Path) -> str:
+    """The method a ``--draft-model`` directory is for: the first that claims it, else ``draft``."""
+    _load_builtin()
+    path = Path(path)
+    if path.is_dir():
+        for name, cls in sorted(_REGISTRY.items()):
+            if cls.claims(path):
+                return name
+    return "draft"
+
+
 def known_methods() -> list[str]:
     _load_builtin()
     return sorted(_REGISTRY)
@@ -160,5 +178,6 @@ def _load_builtin() -> None:
         _builtin_loaded = True
         import engine.speculative.draft_model  # noqa: F401
         import engine.speculative.layer_skip  # noqa: F401
+        import engine.speculative.medusa  # noqa: F401
         import engine.speculative.ngram  # noqa: F401
         import engine.speculative.suffix  # noqa: F401
