@@ -267,7 +267,7 @@ class DraftModelProposer(Proposer):
             mdl = md.select(rows)
             cur = apply_logits_processors(cur, mdl) if mdl.needs_processing else cur
             q = compute_probs(cur, mdl)  # [A, V]
-            if self.early_stop is not None:  # rows whose drafter is unsure stop before this level
+            if self.early_stop is not None and d > 0:  # rows whose drafter is unsure stop before this level
                 sure = self._sure(cur, q, [seqs[b].params.greedy for b in rows])
                 if len(sure) < len(rows):
                     if not sure:
@@ -332,14 +332,9 @@ class DraftModelProposer(Proposer):
         dev = logits.device
         score, tok = torch.log_softmax(logits.float(), -1).topk(k, dim=-1)  # [B, k] level 1
         rows = list(range(B))
-        if self.early_stop is not None:  # an unsure root drafts nothing
-            rows = self._sure_levels(score[:, :1], rows)
-            if len(rows) < B:
-                keep = torch.tensor(rows, dtype=torch.long, device=dev)
-                score, tok = score[keep], tok[keep]
         # per level: (sequence index → its row, tokens, scores, parent ids)
-        levels = [({b: a for a, b in enumerate(rows)}, tok, score, torch.full_like(tok, -1))] if rows else []
-        f_ids = torch.arange(k, device=dev).expand(len(rows), k)  # frontier node ids
+        levels = [({b: b for b in rows}, tok, score, torch.full_like(tok, -1))]
+        f_ids = torch.arange(k, device=dev).expand(B, k)  # frontier node ids
         f_tok, f_score, f_run = tok, score, None  # frontier tokens, scores, parents' run rows
         run_max = max(D - 1, 1) * k
         anc = torch.zeros(B, run_max, run_max, dtype=torch.bool, device=dev)  # run row → its ancestors' run rows

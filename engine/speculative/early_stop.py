@@ -7,6 +7,11 @@ would most likely be rejected. ``gamma`` is not fixed: when the tokens that were
 accepted less often than a target rate, it rises (draft only confident tokens); when they are
 accepted more often, it falls (draft deeper).
 
+The first level is always drafted: the drafter's forward at the root has been paid for already (a
+catch-up, or the root forward of layer skipping), so a level-1 token costs only its verify slot — and
+every draft is then verified, so ``gamma`` keeps learning (a threshold that stopped every draft at
+the root would never hear of acceptance again and could never come down).
+
 Division of labour with the controller: the controller chooses the *most* levels a request may
 draft this step from its acceptance history and the measured costs; early stopping ends a draft
 before that when the drafter is unsure *now*. The controller is told the depth that was really
