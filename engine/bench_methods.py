@@ -1,5 +1,6 @@
-"""``augur bench --methods ngram suffix layer-skip``: drafting methods side by side, against plain
-decoding measured in the same run, on prompts where lookup has little to copy and where it has much.
+"""``augur bench --methods ngram suffix layer-skip draft medusa=DIR``: drafting methods side by side,
+against plain decoding measured in the same run, on prompts where lookup has little to copy and where
+it has much. A method that loads a draft takes it as ``METHOD=DIR`` (``draft`` alone: the demo's).
 
 For each prompt set, temperature and concurrency: plain decoding (a method-less engine, timed before
 and after the methods; the ratio is against the mean), then each method on an engine of its own, its
@@ -47,8 +48,11 @@ def run_methods_bench(cfg: EngineConfig, args: argparse.Namespace) -> int:
     held_out, source = _prompts(plain_engine, n, args)
     sets = {"held-out": held_out, "copy": copy_prompts(plain_engine.tokenizer, held_out)}
     engines = {"none": plain_engine}
-    for method in args.methods:
-        engines[method] = LLMEngine(dataclasses.replace(base, speculative_method=method))
+    for spec in args.methods:
+        method, _, draft = spec.partition("=")  # METHOD, or METHOD=DIR for one that loads a draft
+        if method == "draft" and not draft:
+            draft = cfg.draft_model or ""  # the demo's draft model
+        engines[method] = LLMEngine(dataclasses.replace(base, speculative_method=method, draft_model=draft or None))
     warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     for e in engines.values():  # allocator, caches, the controllers' first observations
         run_augur(e, held_out[:2], 8, 2, warm)

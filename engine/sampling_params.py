@@ -37,6 +37,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     speculative: bool | None = None  # False: never draft for this request; None: the engine decides
     num_draft_tokens: int | None = None  # fixed draft depth for this request (None: tuned per step)
+    # LOSSY, opt-in: Medusa's typical acceptance, (epsilon, delta). A draft token x is accepted where the
+    # target's p(x) > min(epsilon, delta * exp(-H(p))), so the output is no longer exactly the target's
+    # distribution (None: lossless verification, the default).
+    typical_acceptance: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -93,6 +97,15 @@ class SamplingParams:
             self.num_draft_tokens is None or self.num_draft_tokens >= 0,
             f"num_draft_tokens must be non-negative, got {self.num_draft_tokens}",
         )
+        if self.typical_acceptance is not None:
+            eps, delta = self.typical_acceptance
+            check(0.0 < eps <= 1.0 and delta > 0.0, "typical acceptance needs 0 < epsilon <= 1 and delta > 0")
+            check(not self.greedy, "typical acceptance applies to sampling (temperature > 0); greedy is exact")
+            check(
+                self.seed is None,
+                "typical acceptance is lossy: a seeded request's promise (the same text with speculation on or "
+                "off) cannot hold",
+            )
         if self.logit_bias:
             for tok, bias in self.logit_bias.items():
                 check(-100.0 <= bias <= 100.0, f"logit_bias for token {tok} must be in [-100, 100], got {bias}")

@@ -93,6 +93,9 @@ class ServerSettings:
     disconnect_poll_s: float = 0.2
     max_request_bytes: int = 16 * 2**20  # larger bodies get 413
     body_timeout_s: float = 30.0  # a body not received within this gets 408
+    # LOSSY, opt-in: Medusa's typical acceptance (epsilon, delta) for sampling requests that do not say
+    # otherwise (unseeded, temperature > 0); None: every request is verified exactly.
+    typical_acceptance: tuple[float, float] | None = None
 
 
 @dataclass
@@ -266,7 +269,7 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
 
     def make_params(req, max_tokens, logprobs, prompt_logprobs=None) -> SamplingParams:
         try:
-            return req.sampling_params(max_tokens, logprobs, prompt_logprobs)
+            return req.sampling_params(max_tokens, logprobs, prompt_logprobs, state.settings.typical_acceptance)
         except ValueError as e:
             raise bad_request(str(e)) from None
 
@@ -299,6 +302,8 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
                     else:
                         reason = out.outputs[0].finish_reason if out.outputs else None
                         m.request_success.labels(**labels, finish_reason=reason or "stop").inc()
+                        if params.typical_acceptance is not None:
+                            m.lossy_requests.labels(**labels, acceptance="typical").inc()
                         m.e2e.labels(**labels).observe(now - start)
                         if first is not None and tokens > 1:
                             m.tpot.labels(**labels).observe((now - first) / (tokens - 1))
@@ -359,9 +364,10 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
     def engine_failure(out: RequestOutput) -> APIError:
         return APIError(500, f"the request failed inside the engine: {out.error}", "internal_error")
 
-    def usage(prompt_tokens: int, completion_tokens: int, outputs: list[RequestOutput]) -> dict:
+    def usage(prompt_tokens: int, completion_tokens: int, outputs: list[RequestOutput], params: SamplingParams) -> dict:
         steps = sum(o.stats.num_decode_steps for o in outputs)
         drafted = sum(o.stats.num_draft_tokens for o in outputs)
+        lossy = params.typical_acceptance is not None
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
@@ -372,6 +378,9 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
                 "accepted_tokens": sum(o.stats.num_accepted_tokens for o in outputs),
                 "verify_steps": steps,
                 "mean_acceptance_length": completion_tokens / steps if steps else 0.0,
+                # Typical acceptance trades exactness for acceptance: said wherever it was used.
+                "acceptance": "typical (lossy)" if lossy else "exact",
+                "lossy": lossy,
             },
         }
 
@@ -508,7 +517,7 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
                                     "created": created,
                                     "model": name,
                                     "choices": [],
-                                    "usage": usage(prompt_tokens, completion_tokens, list(finals.values())),
+                                    "usage": usage(prompt_tokens, completion_tokens, list(finals.values()), params),
                                 }
                             )
                 except EngineDeadError as e:
@@ -569,7 +578,7 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
                 "created": created,
                 "model": name,
                 "choices": choices,
-                "usage": usage(prompt_tokens, tokens, list(finals.values())),
+                "usage": usage(prompt_tokens, tokens, list(finals.values()), params),
             }
 
         return JSONResponse(await until_disconnect(request, collect()))
@@ -661,7 +670,7 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
                             final = out
                     else:
                         if req.include_usage:
-                            yield chunk([], usage=usage(len(ids[0]), tokens, [final] if final else []))
+                            yield chunk([], usage=usage(len(ids[0]), tokens, [final] if final else [], params))
                 except EngineDeadError as e:
                     yield sse(error_body(str(e), "internal_error"))
                 yield "data: [DONE]\n\n"
@@ -699,7 +708,7 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
                 "created": created,
                 "model": name,
                 "choices": choices,
-                "usage": usage(len(ids[0]), tokens, [final] if final else []),
+                "usage": usage(len(ids[0]), tokens, [final] if final else [], params),
             }
 
         return JSONResponse(await until_disconnect(request, collect()))

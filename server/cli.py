@@ -132,6 +132,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queue_len=args.max_queue_len,
         max_request_bytes=args.max_request_bytes,
         body_timeout_s=args.body_timeout,
+        typical_acceptance=tuple(args.typical_acceptance) if args.typical_acceptance else None,
     )
     app = create_app(settings, lambda: AsyncEngine(LLMEngine(config)))
     print(f"Augur serving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
@@ -287,6 +288,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--limit-concurrency", type=int, default=1024, help="most open connections; beyond, 503 (0: no limit)"
     )
+    serve.add_argument(
+        "--typical-acceptance",
+        type=float,
+        nargs=2,
+        default=None,
+        metavar=("EPSILON", "DELTA"),
+        help="LOSSY: verify unseeded sampling requests by Medusa's typical acceptance (e.g. 0.09 0.3) unless they "
+        "opt out; output is then not exactly the target's distribution (usage and metrics say so)",
+    )
     serve.add_argument("--config", default=None, help="YAML file of flags (the command line overrides it)")
     serve.set_defaults(func=cmd_serve)
 
@@ -331,9 +341,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--methods",
         nargs="+",
         default=None,
-        choices=[m for m in known_methods() if m != "draft"],
-        help="drafting methods without a draft model side by side against plain decoding (T x concurrency x "
-        "prompt set; default concurrency 1 8)",
+        type=_method_spec,
+        metavar="METHOD[=DIR]",
+        help="drafting methods side by side against plain decoding (T x concurrency x prompt set; default "
+        "concurrency 1 8); one that loads a draft takes it as METHOD=DIR (draft alone: the demo's draft)",
     )
     bench.add_argument(
         "--prompt-sets",
@@ -393,6 +404,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo_sub.add_parser("path", help="print the demo directory")
     demo.set_defaults(func=cmd_demo)
     return parser
+
+
+def _method_spec(spec: str) -> str:
+    method = spec.partition("=")[0]
+    if method not in known_methods():
+        raise argparse.ArgumentTypeError(f"unknown method {method!r}; known: {', '.join(known_methods())}")
+    return spec
 
 
 def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:

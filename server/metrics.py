@@ -104,6 +104,12 @@ class Metrics:
             ["method", "position"],
             registry=r,
         )
+        self.lossy_requests = Counter(
+            "augur_spec_decode_lossy_requests",
+            "Requests verified by a lossy rule they asked for (typical acceptance): not the target's exact output",
+            ["model_name", "acceptance"],
+            registry=r,
+        )
         self.spec_acceptance_rate = Gauge(
             "augur_spec_decode_acceptance_rate", "Accepted / drafted tokens over a 60 s window", ["method"], registry=r
         )

@@ -59,10 +59,19 @@ TokenId = Annotated[StrictInt, Field(ge=0, lt=2**31)]
 Seed = Annotated[StrictInt, Field(ge=-(2**63), lt=2**64)]
 
 
+class TypicalAcceptance(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    epsilon: float = Field(default=0.09, gt=0.0, le=1.0)
+    delta: float = Field(default=0.3, gt=0.0)
+
+
 class SpeculativeOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     enabled: StrictBool = True
     num_draft_tokens: StrictInt | None = Field(default=None, ge=0, le=64)
+    # LOSSY opt-in: true (Medusa's epsilon 0.09, delta 0.3), {epsilon, delta}, or false (exact even when
+    # the server's --typical-acceptance is on). Absent: the server's choice.
+    typical_acceptance: StrictBool | TypicalAcceptance | None = None
 
 
 class StreamOptions(BaseModel):
@@ -128,7 +137,24 @@ class _Sampling(BaseModel):
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None):
+    def typical(self, server_default: tuple[float, float] | None) -> tuple[float, float] | None:
+        """The request's typical acceptance: its own choice, else the server's for unseeded sampling."""
+        opt = self.speculative.typical_acceptance if self.speculative is not None else None
+        if opt is None:
+            greedy = self.temperature is not None and self.temperature < 1e-5  # SamplingParams.greedy
+            return server_default if self.seed is None and not greedy else None
+        if opt is False:
+            return None
+        opt = TypicalAcceptance() if opt is True else opt
+        return (opt.epsilon, opt.delta)
+
+    def sampling_params(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        typical_default: tuple[float, float] | None = None,
+    ):
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -153,6 +179,7 @@ class _Sampling(BaseModel):
             num_draft_tokens=(
                 self.speculative.num_draft_tokens if self.speculative is not None and self.speculative.enabled else None
             ),
+            typical_acceptance=self.typical(typical_default),
         )
 
     @property

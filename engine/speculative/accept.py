@@ -2,10 +2,12 @@
 
 Greedy samples take the fast path: one argmax per row and a walk on the host
 (:func:`~engine.speculative.verify.greedy_accept`); sampling samples go through lossless
-rejection sampling (:func:`~engine.speculative.verify.verify`). Every row is shaped exactly as plain
-sampling would shape it — a node's row as if its path above had been emitted — so penalties count
-the path's tokens too. Penalty statistics live on the sequence, on the device, updated with each
-step's tokens: building a row costs O(vocab), never O(context).
+rejection sampling (:func:`~engine.speculative.verify.verify`), seeded ones through the
+drafter-invariant rule; a request that asked for Medusa's typical acceptance (lossy) gets it.
+Every row is shaped exactly as plain sampling would shape it — a node's row as if its path above
+had been emitted — so penalties count the path's tokens too. Penalty statistics live on the
+sequence, on the device, updated with each step's tokens: building a row costs O(vocab), never
+O(context).
 """
 
 from __future__ import annotations
@@ -80,6 +82,61 @@ def accept_random(samples: list, logits: torch.Tensor, rows_md: RowsMetadata) ->
     res = verify(inp)
     accepted = [[r - root - 1 for r in acc] for acc, root in zip(res.accepted_rows, roots)]
     return list(zip(accepted, res.final_tokens))
+
+
+def accept_typical(samples: list, logits: torch.Tensor, rows_md: RowsMetadata) -> list[tuple[list[int], int]]:
+    """LOSSY (Medusa's typical acceptance, asked for per request): a node ``x`` under a row whose
+    shaped target distribution is ``p`` is *typical* when ``p(x) > min(epsilon, delta * exp(-H(p)))``;
+    the deepest path of typical nodes is accepted (the first such in the tree's order), and the final
+    token is sampled from ``p`` at its end. Accepts more than rejection sampling where ``p`` is flat,
+    at the price of exactness: the output is not the target's distribution."""
+    rows, md = rows_md(samples)
+    raw = logits[rows]
+    p = compute_probs(apply_logits_processors(raw, md) if md.needs_processing else raw, md)  # [R, V]
+    entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)  # [R]
+    eps_delta = [s.seq.params.typical_acceptance for s in samples for _ in range(len(s.tree) + 1)]
+    eps, delta = torch.tensor(eps_delta, dtype=torch.float32, device=p.device).unbind(-1)
+    threshold = torch.minimum(eps, delta * torch.exp(-entropy))  # [R]
+    parent_rows, tokens, r = [], [], 0
+    for s in samples:
+        parent_rows.extend(r + par + 1 for par in s.tree.parents)
+        tokens.extend(s.tree.tokens)
+        r += len(s.tree) + 1
+    par = torch.tensor(parent_rows, dtype=torch.int64, device=p.device)
+    tok = torch.tensor(tokens, dtype=torch.int64, device=p.device)
+    typical = (p[par, tok] > threshold[par]).tolist()  # [nodes], one transfer with the draws below
+    draws = (p / exponential_noise(p, md.generators)).argmax(-1).tolist()  # a sample of p at every row
+    out, node, r = [], 0, 0
+    for s in samples:
+        n = len(s.tree)
+        depth = [0] * n  # depth of node i if its whole path is typical, else 0
+        for i, parent in enumerate(s.tree.parents):
+            if typical[node + i] and (parent < 0 or depth[parent]):
+                depth[i] = (depth[parent] if parent >= 0 else 0) + 1
+        best = max(range(n), key=lambda i: (depth[i], -i), default=None)
+        path: list[int] = []
+        i = best if best is not None and depth[best] else -1
+        while i >= 0:
+            path.append(i)
+            i = s.tree.parents[i]
+        path.reverse()
+        out.append((path, draws[r + (path[-1] + 1 if path else 0)]))
+        node, r = node + n, r + n + 1
+    return out
+
+
+def acceptance_kind(sample) -> str:
+    """Which rule verifies a sample: greedy, seeded (drafter-invariant), random (rejection sampling),
+    or typical (lossy, only when the request asked for it and there is a draft)."""
+    p = sample.seq.params
+    if p.greedy:
+        return "greedy"
+    if p.typical_acceptance is not None and len(sample.tree):
+        return "typical"
+    return "seeded" if sample.seq.seed is not None else "random"
+
+
+ACCEPT = {"greedy": accept_greedy, "seeded": accept_seeded, "random": accept_random, "typical": accept_typical}
 
 
 def penalty_state(seq: Sequence, vocab_size: int, device: torch.device) -> tuple[torch.Tensor | None, ...]:

@@ -22,7 +22,7 @@ from engine.logprobs import record_prompt_logprobs, token_logprobs, wants_prompt
 from engine.model_runner import ForwardChunk, ModelRunner
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
-from engine.speculative.accept import RowsMetadata, accept_greedy, accept_random, accept_seeded, count_tokens
+from engine.speculative.accept import ACCEPT, RowsMetadata, acceptance_kind, count_tokens
 from engine.speculative.batch import Batch, Emit, Sample
 from engine.speculative.proposer import ProposeContext, Proposer
 from engine.speculative.stats import SpecStats
@@ -175,9 +175,9 @@ class Step:
                 if s.seq.seq_id in self._hidden:  # same prefix, same hidden states: they draft next step too
                     self._hidden.update((c.seq_id, self._hidden[s.seq.seq_id]) for c in children)
         results = {}
-        kind = lambda s: "greedy" if s.seq.params.greedy else "seeded" if s.seq.seed is not None else "random"  # noqa: E731
-        for accept, part in ((accept_greedy, "greedy"), (accept_seeded, "seeded"), (accept_random, "random")):
-            samples = [s for s in b.samples if kind(s) == part]
+
+        for part, accept in ACCEPT.items():
+            samples = [s for s in b.samples if acceptance_kind(s) == part]
             results.update(zip(map(id, samples), accept(samples, logits, self.rows) if samples else []))
         emits = []
         for s in b.samples:
