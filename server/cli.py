@@ -44,10 +44,14 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
         default=None,
         choices=["none", *known_methods()],
         help="draft: a separate draft model; ngram: prompt lookup; suffix: suffix-tree trees; "
-        "layer-skip: the target with sublayers skipped; none: plain decoding "
-        "(default: draft when a draft model is given)",
+        "layer-skip: the target with sublayers skipped; medusa: Medusa heads (--draft-model DIR); none: plain "
+        "decoding (default: what the --draft-model directory is, else none)",
     )
-    sp.add_argument("--draft-model", default=None, help="draft model directory or cached hub id (same tokenizer)")
+    sp.add_argument(
+        "--draft-model",
+        default=None,
+        help="draft model directory or cached hub id (same tokenizer), or a directory of Medusa heads",
+    )
     sp.add_argument("--num-speculative-tokens", type=int, default=4, help="most draft positions per request and step")
     sp.add_argument(
         "--spec-tree-topk", type=int, default=None, help="children per tree node; 1 = chains (default: 1 CPU, 2 GPU)"

@@ -423,6 +423,8 @@ def test_usage(client, tok):
         "accepted_tokens": 0,
         "verify_steps": 7,  # no speculation: one target forward per token
         "mean_acceptance_length": 1.0,
+        "acceptance": "exact",  # typical acceptance (lossy) only when asked for
+        "lossy": False,
     }
 
 
