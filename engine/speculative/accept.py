@@ -104,8 +104,10 @@ def accept_typical(samples: list, logits: torch.Tensor, rows_md: RowsMetadata) -
         r += len(s.tree) + 1
     par = torch.tensor(parent_rows, dtype=torch.int64, device=p.device)
     tok = torch.tensor(tokens, dtype=torch.int64, device=p.device)
-    typical = (p[par, tok] > threshold[par]).tolist()  # [nodes], one transfer with the draws below
-    draws = (p / exponential_noise(p, md.generators)).argmax(-1).tolist()  # a sample of p at every row
+    typical = p[par, tok] > threshold[par]  # [nodes]
+    draws = (p / exponential_noise(p, md.generators)).argmax(-1)  # [R] a sample of p at every row
+    host = torch.cat([typical.long(), draws]).tolist()  # one transfer
+    typical, draws = host[: len(tokens)], host[len(tokens) :]
     out, node, r = [], 0, 0
     for s in samples:
         n = len(s.tree)

@@ -192,7 +192,8 @@ class MedusaProposer(Proposer):
                 trees[i] = DraftTree.chain(best[b][: depths[i]])
         else:
             logp, tok = torch.log_softmax(logits, -1).topk(self.topk, dim=-1)  # [B, D, k]
-            logp, tok = logp.tolist(), tok.tolist()
+            logp, tok = torch.stack([logp, tok.float()]).tolist()  # one transfer (ids < 2^24 are exact)
+            tok = [[[int(t) for t in level] for level in row] for row in tok]
             for b, i in enumerate(have):
                 d = min(depths[i], D)
                 trees[i] = best_first_tree(logp[b], tok[b], d, self.slots_needed(d))
