@@ -166,7 +166,8 @@ class Step:
             self.scheduler.bm.commit(seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed_tokens)
             self._computed(seq, start, hidden, list(range(tok, tok + n)))
 
-    # 5. accept: greedy rows by argmax, sampling rows by lossless rejection sampling
+    # 5. accept: greedy rows by argmax, sampling rows by lossless rejection sampling (seeded rows by the
+    # drafter-invariant rule; typical acceptance, lossy, only where a request asked for it)
     def accept(self, b: Batch, logits: torch.Tensor) -> list[Emit]:
         for s in list(b.samples):
             if s.fork:  # the other choices of an n > 1 request draw their first token from the same row
@@ -175,7 +176,6 @@ class Step:
                 if s.seq.seq_id in self._hidden:  # same prefix, same hidden states: they draft next step too
                     self._hidden.update((c.seq_id, self._hidden[s.seq.seq_id]) for c in children)
         results = {}
-
         for part, accept in ACCEPT.items():
             samples = [s for s in b.samples if acceptance_kind(s) == part]
             results.update(zip(map(id, samples), accept(samples, logits, self.rows) if samples else []))
