@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 
 from engine.bench import machine_description, run_augur
-from engine.bench_speculative import _prompts, _row
+from engine.bench_speculative import bench_prompts, result_row
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -45,7 +45,7 @@ def run_methods_bench(cfg: EngineConfig, args: argparse.Namespace) -> int:
     )
     plain_engine = LLMEngine(base)
     n = max(args.num_prompts, max(conc))
-    held_out, source = _prompts(plain_engine, n, args)
+    held_out, source = bench_prompts(plain_engine, n, args)
     sets = {"held-out": held_out, "copy": copy_prompts(plain_engine.tokenizer, held_out)}
     engines = {"none": plain_engine}
     for spec in args.methods:
@@ -67,7 +67,7 @@ def run_methods_bench(cfg: EngineConfig, args: argparse.Namespace) -> int:
                 last = run_augur(plain_engine, ps, args.max_tokens, c, params)
                 plain_tps = (first.tokens_per_s + last.tokens_per_s) / 2
                 for m, r in (("none", first), *cells.items(), ("none (again)", last)):
-                    rows.append({"prompts": name, **_row(str(base.torch_dtype), t, c, m, r, plain_tps)})
+                    rows.append({"prompts": name, **result_row(str(base.torch_dtype), t, c, m, r, plain_tps)})
     del engines, plain_engine
     gc.collect()
     report = {

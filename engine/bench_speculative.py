@@ -38,7 +38,7 @@ def run_spec_bench(cfg: EngineConfig, args: argparse.Namespace) -> int:
         tree = LLMEngine(dataclasses.replace(cfg, dtype=dtype, spec_tree_topk=max(2, cfg.spec_tree_topk)))
         chain = LLMEngine(dataclasses.replace(cfg, dtype=dtype, spec_tree_topk=1))
         if prompts is None:
-            prompts, source = _prompts(tree, max(args.num_prompts, max(conc)), args)
+            prompts, source = bench_prompts(tree, max(args.num_prompts, max(conc)), args)
             machine = machine_description(tree.device)
         for e in (tree, chain):  # warm-up: allocator, caches, the controller's first observations
             run_augur(e, prompts[:2], 8, 2, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
@@ -52,13 +52,13 @@ def run_spec_bench(cfg: EngineConfig, args: argparse.Namespace) -> int:
                     "chains": run_augur(chain, ps, args.max_tokens, c, base),
                 }
                 for name, r in cells.items():
-                    rows.append(_row(dtype, t, c, name, r, cells["plain"].tokens_per_s))
+                    rows.append(result_row(dtype, t, c, name, r, cells["plain"].tokens_per_s))
         depth = cfg.num_speculative_tokens
         for t in args.temperatures:  # the drafts alone: a fixed depth, the controller off
             fixed = SamplingParams(temperature=t, max_tokens=args.max_tokens, ignore_eos=True, num_draft_tokens=depth)
             for name, e in (("trees", tree), ("chains", chain)):
                 r = run_augur(e, prompts[: args.num_prompts], args.max_tokens, 1, fixed)
-                rows.append(_row(dtype, t, 1, f"{name}@K{depth}", r, None))
+                rows.append(result_row(dtype, t, 1, f"{name}@K{depth}", r, None))
         del tree, chain
         gc.collect()
     mals = []
@@ -87,7 +87,7 @@ def run_spec_bench(cfg: EngineConfig, args: argparse.Namespace) -> int:
     return 0
 
 
-def _prompts(engine: LLMEngine, n: int, args) -> tuple[list[list[int]], str]:
+def bench_prompts(engine: LLMEngine, n: int, args) -> tuple[list[list[int]], str]:
     ps = demo_prompts(engine.tokenizer, engine.model_path, n)
     if ps is not None:
         return (ps * (-(-n // len(ps))))[:n], "the demo pair's held-out prompts"
@@ -95,7 +95,7 @@ def _prompts(engine: LLMEngine, n: int, args) -> tuple[list[list[int]], str]:
     return make_prompts(n, lo, hi, len(engine.tokenizer)), "random token prompts"
 
 
-def _row(dtype: str, t: float, c: int, method: str, r, plain_tps: float | None) -> dict:
+def result_row(dtype: str, t: float, c: int, method: str, r, plain_tps: float | None) -> dict:
     return {
         "dtype": dtype,
         "temperature": t,

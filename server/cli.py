@@ -162,20 +162,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_tune_layer_skip(args: argparse.Namespace) -> int:
     import dataclasses
 
+    from engine.bench import demo_prompts
+    from engine.loader import load_tokenizer, resolve_model_path
     from engine.speculative.tune_layer_skip import tune_layer_skip, write_result
     from loadtest.prompts import load_prompts
 
     config = engine_config_from_args(args)
     if args.compile == "auto":  # each skip set would compile its own graph: tune eagerly
         config = dataclasses.replace(config, compile="off")
-    from engine.loader import load_tokenizer, resolve_model_path
-
     tokenizer = load_tokenizer(resolve_model_path(config.tokenizer or config.model))
     if args.prompts:
         prompts = [_prompt_ids(tokenizer, p) for p in load_prompts(args.prompts)][: args.num_prompts]
     else:
-        from engine.bench import demo_prompts
-
         prompts = demo_prompts(tokenizer, resolve_model_path(config.model), args.num_prompts)
         if prompts is None:
             raise ValueError("--prompts FILE is needed for a model other than the demo target")

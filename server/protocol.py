@@ -6,6 +6,7 @@ The server knows nothing of tensors: it validates requests here, turns them into
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from typing import Annotated, Any, Literal
@@ -137,13 +138,10 @@ class _Sampling(BaseModel):
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
-    def typical(self, server_default: tuple[float, float] | None) -> tuple[float, float] | None:
-        """The request's typical acceptance: its own choice, else the server's for unseeded sampling."""
+    def typical(self) -> tuple[float, float] | None:
+        """The typical acceptance the request itself asked for (None: not asked for, or refused)."""
         opt = self.speculative.typical_acceptance if self.speculative is not None else None
-        if opt is None:
-            greedy = self.temperature is not None and self.temperature < 1e-5  # SamplingParams.greedy
-            return server_default if self.seed is None and not greedy else None
-        if opt is False:
+        if opt is None or opt is False:
             return None
         opt = TypicalAcceptance() if opt is True else opt
         return (opt.epsilon, opt.delta)
@@ -155,7 +153,7 @@ class _Sampling(BaseModel):
         prompt_logprobs: int | None = None,
         typical_default: tuple[float, float] | None = None,
     ):
-        return SamplingParams(
+        params = SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -179,8 +177,13 @@ class _Sampling(BaseModel):
             num_draft_tokens=(
                 self.speculative.num_draft_tokens if self.speculative is not None and self.speculative.enabled else None
             ),
-            typical_acceptance=self.typical(typical_default),
+            typical_acceptance=self.typical(),
         )
+        unsaid = self.speculative is None or self.speculative.typical_acceptance is None
+        if typical_default is not None and unsaid and not params.greedy and params.seed is None:
+            # The server's lossy default reaches only unseeded sampling requests that said nothing.
+            params = dataclasses.replace(params, typical_acceptance=typical_default)
+        return params
 
     @property
     def include_usage(self) -> bool:

@@ -5,8 +5,6 @@ requests that do not opt out, and refuses it where it cannot apply."""
 
 from __future__ import annotations
 
-import math
-
 import httpx
 import pytest
 import torch
@@ -16,6 +14,7 @@ from test_step import make
 
 import engine.speculative.accept as accept_mod
 from engine.sampling_params import SamplingParams
+from engine.sequence import SequenceGroup
 from engine.speculative.accept import RowsMetadata, accept_typical
 from engine.speculative.batch import Sample
 from engine.speculative.tree import DraftTree
@@ -23,14 +22,9 @@ from server.app import ServerSettings, create_app
 from servers import engine_factory, serve
 
 
-class _Seq:  # just what the acceptance rules read of a sequence
-    def __init__(self, params: SamplingParams) -> None:
-        self.params, self.seed = params, None
-        self.num_output_tokens, self.prompt_ids, self.output_ids = 0, [], []
-        self.token_counts = self.prompt_mask = None
-
-    def noise_key(self, position: int = 0):
-        return None
+def sample_for(params: SamplingParams, tree: DraftTree) -> Sample:
+    """A real request's first sequence, its tree's rows starting at logits row 0."""
+    return Sample(SequenceGroup("r", [0], params, 0.0).seqs[0], tree, row=0, tok=0)
 
 
 def test_the_rule_keeps_the_deepest_typical_path():
@@ -41,17 +35,16 @@ def test_the_rule_keeps_the_deepest_typical_path():
     flat = torch.zeros(V)  # H = log 4: threshold min(0.09, 0.3 / 4 = 0.075) = 0.075 < p = 0.25
     peaked = torch.tensor([30.0, 0.0, 0.0, 0.0])  # p(0) ≈ 1: tokens 1..3 are atypical
     logits = torch.stack([flat, peaked, flat, flat])  # rows: root, node 0, node 1, node 2
-    sample = Sample(_Seq(params), tree, row=0, tok=0)
+    sample = sample_for(params, tree)
     [(path, final)] = accept_typical([sample], logits, RowsMetadata(V, torch.device("cpu"), [V + 1]))
     assert path == [0]  # a is typical under the flat root; b (token 2) is not under node 0's peaked row
     assert final == 0  # sampled from node 0's row: p(0) ≈ 1
     # The threshold follows the entropy: under a flat root and epsilon 0.2, delta 2, the threshold is
     # min(0.2, 2 / 4) = 0.2 < 0.25, and both a and c are typical; the deeper path wins.
-    sample.seq.params = SamplingParams(temperature=1.0, typical_acceptance=(0.2, 2.0))
+    sample = sample_for(SamplingParams(temperature=1.0, typical_acceptance=(0.2, 2.0)), tree)
     logits[1] = flat
     [(path, _)] = accept_typical([sample], logits, RowsMetadata(V, torch.device("cpu"), [V + 1]))
     assert path == [0, 1]
-    assert math.isclose(min(0.2, 2.0 * math.exp(-math.log(4))), 0.2)
 
 
 def test_bad_combinations_are_refused():

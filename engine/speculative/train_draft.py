@@ -3,7 +3,8 @@
 The heads must predict what *the target* says, not what some corpus says, so the training text is
 the target's own: Augur generates continuations of the training prompts with the target (greedy and
 sampled at T = 1, the two ways it is served), then the target's final hidden states over those
-continuations are computed once and cached (``cache.pt``; a second run reuses it). Training reads
+continuations are computed once and cached (``cache.pt``; a second run on the same target, prompts
+and continuation length reuses it). Training reads
 only that cache: for each position ``t`` the target's distribution over token ``t + 2 + k`` is
 ``softmax(lm_head(h[t + 1 + k]))``, so head ``k`` learns from ``h[t]`` with a KL loss to it, weighted
 ``0.8 ** k`` (far heads are right less often and matter less: a draft stops at its first miss).
@@ -18,6 +19,7 @@ each head's KL to the target and top-1 agreement with it on held-out positions, 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import time
@@ -90,10 +92,8 @@ def hidden_cache(model_path: Path, samples: list[tuple[list[int], list[int]]], p
 
 
 def usable_positions(starts: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Row indices ``t`` whose sequence continues at least ``num_heads + 1`` rows past ``t``."""
-    parts = [
-        torch.arange(int(a), int(b) - num_heads - 1) for a, b in zip(starts[:-1], starts[1:]) if b - a > num_heads + 1
-    ]
+    """Row indices ``t`` whose sequence has a row ``t + num_heads`` (the last head's target)."""
+    parts = [torch.arange(int(a), int(b) - num_heads) for a, b in zip(starts[:-1], starts[1:]) if b - a > num_heads]
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
 
 
@@ -129,11 +129,12 @@ def train_draft(
     model_path = resolve_model_path(engine_config.model)
     t0 = time.perf_counter()
     cache_file = out / "cache.pt"
-    if cache_file.is_file():
-        cache = torch.load(cache_file, weights_only=True)
-    else:
+    # The cache is reused only for the same target, prompts and continuation length.
+    key = hashlib.sha256(json.dumps([str(model_path), prompts, cfg.gen_tokens]).encode()).hexdigest()
+    cache = torch.load(cache_file, weights_only=True) if cache_file.is_file() else None
+    if cache is None or cache.get("key") != key:
         samples = self_distill_data(engine_config, prompts, cfg.gen_tokens, progress)
-        cache = hidden_cache(model_path, samples, progress)
+        cache = {**hidden_cache(model_path, samples, progress), "key": key}
         torch.save(cache, cache_file)
     t_data = time.perf_counter() - t0
     hidden, lm_head = cache["hidden"], cache["lm_head"].float()
@@ -181,7 +182,8 @@ def train_draft(
         opt.step()
         step += 1
         bar.update(1)
-        bar.set_postfix(kl=f"{loss.item():.3f}")
+        if step % 20 == 0:  # the loss reaches the host now and then, not every step
+            bar.set_postfix(kl=f"{loss.item():.3f}")
         if step % cfg.save_every == 0 or step == cfg.steps:
             torch.save(
                 {"heads": heads.state_dict(), "optimizer": opt.state_dict(), "step": step, "before": before}, ckpt

@@ -88,7 +88,8 @@ def measure(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
     proposer = engine.proposer
     if proposer.early_stop is not None:  # every candidate starts from the same threshold
         proposer.early_stop = EarlyStop(proposer.early_stop.target)
-    run_augur(engine, prompts[:1], min(params.max_tokens, 8), 1, dataclasses.replace(params, max_tokens=8))
+    warm = min(params.max_tokens, 8)
+    run_augur(engine, prompts[:1], warm, 1, dataclasses.replace(params, max_tokens=warm))
     r = run_augur(engine, prompts, params.max_tokens, concurrency, params)
     return Trial(proposer.skip, r.tokens_per_s, r.mean_acceptance_length)
 
@@ -175,9 +176,11 @@ def confirm(
 ) -> Trial:
     """The best of the ``top`` fastest skip sets, each timed twice more: the fastest of many noisy
     timings is partly luck (the winner's curse), the median of three much less so."""
-    ranked = sorted(done, key=lambda t: -t.tokens_per_s)
-    finalists = list({t.skip: t for t in reversed(ranked)}.values())  # distinct skip sets, fastest kept
-    finalists = sorted(finalists, key=lambda t: -t.tokens_per_s)[:top]
+    fastest: dict[LayerSkip, Trial] = {}  # each skip set's fastest trial (a set may be tried twice)
+    for t in done:
+        if t.skip not in fastest or t.tokens_per_s > fastest[t.skip].tokens_per_s:
+            fastest[t.skip] = t
+    finalists = sorted(fastest.values(), key=lambda t: -t.tokens_per_s)[:top]
     scored = []
     for t in finalists:
         engine.proposer.skip = t.skip
