@@ -61,8 +61,10 @@ class LogitsForward(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids, positions, meta, kv_cache, logit_rows, skip, hidden_layers):
-        hidden, captured = self.model(input_ids, positions, meta, kv_cache, skip, hidden_layers)
+    def forward(self, input_ids, positions, meta, kv_cache, logit_rows, skip, hidden_layers, hidden_in=None):
+        # hidden_in: a per-token input besides the token (an EAGLE head's features), for models that take one
+        extra = {} if hidden_in is None else {"hidden_in": hidden_in}
+        hidden, captured = self.model(input_ids, positions, meta, kv_cache, skip, hidden_layers, **extra)
         return self.model.compute_logits(hidden.index_select(0, logit_rows)), captured
 
 
@@ -224,10 +226,11 @@ class ModelRunner:
         input_ids: torch.Tensor | None = None,  # [T] overrides batch.input_ids (tokens still on the device)
         skip: LayerSkip | None = None,
         hidden_layers: tuple[int, ...] = (),
+        hidden_in: torch.Tensor | None = None,  # [T, ...] per-token features for a model that takes them
     ) -> ForwardOutput:
         ids = batch.input_ids if input_ids is None else input_ids
         logits, captured = self._run(
-            ids, batch.positions, batch.meta, self.kv_cache, batch.logit_rows, skip, hidden_layers
+            ids, batch.positions, batch.meta, self.kv_cache, batch.logit_rows, skip, hidden_layers, hidden_in
         )
         return ForwardOutput(logits=logits, hidden_states=captured)
 

@@ -77,15 +77,15 @@ class LayerSkipProposer(DraftModelProposer):
     def cost_probe(self):
         return lambda chunks: self.runner.forward(chunks, skip=self.skip)
 
-    def _root_logits(self, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor]:
+    def _root_logits(self, seqs: list[Sequence], ctx) -> tuple[list[int], torch.Tensor, None]:
         """Every sequence is ready: its context is in the target's cache; feed its root token."""
         chunks = [ForwardChunk([s.token_ids[-1]], s.num_tokens - 1, s.block_table, 1) for s in seqs]
-        return list(range(len(seqs))), self._forward(self.runner.prepare(chunks), chunks)
+        return list(range(len(seqs))), *self._forward(self.runner.prepare(chunks), chunks)
 
-    def _forward(self, batch: ForwardBatch, chunks: list[ForwardChunk], input_ids=None) -> torch.Tensor:
+    def _forward(self, batch: ForwardBatch, chunks: list[ForwardChunk], input_ids=None, hidden_in=None):
         self.num_forwards += 1
         t0 = time.perf_counter()
         logits = self.runner.execute(batch, input_ids=input_ids, skip=self.skip).logits
         self.runner.synchronize()
         self._timings.append((self.cost.kind, batch.num_seqs, batch.num_tokens, time.perf_counter() - t0))
-        return logits
+        return logits, None

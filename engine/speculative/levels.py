@@ -1,0 +1,323 @@
+"""Drafting level by level: the tree shapes every model-based proposer shares.
+
+A :class:`LevelDrafter` has two model hooks: ``_root_logits`` (the drafter's distribution over level
+1, one row per sequence whose root it reached) and ``_level`` (feed tokens still on the device, each
+with the state of the row it hangs under, and get their children's logits and states). What the
+*state* is belongs to the method: nothing for a draft model or layer skipping (their KV carries the
+context), the drafter's own hidden state for EAGLE and chained heads. This class turns the hooks
+into the three draft shapes, without waiting for the host between levels; one transfer at the end
+builds the trees:
+
+- *chains*: ``K`` tokens; greedy requests take the argmax, sampled ones sample from the draft
+  distribution ``q`` shaped by the request's own parameters (kept for rejection sampling);
+- *greedy trees* (EAGLE-2-style dynamic expansion): each level expands the ``topk`` nodes with the
+  highest cumulative draft log-probability into their ``topk`` best children; finally all nodes are
+  reranked by cumulative log-probability and the best ``budget`` kept (an ancestor always outranks
+  its descendants, so the kept set is a tree). Nodes are deterministic: ``q`` is one-hot.
+- *sampled trees*: each level draws ``topk`` distinct children of the spine node *without
+  replacement* from ``q`` (the exponential race), and the first of them continues the spine. The
+  ``i``-th sibling's row carries the distribution it was really drawn from — ``q`` without the
+  earlier siblings, renormalized — so recursive rejection sampling stays exact.
+
+Draft & Verify's confidence exit (``early_stop``) cuts a sequence's draft short where the drafter
+is unsure (see ``engine/speculative/early_stop.py``); the first level is always drafted.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+
+import torch
+
+from engine.sampler import SamplingMetadata, apply_logits_processors, compute_probs, exponential_noise
+from engine.sequence import Sequence
+from engine.speculative.early_stop import EarlyStop, draft_confidence
+from engine.speculative.proposer import ProposeContext, Proposer
+from engine.speculative.tree import DraftTree
+
+
+def _rows(state: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
+    return None if state is None else state[idx]
+
+
+class LevelDrafter(Proposer):
+    """A proposer that drafts chains and trees level by level from a model (see the module doc)."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        device: torch.device,
+        tree: bool,
+        topk: int = 2,
+        budget: int = 16,
+        early_stop: EarlyStop | None = None,
+    ) -> None:
+        if topk < 1 or budget < 1:
+            raise ValueError("spec tree topk and budget must be positive")
+        self.vocab_size = vocab_size  # the target's: draft distributions are over its ids
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+        self.tree = tree
+        self.topk = topk
+        self.budget = budget
+        self.early_stop = early_stop  # Draft & Verify's confidence exit (None: draft the planned depth)
+        self._timings: list[tuple[str, int, int, float]] = []
+        # seq_id → node indices of this step's tree whose tokens were fed at their final slot
+        # (root + 1 + i for the i-th of them): a drafter with its own KV keeps them if accepted.
+        self._written: dict[int, list[int]] = {}
+
+    # -- the model hooks ------------------------------------------------------------------------
+    @abstractmethod
+    def _root_logits(
+        self, seqs: list[Sequence], ctx: ProposeContext
+    ) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
+        """The indices of the sequences whose root the drafter reached this step, its logits there
+        ``[len(ready), V]`` (the target's vocabulary) and their states (or None)."""
+
+    @abstractmethod
+    def _level(
+        self,
+        seqs: list[Sequence],
+        ids: torch.Tensor,  # [A, per_seq] tokens still on the device
+        per_seq: int,
+        first: list[int],
+        depth: int,
+        masks: list[torch.Tensor] | None = None,  # per sequence [per_seq, first + per_seq] ancestor mask
+        state: torch.Tensor | None = None,  # [A * per_seq, ...] the state of each token's parent row
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feed ``per_seq`` tokens per sequence as tree nodes at depth ``depth`` (draft slots
+        ``root + 1 + first[b] ...``); returns their children's logits ``[A * per_seq, V]`` and states."""
+
+    # -- shape ----------------------------------------------------------------------------------
+    def slots_needed(self, depth: int, greedy: bool = True) -> int:
+        if depth <= 0:
+            return 0
+        if not self.tree:
+            return depth
+        k = self.topk
+        if not greedy:
+            return k * depth  # k siblings per level; the draft writes one spine node per level
+        nodes = min(self.budget, k + (depth - 1) * k * k)
+        return max(nodes, (depth - 1) * k)  # the draft writes k nodes per level past the first
+
+    def observe_acceptance(self, seq: Sequence, tree: DraftTree, accepted: list[int]) -> None:
+        """Move the early-stop threshold by how much of the drafted depth the target accepted."""
+        if self.early_stop is not None and len(tree):
+            self.early_stop.observe(seq.params.greedy, tree.depth, len(accepted))
+
+    def on_free(self, seq: Sequence) -> None:
+        self._written.pop(seq.seq_id, None)
+
+    def timings(self) -> list[tuple[str, int, int, float]]:
+        out, self._timings = self._timings, []
+        return out
+
+    # -- drafting -------------------------------------------------------------------------------
+    def propose(self, seqs: list[Sequence], depths: list[int], ctx: ProposeContext) -> list[DraftTree]:
+        ready, logits, state = self._root_logits(seqs, ctx)
+        out = [DraftTree() for _ in seqs]
+        groups = {True: [], False: []}
+        for j, i in enumerate(ready):
+            groups[self.tree and seqs[i].params.greedy].append((i, j))
+        for as_tree, members in groups.items():
+            if members:
+                idx = torch.tensor([j for _, j in members], device=logits.device)
+                draft = self._greedy_trees if as_tree else self._sampled
+                seqs_, depths_ = [seqs[i] for i, _ in members], [depths[i] for i, _ in members]
+                for (i, _), tree in zip(members, draft(seqs_, depths_, logits[idx], _rows(state, idx))):
+                    out[i] = tree
+        return out
+
+    def _sure(self, logits: torch.Tensor, q: torch.Tensor, greedy: list[bool]) -> list[int]:
+        """Rows (of ``[A, V]`` draft logits and their ``q``) whose top-1 draft probability reaches
+        their early-stop threshold (one small transfer: the rows that go on drafting)."""
+        conf = draft_confidence(logits, q, greedy)
+        return [a for a, ok in enumerate((conf >= self.early_stop.thresholds(greedy, conf.device)).tolist()) if ok]
+
+    def _sure_levels(self, logp: torch.Tensor, rows: list[int]) -> list[int]:
+        """Greedy trees: the sequences of ``rows`` (``logp[a]``: top-1 log q of each node the row
+        would extend) where some node's child reaches the greedy threshold."""
+        ok = (logp.amax(-1).exp() >= self.early_stop.gamma[True]).tolist()
+        return [b for b, sure in zip(rows, ok) if sure]
+
+    def _sampled(
+        self, seqs: list[Sequence], depths: list[int], logits: torch.Tensor, state: torch.Tensor | None
+    ) -> list[DraftTree]:
+        """Chains (``topk`` 1 or greedy requests in chain mode) and sampled trees: one spine token per
+        level is fed back; sampled trees add ``topk - 1`` distinct siblings per level as leaves."""
+        B, D = len(seqs), max(depths)
+        k = self.topk if self.tree else 1
+        md = SamplingMetadata.from_state(
+            [s.params for s in seqs],
+            [s.num_output_tokens for s in seqs],
+            [s.token_counts for s in seqs],
+            [s.prompt_mask for s in seqs],
+            [s.noise_key() for s in seqs],
+            self.eos_token_ids,
+            self.vocab_size,
+            self.device,
+        )
+        level_rows: list[dict[int, int]] = []  # per level: sequence index → its row at that level
+        level_tokens: list[torch.Tensor] = []  # [A, k] per level
+        level_q: list[torch.Tensor] = []  # [A, k, V] per level (the distribution each sibling was drawn from)
+        rows, cur = list(range(B)), logits
+        fed = [0] * B  # spine tokens fed back per sequence (at their final slots)
+        for d in range(D):
+            mdl = md.select(rows)
+            cur = apply_logits_processors(cur, mdl) if mdl.needs_processing else cur
+            q = compute_probs(cur, mdl)  # [A, V]
+            if self.early_stop is not None and d > 0:  # rows whose drafter is unsure stop before this level
+                sure = self._sure(cur, q, [seqs[b].params.greedy for b in rows])
+                if len(sure) < len(rows):
+                    if not sure:
+                        break
+                    idx = torch.tensor(sure, device=cur.device)
+                    rows, cur, q, state = [rows[a] for a in sure], cur[idx], q[idx], _rows(state, idx)
+                    mdl = md.select(rows)
+            # A seeded request drafts with the noise its verification samples the same position with
+            # (coupled draws: the draft is kept whenever its choice is also the target's).
+            noise = [seqs[b].noise_key(d) if not seqs[b].params.greedy else None for b in rows]
+            if k == 1:
+                order = (q if mdl.all_greedy else q / exponential_noise(q, noise)).argmax(-1, keepdim=True)
+                qs = q[:, None]
+            else:  # k distinct siblings, and the distribution each was drawn from
+                order = (q / exponential_noise(q, noise)).topk(k, dim=-1).indices  # [A, k]
+                taken = torch.zeros_like(q, dtype=torch.bool)
+                qs = []
+                for i in range(k):
+                    qi = q.masked_fill(taken, 0.0)
+                    qs.append(qi / qi.sum(-1, keepdim=True).clamp_min(1e-30))
+                    taken.scatter_(1, order[:, i : i + 1], True)
+                qs = torch.stack(qs, 1)
+            at = {b: a for a, b in enumerate(rows)}
+            level_rows.append(at)
+            level_tokens.append(order)
+            level_q.append(qs)
+            nxt = [b for b in rows if depths[b] > d + 1]
+            if not nxt:
+                break
+            keep = torch.tensor([at[b] for b in nxt], device=cur.device)
+            spine = order[keep, 0]
+            cur, state = self._level([seqs[b] for b in nxt], spine, 1, [d] * len(nxt), d + 1, None, _rows(state, keep))
+            for b in nxt:
+                fed[b] += 1
+            rows = nxt
+        # One transfer: tokens and the probability each sibling had, for every level.
+        tok_host = [t.tolist() for t in level_tokens]
+        p_host = [qs.gather(2, t[:, :, None])[:, :, 0].tolist() for qs, t in zip(level_q, level_tokens)]
+        trees = []
+        for b in range(B):
+            toks, parents, qrows, spine_node, spine = [], [], [], -1, []
+            for d, at in enumerate(level_rows):
+                if b not in at:
+                    break
+                a = at[b]
+                first = len(toks)
+                for i in range(k):
+                    if i > 0 and p_host[d][a][i] <= 0.0:
+                        continue  # fewer than k tokens have mass (top-k / top-p): no such sibling
+                    toks.append(tok_host[d][a][i])
+                    parents.append(spine_node)
+                    qrows.append(level_q[d][a, i])
+                spine_node = first
+                spine.append(first)
+            q = torch.stack(qrows) if qrows and not seqs[b].params.greedy else None  # [n, V]
+            trees.append(DraftTree(toks, parents, q))
+            self._written[seqs[b].seq_id] = spine[: fed[b]]
+        return trees
+
+    def _greedy_trees(
+        self, seqs: list[Sequence], depths: list[int], logits: torch.Tensor, state: torch.Tensor | None
+    ) -> list[DraftTree]:
+        k, B, D = self.topk, len(seqs), max(depths)
+        dev = logits.device
+        score, tok = torch.log_softmax(logits.float(), -1).topk(k, dim=-1)  # [B, k] level 1
+        rows = list(range(B))
+        # per level: (sequence index → its row, tokens, scores, parent ids)
+        levels = [({b: b for b in rows}, tok, score, torch.full_like(tok, -1))]
+        f_ids = torch.arange(k, device=dev).expand(B, k)  # frontier node ids
+        f_tok, f_score, f_run = tok, score, None  # frontier tokens, scores, parents' run rows
+        # the frontier nodes' parents' states [B, k, ...]: level 1 hangs under the root
+        f_state = None if state is None else state[:, None].expand(B, k, *state.shape[1:])
+        run_max = max(D - 1, 1) * k
+        anc = torch.zeros(B, run_max, run_max, dtype=torch.bool, device=dev)  # run row → its ancestors' run rows
+        for level in range(2, D + 1):
+            nxt = [b for b in rows if depths[b] >= level]
+            if not nxt:
+                break
+            at = {b: a for a, b in enumerate(rows)}
+            keep = torch.tensor([at[b] for b in nxt], device=dev)
+            f_ids, f_tok, f_score, f_state = f_ids[keep], f_tok[keep], f_score[keep], _rows(f_state, keep)
+            first = (level - 2) * k  # run rows of the frontier fed now
+            new = torch.arange(first, first + k, device=dev)
+            sub = anc[nxt]  # [A, R, R]
+            if f_run is not None:
+                sub[:, first : first + k] = sub.gather(1, f_run[keep][:, :, None].expand(-1, -1, run_max))
+            sub[:, new, new] = True
+            anc[nxt] = sub
+            masks = [sub[a, first : first + k, : first + k] for a in range(len(nxt))]
+            fed_state = None if f_state is None else f_state.flatten(0, 1)
+            fed = [seqs[b] for b in nxt]
+            logits, out_state = self._level(fed, f_tok, k, [first] * len(nxt), level - 1, masks, fed_state)
+            out_state = None if out_state is None else out_state.view(len(nxt), k, *out_state.shape[1:])
+            child = torch.log_softmax(logits.float(), -1)
+            cv, ci = child.view(len(nxt), k, -1).topk(k, dim=-1)  # [A, k, k]
+            if self.early_stop is not None:  # a row stops when no frontier node has a confident child
+                sure = self._sure_levels(cv[:, :, 0], nxt)
+                if len(sure) < len(nxt):
+                    if not sure:
+                        break
+                    at = {b: a for a, b in enumerate(nxt)}
+                    keep = torch.tensor([at[b] for b in sure], device=dev)
+                    cv, ci, f_ids, f_score = cv[keep], ci[keep], f_ids[keep], f_score[keep]
+                    out_state = _rows(out_state, keep)
+                    nxt = sure
+            c_score = (f_score[:, :, None] + cv).flatten(1)  # [A, k*k] cumulative log q
+            c_tok = ci.flatten(1)
+            c_par = f_ids.repeat_interleave(k, dim=1)
+            levels.append(({b: a for a, b in enumerate(nxt)}, c_tok, c_score, c_par))
+            f_score, sel = c_score.topk(k, dim=-1)
+            base = k + (level - 2) * k * k
+            f_ids, f_tok, f_run = base + sel, c_tok.gather(1, sel), first + sel // k
+            if out_state is not None:  # a child's parent is the frontier node it came from
+                idx = (sel // k).view(*sel.shape, *[1] * (out_state.dim() - 2))
+                f_state = out_state.gather(1, idx.expand(*sel.shape, *out_state.shape[2:]))
+            rows = nxt
+        host = [(r, t.tolist(), s.tolist(), p.tolist()) for r, t, s, p in levels]  # one transfer
+        trees = []
+        for b in range(B):
+            nodes: dict[int, tuple[int, int, float, int]] = {}  # id → (token, parent id, score, depth)
+            for level, (at, t, s, p) in enumerate(host, start=1):
+                if b not in at:
+                    break
+                a = at[b]
+                base = 0 if level == 1 else k + (level - 2) * k * k
+                for j in range(len(t[a])):
+                    nodes[base + j] = (t[a][j], p[a][j], s[a][j], level)
+            trees.append(self._select(nodes))
+            # Level 2 fed the level-1 frontier best first: the best first child (always node 0 of the
+            # kept tree) sits at slot root + 1.
+            self._written[seqs[b].seq_id] = [0] if depths[b] >= 2 else []
+        return trees
+
+    def _select(self, nodes: dict[int, tuple[int, int, float, int]]) -> DraftTree:
+        """Keep the ``budget`` best nodes by cumulative log q, in topological order, siblings best first."""
+        ranked = sorted(nodes, key=lambda i: (-nodes[i][2], nodes[i][3]))[: self.budget]
+        kept = set(ranked)
+        kept = {i for i in kept if all(a in kept for a in _ancestors(nodes, i))}
+        order = sorted(kept, key=lambda i: (nodes[i][3], -nodes[i][2]))
+        new_index = {old: new for new, old in enumerate(order)}
+        return DraftTree(
+            [nodes[i][0] for i in order],
+            [new_index[nodes[i][1]] if nodes[i][1] >= 0 else -1 for i in order],
+        )
+
+
+def _ancestors(nodes: dict[int, tuple[int, int, float, int]], i: int) -> list[int]:
+    out = []
+    p = nodes[i][1]
+    while p >= 0:
+        out.append(p)
+        p = nodes[p][1]
+    return out
