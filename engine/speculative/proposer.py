@@ -177,6 +177,7 @@ def _load_builtin() -> None:
     if not _builtin_loaded:
         _builtin_loaded = True
         import engine.speculative.draft_model  # noqa: F401
+        import engine.speculative.eagle  # noqa: F401
         import engine.speculative.layer_skip  # noqa: F401
         import engine.speculative.medusa  # noqa: F401
         import engine.speculative.ngram  # noqa: F401

@@ -1,0 +1,171 @@
+"""EAGLE-style heads: EAGLE-3's and the speculators format's published layouts (loaded, with a reduced
+draft vocabulary mapped to the target's ids; refused with a clear error when a tensor is missing or
+misshapen), greedy identity through the engine (chains and dynamic trees, under preemption and prefix
+reuse), the target's distribution under sampling with a wrong rule failing, and self-distillation
+on a tiny target accepting more than the untrained start."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_ngram import samples
+from test_spec import exact_joint, g_statistic, g_test_threshold, small_vocab_pair  # noqa: F401
+from test_step import make
+from test_step import prompts as repetitive_prompts
+from transformers import AutoConfig, LlamaConfig
+
+import engine.speculative.verify as verify_mod
+from conftest import build_model_dir
+from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
+from engine.speculative.eagle import EagleHead, load_eagle
+
+
+def random_head(target, draft_vocab: int | None = None, aux=(1, 2), std=0.3, seed=1) -> tuple[EagleHead, list[int]]:
+    """A random EAGLE head for ``target`` (feature layers ``aux``, Hugging Face indices); a reduced
+    draft vocabulary keeps every other target id, so ``d2t`` really maps."""
+    cfg = AutoConfig.from_pretrained(target)
+    layer = LlamaConfig(
+        hidden_size=cfg.hidden_size,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        vocab_size=cfg.vocab_size,
+        max_position_embeddings=cfg.max_position_embeddings,
+    )
+    dv = draft_vocab or cfg.vocab_size
+    embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+    torch.manual_seed(seed)
+    head = EagleHead(layer, len(aux), cfg.hidden_size, dv, embed, 512)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if not name.startswith("embed_tokens"):
+                p.normal_(1.0 if p.dim() == 1 else 0.0, 0.05 if p.dim() == 1 else std)
+        if dv < cfg.vocab_size:
+            ids = torch.arange(0, 2 * dv, 2).clamp(max=cfg.vocab_size - 1)
+            head.d2t.copy_(ids - torch.arange(dv))
+            head.t2d.zero_().index_fill_(0, ids, True)
+    head.init_buffers()
+    return head, list(aux)
+
+
+def write_eagle(target, path: Path, layout="eagle3", fmt="safetensors", **kw) -> Path:
+    """A random head saved in EAGLE-3's layout, or rewritten into the speculators format."""
+    head, aux = random_head(target, **kw)
+    head.save(path, aux)
+    if fmt == "pt":
+        torch.save(load_file(path / "model.safetensors"), path / "pytorch_model.bin")
+        (path / "model.safetensors").unlink()
+    if layout == "speculators":
+        cfg = json.loads((path / "config.json").read_text())
+        layer = {k: v for k, v in cfg.items() if k not in ("eagle_config", "draft_vocab_size", "architectures")}
+        spec = {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+                "default_proposal_method": "greedy",
+                "verifier": {"name_or_path": str(target), "architectures": ["LlamaForCausalLM"]},
+            },
+            "transformer_layer_config": layer,
+            "draft_vocab_size": cfg["draft_vocab_size"],
+            "norm_before_residual": False,
+            "eagle_aux_hidden_state_layer_ids": aux,
+        }
+        (path / "config.json").write_text(json.dumps(spec))
+        w = load_file(path / "model.safetensors")
+        w = {k.replace("midlayer.", "layers.0."): v for k, v in w.items()}
+        w["embed_tokens.weight"] = torch.randn(AutoConfig.from_pretrained(target).vocab_size, head.config.hidden_size)
+        save_file(w, path / "model.safetensors")
+    return path
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory, tokenizer_dir):
+    return build_model_dir(tmp_path_factory.mktemp("eagle") / "t", tokenizer_dir, "LlamaForCausalLM", std=0.3)
+
+
+def _load(target, d):
+    cfg = AutoConfig.from_pretrained(target)
+    embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+    return load_eagle(d, cfg, embed, torch.float32, torch.device("cpu"), 512)
+
+
+@pytest.mark.parametrize("layout,fmt", [("eagle3", "safetensors"), ("eagle3", "pt"), ("speculators", "safetensors")])
+def test_published_layouts_load(target, tmp_path, layout, fmt):
+    d = write_eagle(target, tmp_path / "head", layout, fmt, draft_vocab=40)
+    assert EngineConfig(model=str(target), draft_model=str(d), device="cpu").speculative_method == "eagle"
+    head, aux = _load(target, d)
+    assert aux == [1, 2]
+    if fmt == "safetensors":
+        saved = {k.replace("layers.0.", "midlayer."): v for k, v in load_file(d / "model.safetensors").items()}
+    else:
+        saved = torch.load(d / "pytorch_model.bin", weights_only=True)
+    for name, t in head.checkpoint_state().items():  # every tensor landed where its name says
+        torch.testing.assert_close(t, saved[name].to(t.dtype), msg=name)
+    if layout == "speculators":  # it brings its own embedding table
+        torch.testing.assert_close(head.embed_tokens.weight, saved["embed_tokens.weight"])
+    # The reduced vocabulary: draft id i is target id 2i; other ids can never be drafted.
+    x = torch.randn(3, head.config.hidden_size)
+    logits = head.compute_logits(x)
+    assert logits.shape == (3, AutoConfig.from_pretrained(target).vocab_size)
+    finite = torch.isfinite(logits[0]).nonzero().flatten()
+    assert finite.tolist() == list(range(0, 80, 2))
+    torch.testing.assert_close(logits[:, finite], head.lm_head(x))
+
+
+def test_a_broken_checkpoint_is_a_startup_error_naming_the_tensor(target, tmp_path):
+    d = write_eagle(target, tmp_path / "head")
+    w = load_file(d / "model.safetensors")
+    save_file({k: v for k, v in w.items() if k != "midlayer.hidden_norm.weight"}, d / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing tensor midlayer\.hidden_norm\.weight"):
+        _load(target, d)
+    w["fc.weight"] = torch.zeros(w["fc.weight"].shape[0], 3 * w["fc.weight"].shape[0])  # 3 layers, config says 2
+    save_file(w, d / "model.safetensors")
+    with pytest.raises(ValueError, match=r"fc\.weight has shape"):
+        _load(target, d)
+    with pytest.raises(ValueError, match="missing tensor|has shape"):  # through the engine, at start-up
+        make(target, "eagle", draft_model=str(d))
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "speculators_model_type": "eagle"}))
+    with pytest.raises(ValueError, match="speculators_model_type 'eagle' is not supported"):
+        _load(target, d)
+
+
+@pytest.mark.parametrize("topk,draft_vocab", [(1, None), (2, None), (2, 40)], ids=["chains", "trees", "reduced-vocab"])
+def test_greedy_output_is_the_plain_decoders(target, tmp_path, topk, draft_vocab):
+    d = write_eagle(target, tmp_path / "head", draft_vocab=draft_vocab)
+    ps = repetitive_prompts(8, seed=4)
+    ps += [ps[0] + [5, 6, 7, 8, 9, 10], ps[0] + [11, 12]]  # a shared prefix: the second reuses cached blocks
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = [o.outputs[0].delta_token_ids for o in make(target).generate(ps, params)]
+    eng = make(target, None, draft_model=str(d), spec_tree_topk=topk, num_kv_blocks=48, max_num_batched_tokens=40)
+    assert eng.spec_method == "eagle"
+    pinned = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, num_draft_tokens=3)
+    assert [o.outputs[0].delta_token_ids for o in eng.generate(ps, pinned)] == plain
+    assert eng.spec_stats.num_drafts > 0
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("topk,draft_vocab", [(1, None), (2, 4)], ids=["chains", "trees-reduced-vocab"])
+def test_sampling_keeps_the_targets_distribution(small_vocab_pair, tmp_path, monkeypatch, topk, draft_vocab):  # noqa: F811
+    target_dir, _ = small_vocab_pair
+    d = write_eagle(target_dir, tmp_path / "head", draft_vocab=draft_vocab, aux=(1,), std=0.5)
+    # 4 tokens, the first 3 counted: the second step drafts 2 levels.
+    params = SamplingParams(temperature=0.9, top_k=6, max_tokens=4, ignore_eos=True, num_draft_tokens=2)
+    prompt = [0, 3, 4, 5]
+    n = 12_800
+    expected = exact_joint(target_dir, prompt, params)
+    kw = dict(draft_model=str(d), spec_tree_topk=topk)
+    stat, dof = g_statistic(samples(target_dir, params, prompt, n, "eagle", **kw), expected, n)
+    assert stat < g_test_threshold(dof), f"G={stat:.1f} dof={dof}"
+    # A wrong rule: after a rejection, sample from p again, not from the residual.
+    monkeypatch.setattr(verify_mod, "reject_residual", lambda P_, q_: P_)
+    stat, dof = g_statistic(samples(target_dir, params, prompt, n, "eagle", **kw), expected, n)
+    assert stat > g_test_threshold(dof), f"the wrong rule went unnoticed: G={stat:.1f} dof={dof}"
