@@ -180,5 +180,6 @@ def _load_builtin() -> None:
         import engine.speculative.eagle  # noqa: F401
         import engine.speculative.layer_skip  # noqa: F401
         import engine.speculative.medusa  # noqa: F401
+        import engine.speculative.mtp  # noqa: F401
         import engine.speculative.ngram  # noqa: F401
         import engine.speculative.suffix  # noqa: F401
