@@ -236,8 +236,10 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         num_layers=args.num_layers,
         gen_tokens=args.gen_tokens,
         steps=args.steps,
-        batch_size=args.batch_size,
+        batch_size=args.batch_size or (512 if args.method == "eagle" else 256),
         lr=args.lr,
+        unroll=args.unroll,
+        draft_vocab=args.draft_vocab,
     )
     report = train_draft(config, out, prompts, cfg, resume=args.resume)
     before, after = report["heldout_before"], report["heldout_after"]
@@ -379,19 +381,30 @@ def build_parser() -> argparse.ArgumentParser:
     tune.set_defaults(func=cmd_tune_layer_skip)
 
     train = sub.add_parser(
-        "train-draft", parents=[common], help="train draft heads (Medusa) on the target by self-distillation"
+        "train-draft",
+        parents=[common],
+        help="train draft heads (medusa, eagle, mtp) on the target by self-distillation",
     )
     add_engine_args(train)
-    train.add_argument("--method", default="medusa", choices=["medusa"])
+    train.add_argument("--method", default="medusa", choices=["medusa", "eagle", "mtp"])
     train.add_argument(
         "--data", default=None, help="a .jsonl prompt file or a shipped set; default: the demo's training files"
     )
     train.add_argument("--num-prompts", type=int, default=256, help="prompts the target continues")
     train.add_argument("--gen-tokens", type=int, default=128, help="tokens generated per prompt (greedy and T=1)")
-    train.add_argument("--num-heads", type=int, default=4)
-    train.add_argument("--num-layers", type=int, default=1, help="residual blocks per head")
+    train.add_argument("--num-heads", type=int, default=4, help="medusa, mtp: heads (the deepest draft)")
+    train.add_argument("--num-layers", type=int, default=1, help="medusa, mtp: residual blocks per head")
+    train.add_argument("--unroll", type=int, default=3, help="eagle: steps per row, the later ones on its own outputs")
+    train.add_argument(
+        "--draft-vocab", type=int, default=0, help="eagle: a reduced draft vocabulary of N ids (0: the target's)"
+    )
     train.add_argument("--steps", type=int, default=1500)
-    train.add_argument("--batch-size", type=int, default=256, help="positions per step")
+    train.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="positions per step (eagle: rows of whole sequences); 256, eagle: 512",
+    )
     train.add_argument("--lr", type=float, default=1e-3)
     train.add_argument("--resume", action="store_true", help="continue from the output's checkpoint.pt")
     train.add_argument("--output", default=None, help="output directory (default for the demo: beside its target)")
