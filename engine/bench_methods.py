@@ -1,4 +1,4 @@
-"""``augur bench --methods ngram suffix layer-skip draft medusa=DIR``: drafting methods side by side,
+"""``augur bench --methods ngram suffix layer-skip draft medusa=DIR eagle=DIR``: drafting methods side by side,
 against plain decoding measured in the same run, on prompts where lookup has little to copy and where
 it has much. A method that loads a draft takes it as ``METHOD=DIR`` (``draft`` alone: the demo's).
 

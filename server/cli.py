@@ -44,7 +44,8 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
         default=None,
         choices=["none", *known_methods()],
         help="draft: a separate draft model; ngram: prompt lookup; suffix: suffix-tree trees; "
-        "layer-skip: the target with sublayers skipped; medusa: Medusa heads (--draft-model DIR); none: plain "
+        "layer-skip: the target with sublayers skipped; medusa, eagle, mtp: heads on the target's hidden states "
+        "(--draft-model DIR); none: plain "
         "decoding (default: what the --draft-model directory is, else none)",
     )
     sp.add_argument(

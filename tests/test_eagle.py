@@ -178,7 +178,9 @@ def test_self_distillation_accepts_more_than_the_untrained_start(target, tmp_pat
     config = EngineConfig(model=str(target), device="cpu", compile="off", num_kv_blocks=256, block_size=8)
     # A random-weight target with peaked distributions (see test_medusa: the tiny demo has none to learn).
     prompts = [" ".join(str(i * j % 97) for j in range(3, 12)) for i in range(1, 25)]
-    cfg = TrainConfig(method="eagle", gen_tokens=40, steps=600, batch_size=512, lr=3e-3, save_every=300, draft_vocab=200)
+    cfg = TrainConfig(
+        method="eagle", gen_tokens=40, steps=600, batch_size=512, lr=3e-3, save_every=300, draft_vocab=200
+    )
     out = tmp_path / "eagle"
     report = train_draft(config, out, prompts, cfg, progress=False)
     before, after = report["heldout_before"], report["heldout_after"]
@@ -196,5 +198,18 @@ def test_self_distillation_accepts_more_than_the_untrained_start(target, tmp_pat
         assert eng.spec_method == "eagle"
         assert [o.outputs[0].delta_token_ids for o in eng.generate(prompts, params)] == plain
         accepted[name] = eng.spec_stats.num_accepted_tokens
-    print(accepted, report["heldout_before"], report["heldout_after"])
     assert accepted["eagle"] > accepted["start"], accepted
+
+
+def test_compiled_head_is_exact_and_compiles_nothing_mid_serving(target, tmp_path):
+    d = write_eagle(target, tmp_path / "head")
+    ps = repetitive_prompts(4, seed=6)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, num_draft_tokens=3)
+    plain = [o.outputs[0].delta_token_ids for o in make(target, compile="off").generate(ps, params)]
+    eng = make(target, None, draft_model=str(d), compile="on", spec_tree_topk=2)
+    assert eng.proposer.runner.compiled
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert [o.outputs[0].delta_token_ids for o in eng.generate(ps, params)] == plain
+    assert eng.spec_stats.num_drafts > 0
+    # The catch-up and level forwards ran on the graphs warmup() compiled.
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs

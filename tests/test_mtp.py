@@ -5,6 +5,8 @@ wrong rule failing; self-distillation on a tiny target accepting more than the u
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ from conftest import build_model_dir
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from engine.speculative.mtp import ChainedHeads, load_chained_heads
+from engine.speculative.train_draft import TrainConfig, train_draft
 
 
 def write_heads(target, path: Path, num_heads=3, num_layers=1, std=0.3) -> Path:
@@ -104,3 +107,27 @@ def test_sampling_keeps_the_targets_distribution(small_vocab_pair, tmp_path, mon
     monkeypatch.setattr(verify_mod, "reject_residual", lambda P_, q_: P_)
     stat, dof = g_statistic(samples(target_dir, params, prompt, n, "mtp", **kw), expected, n)
     assert stat > g_test_threshold(dof), f"the wrong rule went unnoticed: G={stat:.1f} dof={dof}"
+
+
+def test_self_distillation_accepts_more_than_the_untrained_start(target, tmp_path):
+    config = EngineConfig(model=str(target), device="cpu", compile="off", num_kv_blocks=256, block_size=8)
+    prompts = [" ".join(str(i * j % 97) for j in range(3, 12)) for i in range(1, 25)]
+    cfg = TrainConfig(method="mtp", num_heads=3, gen_tokens=40, steps=600, batch_size=256, lr=3e-3, save_every=300)
+    out = tmp_path / "mtp"
+    report = train_draft(config, out, prompts, cfg, progress=False)
+    before, after = report["heldout_before"], report["heldout_after"]
+    assert len(after["kl"]) == 3
+    assert all(a < b for a, b in zip(after["kl"], before["kl"])), report
+    (tmp_path / "start").mkdir()
+    shutil.copy(out / "cache.pt", tmp_path / "start" / "cache.pt")
+    train_draft(config, tmp_path / "start", prompts, dataclasses.replace(cfg, steps=0), progress=False)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, num_draft_tokens=3)
+    plain = [o.outputs[0].delta_token_ids for o in make(target).generate(prompts, params)]
+    accepted = {}
+    for name in ("mtp", "start"):
+        eng = make(target, None, draft_model=str(tmp_path / name))
+        assert eng.spec_method == "mtp"
+        assert [o.outputs[0].delta_token_ids for o in eng.generate(prompts, params)] == plain
+        accepted[name] = eng.spec_stats.num_accepted_tokens
+    print(accepted, before, after)
+    assert accepted["mtp"] > accepted["start"], accepted

@@ -432,6 +432,19 @@ class EagleProposer(DraftModelProposer):
             hidden_in = self.head.fc(hidden_in.to(self.head.fc.weight.dtype))
         return super()._forward(batch, chunks, input_ids, hidden_in)
 
+    def warmup(self) -> None:
+        """Compile the head's forward as the step calls it: with features, its tokens from the batch
+        (catch-up) or still on the device (draft levels)."""
+        if not self.runner.compiled:
+            return
+        h = self.head.config.hidden_size
+        for n in (1, 2):
+            chunks = [ForwardChunk([0] * n, 0, list(range(-(-n // self.runner.block_size))), n)]
+            batch = self.runner.prepare(chunks)
+            feats = torch.zeros(n, h, dtype=self.runner.dtype, device=self.runner.device)
+            self.runner.execute(batch, hidden_layers=self.state_layers, hidden_in=feats)
+            self.runner.execute(batch, input_ids=batch.input_ids, hidden_layers=self.state_layers, hidden_in=feats)
+
     # -- lifecycle ------------------------------------------------------------------------------
     def on_verified(self, seq: Sequence, tree: DraftTree, accepted: list[int]) -> None:
         # Rows fed while drafting carried the head's own g, not the target's feature: the next

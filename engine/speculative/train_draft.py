@@ -89,16 +89,18 @@ def self_distill_data(engine_config: EngineConfig, prompts: list[str], gen_token
 
 
 @torch.inference_mode()
-def hidden_cache(model_path: Path, samples, layers: list[int], progress: bool = True) -> dict:
+def hidden_cache(
+    model_path: Path, samples, layers: list[int], progress: bool = True, device="cpu", dtype=torch.float32
+) -> dict:
     """The target over each prompt + continuation: token ids, final (normed) hidden states, the outputs
     of decoder ``layers`` (0-based, before any norm), and its embedding, final norm and output layer.
 
     Rows are sequences back to back (``starts``); ``first[s]`` is the row of sequence ``s``'s last prompt
-    token. Hidden states are stored in bfloat16."""
+    token. The target runs on ``device`` in ``dtype``; the cache is kept in host memory, in bfloat16."""
     import transformers
     from tqdm import tqdm
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
     decoder = model.get_decoder()
     seen: dict[int, torch.Tensor] = {}
 
@@ -112,12 +114,12 @@ def hidden_cache(model_path: Path, samples, layers: list[int], progress: bool = 
             if not gen:
                 continue
             ids = prompt + gen
-            h = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]  # after the final norm
+            h = model(torch.tensor([ids], device=device), output_hidden_states=True).hidden_states[-1][0]
             first.append(starts[-1] + len(prompt) - 1)
             tokens.append(torch.tensor(ids))
-            final.append(h.to(torch.bfloat16))
+            final.append(h.to(torch.bfloat16).cpu())  # after the final norm
             for i in layers:
-                outs[i].append(seen[i][0].to(torch.bfloat16))
+                outs[i].append(seen[i][0].to(torch.bfloat16).cpu())
             starts.append(starts[-1] + len(ids))
     finally:
         for hook in hooks:
@@ -128,9 +130,9 @@ def hidden_cache(model_path: Path, samples, layers: list[int], progress: bool = 
         "first": torch.tensor(first),
         "final": torch.cat(final),
         "layers": {i: torch.cat(v) for i, v in outs.items()},
-        "embed": model.get_input_embeddings().weight.detach().clone(),
-        "norm": decoder.norm.weight.detach().clone(),
-        "lm_head": model.get_output_embeddings().weight.detach().clone(),
+        "embed": model.get_input_embeddings().weight.detach().float().cpu(),
+        "norm": decoder.norm.weight.detach().float().cpu(),
+        "lm_head": model.get_output_embeddings().weight.detach().float().cpu(),
         "config": model.config.to_dict(),
     }
 
@@ -155,19 +157,24 @@ def kl_and_agreement(target_logp: torch.Tensor, logits: torch.Tensor, weight: to
 class _Trainer:
     """One method's heads, data split, batches and per-depth losses."""
 
-    def __init__(self, cache: dict, cfg: TrainConfig, g: torch.Generator) -> None:
-        self.cache, self.cfg, self.g = cache, cfg, g
-        self.lm_head = cache["lm_head"].float()
+    def __init__(self, cache: dict, cfg: TrainConfig, g: torch.Generator, device: torch.device) -> None:
+        self.cache, self.cfg, self.g, self.device = cache, cfg, g, device
+        self.lm_head = cache["lm_head"].float().to(device)
+
+    def rows(self, name: str, rows: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        """Cached rows (host memory) on the training device, in float32."""
+        t = self.cache[name] if layer is None else self.cache[name][layer]
+        return t[rows].to(self.device).float()
 
     def target_logp(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(self.cache["final"][rows].float() @ self.lm_head.T, -1)
+        return torch.log_softmax(self.rows("final", rows) @ self.lm_head.T, -1)
 
 
 class _PositionTrainer(_Trainer):
     """Medusa and chained heads: independent positions, every depth's target row ahead of them."""
 
-    def __init__(self, cache, cfg, g) -> None:
-        super().__init__(cache, cfg, g)
+    def __init__(self, cache, cfg, g, device) -> None:
+        super().__init__(cache, cfg, g, device)
         pos = usable_positions(cache["starts"], cache["first"], cfg.num_heads)
         if len(pos) < 2 * cfg.batch_size:
             raise ValueError(f"only {len(pos)} training positions: give more or longer prompts")
@@ -183,8 +190,8 @@ class _PositionTrainer(_Trainer):
 
 
 class MedusaTrainer(_PositionTrainer):
-    def __init__(self, cache, cfg, g) -> None:
-        super().__init__(cache, cfg, g)
+    def __init__(self, cache, cfg, g, device) -> None:
+        super().__init__(cache, cfg, g, device)
         final = cache["final"]
         self.module = MedusaHeads(final.shape[1], self.lm_head.shape[0], cfg.num_heads, cfg.num_layers)
         with torch.no_grad():
@@ -193,9 +200,10 @@ class MedusaTrainer(_PositionTrainer):
                 for block in head[:-1]:
                     block.linear.weight.zero_()
                     block.linear.bias.zero_()
+        self.module.to(device)
 
     def losses(self, idx: torch.Tensor):
-        logits = self.module(self.cache["final"][idx].float())  # [B, K, V]
+        logits = self.module(self.rows("final", idx))  # [B, K, V]
         return [kl_and_agreement(self.target_logp(idx + k + 1), logits[:, k]) for k in range(self.module.num_heads)]
 
     def save(self, out: Path, extra: dict) -> None:
@@ -207,8 +215,8 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 class MTPTrainer(_PositionTrainer):
-    def __init__(self, cache, cfg, g) -> None:
-        super().__init__(cache, cfg, g)
+    def __init__(self, cache, cfg, g, device) -> None:
+        super().__init__(cache, cfg, g, device)
         self.eps = cache["config"].get("rms_norm_eps", 1e-6)
         hidden = cache["final"].shape[1]
         self.module = ChainedHeads(hidden, cfg.num_heads, cfg.num_layers, self.eps)
@@ -219,6 +227,8 @@ class MTPTrainer(_PositionTrainer):
                 for block in head.blocks:
                     block.linear.weight.zero_()
                     block.linear.bias.zero_()
+        self.module.to(device)
+        self.embed, self.norm = cache["embed"].float().to(device), cache["norm"].float().to(device)
 
     @staticmethod
     def layers_for(config: dict) -> list[int]:
@@ -226,11 +236,11 @@ class MTPTrainer(_PositionTrainer):
 
     def losses(self, idx: torch.Tensor):
         c = self.cache
-        state = c["layers"][self.layers_for(c["config"])[0]][idx].float()
+        state = self.rows("layers", idx, self.layers_for(c["config"])[0])
         out = []
         for k, head in enumerate(self.module.heads):
-            state = head(state, c["embed"][c["tokens"][idx + 1 + k]].float())
-            logits = _rms_norm(state, c["norm"].float(), self.eps) @ self.lm_head.T
+            state = head(state, self.embed[c["tokens"][idx + 1 + k].to(self.device)])
+            logits = _rms_norm(state, self.norm, self.eps) @ self.lm_head.T
             out.append(kl_and_agreement(self.target_logp(idx + 1 + k), logits))
         return out
 
@@ -244,10 +254,10 @@ def eagle_layer_ids(num_layers: int) -> list[int]:
 
 
 class EagleTrainer(_Trainer):
-    def __init__(self, cache, cfg, g) -> None:
+    def __init__(self, cache, cfg, g, device) -> None:
         from transformers import LlamaConfig
 
-        super().__init__(cache, cfg, g)
+        super().__init__(cache, cfg, g, device)
         tc = cache["config"]
         self.ids = eagle_layer_ids(tc["num_hidden_layers"])
         seqs = torch.randperm(len(cache["first"]), generator=g)
@@ -286,6 +296,7 @@ class EagleTrainer(_Trainer):
             self.module.lm_head.weight.copy_(self.lm_head[self.draft_ids])
             self.module.d2t.copy_(self.draft_ids - torch.arange(dv))
             self.module.t2d.zero_().index_fill_(0, self.draft_ids, True)
+        self.module.to(device)
         self.module.init_buffers()
 
     @staticmethod
@@ -305,13 +316,14 @@ class EagleTrainer(_Trainer):
             end.append(torch.full((b - 1 - a,), b))
             loss_from.append(torch.full((b - 1 - a,), int(first[s])))
         rows, doc, pos, end, loss_from = map(torch.cat, (rows, doc, pos, end, loss_from))
-        feats = torch.cat([c["layers"][i][rows] for i in self.layers_for(c["config"])], -1).float()
+        feats = torch.cat([self.rows("layers", rows, i) for i in self.layers_for(c["config"])], -1)
         steps = []
+        dev = self.device
         for j in range(U):  # step j: token t + 1 + j, target row t + 1 + j, both inside the sequence
             valid = (rows + 1 + j < end) & (rows >= loss_from)
             nxt = torch.where(rows + 1 + j < end, rows + 1 + j, rows)
-            steps.append((c["tokens"][nxt], nxt, valid.float()))
-        return {"feats": feats, "doc": doc, "pos": pos, "steps": steps}
+            steps.append((c["tokens"][nxt].to(dev), nxt, valid.float().to(dev)))
+        return {"feats": feats, "doc": doc.to(dev), "pos": pos.to(dev), "steps": steps}
 
     def _pack_under(self, order: torch.Tensor, budget: int) -> list[torch.Tensor]:
         """Split sequences into packs of about ``budget`` rows."""
@@ -336,7 +348,7 @@ class EagleTrainer(_Trainer):
 
     def target_logp(self, rows: torch.Tensor) -> torch.Tensor:
         """Over the draft vocabulary (the head can say nothing else), renormalized."""
-        logits = self.cache["final"][rows].float() @ self.lm_head[self.draft_ids].T
+        logits = self.rows("final", rows) @ self.lm_head[self.draft_ids.to(self.device)].T
         return torch.log_softmax(logits, -1)
 
     def losses(self, b: dict):
@@ -411,13 +423,16 @@ def train_draft(
     cache = torch.load(cache_file, weights_only=True) if cache_file.is_file() else None
     if cache is None or cache.get("key") != key:
         samples = self_distill_data(engine_config, prompts, cfg.gen_tokens, progress)
-        cache = {**hidden_cache(model_path, samples, layers, progress), "key": key}
+        hidden = hidden_cache(
+            model_path, samples, layers, progress, engine_config.torch_device, engine_config.torch_dtype
+        )
+        cache = {**hidden, "key": key}
         torch.save(cache, cache_file)
     t_data = time.perf_counter() - t0
 
     g = torch.Generator().manual_seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    trainer = TRAINERS[cfg.method](cache, cfg, g)
+    trainer = TRAINERS[cfg.method](cache, cfg, g, engine_config.torch_device)
     module = trainer.module
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
