@@ -420,8 +420,8 @@ class EagleProposer(DraftModelProposer):
 
     def _catch_up_state(self, seq: Sequence, start: int, n: int) -> torch.Tensor:
         first, parts = self._pending.get(seq.seq_id, (start, []))
-        rows = torch.cat(parts) if len(parts) != 1 else parts[0]
-        if first > start or first + len(rows) < start + n:
+        rows = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else None
+        if rows is None or first > start or first + len(rows) < start + n:
             raise RuntimeError(f"EAGLE head: target features of rows {start}..{start + n} of {seq.seq_id} are missing")
         taken, rest = rows[start - first : start - first + n], rows[start - first + n :]
         self._pending[seq.seq_id] = (start + n, [rest] if len(rest) else [])

@@ -88,7 +88,7 @@ def self_distill_data(engine_config: EngineConfig, prompts: list[str], gen_token
     return out
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference mode: the cached tensors feed training
 def hidden_cache(
     model_path: Path, samples, layers: list[int], progress: bool = True, device="cpu", dtype=torch.float32
 ) -> dict:
