@@ -247,7 +247,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     for k, (kb, ka, ab, aa) in enumerate(
         zip(before["kl"], after["kl"], before["top1_agreement"], after["top1_agreement"])
     ):
-        print(f"head {k}: held-out KL to the target {kb:.3f} -> {ka:.3f}, top-1 agreement {ab:.2f} -> {aa:.2f}")
+        print(f"depth {k + 1}: held-out KL to the target {kb:.3f} -> {ka:.3f}, top-1 agreement {ab:.2f} -> {aa:.2f}")
     print(f"wrote {out}: serve it with --draft-model {out}")
     return 0
 
