@@ -100,3 +100,34 @@ def load_model(
     if pack and packing_supported(dtype, device) and linear_weight_bytes(model) >= MIN_PACKED_BYTES:
         model.pack_for_cpu()
     return model.eval()
+
+
+def read_state_file(path: Path, names: tuple[str, ...]) -> tuple[Path, dict[str, torch.Tensor]]:
+    """The tensors of the first of ``names`` present in ``path`` (safetensors, or a torch pickle of
+    tensors only): draft heads ship as one such file."""
+    files = [path / n for n in names if (path / n).is_file()]
+    if not files:
+        raise ValueError(f"{path} has none of {', '.join(names)}")
+    if files[0].suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return files[0], load_file(files[0])
+    return files[0], torch.load(files[0], map_location="cpu", weights_only=True)
+
+
+def check_state(file: Path, state: dict[str, torch.Tensor], want: dict[str, tuple[int, ...]], why: str = "") -> None:
+    """A start-up error naming the first missing, unexpected or misshapen tensor (``why``: what the
+    expected tensors follow from, added to an unexpected or shape error)."""
+    missing = sorted(set(want) - set(state))
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if missing[1:] else ""
+        raise ValueError(f"{file}: missing tensor {missing[0]}{more}")
+    unexpected = sorted(set(state) - set(want))
+    if unexpected:
+        raise ValueError(f"{file}: unexpected tensor {unexpected[0]}" + (f" ({why})" if why else ""))
+    for name, shape in want.items():
+        if tuple(state[name].shape) != tuple(shape):
+            raise ValueError(
+                f"{file}: tensor {name} has shape {tuple(state[name].shape)}, expected {tuple(shape)}"
+                + (f" ({why})" if why else "")
+            )

@@ -5,13 +5,12 @@ wrong rule failing; self-distillation on a tiny target accepting more than the u
 
 from __future__ import annotations
 
-import dataclasses
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_eagle import check_training_beats_start
 from test_ngram import samples
 from test_spec import exact_joint, g_statistic, g_test_threshold, small_vocab_pair  # noqa: F401
 from test_step import make
@@ -23,7 +22,7 @@ from conftest import build_model_dir
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from engine.speculative.mtp import ChainedHeads, load_chained_heads
-from engine.speculative.train_draft import TrainConfig, train_draft
+from engine.speculative.train_draft import TrainConfig
 
 
 def write_heads(target, path: Path, num_heads=3, num_layers=1, std=0.3) -> Path:
@@ -110,24 +109,5 @@ def test_sampling_keeps_the_targets_distribution(small_vocab_pair, tmp_path, mon
 
 
 def test_self_distillation_accepts_more_than_the_untrained_start(target, tmp_path):
-    config = EngineConfig(model=str(target), device="cpu", compile="off", num_kv_blocks=256, block_size=8)
-    prompts = [" ".join(str(i * j % 97) for j in range(3, 12)) for i in range(1, 25)]
     cfg = TrainConfig(method="mtp", num_heads=3, gen_tokens=40, steps=600, batch_size=256, lr=3e-3, save_every=300)
-    out = tmp_path / "mtp"
-    report = train_draft(config, out, prompts, cfg, progress=False)
-    before, after = report["heldout_before"], report["heldout_after"]
-    assert len(after["kl"]) == 3
-    assert all(a < b for a, b in zip(after["kl"], before["kl"])), report
-    (tmp_path / "start").mkdir()
-    shutil.copy(out / "cache.pt", tmp_path / "start" / "cache.pt")
-    train_draft(config, tmp_path / "start", prompts, dataclasses.replace(cfg, steps=0), progress=False)
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, num_draft_tokens=3)
-    plain = [o.outputs[0].delta_token_ids for o in make(target).generate(prompts, params)]
-    accepted = {}
-    for name in ("mtp", "start"):
-        eng = make(target, None, draft_model=str(tmp_path / name))
-        assert eng.spec_method == "mtp"
-        assert [o.outputs[0].delta_token_ids for o in eng.generate(prompts, params)] == plain
-        accepted[name] = eng.spec_stats.num_accepted_tokens
-    print(accepted, before, after)
-    assert accepted["mtp"] > accepted["start"], accepted
+    check_training_beats_start(target, tmp_path, cfg, depths=3)

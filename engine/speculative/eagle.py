@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig
 
-from engine.loader import resolve_model_path
+from engine.loader import check_state, read_state_file, resolve_model_path
 from engine.model_runner import ForwardBatch, ForwardChunk, ModelRunner
 from engine.models.llama import LlamaAttention, LlamaMLP, RMSNorm, rope_cos_sin
 from engine.sequence import Sequence
@@ -301,20 +301,12 @@ def is_eagle_dir(path: Path) -> bool:
 
 
 def _read_weights(path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
-    files = [path / f for f in WEIGHT_FILES if (path / f).is_file()]
-    if not files:
-        raise ValueError(f"{path} has none of {', '.join(WEIGHT_FILES)}")
-    if files[0].suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        raw = load_file(files[0])
-    else:
-        raw = torch.load(files[0], map_location="cpu", weights_only=True)
+    file, raw = read_state_file(path, WEIGHT_FILES)
     state = {}
     for name, t in raw.items():  # vLLM-style prefixes and the speculators layer name are aliases
         name = name.removeprefix("model.")
         state[name.replace("layers.0.", "midlayer.", 1) if name.startswith("layers.0.") else name] = t
-    return files[0], state
+    return file, state
 
 
 def load_eagle(path: str | Path, target_config, embed: nn.Embedding, dtype, device, max_positions: int):
@@ -343,21 +335,11 @@ def load_eagle(path: str | Path, target_config, embed: nn.Embedding, dtype, devi
         ids = (torch.arange(len(state["d2t"])) + state["d2t"].long()).clamp(0, target_config.vocab_size - 1)
         state["t2d"] = t2d.index_fill_(0, ids, True)
     want = head.checkpoint_shapes(with_embed="embed_tokens.weight" in state)
-    missing = sorted(set(want) - set(state))
-    if missing:
-        raise ValueError(
-            f"{file}: missing tensor {missing[0]}" + (f" (and {len(missing) - 1} more)" if missing[1:] else "")
-        )
-    unexpected = sorted(set(state) - set(want))
-    if unexpected:
-        raise ValueError(f"{file}: unexpected tensor {unexpected[0]}")
-    for name, shape in want.items():
-        if tuple(state[name].shape) != shape:
-            raise ValueError(
-                f"{file}: tensor {name} has shape {tuple(state[name].shape)}, expected {shape} (target hidden size "
-                f"{target_config.hidden_size}, vocabulary {target_config.vocab_size}, "
-                f"{len(info['aux_layer_ids'])} feature layers, draft vocabulary {info['draft_vocab']})"
-            )
+    why = (
+        f"target hidden size {target_config.hidden_size}, vocabulary {target_config.vocab_size}, "
+        f"{len(info['aux_layer_ids'])} feature layers, draft vocabulary {info['draft_vocab']}"
+    )
+    check_state(file, state, want, why)
     d2t = state["d2t"].long()
     ids = torch.arange(len(d2t)) + d2t
     if len(d2t) and (int(ids.min()) < 0 or int(ids.max()) >= target_config.vocab_size):

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.loader import resolve_model_path
+from engine.loader import check_state, read_state_file, resolve_model_path
 from engine.model_runner import ModelRunner
 from engine.sequence import Sequence
 from engine.speculative.proposer import CostShape, ProposeContext, Proposer, register
@@ -90,32 +90,10 @@ def load_medusa(path: str | Path, hidden: int, vocab: int, dtype: torch.dtype, d
     if "medusa_num_heads" not in cfg:
         raise ValueError(f"{path}/config.json has no medusa_num_heads: not a Medusa directory")
     heads = MedusaHeads(hidden, vocab, int(cfg["medusa_num_heads"]), int(cfg.get("medusa_num_layers", 1)))
-    files = [path / f for f in WEIGHT_FILES if (path / f).is_file()]
-    if not files:
-        raise ValueError(f"{path} has none of {', '.join(WEIGHT_FILES)}")
-    if files[0].suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        state = load_file(files[0])
-    else:
-        state = torch.load(files[0], map_location="cpu", weights_only=True)
-    want = heads.heads.state_dict()
-    missing = sorted(set(want) - set(state))
-    if missing:
-        raise ValueError(
-            f"{files[0]}: missing tensor {missing[0]}" + (f" (and {len(missing) - 1} more)" if missing[1:] else "")
-        )
-    unexpected = sorted(set(state) - set(want))
-    if unexpected:
-        raise ValueError(
-            f"{files[0]}: unexpected tensor {unexpected[0]} for {heads.num_heads} heads of {heads.num_layers} layers"
-        )
-    for name, t in want.items():
-        if tuple(state[name].shape) != tuple(t.shape):
-            raise ValueError(
-                f"{files[0]}: tensor {name} has shape {tuple(state[name].shape)}, expected {tuple(t.shape)} "
-                f"(target hidden size {hidden}, vocabulary {vocab})"
-            )
+    file, state = read_state_file(path, WEIGHT_FILES)
+    want = {name: tuple(t.shape) for name, t in heads.heads.state_dict().items()}
+    why = f"{heads.num_heads} heads of {heads.num_layers} layers, target hidden size {hidden}, vocabulary {vocab}"
+    check_state(file, state, want, why)
     heads.heads.load_state_dict(state)
     return heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.loader import resolve_model_path
+from engine.loader import check_state, read_state_file, resolve_model_path
 from engine.model_runner import ModelRunner
 from engine.models.llama import RMSNorm
 from engine.sequence import Sequence
@@ -85,8 +85,6 @@ def is_mtp_dir(path: Path) -> bool:
 
 def load_chained_heads(path: str | Path, hidden: int, dtype: torch.dtype, device: torch.device) -> ChainedHeads:
     """Heads from an ``augur train-draft --method mtp`` directory, checked against the target's hidden size."""
-    from safetensors.torch import load_file
-
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
     if "mtp_num_heads" not in cfg:
@@ -96,21 +94,8 @@ def load_chained_heads(path: str | Path, hidden: int, dtype: torch.dtype, device
     heads = ChainedHeads(
         hidden, int(cfg["mtp_num_heads"]), int(cfg.get("mtp_num_layers", 1)), cfg.get("rms_norm_eps", 1e-6)
     )
-    file = path / WEIGHT_FILE
-    if not file.is_file():
-        raise ValueError(f"{path} has no {WEIGHT_FILE}")
-    state, want = load_file(file), heads.heads.state_dict()
-    missing = sorted(set(want) - set(state))
-    if missing:
-        raise ValueError(
-            f"{file}: missing tensor {missing[0]}" + (f" (and {len(missing) - 1} more)" if missing[1:] else "")
-        )
-    unexpected = sorted(set(state) - set(want))
-    if unexpected:
-        raise ValueError(f"{file}: unexpected tensor {unexpected[0]}")
-    for name, t in want.items():
-        if tuple(state[name].shape) != tuple(t.shape):
-            raise ValueError(f"{file}: tensor {name} has shape {tuple(state[name].shape)}, expected {tuple(t.shape)}")
+    file, state = read_state_file(path, (WEIGHT_FILE,))
+    check_state(file, state, {name: tuple(t.shape) for name, t in heads.heads.state_dict().items()})
     heads.heads.load_state_dict(state)
     return heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
