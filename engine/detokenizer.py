@@ -29,6 +29,7 @@ are bounded by the window, not by the output length.
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -96,6 +97,12 @@ class IncrementalDetokenizer:
             return None
         self._ids.extend(kept)
         return self._add_text(self._decode_pending(force=False))
+
+    def fork(self) -> IncrementalDetokenizer:
+        """An independent copy (a forked beam goes on from the same text)."""
+        twin = copy.copy(self)
+        twin._ids = list(self._ids)
+        return twin
 
     def finish(self) -> str | None:
         """Release text held back for an incomplete character: no more tokens will complete it.

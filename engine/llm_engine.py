@@ -15,11 +15,14 @@ from collections.abc import Iterable
 import torch
 
 from engine.config import EngineConfig
+from engine.decoding.beam import BeamSearch, BeamState
+from engine.decoding.contrastive_search import SearchState
 from engine.kv import BlockManager
 from engine.loader import eos_token_ids, load_config, load_model, load_tokenizer, resolve_model_path
 from engine.model_runner import ModelRunner, kv_pool_blocks
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
+from engine.requests import InvalidRequestError, check_request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus, TokenLogprob
@@ -28,10 +31,6 @@ from engine.speculative.proposer import proposer_class
 from engine.speculative.step import Step
 
 logger = logging.getLogger(__name__)
-
-
-class InvalidRequestError(ValueError):
-    """The request itself is wrong (the server answers 400)."""
 
 
 def is_out_of_memory(e: BaseException) -> bool:
@@ -90,8 +89,9 @@ class LLMEngine:
         self._max_token_chars: int | None = None
         self.controller = SpecController(config.num_speculative_tokens, self.proposer) if self.proposer else None
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, max_len, self._finish_seq)
+        beams = BeamSearch(self.eos_token_ids, max_len, self._fork_one, self._finish_seq)
         self.step_runner = Step(
-            self.runner, self.scheduler, self.proposer, self.controller, self._fork, self.eos_token_ids, max_len
+            self.runner, self.scheduler, self.proposer, self.controller, self._fork, beams, self.eos_token_ids, max_len
         )
         self.runner.warmup(self.step_runner.hidden_layers)
         if self.proposer is not None:
@@ -139,29 +139,8 @@ class LLMEngine:
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError if this request cannot be served as asked."""
-        if not prompt_ids:
-            raise InvalidRequestError("the prompt must not be empty")
-        if params.n > self.config.max_num_seqs:
-            raise InvalidRequestError(
-                f"n = {params.n} exceeds the {self.config.max_num_seqs} sequences one batch can hold (--max-num-seqs)"
-            )
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
-        if params.logit_bias:
-            bad = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequestError(f"logit_bias token ids out of range [0, {self.vocab_size}): {bad[:5]}")
-        room = self.max_model_len - len(prompt_ids)
-        if room < 1:
-            raise InvalidRequestError(
-                f"the prompt has {len(prompt_ids)} tokens; this model's context length is {self.max_model_len}"
-            )
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise InvalidRequestError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
-                f"length of {self.max_model_len} tokens"
-            )
+        amateur = self.proposer is not None and self.proposer.has_language_model
+        check_request(prompt_ids, params, self.vocab_size, self.max_model_len, self.config.max_num_seqs, amateur)
 
     def add_request(
         self,
@@ -181,7 +160,11 @@ class LLMEngine:
             time.monotonic() if arrival_time is None else arrival_time,
             prompt if isinstance(prompt, str) else None,
         )
+        if params.use_beam_search:
+            group.beam = BeamState()
         seq = group.seqs[0]
+        if params.contrastive_search:
+            seq.search = SearchState()
         self._init_seq(seq, seed_offset=0)
         self.groups[request_id] = group
         self.scheduler.add(seq)
@@ -287,29 +270,41 @@ class LLMEngine:
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Fork the other n - 1 choices of ``parent``'s request. If that fails, the request fails
         alone: its blocks (the children's shared references too) are freed, the step goes on."""
-        group = parent.group
-        children = []
+        group, children = parent.group, []
         try:
             for i in range(1, group.params.n):
-                child = Sequence(group, parent.prompt_ids, index=i)
-                child.block_table = self.block_manager.fork(parent.block_table)
-                try:
-                    child.block_hashes = list(parent.block_hashes)
-                    child.num_computed_tokens = parent.num_computed_tokens
-                    self._init_seq(child, seed_offset=i)
-                    if self.proposer is not None:
-                        self.proposer.on_fork(parent, child)
-                except Exception:
-                    self.block_manager.free(child.block_table)  # its shared references, not yet anyone's
-                    raise
-                group.seqs.append(child)
-                self.scheduler.add_running(child)
-                children.append(child)
+                children.append(self._fork_one(parent, i))
+                group.seqs.append(children[-1])
         except Exception as e:
             logger.exception("request %s failed while forking its choices", group.request_id)
             self._fail_group(group, f"{type(e).__name__}: {e}", emit=False)
             return []
         return children
+
+    def _fork_one(self, parent: Sequence, index: int | None = None) -> Sequence:
+        """A new sequence of ``parent``'s request with its tokens, sharing its KV blocks (copy-on-write)
+        and its penalty counts; it runs (or waits, if ``parent`` was preempted) beside it. The caller
+        puts it in ``group.seqs``."""
+        child = Sequence(parent.group, parent.prompt_ids, index=parent.index if index is None else index)
+        child.token_ids = list(parent.token_ids)
+        child.block_table = self.block_manager.fork(parent.block_table)
+        try:
+            child.block_hashes = list(parent.block_hashes)
+            child.num_computed_tokens = parent.num_computed_tokens
+            self._init_seq(child, seed_offset=child.index)
+            child.detok = parent.detok.fork()
+            if parent.token_counts is not None:
+                child.token_counts, child.prompt_mask = parent.token_counts.clone(), parent.prompt_mask
+            if self.proposer is not None:
+                self.proposer.on_fork(parent, child)
+        except Exception:
+            self.block_manager.free(child.block_table)  # its shared references, not yet anyone's
+            raise
+        if parent.status is SequenceStatus.RUNNING:
+            self.scheduler.add_running(child)
+        else:
+            self.scheduler.add(child)
+        return child
 
     def _make_output(self, group: SequenceGroup) -> RequestOutput:
         out = self.outputs.make_output(group)

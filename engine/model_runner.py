@@ -37,6 +37,7 @@ class ForwardChunk:
 class ForwardOutput:
     logits: torch.Tensor  # [N, vocab] float32, rows of every chunk's trailing num_logits tokens, in order
     hidden_states: dict[int, torch.Tensor]  # layer → [T, hidden] for the layers asked for (every fed token)
+    final_hidden: torch.Tensor | None = None  # [T, hidden] the final-normed states the LM head reads
 
 
 @dataclass
@@ -55,7 +56,8 @@ class ForwardBatch:
 
 
 class LogitsForward(torch.nn.Module):
-    """The model's forward and output layer, on the rows that need logits: what gets compiled."""
+    """The model's forward and output layer, on the rows that need logits: what gets compiled. Its
+    final-normed hidden states come out too (contrastive search reads them; they exist anyway)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
@@ -65,7 +67,7 @@ class LogitsForward(torch.nn.Module):
         # hidden_in: a per-token input besides the token (an EAGLE head's features), for models that take one
         extra = {} if hidden_in is None else {"hidden_in": hidden_in}
         hidden, captured = self.model(input_ids, positions, meta, kv_cache, skip, hidden_layers, **extra)
-        return self.model.compute_logits(hidden.index_select(0, logit_rows)), captured
+        return self.model.compute_logits(hidden.index_select(0, logit_rows)), captured, hidden
 
 
 def compile_forward(fn: torch.nn.Module, device: torch.device):
@@ -229,10 +231,10 @@ class ModelRunner:
         hidden_in: torch.Tensor | None = None,  # [T, ...] per-token features for a model that takes them
     ) -> ForwardOutput:
         ids = batch.input_ids if input_ids is None else input_ids
-        logits, captured = self._run(
+        logits, captured, final = self._run(
             ids, batch.positions, batch.meta, self.kv_cache, batch.logit_rows, skip, hidden_layers, hidden_in
         )
-        return ForwardOutput(logits=logits, hidden_states=captured)
+        return ForwardOutput(logits=logits, hidden_states=captured, final_hidden=final)
 
     def forward(
         self,

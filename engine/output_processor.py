@@ -68,7 +68,9 @@ class OutputProcessor:
     def make_output(self, group: SequenceGroup) -> RequestOutput:
         """What changed for this request since its last output (and its totals)."""
         outputs = []
-        for seq in group.seqs:
+        finished = group.is_finished
+        # A beam search shows nothing until it ends: its beams are not its choices until then.
+        for seq in group.seqs if group.beam is None or finished else ():
             text = seq.detok.emittable_text(seq.is_finished)
             new_tokens = seq.output_ids[seq.num_emitted_tokens :]
             new_lps = seq.logprobs[seq.num_emitted_tokens :] if seq.params.logprobs is not None else None
@@ -86,7 +88,6 @@ class OutputProcessor:
             )
             seq.num_emitted_tokens = seq.num_output_tokens
             seq.num_emitted_chars = len(text)
-        finished = group.is_finished
         if finished and group.finished_time is None:
             group.finished_time = time.monotonic()
         stats = RequestStats(

@@ -20,12 +20,13 @@ Terms used throughout:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from engine.decoding.no_repeat import banned_in
 from engine.sampling_params import SamplingParams
 
 # Smallest positive float32: exponential draws are clamped to it so that ``0 / 0`` never makes a NaN.
@@ -69,7 +70,7 @@ class SamplingMetadata:
     output_counts: torch.Tensor | None
     logit_bias: torch.Tensor | None  # [B, V] float32 additive; None if no row has a bias
     # [B, V] bool: tokens forbidden this step (EOS and stop ids while the row has fewer than
-    # min_tokens outputs); None if no row has any.
+    # min_tokens outputs, tokens that would repeat an n-gram); None if no row has any.
     suppress_mask: torch.Tensor | None
     # Per row; a row with a generator draws its randomness only from it (on the logits' device).
     generators: list[torch.Generator | None]
@@ -125,7 +126,13 @@ class SamplingMetadata:
                 prompt_mask = prompt_mask.view(batch, vocab_size)
         penalties = (repetition, presence, frequency, prompt_mask, output_counts)
         num_outputs = [len(o) for o in output_ids]
-        return cls._assemble(params, num_outputs, generators, eos_token_ids, vocab_size, device, penalties)
+        banned = [
+            banned_in(list(prompt_ids[i]) + list(output_ids[i]), p.no_repeat_ngram_size)
+            if p.no_repeat_ngram_size
+            else ()
+            for i, p in enumerate(params)
+        ]
+        return cls._assemble(params, num_outputs, generators, eos_token_ids, vocab_size, device, penalties, banned)
 
     def select(self, rows: list[int]) -> SamplingMetadata:
         """The metadata of a subset of rows (a drafting level where some sequences stopped early)."""
@@ -167,6 +174,7 @@ class SamplingMetadata:
         vocab_size: int,
         device: torch.device | str,
         extra_tokens: Sequence[tuple[int, int]] = (),  # (row, token): one more occurrence in that row
+        banned: Sequence[Iterable[int]] = (),  # per row (or none): tokens no_repeat_ngram_size forbids
     ) -> SamplingMetadata:
         """Like :meth:`build`, from token statistics each sequence keeps up to date instead of its
         whole history: the cost is O(rows × vocab), never O(context). ``extra_tokens`` adds tokens a
@@ -184,7 +192,7 @@ class SamplingMetadata:
                 none = torch.zeros(vocab_size, dtype=torch.bool, device=device)
                 prompt_mask = torch.stack([m if m is not None else none for m in prompt_masks])
         penalties = (repetition, presence, frequency, prompt_mask, output_counts)
-        return cls._assemble(params, num_outputs, generators, eos_token_ids, vocab_size, device, penalties)
+        return cls._assemble(params, num_outputs, generators, eos_token_ids, vocab_size, device, penalties, banned)
 
     @classmethod
     def _assemble(
@@ -196,6 +204,7 @@ class SamplingMetadata:
         vocab_size: int,
         device: torch.device,
         penalties: tuple[torch.Tensor | None, ...],  # repetition, presence, frequency, prompt_mask, output_counts
+        banned: Sequence[Iterable[int]] = (),  # per row: tokens set to -inf (no-repeat n-grams)
     ) -> SamplingMetadata:
         repetition, presence, frequency, prompt_mask, output_counts = penalties
         batch = len(params)
@@ -232,6 +241,11 @@ class SamplingMetadata:
                     if 0 <= tok < vocab_size:
                         sup_rows.append(i)
                         sup_tokens.append(tok)
+        for i, toks in enumerate(banned):
+            for tok in toks:
+                if 0 <= tok < vocab_size:
+                    sup_rows.append(i)
+                    sup_tokens.append(tok)
         suppress_mask = None
         if sup_rows:
             suppress_mask = torch.zeros(batch, vocab_size, dtype=torch.bool, device=device)
@@ -275,7 +289,7 @@ class SamplerOutput:
 
 
 def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """Penalties, logit bias and min_tokens suppression, in that order.
+    """Penalties, logit bias and suppression (min_tokens, no-repeat n-grams), in that order.
 
     Returns a new tensor and never modifies ``logits``: the raw logits are still needed for the
     reported logprobs (and, in speculative decoding, by other consumers of the same forward pass).

@@ -25,6 +25,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
+    no_repeat_ngram_size: int = 0  # > 0: never complete an n-gram of this size that prompt + output already hold
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -41,6 +42,19 @@ class SamplingParams:
     # target's p(x) > min(epsilon, delta * exp(-H(p))), so the output is no longer exactly the target's
     # distribution (None: lossless verification, the default).
     typical_acceptance: tuple[float, float] | None = None
+    # Beam search (engine.decoding.beam): best_of beams (default n), the n best returned; deterministic,
+    # so temperature is not used; never speculated.
+    use_beam_search: bool = False
+    best_of: int | None = None
+    length_penalty: float = 1.0  # hypothesis score = sum of logprobs / generated_tokens ** length_penalty
+    early_stopping: bool | str = False  # True, False or "never" (transformers' meanings)
+    # Contrastive decoding (engine.decoding.contrastive), (alpha, beta): the expert's (target's) and the
+    # amateur's (draft model's) log-probabilities combined as (1 + beta) * expert - beta * amateur over
+    # the tokens whose expert probability is at least alpha times the top one; never speculated.
+    contrastive: tuple[float, float] | None = None
+    # Contrastive search (engine.decoding.contrastive_search): > 0 picks among the top_k candidates by
+    # (1 - penalty_alpha) * probability - penalty_alpha * degeneration penalty; deterministic, unspeculated.
+    penalty_alpha: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -80,6 +94,10 @@ class SamplingParams:
             self.max_tokens is None or self.max_tokens >= 1,
             f"max_tokens must be at least 1, got {self.max_tokens}",
         )
+        check(
+            self.no_repeat_ngram_size >= 0,
+            f"no_repeat_ngram_size must be non-negative, got {self.no_repeat_ngram_size}",
+        )
         check(self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}")
         check(
             self.max_tokens is None or self.min_tokens <= self.max_tokens,
@@ -106,9 +124,60 @@ class SamplingParams:
                 "typical acceptance is lossy: a seeded request's promise (the same text with speculation on or "
                 "off) cannot hold",
             )
+        if self.contrastive is not None:
+            alpha, beta = self.contrastive
+            check(0.0 < alpha <= 1.0, f"contrastive alpha must be in (0, 1], got {alpha}")
+            check(0.0 <= beta <= 10.0, f"contrastive beta must be in [0, 10], got {beta}")
+            check(not self.use_beam_search, "contrastive decoding and beam search do not combine")
+            check(self.typical_acceptance is None, "contrastive decoding is never speculated: no typical acceptance")
+            self.speculative = False
+        if self.penalty_alpha:
+            self._validate_search(check)
+        if self.use_beam_search:
+            self._validate_beam(check)
+        else:
+            check(self.best_of is None or self.best_of == self.n, "best_of other than n needs use_beam_search")
         if self.logit_bias:
             for tok, bias in self.logit_bias.items():
                 check(-100.0 <= bias <= 100.0, f"logit_bias for token {tok} must be in [-100, 100], got {bias}")
+
+    def _validate_beam(self, check) -> None:
+        check(self.best_of is None or self.best_of >= 1, f"best_of must be at least 1, got {self.best_of}")
+        check(self.n <= self.beam_width, f"n ({self.n}) must not exceed the number of beams, best_of ({self.best_of})")
+        check(self.early_stopping in (True, False, "never"), 'early_stopping must be true, false or "never"')
+        check(abs(self.length_penalty) <= 100.0, f"length_penalty must be in [-100, 100], got {self.length_penalty}")
+        sampling = [
+            ("top_p", self.top_p != 1.0),
+            ("top_k", self.top_k not in (0, -1)),
+            ("min_p", self.min_p != 0.0),
+            ("seed", self.seed is not None),
+            ("typical_acceptance", self.typical_acceptance is not None),
+            ("num_draft_tokens", bool(self.num_draft_tokens)),
+        ]
+        for name, used in sampling:
+            check(not used, f"{name} does not apply to beam search (it ranks beams by log-probability, draws nothing)")
+        check(self.logprobs is None, "logprobs are not reported for beam search")
+        self.speculative = False
+
+    def _validate_search(self, check) -> None:
+        check(0.0 < self.penalty_alpha <= 1.0, f"penalty_alpha must be in [0, 1], got {self.penalty_alpha}")
+        check(self.top_k >= 2, f"contrastive search chooses among top_k >= 2 candidates, got top_k {self.top_k}")
+        check(self.n == 1, "contrastive search is deterministic: n > 1 would repeat one answer")
+        check(not self.use_beam_search and self.contrastive is None, "contrastive search combines with no other search")
+        unused = [("top_p", self.top_p != 1.0), ("min_p", self.min_p != 0.0), ("seed", self.seed is not None)]
+        unused += [("typical_acceptance", self.typical_acceptance is not None), ("logprobs", self.logprobs is not None)]
+        for name, used in unused:
+            check(not used, f"{name} does not apply to contrastive search")
+        self.speculative = False
+
+    @property
+    def contrastive_search(self) -> bool:
+        return self.penalty_alpha > 0.0
+
+    @property
+    def beam_width(self) -> int:
+        """Beams a beam-search request keeps (best_of, default n); n for any other request."""
+        return (self.best_of or self.n) if self.use_beam_search else self.n
 
     @property
     def greedy(self) -> bool:

@@ -11,10 +11,12 @@ charged to the token budget.
 
 Policy, in three passes:
 1. Mandatory tokens. Running sequences, oldest first: decodes take one token, unfinished prefills
-   take a chunk. When KV blocks run out, the newest running sequence is preempted (its blocks
-   freed; it waits at the front of the queue and is recomputed later — never dropped, never
-   corrupted). No lookahead is granted here, so drafting can never starve a sequence of its token
-   nor force a preemption.
+   take a chunk, contrastive search's candidates go in whole; a *parked* sequence (a beam whose
+   logits row waits for its group's other beams: nothing to feed) takes none. When KV blocks run
+   out, the newest parked sequence is preempted, or else the newest running one (its blocks freed;
+   it waits at the front of the queue and is recomputed later — never dropped, never corrupted).
+   No lookahead is granted here, so drafting can never starve a sequence of its token nor force a
+   preemption.
 2. Lookahead, only if nothing was preempted (a preemption means KV is short, and drafting would
    hold blocks the victim needs back). The decodes of pass 1, in running order, each get
    ``min(lookahead(seq), budget left)`` slots, shrunk to what the free pool gives without touching
@@ -22,7 +24,8 @@ Policy, in three passes:
    Lookahead never preempts anyone.
 3. Admission, only if nothing was preempted: waiting sequences are admitted in arrival order while
    the token budget, ``max_num_seqs`` and free blocks (less the watermark while anything runs)
-   allow, reusing cached prefix blocks.
+   allow, reusing cached prefix blocks; parked ones are skipped (they wait for their group, not for
+   compute). Where blocks are short, running parked sequences are preempted for the admission.
 
 Every pass costs O(number of sequences) (lookahead also O(its blocks) per sequence).
 """
@@ -113,10 +116,16 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = min(seq.num_uncomputed_tokens, budget) or seq.num_candidates  # candidates are fed whole
+            if seq.parked or not n or n > budget:
+                i += 1
+                continue
             copies = self.bm.reserve(seq.block_table, seq.num_computed_tokens, seq.num_computed_tokens + n)
             while copies is None:
-                victim = self.running[-1]
+                parked = [s for s in self.running if s.parked]
+                victim = parked[-1] if parked else self.running[-1]  # a parked one loses only its blocks
+                if self.running.index(victim) < i:
+                    i -= 1
                 self._preempt(victim, out)
                 if victim is seq:
                     break
@@ -172,13 +181,14 @@ class Scheduler:
 
     def _admit(self, budget: int, out: SchedulerOutput) -> None:
         """Pass 3: admit waiting sequences in arrival order, keeping the watermark free."""
-        seats = self.max_num_seqs - sum(s.group.params.n if s.num_output_tokens == 0 else 1 for s in self.running)
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
-            need_seats = seq.group.params.n if seq.num_output_tokens == 0 and seq.index == 0 else 1
+        seats = self.max_num_seqs - sum(s.group.width if s.num_output_tokens == 0 else 1 for s in self.running)
+        queue = [s for s in self.waiting if not s.parked]  # a parked one has nothing to compute yet
+        while queue and budget > 0:
+            seq = queue[0]
+            need_seats = seq.group.width if seq.num_output_tokens == 0 and seq.index == 0 else 1
             if need_seats > seats:
                 break
-            if seq.params.prompt_logprobs is not None and not seq.group.prompt_logprobs:
+            if (seq.params.prompt_logprobs is not None and not seq.group.prompt_logprobs) or seq.search is not None:
                 prefix_blocks, prefix_hashes = [], []  # every prompt position must be computed
             else:
                 prefix_blocks, prefix_hashes = self.bm.match_prefix(seq.token_ids)
@@ -187,8 +197,12 @@ class Scheduler:
             new_blocks = self.bm.blocks_needed(len(prefix_blocks), cached + n)
             reserve = self.watermark_blocks if self.running else 0  # an idle engine may use every block
             if not self.bm.can_allocate(prefix_blocks, new_blocks + reserve):
+                if self._preempt_parked(out):
+                    seats += 1
+                    continue  # parked blocks were freed: try again
                 break
-            self.waiting.popleft()
+            queue.pop(0)
+            self.waiting.remove(seq)
             self.bm.take_prefix(seq.block_table, seq.block_hashes, prefix_blocks, prefix_hashes)
             seq.num_computed_tokens = cached
             copies = self.bm.reserve(seq.block_table, cached, cached + n)
@@ -199,6 +213,16 @@ class Scheduler:
             out.block_copies.extend(copies)
             budget -= n
             seats -= need_seats
+
+    def _preempt_parked(self, out: SchedulerOutput) -> bool:
+        """Free the newest running parked sequence's blocks for the admission (its beam mates may be the
+        ones waiting: parked beams must not hold the blocks those need). It keeps its logits row and
+        waits, parked, for its group's step. False if none is running."""
+        parked = [s for s in self.running if s.parked]
+        if not parked:
+            return False
+        self._preempt(parked[-1], out)
+        return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.preempt(seq)

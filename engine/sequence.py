@@ -63,10 +63,15 @@ class Sequence:
         self.logprobs: list[TokenLogprob] = []
         self.seed: int | None = None  # this choice's seed (the request's + its index, in 64 bits), if seeded
         self.num_preemptions = 0
+        # A beam whose logits row this step is taken, waiting for its group's other beams: nothing to
+        # compute until the group's step appends its next token (engine.decoding.beam).
+        self.parked = False
+        self.search: Any = None  # engine.decoding.contrastive_search.SearchState (contrastive search)
         # Penalty statistics, kept on the device across steps (see engine.speculative.step): [V] float32
         # output-token counts and [V] bool prompt mask; None until a penalised request first samples.
         self.token_counts: torch.Tensor | None = None
         self.prompt_mask: torch.Tensor | None = None
+        self.ngrams: Any = None  # engine.decoding.no_repeat.NgramIndex (no_repeat_ngram_size only)
         # Speculative decoding state.
         self.draft_num_computed = 0  # leading tokens whose draft-model KV is valid (draft-model proposer)
         self.spec_estimate: Any = None  # engine.speculative.controller.AcceptanceEstimate
@@ -117,6 +122,12 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
+    @property
+    def num_candidates(self) -> int:
+        """Contrastive search's candidate tokens it feeds next, all at once (0: none pending)."""
+        ready = self.search is not None and self.search.next_logits is not None and self.num_uncomputed_tokens == 0
+        return self.params.top_k if ready else 0
+
     def __repr__(self) -> str:
         return (
             f"Sequence(id={self.seq_id}, req={self.group.request_id}, tokens={self.num_tokens}, "
@@ -151,9 +162,17 @@ class SequenceGroup:
         self.num_decode_steps = 0  # target forwards that produced tokens, summed over choices
         self.num_draft_tokens = 0  # draft tokens proposed for this request
         self.num_accepted_tokens = 0  # of which the target accepted
+        self.beam: Any = None  # engine.decoding.beam.BeamState of a beam-search request
+
+    @property
+    def width(self) -> int:
+        """Sequences it runs at once once its prompt is done: n choices, or its beams."""
+        return self.params.beam_width
 
     @property
     def is_finished(self) -> bool:
+        if self.beam is not None:  # group.seqs: the running beams, then the chosen hypotheses
+            return all(s.is_finished for s in self.seqs)
         # The other choices are forked with the first token, so a first sequence that ended
         # without output (aborted or failed) ends the whole request.
         if not all(s.is_finished for s in self.seqs):

@@ -75,6 +75,14 @@ class SpeculativeOptions(BaseModel):
     typical_acceptance: StrictBool | TypicalAcceptance | None = None
 
 
+class Contrastive(BaseModel):
+    """Contrastive decoding: the target as expert, the served draft model as amateur."""
+
+    model_config = ConfigDict(extra="forbid")
+    alpha: float = Field(default=0.1, gt=0.0, le=1.0)  # plausibility: at least alpha x the expert's top prob
+    beta: float = Field(default=0.5, ge=0.0, le=10.0)  # strength: (1 + beta) * expert - beta * amateur
+
+
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
@@ -100,6 +108,13 @@ class _Sampling(BaseModel):
     top_k: StrictInt = Field(default=0, ge=-1)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    no_repeat_ngram_size: StrictInt = Field(default=0, ge=0)
+    use_beam_search: StrictBool = False
+    best_of: StrictInt | None = Field(default=None, ge=1, le=64)
+    length_penalty: float = Field(default=1.0, ge=-100.0, le=100.0)
+    early_stopping: StrictBool | Literal["never"] = False
+    contrastive: Contrastive | None = None
+    penalty_alpha: float = Field(default=0.0, ge=0.0, le=1.0)  # > 0: contrastive search among top_k candidates
     min_tokens: StrictInt = Field(default=0, ge=0)
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
@@ -136,6 +151,10 @@ class _Sampling(BaseModel):
     def _stream_options(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.use_beam_search and self.stream:
+            raise UnsupportedError("beam search does not stream: its beams are not its answers until it ends", "stream")
+        if not self.use_beam_search and self.best_of is not None and self.best_of != self.n:
+            raise UnsupportedError("best_of other than n needs use_beam_search (sampling returns all n)", "best_of")
         return self
 
     def typical(self) -> tuple[float, float] | None:
@@ -160,6 +179,7 @@ class _Sampling(BaseModel):
             top_k=self.top_k,
             min_p=self.min_p,
             repetition_penalty=self.repetition_penalty,
+            no_repeat_ngram_size=self.no_repeat_ngram_size,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
@@ -178,9 +198,16 @@ class _Sampling(BaseModel):
                 self.speculative.num_draft_tokens if self.speculative is not None and self.speculative.enabled else None
             ),
             typical_acceptance=self.typical(),
+            use_beam_search=self.use_beam_search,
+            best_of=self.best_of,
+            length_penalty=self.length_penalty,
+            early_stopping=self.early_stopping,
+            contrastive=(self.contrastive.alpha, self.contrastive.beta) if self.contrastive is not None else None,
+            penalty_alpha=self.penalty_alpha,
         )
         unsaid = self.speculative is None or self.speculative.typical_acceptance is None
-        if typical_default is not None and unsaid and not params.greedy and params.seed is None:
+        plain = not (params.use_beam_search or params.contrastive or params.contrastive_search)
+        if typical_default is not None and unsaid and not params.greedy and params.seed is None and plain:
             # The server's lossy default reaches only unseeded sampling requests that said nothing.
             params = dataclasses.replace(params, typical_acceptance=typical_default)
         return params
@@ -196,7 +223,6 @@ class CompletionRequest(_Sampling):
     logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     echo: StrictBool = False
     suffix: str | None = None
-    best_of: StrictInt | None = Field(default=None, ge=1)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -230,8 +256,6 @@ class CompletionRequest(_Sampling):
     def _unsupported(self):
         if self.suffix:
             raise UnsupportedError("suffix is not supported", "suffix")
-        if self.best_of is not None and self.best_of > self.n:
-            raise UnsupportedError("best_of > n is not supported", "best_of")
         return self
 
     def prompts(self) -> list[str | list[int]]:

@@ -5,15 +5,16 @@ Greedy samples take the fast path: one argmax per row and a walk on the host
 rejection sampling (:func:`~engine.speculative.verify.verify`), seeded ones through the
 drafter-invariant rule; a request that asked for Medusa's typical acceptance (lossy) gets it.
 Every row is shaped exactly as plain sampling would shape it — a node's row as if its path above
-had been emitted — so penalties count the path's tokens too. Penalty statistics live on the
-sequence, on the device, updated with each step's tokens: building a row costs O(vocab), never
-O(context).
+had been emitted — so penalties count the path's tokens too, and no-repeat n-grams see the path.
+Penalty statistics live on the sequence, on the device, updated with each step's tokens: building a
+row costs O(vocab), never O(context).
 """
 
 from __future__ import annotations
 
 import torch
 
+from engine.decoding.no_repeat import banned_tokens
 from engine.sampler import SamplingMetadata, apply_logits_processors, compute_probs, exponential_noise
 from engine.sequence import Sequence
 from engine.speculative.verify import build_verify_input, greedy_accept, verify
@@ -25,7 +26,7 @@ class RowsMetadata:
 
     def __call__(self, samples: list) -> tuple[list[int], SamplingMetadata]:
         """Logits rows of every sample's root and nodes, and their sampling metadata."""
-        rows, params, num_out, counts, masks, gens, extra = [], [], [], [], [], [], []
+        rows, params, num_out, counts, masks, gens, extra, banned = [], [], [], [], [], [], [], []
         for s in samples:
             seq = s.seq
             st = penalty_state(seq, self.vocab_size, self.device)
@@ -40,9 +41,10 @@ class RowsMetadata:
                 counts.append(st[0])
                 masks.append(st[1])
                 gens.append(seq.noise_key(len(path)))  # the noise of the position this row samples
+                banned.append(banned_tokens(seq, path))
         extra = extra if any(p.needs_penalties for p in params) else []
         V, dev, eos = self.vocab_size, self.device, self.eos_token_ids
-        return rows, SamplingMetadata.from_state(params, num_out, counts, masks, gens, eos, V, dev, extra)
+        return rows, SamplingMetadata.from_state(params, num_out, counts, masks, gens, eos, V, dev, extra, banned)
 
 
 def accept_greedy(samples: list, logits: torch.Tensor, rows_md: RowsMetadata) -> list[tuple[list[int], int]]:

@@ -37,6 +37,8 @@ class Batch:
     samples: list[Sample] = field(default_factory=list)
     computed: list[tuple[Sequence, int, int, int]] = field(default_factory=list)  # (seq, start, n, first tok)
     prompt_spans: list[tuple[Sequence, int, int, int]] = field(default_factory=list)  # (seq, row, start, n)
+    searches: list = field(default_factory=list)  # engine.decoding.contrastive_search.Fed: candidates fed
+    ended: list[Sequence] = field(default_factory=list)  # a sequence of each beam search that ended
 
     @property
     def decode_only(self) -> bool:

@@ -31,6 +31,7 @@ from engine.speculative.tree import DraftTree
 @register
 class DraftModelProposer(LevelDrafter):
     method = "draft"
+    has_language_model = True
     cost = CostShape(kind="draft")
     # Draft row r holds the sequence's token r + shift at position r (EAGLE: 1, its row r pairs the
     # target's hidden state at position r with the token that followed it).
@@ -137,6 +138,18 @@ class DraftModelProposer(LevelDrafter):
             s.draft_num_computed += len(c.token_ids)
             self._mark_valid(s)
         return ready, logits, state
+
+    def next_token_logits(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Catch each sequence up in full (in budget-sized forwards) and return the draft's logits for
+        its next token ``[len(seqs), V]``."""
+        rows: list[torch.Tensor | None] = [None] * len(seqs)
+        todo = list(range(len(seqs)))
+        while todo:
+            ready, logits, _ = self._root_logits([seqs[i] for i in todo], ProposeContext())
+            for r, row in zip(ready, logits):
+                rows[todo[r]] = row
+            todo = [i for i in todo if rows[i] is None]
+        return torch.stack(rows)
 
     def _catch_up_state(self, seq: Sequence, start: int, n: int) -> torch.Tensor | None:
         """The per-row input besides the token for the draft's rows ``start .. start + n`` (None: none)."""

@@ -351,6 +351,7 @@ def load_eagle(path: str | Path, target_config, embed: nn.Embedding, dtype, devi
 @register
 class EagleProposer(DraftModelProposer):
     method = "eagle"
+    has_language_model = False  # the head reads the target's features: no language model on its own
     cost = CostShape(kind="eagle")  # a catch-up forward, then one per level, like a draft model
     shift = 1
     state_layers = (0,)

@@ -3,7 +3,8 @@
 Plain decoding is the same step with no drafts: a decode is a root with an empty tree, a prefill
 chunk that finishes its prompt samples its first token the same way. Each stage calls the module
 that owns it: the controller (depths), the scheduler (who runs, KV slots), the proposer (trees),
-the model runner (the one batched target forward), ``verify`` (what is accepted).
+the model runner (the one batched target forward), ``verify`` (what is accepted), and
+``engine/decoding`` (beam search, contrastive search and decoding: one call per stage).
 
 Terms: the *root* of a sequence is its last token, not yet in the target's cache; its draft tree's
 nodes follow it in the forward, rows ``[root, node 0, node 1, …]``. *Accepted* nodes are those the
@@ -18,6 +19,8 @@ from collections.abc import Callable
 
 import torch
 
+from engine.decoding.beam import BeamSearch
+from engine.decoding.strategies import Strategies
 from engine.logprobs import record_prompt_logprobs, token_logprobs, wants_prompt_logprobs
 from engine.model_runner import ForwardChunk, ModelRunner
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -39,6 +42,7 @@ class Step:
         proposer: Proposer | None,
         controller,  # engine.speculative.controller.SpecController | None
         fork: Callable[[Sequence], list[Sequence]],  # forks a request's other n - 1 choices off its first
+        beams: BeamSearch,
         eos_token_ids: list[int],
         max_model_len: int,
     ) -> None:
@@ -50,12 +54,12 @@ class Step:
         self.hidden_layers = proposer.hidden_layers if proposer else ()
         self._hidden: dict[int, dict[int, torch.Tensor]] = {}  # seq_id → last forward's final rows
         self.rows = RowsMetadata(runner.vocab_size, runner.device, eos_token_ids)
+        self.decoding = Strategies(beams, proposer, self.rows)  # beyond sampling: engine/decoding/
         self.scheduled: list[Sequence] = []  # this step's sequences (the engine fails them if it raises)
         self.forward_seconds = 0.0  # this step's target and proposer forwards (the rest is host work)
 
     def run(self) -> tuple[list[Emit], list[Sequence]]:
-        """One step. Returns what each sampled sequence emitted, and the sequences whose prompt
-        logprobs grew (they get an output even without a new token)."""
+        """One step: what each sequence emitted, and sequences with news but no token of their own."""
         t0 = time.perf_counter()
         self.forward_seconds, self.scheduled = 0.0, []
         want = self.plan()
@@ -67,14 +71,14 @@ class Step:
         trees = self.propose(sched, want)
         batch = self.build(sched, trees)
         out = self.target_forward(batch)
-        self.advance(batch, out.hidden_states)
-        emits = self.accept(batch, out.logits)
+        self.advance(batch, out)
+        emits = self.accept(batch, out.logits, out.final_hidden)
         self.commit(batch, emits, out.hidden_states)
         record_prompt_logprobs(out.logits, batch.prompt_spans)
         if self.controller is not None:
             tokens, seconds = sum(len(e.tokens) for e in emits), time.perf_counter() - t0
             self.controller.observe_step(len(self.scheduled), tokens, seconds, self.forward_seconds, len(trees), batch)
-        return emits, [s for s, *_ in batch.prompt_spans]
+        return emits, [s for s, *_ in batch.prompt_spans] + batch.ended
 
     # 1. plan: a draft depth per decoding sequence (absent = none)
     def plan(self) -> dict[int, int]:
@@ -124,8 +128,9 @@ class Step:
     # 3. build the one forward: prefill chunks, plain decodes and draft trees side by side
     def build(self, sched: SchedulerOutput, trees: dict[int, DraftTree]) -> Batch:
         b = Batch()
-        row = tok = 0
-        for seq, n in sched.scheduled:
+        searching, row = self.decoding.build(b, sched.scheduled)  # contrastive search's candidates
+        tok = row
+        for seq, n in [(seq, n) for seq, n in sched.scheduled if seq.seq_id not in searching]:
             start = seq.num_computed_tokens
             if seq.seq_id in trees:
                 tree = trees[seq.seq_id]
@@ -143,7 +148,7 @@ class Step:
             if wants_prompt:
                 b.prompt_spans.append((seq, row, start, n))
             if done:
-                fork = group.params.n > 1 and len(group.seqs) == 1
+                fork = group.params.n > 1 and len(group.seqs) == 1 and group.beam is None
                 b.samples.append(Sample(seq, _EMPTY, row + num_logits - 1, tok + n - 1, fork=fork))
             row, tok = row + num_logits, tok + n
         return b
@@ -159,32 +164,35 @@ class Step:
             self.controller.cost.observe("target", len(b.chunks), sum(len(c.token_ids) for c in b.chunks), seconds)
         return out
 
-    def advance(self, b: Batch, hidden: dict[int, torch.Tensor]) -> None:
+    def advance(self, b: Batch, out) -> None:
         """Prefill chunks and plain decodes are final as fed."""
         for seq, start, n, tok in b.computed:
             seq.num_computed_tokens = start + n
             self.scheduler.bm.commit(seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed_tokens)
-            self._computed(seq, start, hidden, list(range(tok, tok + n)))
+            self._computed(seq, start, out.hidden_states, list(range(tok, tok + n)))
+            if seq.search is not None:
+                self.decoding.search.record(seq, start, out.final_hidden[tok : tok + n])
 
     # 5. accept: greedy rows by argmax, sampling rows by lossless rejection sampling (seeded rows by the
     # drafter-invariant rule; typical acceptance, lossy, only where a request asked for it)
-    def accept(self, b: Batch, logits: torch.Tensor) -> list[Emit]:
+    def accept(self, b: Batch, logits: torch.Tensor, final_hidden: torch.Tensor | None = None) -> list[Emit]:
         for s in list(b.samples):
             if s.fork:  # the other choices of an n > 1 request draw their first token from the same row
                 children = self.fork(s.seq)
                 b.samples.extend(Sample(c, _EMPTY, s.row, s.tok) for c in children)
                 if s.seq.seq_id in self._hidden:  # same prefix, same hidden states: they draft next step too
                     self._hidden.update((c.seq_id, self._hidden[s.seq.seq_id]) for c in children)
+        shaped, b.ended = self.decoding.take(b, logits)
         results = {}
         for part, accept in ACCEPT.items():
             samples = [s for s in b.samples if acceptance_kind(s) == part]
-            results.update(zip(map(id, samples), accept(samples, logits, self.rows) if samples else []))
-        emits = []
+            results.update(zip(map(id, samples), accept(samples, shaped, self.rows) if samples else []))
+        emits = self.decoding.choose(b, logits, final_hidden)
         for s in b.samples:
             nodes, final = results[id(s)]
             emits.append(Emit(s.seq, [s.tree.tokens[i] for i in nodes] + [final]))
             s.accepted = nodes
-        asked = [(s, e) for s, e in zip(b.samples, emits) if s.seq.params.logprobs is not None]
+        asked = [(s, e) for s, e in zip(b.samples, emits[len(b.searches) :]) if s.seq.params.logprobs is not None]
         requests = [([s.row] + [s.row + 1 + i for i in s.accepted], e.tokens, s.seq.params.logprobs) for s, e in asked]
         for (_, e), lps in zip(asked, token_logprobs(logits, requests)):
             e.logprobs = lps
@@ -192,9 +200,10 @@ class Step:
 
     # 6. commit: accepted K/V into place, rejected slots released, everyone told what happened
     def commit(self, b: Batch, emits: list[Emit], hidden: dict[int, torch.Tensor]) -> None:
-        src, dst, bs = [], [], self.runner.block_size
+        bs = self.runner.block_size
         slot = lambda seq, i: seq.block_table[i // bs] * bs + i % bs  # noqa: E731
-        for s, e in zip(b.samples, emits):
+        src, dst = self.decoding.place(b, self.scheduler.bm, slot, self.runner.vocab_size)
+        for s, e in zip(b.samples, emits[len(b.searches) :]):
             count_tokens(s.seq, e.tokens, self.runner.vocab_size)
             if not len(s.tree):
                 continue

@@ -1,0 +1,52 @@
+"""Whether a request can be served as asked, checked once before it enters the engine."""
+
+from __future__ import annotations
+
+from engine.sampling_params import SamplingParams
+
+
+class InvalidRequestError(ValueError):
+    """The request itself is wrong (the server answers 400)."""
+
+
+def check_request(
+    prompt_ids: list[int],
+    params: SamplingParams,
+    vocab_size: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    has_amateur: bool,  # a draft model serves that contrastive decoding can use as its amateur
+) -> None:
+    """Raise InvalidRequestError if this request cannot be served as asked (its parameters alone were
+    checked when they were made: :meth:`SamplingParams.validate`)."""
+    if not prompt_ids:
+        raise InvalidRequestError("the prompt must not be empty")
+    if params.beam_width > max_num_seqs:
+        what = "beams" if params.use_beam_search else "choices (n)"
+        raise InvalidRequestError(
+            f"{params.beam_width} {what} exceed the {max_num_seqs} sequences one batch can hold (--max-num-seqs)"
+        )
+    if params.contrastive is not None and not has_amateur:
+        raise InvalidRequestError(
+            "contrastive decoding needs a draft model as its amateur: serve with --draft-model "
+            "(speculative method 'draft')"
+        )
+    if params.contrastive_search and params.top_k > vocab_size:
+        raise InvalidRequestError(f"top_k ({params.top_k}) exceeds the vocabulary ({vocab_size})")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
+    if params.logit_bias:
+        bad = [t for t in params.logit_bias if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequestError(f"logit_bias token ids out of range [0, {vocab_size}): {bad[:5]}")
+    room = max_model_len - len(prompt_ids)
+    if room < 1:
+        raise InvalidRequestError(
+            f"the prompt has {len(prompt_ids)} tokens; this model's context length is {max_model_len}"
+        )
+    if params.max_tokens is not None and params.max_tokens > room:
+        raise InvalidRequestError(
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+            f"length of {max_model_len} tokens"
+        )
