@@ -370,7 +370,7 @@ def test_unsupported_completion_fields_are_400(client):
     assert "not supported" in e.value.response.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, best_of=3, n=1)
-    assert "not supported" in e.value.response.json()["error"]["message"]
+    assert "needs use_beam_search" in e.value.response.json()["error"]["message"]
     ok = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, best_of=2, n=2, temperature=0)
     assert len(ok.choices) == 2
 

@@ -415,6 +415,25 @@ def test_engine_sampling_distribution_matches_target(small_vocab_pair, topk):
     assert stat < g_test_threshold(dof), f"G={stat:.1f} dof={dof}"
 
 
+def test_no_repeat_ngrams_stay_exact_under_speculation_and_a_wrong_rule_fails(small_vocab_pair, monkeypatch):
+    """no_repeat_ngram_size shapes every verified row as plain sampling would (a tree node's history
+    includes the path above it), so speculative samples follow the banned distribution exactly; a
+    rule that forgets the path (bans from the sequence's own tokens only) is caught."""
+    import engine.speculative.accept as accept_mod
+
+    target, draft = small_vocab_pair
+    params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, num_draft_tokens=3, no_repeat_ngram_size=1)
+    prompt = [0, 3]
+    n = 10_240
+    expected = exact_joint(target, prompt, params)
+    stat, dof = g_statistic(engine_samples(target, draft, 1, params, prompt, n), expected, n)
+    assert stat < g_test_threshold(dof), f"G={stat:.1f} dof={dof}"
+    forgetful = accept_mod.banned_tokens
+    monkeypatch.setattr(accept_mod, "banned_tokens", lambda seq, path=(): forgetful(seq))
+    stat, dof = g_statistic(engine_samples(target, draft, 1, params, prompt, n), expected, n)
+    assert stat > g_test_threshold(dof), f"the path-blind rule went unnoticed: G={stat:.1f} dof={dof}"
+
+
 # -- the controller -----------------------------------------------------------------------------------------
 def cheap_draft_costs(target_per_token: float = 0.0) -> CostModel:
     """Timings of a small draft next to a big target: a target forward costs 10 ms (+ per token when
