@@ -382,6 +382,23 @@ def test_beam_search_preempted_and_parked(beam_dir, beam_hf, beam_engine):
     assert not engine.has_unfinished_requests() and not engine.scheduler.running and not engine.scheduler.waiting
 
 
+def test_beam_search_beside_speculating_requests(beam_dir, beam_hf, beam_engine):
+    """An engine that speculates (the model drafting for itself): beam requests never draft and still
+    equal transformers', while greedy requests in the same steps draft and keep their solo output."""
+    engine = make_engine(beam_dir, speculative_method="draft", draft_model=str(beam_dir), num_speculative_tokens=3)
+    beam = SamplingParams(use_beam_search=True, best_of=3, n=2, max_tokens=BEAM_MAX)
+    greedy = SamplingParams(temperature=0.0, max_tokens=BEAM_MAX, ignore_eos=True, num_draft_tokens=3)
+    solo = [o.outputs[0].delta_token_ids for o in beam_engine.generate(BEAM_PROMPTS, greedy)]
+    outs = engine.generate(BEAM_PROMPTS * 2, [beam] * len(BEAM_PROMPTS) + [greedy] * len(BEAM_PROMPTS))
+    eos = engine.eos_token_ids
+    for p, o in zip(BEAM_PROMPTS, outs):
+        assert [c.delta_token_ids for c in o.outputs] == hf_beams(beam_hf, p, eos, 3, 2, 1.0, False, BEAM_MAX), p
+        assert o.stats.num_draft_tokens == 0
+    assert [o.outputs[0].delta_token_ids for o in outs[len(BEAM_PROMPTS) :]] == solo
+    assert all(o.stats.num_draft_tokens > 0 for o in outs[len(BEAM_PROMPTS) :])
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 def test_beam_search_stop_string(beam_engine):
     """A hypothesis whose text reaches a stop string ends there, the string cut off its text."""
     tok = beam_engine.tokenizer
