@@ -157,6 +157,9 @@ class SamplingParams:
         for name, used in sampling:
             check(not used, f"{name} does not apply to beam search (it ranks beams by log-probability, draws nothing)")
         check(self.logprobs is None, "logprobs are not reported for beam search")
+        if self.beam_width == 1:  # one beam is greedy decoding, as transformers' num_beams=1 is
+            self.use_beam_search, self.temperature = False, 0.0
+            return
         self.speculative = False
 
     def _validate_search(self, check) -> None:

@@ -399,6 +399,14 @@ def test_beam_search_beside_speculating_requests(beam_dir, beam_hf, beam_engine)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def test_one_beam_is_greedy_decoding(beam_hf, beam_engine):
+    params = SamplingParams(use_beam_search=True, max_tokens=BEAM_MAX)
+    assert not params.use_beam_search and params.greedy
+    eos = beam_engine.eos_token_ids
+    got = [o.outputs[0].delta_token_ids for o in beam_engine.generate(BEAM_PROMPTS, params)]
+    assert got == [hf_generate(beam_hf, p, max_new_tokens=BEAM_MAX, eos_token_id=eos) for p in BEAM_PROMPTS]
+
+
 def test_beam_search_stop_string(beam_engine):
     """A hypothesis whose text reaches a stop string ends there, the string cut off its text."""
     tok = beam_engine.tokenizer

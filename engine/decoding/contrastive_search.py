@@ -34,7 +34,8 @@ from engine.speculative.tree import DraftTree
 class SearchState:
     """One request's search (``Sequence.search``)."""
 
-    context: torch.Tensor | None = None  # [L, H] float32 unit-norm final hidden states of its tokens
+    context: torch.Tensor | None = None  # [capacity, H] float32 unit-norm final hidden states; rows < length
+    length: int = 0
     next_logits: torch.Tensor | None = None  # [V] raw logits of the next token, once it is to be chosen
     probs: torch.Tensor | None = None  # [k] the candidates' probabilities, while they are fed
 
@@ -55,8 +56,9 @@ class ContrastiveSearch:
         """The final hidden states ``[n, H]`` of tokens ``start .. start + n`` (a prefill chunk, a
         recompute) join the context; a prefill from 0 starts it afresh."""
         st = seq.search
-        rows = torch.nn.functional.normalize(final.float(), dim=-1)
-        st.context = rows if start == 0 or st.context is None else torch.cat([st.context, rows])
+        if start == 0:
+            st.length = 0
+        _append(st, torch.nn.functional.normalize(final.float(), dim=-1))
         st.next_logits = None
 
     def candidates(self, seqs: list[Sequence], rows_md) -> dict[int, list[int]]:
@@ -90,11 +92,23 @@ class ContrastiveSearch:
             st, alpha = f.seq.search, f.seq.params.penalty_alpha
             k = len(f.tokens)
             h = torch.nn.functional.normalize(final[f.tok : f.tok + k].float(), dim=-1)  # [k, H]
-            penalty = (h @ st.context.T).amax(dim=-1)  # [k] closest earlier token, by cosine
+            penalty = (h @ st.context[: st.length].T).amax(dim=-1)  # [k] closest earlier token, by cosine
             picks.append(((1.0 - alpha) * st.probs - alpha * penalty).argmax())
         for f, best in zip(fed, torch.stack(picks).tolist()):
             st = f.seq.search
             f.chosen = best
-            h = torch.nn.functional.normalize(final[f.tok + best].float(), dim=-1)
-            st.context = torch.cat([st.context, h.unsqueeze(0)])
+            _append(st, torch.nn.functional.normalize(final[f.tok + best : f.tok + best + 1].float(), dim=-1))
             st.next_logits, st.probs = logits[f.row + best], None
+
+
+def _append(st: SearchState, rows: torch.Tensor) -> None:
+    """Add ``[n, H]`` rows to the context, doubling its storage when full (amortised O(n) a step, not a
+    copy of the whole context)."""
+    end = st.length + rows.shape[0]
+    if st.context is None or end > st.context.shape[0]:
+        grown = rows.new_empty((max(end, 2 * st.length, 64), rows.shape[1]))
+        if st.length:
+            grown[: st.length] = st.context[: st.length]
+        st.context = grown
+    st.context[st.length : end] = rows
+    st.length = end
