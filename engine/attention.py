@@ -12,6 +12,8 @@ Terms:
 
 This module builds that metadata once per forward (shared by all layers) and computes attention with
 ``scaled_dot_product_attention`` on padded ``[B, Qmax]`` queries and ``[B, Kmax]`` gathered keys.
+*Soft-capping* (Gemma-2: ``scores = cap * tanh(scores / cap)`` before the mask and softmax) has no
+SDPA form, so a layer with a cap gets its scores from plain matmuls instead (cap and softmax in float32).
 
 Attention is the custom operator ``torch.ops.augur.paged_attention``: it writes the KV pool in place,
 which ``torch.compile`` keeps opaque (a compiled model calls it as it is, and never copies the pool).
@@ -132,22 +134,24 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding: bool = False,
+    softcap: float = 0.0,
 ) -> torch.Tensor:  # [T, H * D]
-    """Write the new K/V into ``kv_pool[layer]``, then attend each sequence's queries to its context."""
+    """Write the new K/V into ``kv_pool[layer]``, then attend each sequence's queries to its context.
+    ``softcap`` > 0 soft-caps the attention scores at that value (0: no cap)."""
     mask = meta.sliding_mask if sliding else meta.mask
     return torch.ops.augur.paged_attention(
-        q, k, v, kv_pool, layer, meta.slot_mapping, meta.kv_slots, mask, meta.q_index, scale
+        q, k, v, kv_pool, layer, meta.slot_mapping, meta.kv_slots, mask, meta.q_index, scale, softcap
     )
 
 
 _lib = torch.library.Library("augur", "DEF")
 _lib.define(
     "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_pool, int layer, Tensor slot_mapping, "
-    "Tensor kv_slots, Tensor mask, Tensor q_index, float scale) -> Tensor"
+    "Tensor kv_slots, Tensor mask, Tensor q_index, float scale, float softcap=0.0) -> Tensor"
 )
 
 
-def _paged_attention_impl(q, k, v, kv_pool, layer, slot_mapping, kv_slots, mask, q_index, scale):
+def _paged_attention_impl(q, k, v, kv_pool, layer, slot_mapping, kv_slots, mask, q_index, scale, softcap=0.0):
     T, H, D = q.shape
     B, Q = kv_slots.shape[0], mask.shape[2]
     k_cache, v_cache = kv_pool[layer, 0], kv_pool[layer, 1]
@@ -162,14 +166,37 @@ def _paged_attention_impl(q, k, v, kv_pool, layer, slot_mapping, kv_slots, mask,
         qp = q.new_zeros(B * Q, H, D)
         qp.index_copy_(0, q_index, q)
         qp = qp.view(B, Q, H, D)
-    out = F.scaled_dot_product_attention(
-        qp.transpose(1, 2), keys, values, attn_mask=mask, scale=scale, enable_gqa=keys.shape[1] != H
-    )  # [B, H, Q, D]
+    if softcap > 0.0:
+        out = _softcapped_attention(qp.transpose(1, 2), keys, values, mask, scale, softcap)
+    else:
+        out = F.scaled_dot_product_attention(
+            qp.transpose(1, 2), keys, values, attn_mask=mask, scale=scale, enable_gqa=keys.shape[1] != H
+        )  # [B, H, Q, D]
     out = out.transpose(1, 2).reshape(B * Q, H * D)
     return out if Q == 1 else out.index_select(0, q_index)
 
 
-def _paged_attention_fake(q, k, v, kv_pool, layer, slot_mapping, kv_slots, mask, q_index, scale):
+def _softcapped_attention(
+    q: torch.Tensor,  # [B, H, Q, D]
+    keys: torch.Tensor,  # [B, Hkv, Kmax, D]
+    values: torch.Tensor,  # [B, Hkv, Kmax, D]
+    mask: torch.Tensor,  # [B, 1, Q, Kmax] bool, True = may attend
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:  # [B, H, Q, D]
+    """Attention with soft-capped scores. Query head ``h`` reads KV head ``h // (H // Hkv)``: the
+    query heads are grouped per KV head instead of repeating the keys."""
+    B, H, Q, D = q.shape
+    Hkv = keys.shape[1]
+    qg = q.reshape(B, Hkv, H // Hkv, Q, D)
+    scores = torch.matmul(qg, keys.unsqueeze(2).transpose(-1, -2)).float() * scale  # [B, Hkv, G, Q, Kmax]
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    return torch.matmul(probs, values.unsqueeze(2)).reshape(B, H, Q, D)
+
+
+def _paged_attention_fake(q, k, v, kv_pool, layer, slot_mapping, kv_slots, mask, q_index, scale, softcap=0.0):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from engine.models.gemma2 import Gemma2ForCausalLM
 from engine.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -15,6 +16,7 @@ from engine.models.llama import (
 )
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,

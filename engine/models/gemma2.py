@@ -1,0 +1,140 @@
+"""Gemma-2: a Llama-shaped decoder with a few twists, on the same flattened batch and paged KV cache.
+
+What differs from ``engine.models.llama``:
+- the embedding is scaled by sqrt(hidden_size), rounded to the hidden dtype (as Gemma was trained);
+- RMSNorm multiplies by ``1 + weight`` and rounds to the input dtype only at the end;
+- each sublayer has a norm before *and* after it (``input_layernorm`` / ``post_attention_layernorm``
+  around attention, ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm`` around the MLP);
+- the MLP is GeGLU (tanh-approximated GELU);
+- attention scores are scaled by ``query_pre_attn_scalar ** -0.5`` and *soft-capped*:
+  ``cap * tanh(scores / cap)`` before the mask (``attn_logit_softcapping``), as are the final
+  logits (``final_logit_softcapping``);
+- layers alternate sliding-window and full attention (``layer_types``).
+
+Weights load as Llama's do (q/k/v and gate/up fused as they arrive); the output layer is the
+embedding table (tied).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+from engine.attention import AttentionMetadata, paged_attention
+from engine.models.llama import LlamaForCausalLM, apply_rope, sliding_window_of
+
+
+class GemmaRMSNorm(nn.Module):
+    """RMSNorm scaled by ``1 + weight`` (a zero weight is the identity scale), all in float32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class ScaledEmbedding(nn.Embedding):
+    """The token embedding times sqrt(hidden_size), the factor rounded to the weights' dtype: what the
+    first layer reads (a proposer reusing ``embed_tokens`` gets the same). The tied output layer
+    reads the unscaled ``weight``."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = super().forward(input_ids)
+        return x * torch.tensor(self.embedding_dim**0.5, dtype=x.dtype, device=x.device)
+
+
+class Gemma2Attention(nn.Module):
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = config.query_pre_attn_scalar**-0.5
+        self.softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)  # 0: no cap
+        bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        self.sliding = sliding_window_of(config, layer_idx) is not None
+
+    def forward(self, x, cos, sin, kv_pool: torch.Tensor, layer: int, meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(T, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, kv_pool, layer, meta, self.scale, sliding=self.sliding, softcap=self.softcap)
+        return self.o_proj(out)
+
+
+class Gemma2MLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act = ACT2FN[config.hidden_activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class Gemma2DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = Gemma2Attention(config, layer_idx)
+        self.mlp = Gemma2MLP(config)
+        self.input_layernorm = GemmaRMSNorm(h, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(h, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
+
+    def forward(self, x, cos, sin, kv_pool, layer, meta, attn: bool = True, mlp: bool = True) -> torch.Tensor:
+        if attn:
+            a = self.self_attn(self.input_layernorm(x), cos, sin, kv_pool, layer, meta)
+            x = x + self.post_attention_layernorm(a)
+        if mlp:
+            x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x
+
+
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    """Gemma-2 causal LM over a paged KV cache. Shares Llama's forward loop (``skip`` leaves a
+    sublayer out with its pre- and post-norm; ``hidden_layers`` capture a layer's output before the
+    final norm), RoPE tables, weight loading (the checkpoint's names match ours once q/k/v and gate/up
+    are fused) and CPU packing."""
+
+    def __init__(self, config, max_positions: int | None = None) -> None:
+        nn.Module.__init__(self)
+        if getattr(config, "use_bidirectional_attention", None):
+            raise ValueError("Gemma-2 with bidirectional attention is not a causal LM")
+        self.config = config
+        self.embed_tokens = ScaledEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Gemma2DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
+        self.lm_head = (
+            None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self.final_softcap = float(getattr(config, "final_logit_softcapping", None) or 0.0)  # 0: no cap
+        windows = {sliding_window_of(config, i) for i in range(config.num_hidden_layers)} - {None}
+        if len(windows) > 1:
+            raise ValueError(f"layers with different sliding windows are not supported: {sorted(windows)}")
+        self.sliding_window: int | None = windows.pop() if windows else None
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)  # [max_positions, head_dim]
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self.init_buffers(max_positions or config.max_position_embeddings)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] → [N, vocab] float32
+        logits = super().compute_logits(hidden)
+        if self.final_softcap > 0.0:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
