@@ -1,0 +1,49 @@
+"""The real-shape step benchmark (``python -m engine.bench_gpu``) end to end, on toy shapes on CPU:
+the same code a GPU run takes, writing every figure it reports."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine import bench_gpu
+
+
+def test_step_benchmark_runs_and_reports(tmp_path):
+    out = tmp_path / "steps.json"
+    argv = ["--shapes", "tiny", "--device", "cpu", "--dtype", "float32", "--context", "40", "--repeats", "2"]
+    assert bench_gpu.main(argv + ["--depths", "2", "4", "--alphas", "0.5", "0.9", "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["device"] and report["copy_bandwidth_gb_s"] > 0
+    (r,) = report["results"]
+    assert r["shape"] == "tiny" and r["draft"] == "tiny-draft"
+    assert r["decode_ms"] > 0 and r["hbm_bound_ms"] > 0 and r["verify_tree_ms"] > 0
+    assert r["fraction_of_bound"] == pytest.approx(r["hbm_bound_ms"] / r["decode_ms"])
+    assert r["verify_vs_decode"] == pytest.approx(r["verify_tree_ms"] / r["decode_ms"])
+    assert {(s["alpha"], s["depth"]) for s in r["speculative"]} == {(0.5, 2), (0.5, 4), (0.9, 2), (0.9, 4)}
+    # A step of depth k yields (1 - alpha^(k+1)) / (1 - alpha) tokens in k draft steps and one verify.
+    s = next(s for s in r["speculative"] if s["alpha"] == 0.9 and s["depth"] == 4)
+    step_ms = 4 * r["draft_decode_ms"] + r["chain_verify_ms"]["4"]
+    assert s["tokens_per_s"] == pytest.approx((1 - 0.9**5) / 0.1 / step_ms * 1e3)
+
+
+def test_real_shapes_build_as_published():
+    """The shapes are the published ones: parameter counts from the configs, built on the meta device."""
+    import torch
+
+    from engine.models import model_class_for
+
+    counts = {}
+    for name in ("llama-3.1-8b", "qwen2.5-7b", "gemma-2-9b", "llama-3.2-1b"):
+        spec = dict(bench_gpu.SHAPES[name])
+        cls = spec.pop("cls")
+        spec.pop("draft", None)
+        config = bench_gpu._CONFIGS[cls](**spec, architectures=[cls])
+        with torch.device("meta"):
+            model = model_class_for(config)(config, 64)
+        counts[name] = sum(p.numel() for p in model.parameters()) / 1e9
+    assert counts["llama-3.1-8b"] == pytest.approx(8.03, abs=0.01)
+    assert counts["qwen2.5-7b"] == pytest.approx(7.62, abs=0.01)
+    assert counts["gemma-2-9b"] == pytest.approx(9.24, abs=0.01)
+    assert counts["llama-3.2-1b"] == pytest.approx(1.24, abs=0.01)
