@@ -241,9 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     bandwidth = copy_bandwidth(device, 1 << 30 if device.type == "cuda" else 1 << 26)
-    print(
-        f"device: {device_name(device)}; copy bandwidth {bandwidth / 1e9:.0f} GB/s; {args.dtype}; context {args.context}"
-    )
+    head = f"device: {device_name(device)}; copy bandwidth {bandwidth / 1e9:.0f} GB/s"
+    print(f"{head}; {args.dtype}; context {args.context}")
     results = []
     for name in args.shapes:
         r = measure(name, device, dtype, args.context, args.repeats, args.alphas, args.depths, bandwidth)
