@@ -25,7 +25,8 @@ Policy, in three passes:
 3. Admission, only if nothing was preempted: waiting sequences are admitted in arrival order while
    the token budget, ``max_num_seqs`` and free blocks (less the watermark while anything runs)
    allow, reusing cached prefix blocks; parked ones are skipped (they wait for their group, not for
-   compute). Where blocks are short, running parked sequences are preempted for the admission.
+   compute). Where blocks are short, running parked sequences are preempted to admit a beam (maybe
+   their missing mate), or anyone when nothing but parked sequences runs.
 
 Every pass costs O(number of sequences) (lookahead also O(its blocks) per sequence).
 """
@@ -197,7 +198,10 @@ class Scheduler:
             new_blocks = self.bm.blocks_needed(len(prefix_blocks), cached + n)
             reserve = self.watermark_blocks if self.running else 0  # an idle engine may use every block
             if not self.bm.can_allocate(prefix_blocks, new_blocks + reserve):
-                if self._preempt_parked(out):
+                # Parked beams give way to a beam (perhaps their missing mate), or when nothing else
+                # runs: parked sequences alone would wait for each other forever.
+                stuck = seq.group.beam is not None or all(s.parked for s in self.running)
+                if stuck and self._preempt_parked(out):
                     seats += 1
                     continue  # parked blocks were freed: try again
                 break
