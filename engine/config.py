@@ -31,6 +31,10 @@ class EngineConfig:
     tokenizer: str | None = None  # defaults to the model's directory
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16 on GPU and bf16-capable CPUs)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # Weight quantization at load: None (as the checkpoint is) | nf4 (every linear layer but the LM head in
+    # 4-bit NF4, dequantized on each call: less memory, not faster). Checkpoints saved by bitsandbytes in
+    # NF4 load as NF4 without it.
+    quantization: str | None = None
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     block_size: int = 16
     num_kv_blocks: int | None = None  # sizes the KV pool exactly; else from kv_cache_memory_fraction
@@ -70,6 +74,12 @@ class EngineConfig:
 
         check(bool(self.model), "a model path or hub id is required")
         check(self.dtype == "auto" or self.dtype in _DTYPES, f"dtype must be auto or one of {sorted(_DTYPES)}")
+        from engine.quant import QUANTIZATIONS
+
+        check(
+            self.quantization is None or self.quantization in QUANTIZATIONS,
+            f"quantization must be one of {list(QUANTIZATIONS)} (or unset), got {self.quantization!r}",
+        )
         check(
             self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
             f"device must be auto, cpu or cuda[:N], got {self.device!r}",

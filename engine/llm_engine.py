@@ -58,7 +58,10 @@ class LLMEngine:
 
         t0 = time.perf_counter()
         compiled = config.compile_enabled
-        model = load_model(self.model_path, self.hf_config, self.dtype, self.device, max_len, pack=not compiled)
+        model = load_model(
+            self.model_path, self.hf_config, self.dtype, self.device, max_len, pack=not compiled,
+            quantization=config.quantization,
+        )  # fmt: skip
         logger.info("loaded %s in %.1fs (%s, %s)", self.model_path, time.perf_counter() - t0, self.dtype, self.device)
         self.runner = ModelRunner(model, self.hf_config, self.device, self.dtype, config.block_size, compile=compiled)
         self.proposer = None

@@ -16,6 +16,16 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from engine.models import model_class_for
 from engine.models.packed import MIN_PACKED_BYTES, linear_weight_bytes, packing_supported
+from engine.quant import QUANTIZATIONS
+from engine.quant.nf4 import (
+    BNB_SUFFIXES,
+    QUANT_STATE_PREFIX,
+    NF4Linear,
+    bnb_quantization_kind,
+    fuse_nf4,
+    nf4_from_bnb,
+    quantize_nf4,
+)
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -87,19 +97,142 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(
-    path: Path, config, dtype: torch.dtype, device: torch.device, max_positions: int, pack: bool = True
+    path: Path,
+    config,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    pack: bool = True,
+    quantization: str | None = None,
 ) -> torch.nn.Module:
     """Build the model without initializing weights (meta device), then fill it from the checkpoint.
-    ``pack``: prepack large CPU models' linears (not for a compiled model: inductor packs its own)."""
+    ``pack``: prepack large CPU models' linears (not for a compiled model: inductor packs its own).
+    ``quantization="nf4"``: quantize the linear layers as they load (see :class:`_NF4Loading`); a
+    checkpoint saved by bitsandbytes in NF4 (config.json ``quantization_config``) loads as NF4 either way."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)} or None, got {quantization!r}")
     cls = model_class_for(config)
+    try:
+        prequantized = bnb_quantization_kind(getattr(config, "quantization_config", None))
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
     with torch.device("meta"):
         model = cls(config, max_positions)
+    nf4 = _NF4Loading(model, path, quantize=quantization == "nf4") if prequantized or quantization else None
     model = model.to_empty(device=device).to(dtype)
     model.init_buffers(max_positions)
-    model.load_weights((k, v.to(device)) for k, v in iter_safetensors(path))
+    weights = ((k, v.to(device)) for k, v in iter_safetensors(path))
+    model.load_weights(nf4.intercept(weights) if nf4 else weights)
+    if nf4:
+        nf4.install()
+    # Packing replaces plain nn.Linear layers only; NF4 layers are not nn.Linear and stay as they are.
     if pack and packing_supported(dtype, device) and linear_weight_bytes(model) >= MIN_PACKED_BYTES:
         model.pack_for_cpu()
     return model.eval()
+
+
+def checkpoint_keys(path: Path) -> list[str]:
+    """The names of every tensor of the checkpoint, read from the files' headers (no tensor data)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return list(json.loads(index.read_text())["weight_map"])
+    keys: list[str] = []
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            keys += list(f.keys())
+    return keys
+
+
+class _NF4Loading:
+    """NF4 linear layers for one model load.
+
+    Before the weights are allocated, every linear to be held in NF4 is swapped for an empty
+    :class:`NF4Linear` (so no full-precision copy of it is ever allocated, and the model's own loader
+    no longer expects its weight). Those are: the linears whose checkpoint weights are in bitsandbytes'
+    NF4 layout, and with ``quantize`` every other linear but ``lm_head`` (kept in full precision as
+    transformers keeps it: it is one matrix, and the one whose errors reach the logits directly).
+    :meth:`intercept` takes their tensors out of the stream the model loads (quantizing plain ones,
+    each checkpoint matrix on its own), and :meth:`install` gives each layer its weight: the parts of a
+    fused layer (q/k/v, gate/up) are stacked in 4 bits (:func:`engine.quant.nf4.fuse_nf4`), without
+    re-quantizing."""
+
+    def __init__(self, model: torch.nn.Module, path: Path, quantize: bool) -> None:
+        self.model = model
+        self.quantize = quantize
+        self.fused = getattr(model, "_fused", {})
+        self.stats: dict[str, dict[str, torch.Tensor]] = {}  # checkpoint module name → its bnb tensors
+        self.parts: dict[str, dict[object, object]] = {}  # our module name → {shard: NF4Weight}
+        linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        marker = ".weight." + QUANT_STATE_PREFIX
+        self.prequantized = {k[: k.index(marker)] for k in checkpoint_keys(path) if marker in k}
+        targets = {self.target(name)[0] for name in self.prequantized}
+        unknown = sorted(targets - set(linears))
+        if unknown:
+            raise ValueError(f"{path}: quantized weight for {unknown[0]}, which is not a linear layer of the model")
+        if quantize:
+            targets |= {n for n in linears if n != "lm_head"}
+        self.layers: dict[str, NF4Linear] = {}
+        for name in sorted(targets):
+            lin = linears[name]
+            layer = NF4Linear(lin.in_features, lin.out_features, bias=lin.bias is not None)
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, layer)
+            self.layers[name] = layer
+
+    def target(self, checkpoint_module: str) -> tuple[str, object]:
+        """Our module for a checkpoint module, and which shard of it (None: all of it)."""
+        name = checkpoint_module.removeprefix("model.") + ".weight"
+        for piece, (fused, shard) in self.fused.items():
+            if piece in name:
+                return name.replace(piece, fused).removesuffix(".weight"), shard
+        return name.removesuffix(".weight"), None
+
+    def intercept(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for key, tensor in weights:
+            module, sep, suffix = key.partition(".weight")
+            if sep and module in self.prequantized:
+                suffix = suffix.removeprefix(".") or "weight"
+                if suffix != "weight" and suffix not in BNB_SUFFIXES and not suffix.startswith("quant_state."):
+                    raise ValueError(f"unexpected tensor {key} of a bitsandbytes-quantized weight")
+                self.stats.setdefault(module, {})[suffix] = tensor
+                continue
+            if sep and not suffix and self.target(module)[0] in self.layers:
+                target, shard = self.target(module)
+                if not self.quantize:
+                    raise ValueError(f"{key} is in full precision but other weights of {target} are NF4")
+                if tensor.dim() != 2:
+                    raise ValueError(f"{key}: expected a matrix, got shape {tuple(tensor.shape)}")
+                self.parts.setdefault(target, {})[shard] = quantize_nf4(tensor)
+                continue
+            yield key, tensor
+
+    def install(self) -> None:
+        for module, tensors in self.stats.items():
+            target, shard = self.target(module)
+            self.parts.setdefault(target, {})[shard] = nf4_from_bnb(module, tensors)
+        self.stats.clear()
+        for name, layer in self.layers.items():
+            parts = self.parts.pop(name, {})
+            stacked = []
+            for shard in self.shards(name):
+                if shard not in parts:
+                    which = "" if shard is None else f" (shard {shard})"
+                    raise ValueError(f"checkpoint is missing the weight of {name}{which}")
+                start, rows = (0, layer.out_features)
+                if shard is not None:
+                    start, rows = self.model._shard_range(name + ".weight", shard)
+                if tuple(parts[shard].shape) != (rows, layer.in_features):
+                    raise ValueError(
+                        f"shape mismatch for {name} ({shard}): checkpoint {tuple(parts[shard].shape)}, "
+                        f"model {(rows, layer.in_features)}"
+                    )
+                stacked.append((start, parts[shard]))
+            layer.set_weight(fuse_nf4([q for _, q in sorted(stacked, key=lambda x: x[0])]))
+
+    def shards(self, name: str) -> list[object]:
+        """The shards a fused layer is loaded from, in the model's fusion table's order."""
+        fused = [shard for piece, (f, shard) in self.fused.items() if f.strip(".") == name.rsplit(".", 1)[-1]]
+        return fused or [None]
 
 
 def read_state_file(path: Path, names: tuple[str, ...]) -> tuple[Path, dict[str, torch.Tensor]]:

@@ -7,6 +7,7 @@ import logging
 import sys
 
 from engine.config import EngineConfig
+from engine.quant import QUANTIZATIONS
 from engine.speculative.proposer import known_methods
 
 
@@ -19,6 +20,13 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
     )
     g.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument(
+        "--quantization",
+        default=None,
+        choices=list(QUANTIZATIONS),
+        help="quantize the linear layers at load (nf4: 4-bit NormalFloat, LM head kept); "
+        "bitsandbytes NF4 checkpoints load as NF4 without it",
+    )
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")

@@ -83,15 +83,13 @@ def test_preset_models(name, model, draft):
         assert args.dtype == "bfloat16"
 
 
-def test_gemma_preset_says_it_fails_until_gemma2_lands():
-    """The registry refuses Gemma 2 with a message naming the supported families; when Gemma 2 is added this
-    test fails as a reminder to drop the preset's warning."""
-    from engine.models import UnsupportedModelError, model_class_for
+def test_gemma_preset_runs_on_the_gemma2_family():
+    """The Gemma-2 preset's model family is registered, and the preset no longer warns that it fails."""
+    from engine.models import model_class_for
+    from engine.models.gemma2 import Gemma2ForCausalLM
 
-    with pytest.raises(UnsupportedModelError, match=r"unsupported model architecture.*Gemma2ForCausalLM.*supported:"):
-        model_class_for(Namespace(architectures=["Gemma2ForCausalLM"]))
-    first_comment = (CONFIGS / "gemma-2-9b-it.yaml").read_text().splitlines()[0]
-    assert first_comment.startswith("#") and "fails at start" in first_comment
+    assert model_class_for(Namespace(architectures=["Gemma2ForCausalLM"])) is Gemma2ForCausalLM
+    assert "fails at start" not in (CONFIGS / "gemma-2-9b-it.yaml").read_text()
 
 
 def test_command_line_overrides_the_file():
