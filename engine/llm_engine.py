@@ -143,7 +143,8 @@ class LLMEngine:
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError if this request cannot be served as asked."""
         amateur = self.proposer is not None and self.proposer.has_language_model
-        check_request(prompt_ids, params, self.vocab_size, self.max_model_len, self.config.max_num_seqs, amateur)
+        limits = (self.vocab_size, self.max_model_len, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        check_request(prompt_ids, params, *limits, amateur)
 
     def add_request(
         self,

@@ -15,6 +15,7 @@ def check_request(
     vocab_size: int,
     max_model_len: int,
     max_num_seqs: int,
+    max_num_batched_tokens: int,
     has_amateur: bool,  # a draft model serves that contrastive decoding can use as its amateur
 ) -> None:
     """Raise InvalidRequestError if this request cannot be served as asked (its parameters alone were
@@ -31,8 +32,11 @@ def check_request(
             "contrastive decoding needs a draft model as its amateur: serve with --draft-model "
             "(speculative method 'draft')"
         )
-    if params.contrastive_search and params.top_k > vocab_size:
-        raise InvalidRequestError(f"top_k ({params.top_k}) exceeds the vocabulary ({vocab_size})")
+    if params.contrastive_search and params.top_k > min(vocab_size, max_num_batched_tokens):
+        raise InvalidRequestError(
+            f"top_k ({params.top_k}) exceeds the vocabulary ({vocab_size}) or the tokens one step feeds "
+            f"({max_num_batched_tokens}, --max-num-batched-tokens): contrastive search feeds its candidates at once"
+        )
     bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequestError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
