@@ -57,6 +57,17 @@ def _eager_by_default():
     mp.undo()
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For a module that runs servers (or many tiny steps) on this 2-core box: a second OpenMP thread
+    only spins against the first, the event loop and the engine thread, making every step many times
+    slower. Modules opt in with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:
     tok = Tokenizer(models.BPE())

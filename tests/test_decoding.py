@@ -37,14 +37,7 @@ MODEL = "tiny-decoding"
 SPECIAL = {0, 1, 2}  # bos, eos, pad of the test tokenizer
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Tiny models on a small box: a second OpenMP thread only spins against the first (and against the
-    servers' event loop and engine thread at the end of the file), making every step many times slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # -- models -----------------------------------------------------------------------------------------

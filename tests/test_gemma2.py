@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from test_engine import hf_greedy, prompts
 from transformers import PreTrainedTokenizerFast
 
 from conftest import VOCAB
@@ -87,26 +88,6 @@ def hf_model(model_dir: Path, **config_overrides):
 def hf_logits(model, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float()
-
-
-def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new,
-            do_sample=False,
-            eos_token_id=1,
-            pad_token_id=2,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
-def prompts(n: int, seed: int, lo: int = 3, hi: int = 40) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(lo, hi, (n,), generator=g).tolist()
-    return [torch.randint(3, VOCAB, (k,), generator=g).tolist() for k in lens]
 
 
 def test_config_alternates_sliding_and_full_layers(gemma_dirs):

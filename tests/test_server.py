@@ -19,7 +19,6 @@ from contextlib import contextmanager
 import httpx
 import openai
 import pytest
-import torch
 from transformers import AutoTokenizer
 
 from conftest import VOCAB
@@ -33,14 +32,7 @@ API_KEY = "sk-test-0123456789"
 REPLACEMENT = "\ufffd"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Two OpenMP threads on a two-core box that also runs the event loop, the engine thread and the
-    clients spin against each other and make every step ~20x slower; one thread keeps this file fast."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,9 @@ if TYPE_CHECKING:
     from engine.sequence import Sequence
 
 
+_NOTHING: frozenset[int] = frozenset()
+
+
 class NgramIndex:
     """Every n-gram of one token history, keyed by its first ``n - 1`` tokens."""
 
@@ -49,11 +52,12 @@ class NgramIndex:
         return out
 
 
-def banned_tokens(seq: Sequence, path: Tokens[int] = ()) -> set[int]:
-    """What ``seq``'s next token (after ``path``) may not be; empty without ``no_repeat_ngram_size``."""
+def banned_tokens(seq: Sequence, path: Tokens[int] = ()) -> frozenset[int] | set[int]:
+    """What ``seq``'s next token (after ``path``) may not be; empty without ``no_repeat_ngram_size``
+    (one shared empty set: every row of every step asks)."""
     n = seq.params.no_repeat_ngram_size
     if not n:
-        return set()
+        return _NOTHING
     if seq.ngrams is None or seq.ngrams.n != n:
         seq.ngrams = NgramIndex(n)
     seq.ngrams.sync(seq.token_ids)

@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 
-from engine.attention import AttentionMetadata, paged_attention
-from engine.models.llama import LlamaForCausalLM, apply_rope, sliding_window_of
+from engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, sliding_window_of
 
 
 class GemmaRMSNorm(nn.Module):
@@ -48,42 +46,14 @@ class ScaledEmbedding(nn.Embedding):
         return x * torch.tensor(self.embedding_dim**0.5, dtype=x.dtype, device=x.device)
 
 
-class Gemma2Attention(nn.Module):
+class Gemma2Attention(LlamaAttention):
+    """Llama's attention with Gemma-2's score scale (``query_pre_attn_scalar ** -0.5``) and soft-cap."""
+
     def __init__(self, config, layer_idx: int) -> None:
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = config.query_pre_attn_scalar**-0.5
-        self.softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)  # 0: no cap
         bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
-        self.sliding = sliding_window_of(config, layer_idx) is not None
-
-    def forward(self, x, cos, sin, kv_pool: torch.Tensor, layer: int, meta: AttentionMetadata) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(T, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_pool, layer, meta, self.scale, sliding=self.sliding, softcap=self.softcap)
-        return self.o_proj(out)
-
-
-class Gemma2MLP(nn.Module):
-    def __init__(self, config) -> None:
-        super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.act = ACT2FN[config.hidden_activation]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        super().__init__(config, layer_idx, qkv_bias=bias, o_bias=bias, qk_norm=False)
+        self.scale = config.query_pre_attn_scalar**-0.5
+        self.softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)
 
 
 class Gemma2DecoderLayer(nn.Module):
@@ -91,7 +61,7 @@ class Gemma2DecoderLayer(nn.Module):
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = Gemma2Attention(config, layer_idx)
-        self.mlp = Gemma2MLP(config)
+        self.mlp = LlamaMLP(config, bias=False, act=config.hidden_activation)  # GeGLU (tanh GELU)
         self.input_layernorm = GemmaRMSNorm(h, eps)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)

@@ -73,6 +73,7 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.sliding = sliding_window_of(config, layer_idx) is not None
+        self.softcap = 0.0  # attention-score soft-cap (Gemma-2); 0: none
 
     def forward(self, x, cos, sin, kv_pool: torch.Tensor, layer: int, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
@@ -83,17 +84,17 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = paged_attention(q, k, v, kv_pool, layer, meta, self.scale, sliding=self.sliding)
+        out = paged_attention(q, k, v, kv_pool, layer, meta, self.scale, sliding=self.sliding, softcap=self.softcap)
         return self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, bias: bool) -> None:
+    def __init__(self, config, bias: bool, act: str | None = None) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.act = ACT2FN[config.hidden_act]
+        self.act = ACT2FN[act or config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)

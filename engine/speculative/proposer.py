@@ -68,8 +68,9 @@ class Proposer(ABC):
     cost: ClassVar[CostShape] = CostShape()
     hidden_layers: tuple[int, ...] = ()  # target layers to capture (the last is num_layers - 1)
     kv_bytes_per_token: int = 0  # bytes of its own KV per pool slot (0: none)
-    # It runs a language model of its own over the sequence (next_token_logits): contrastive
-    # decoding's amateur.
+    # It runs a language model of its own over the sequence: contrastive decoding's amateur. Such a
+    # proposer has ``next_token_logits(seqs) -> [len(seqs), V]``, its model's logits for each
+    # sequence's next token with every token fed.
     has_language_model: ClassVar[bool] = False
 
     @classmethod
@@ -102,11 +103,6 @@ class Proposer(ABC):
     def timings(self) -> list[tuple[str, int, int, float]]:
         """(cost kind, sequences, tokens, seconds) of the proposer's forwards since the last call."""
         return []
-
-    def next_token_logits(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Its own model's logits ``[len(seqs), V]`` for each sequence's next token, all tokens fed
-        (only where ``has_language_model``)."""
-        raise NotImplementedError(f"the {self.method!r} proposer has no language model of its own")
 
     def cost_probe(self) -> Callable[[list[ForwardChunk]], object] | None:
         """A function running one of the proposer's forwards over these chunks, which the engine times
