@@ -25,6 +25,7 @@ table and go to ``--output`` as JSON, with the device named.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import random
@@ -35,6 +36,7 @@ from dataclasses import asdict, dataclass
 import torch
 import transformers
 
+from engine.attention import BACKENDS as ATTENTION_BACKENDS
 from engine.model_runner import ForwardChunk, ModelRunner
 from engine.models import model_class_for
 from engine.speculative.tree import DraftTree, tree_layout
@@ -89,6 +91,7 @@ TREE_NODES = 60
 @dataclass
 class ShapeResult:
     shape: str
+    attention_backend: str
     params_b: float  # billions of parameters
     decode_bytes_gb: float  # what one decode step must read
     decode_ms: float
@@ -102,12 +105,20 @@ class ShapeResult:
     speculative: list[dict] | None = None  # per (alpha, k): tokens/s and speedup over plain decoding
 
 
-def build(name: str, device: torch.device, dtype: torch.dtype, max_positions: int) -> tuple[ModelRunner, object]:
-    """The model at ``name``'s shape with random weights (N(0, 0.02); norms at 1), built on ``device``."""
+def model_config(name: str, max_positions: int):
+    """The transformers config of ``name``'s shape."""
     spec = dict(SHAPES[name])
     cls_name = spec.pop("cls")
     spec.pop("draft", None)
-    config = _CONFIGS[cls_name](**spec, max_position_embeddings=max_positions, architectures=[cls_name])
+    return _CONFIGS[cls_name](**spec, max_position_embeddings=max_positions, architectures=[cls_name])
+
+
+def build(
+    name: str, device: torch.device, dtype: torch.dtype, max_positions: int, attention_backend: str = "auto"
+) -> tuple[ModelRunner, object]:
+    """The model at ``name``'s shape with random weights (N(0, 0.02); norms at 1), built on ``device``."""
+    config = model_config(name, max_positions)
+    cls_name = config.architectures[0]
     with torch.device("meta"):
         model = model_class_for(config)(config, max_positions)
     model = model.to_empty(device=device).to(dtype)
@@ -119,7 +130,7 @@ def build(name: str, device: torch.device, dtype: torch.dtype, max_positions: in
                 p.normal_(0.0, 0.02, generator=g)
             else:
                 p.fill_(0.0 if cls_name == "Gemma2ForCausalLM" else 1.0)  # Gemma's norms scale by 1 + w
-    return ModelRunner(model.eval(), config, device, dtype, BLOCK), config
+    return ModelRunner(model.eval(), config, device, dtype, BLOCK, attention_backend=attention_backend), config
 
 
 def decode_bytes(runner: ModelRunner, context: int) -> int:
@@ -178,9 +189,11 @@ def random_tree(nodes: int, seed: int = 0) -> DraftTree:
     return DraftTree([rng.randrange(3, 100) for _ in range(nodes)], parents)
 
 
-def measure(name: str, device, dtype, context: int, repeats: int, alphas, depths, bandwidth: float) -> ShapeResult:
+def measure(
+    name: str, backend: str, device, dtype, context: int, repeats: int, alphas, depths, bandwidth: float
+) -> ShapeResult:
     max_positions = context + TREE_NODES + 8
-    runner, _ = build(name, device, dtype, max_positions)
+    runner, _ = build(name, device, dtype, max_positions, backend)
     runner.allocate_kv(-(-max_positions // BLOCK) + 1)
     table = list(range(runner.num_blocks))
     ids = [random.Random(1).randrange(3, 100) for _ in range(context)]
@@ -196,12 +209,13 @@ def measure(name: str, device, dtype, context: int, repeats: int, alphas, depths
     params = sum(p.numel() for p in runner.model.parameters())
     bound = nbytes / bandwidth
     result = ShapeResult(
-        name, params / 1e9, nbytes / 1e9, decode * 1e3, bound * 1e3, bound / decode, verify * 1e3, verify / decode
-    )
+        name, runner.attention_backend, params / 1e9, nbytes / 1e9, decode * 1e3, bound * 1e3, bound / decode,
+        verify * 1e3, verify / decode,
+    )  # fmt: skip
     del runner
     draft = SHAPES[name].get("draft")
     if draft:
-        druns, _ = build(draft, device, dtype, max_positions)
+        druns, _ = build(draft, device, dtype, max_positions, backend)
         druns.allocate_kv(-(-max_positions // BLOCK) + 1)
         with torch.inference_mode():
             druns.forward([ForwardChunk(ids, 0, table, 1)])
@@ -234,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--context", type=int, default=1024, help="tokens already in the cache")
+    ap.add_argument(
+        "--attention-backends", nargs="+", default=["auto"], choices=["auto", *ATTENTION_BACKENDS],
+        help="measure each shape with each of these (engine.attention; auto: triton on CUDA)",
+    )  # fmt: skip
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--alphas", type=float, nargs="+", default=[0.6, 0.8])
     ap.add_argument("--depths", type=int, nargs="+", default=[2, 4, 6])
@@ -244,11 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     head = f"device: {device_name(device)}; copy bandwidth {bandwidth / 1e9:.0f} GB/s"
     print(f"{head}; {args.dtype}; context {args.context}")
     results = []
-    for name in args.shapes:
-        r = measure(name, device, dtype, args.context, args.repeats, args.alphas, args.depths, bandwidth)
+    for name, backend in itertools.product(args.shapes, args.attention_backends):
+        r = measure(name, backend, device, dtype, args.context, args.repeats, args.alphas, args.depths, bandwidth)
         results.append(r)
         print(
-            f"{name}: {r.params_b:.2f}B params, decode {r.decode_ms:.2f} ms vs HBM bound {r.hbm_bound_ms:.2f} ms "
+            f"{name} ({r.attention_backend} attention): {r.params_b:.2f}B params, decode {r.decode_ms:.2f} ms "
+            f"vs HBM bound {r.hbm_bound_ms:.2f} ms "
             f"({r.fraction_of_bound:.0%} of the bound); {TREE_NODES}-node tree verify {r.verify_tree_ms:.2f} ms "
             f"= {r.verify_vs_decode:.2f}x a decode"
         )

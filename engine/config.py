@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.attention import BACKENDS as ATTENTION_BACKENDS
+
 
 @functools.cache
 def cpu_has_bf16_units() -> bool:
@@ -47,6 +49,9 @@ class EngineConfig:
     # variable (on/off) if set, else on for CPUs (measured 1.06-1.27x per target forward, 1.2-1.9x per
     # draft forward: docs/benchmarks.md), off on GPUs until their CUDA-graph path lands.
     compile: str = "auto"
+    # Attention backend: auto | sdpa | triton (engine/attention). auto: triton on CUDA where Triton imports,
+    # else sdpa (the CPU path and the reference).
+    attention_backend: str = "auto"
     # Speculative decoding.
     # none | draft | ngram | suffix | layer-skip | medusa (the registry's methods; default: the method
     # whose layout the --draft-model directory has — medusa for Medusa heads, else draft — or none)
@@ -91,6 +96,10 @@ class EngineConfig:
         check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be positive")
         check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be at least 2")
         check(self.compile in ("auto", "on", "off"), f"compile must be auto, on or off, got {self.compile!r}")
+        check(
+            self.attention_backend in ("auto", *ATTENTION_BACKENDS),
+            f"attention_backend must be auto or one of {list(ATTENTION_BACKENDS)}, got {self.attention_backend!r}",
+        )
         env = os.environ.get("AUGUR_COMPILE", "")
         check(env in ("", "on", "off"), f"AUGUR_COMPILE must be on or off, got {env!r}")
         from engine.speculative.proposer import known_methods, method_for_draft

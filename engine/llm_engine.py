@@ -63,7 +63,10 @@ class LLMEngine:
             quantization=config.quantization,
         )  # fmt: skip
         logger.info("loaded %s in %.1fs (%s, %s)", self.model_path, time.perf_counter() - t0, self.dtype, self.device)
-        self.runner = ModelRunner(model, self.hf_config, self.device, self.dtype, config.block_size, compile=compiled)
+        self.runner = ModelRunner(
+            model, self.hf_config, self.device, self.dtype, config.block_size, compile=compiled,
+            attention_backend=config.attention_backend,
+        )  # fmt: skip
         self.proposer = None
         if config.speculative_method != "none" and config.num_speculative_tokens > 0:
             cls = proposer_class(config.speculative_method)

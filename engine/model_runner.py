@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata, build_attention_metadata
+from engine.attention import AttentionMetadata, metadata_builder, resolve_backend
 from engine.models.layer_skip import LayerSkip
 from engine.models.packed import linear_weight_bytes
 
@@ -133,6 +133,7 @@ class ModelRunner:
         block_size: int,
         num_blocks: int | None = None,
         compile: bool = False,
+        attention_backend: str = "auto",
     ) -> None:
         self.model = model
         self.hf_config = hf_config
@@ -141,6 +142,8 @@ class ModelRunner:
         self.block_size = block_size
         self.vocab_size = hf_config.vocab_size
         self.kv_bytes_per_token = kv_bytes_per_token(hf_config, dtype)
+        self.attention_backend = resolve_backend(attention_backend, device)  # see engine.attention
+        self._build_metadata = metadata_builder(self.attention_backend)
         self.num_blocks = 0
         self.kv_cache = torch.empty(0)
         if num_blocks is not None:
@@ -207,7 +210,7 @@ class ModelRunner:
         input_ids = torch.tensor(token_ids, dtype=torch.int64).to(dev, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
         masks = [c.tree_mask for c in chunks]
-        meta = build_attention_metadata(
+        meta = self._build_metadata(
             q_lens=[len(c.token_ids) for c in chunks],
             ctx_lens=[c.ctx_len for c in chunks],
             block_tables=[c.block_table for c in chunks],

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from engine.attention import BACKENDS as ATTENTION_BACKENDS
 from engine.config import EngineConfig
 from engine.quant import QUANTIZATIONS
 from engine.speculative.proposer import known_methods
@@ -45,6 +46,12 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
         default="auto",
         choices=["auto", "on", "off"],
         help="torch.compile the forwards (auto: $AUGUR_COMPILE, else on for CPU; compiling takes ~1 min at start)",
+    )
+    g.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", *ATTENTION_BACKENDS],
+        help="paged attention kernels (auto: triton on CUDA where Triton imports, else sdpa, the CPU reference)",
     )
     sp = p.add_argument_group("speculative decoding")
     sp.add_argument(

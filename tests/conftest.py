@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from pathlib import Path
 
@@ -10,6 +11,10 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
+
+if not torch.cuda.is_available():
+    # Triton kernels (the triton attention backend) run in Triton's interpreter, on CPU tensors.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 VOCAB = 384
 ARCHS = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"]

@@ -13,10 +13,13 @@ from engine import bench_gpu
 def test_step_benchmark_runs_and_reports(tmp_path):
     out = tmp_path / "steps.json"
     argv = ["--shapes", "tiny", "--device", "cpu", "--dtype", "float32", "--context", "40", "--repeats", "2"]
+    argv += ["--attention-backends", "sdpa", "triton"]  # triton: interpreted on CPU (TRITON_INTERPRET=1)
     assert bench_gpu.main(argv + ["--depths", "2", "4", "--alphas", "0.5", "0.9", "--output", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["device"] and report["copy_bandwidth_gb_s"] > 0
-    (r,) = report["results"]
+    r, t = report["results"]
+    assert (r["attention_backend"], t["attention_backend"]) == ("sdpa", "triton")
+    assert t["decode_ms"] > 0 and t["verify_tree_ms"] > 0
     assert r["shape"] == "tiny" and r["draft"] == "tiny-draft"
     assert r["decode_ms"] > 0 and r["hbm_bound_ms"] > 0 and r["verify_tree_ms"] > 0
     assert r["fraction_of_bound"] == pytest.approx(r["hbm_bound_ms"] / r["decode_ms"])
@@ -36,10 +39,7 @@ def test_real_shapes_build_as_published():
 
     counts = {}
     for name in ("llama-3.1-8b", "qwen2.5-7b", "gemma-2-9b", "llama-3.2-1b"):
-        spec = dict(bench_gpu.SHAPES[name])
-        cls = spec.pop("cls")
-        spec.pop("draft", None)
-        config = bench_gpu._CONFIGS[cls](**spec, architectures=[cls])
+        config = bench_gpu.model_config(name, max_positions=64)
         with torch.device("meta"):
             model = model_class_for(config)(config, 64)
         counts[name] = sum(p.numel() for p in model.parameters()) / 1e9

@@ -70,8 +70,9 @@ class DraftModelProposer(LevelDrafter):
         max_positions = target.model.rope_cos.shape[0]
         model = load_model(path, draft_config, target.dtype, target.device, max_positions, pack=not target.compiled)
         runner = ModelRunner(
-            model, draft_config, target.device, target.dtype, config.block_size, compile=target.compiled
-        )
+            model, draft_config, target.device, target.dtype, config.block_size, compile=target.compiled,
+            attention_backend=target.attention_backend,
+        )  # fmt: skip
         tree = config.spec_tree_topk > 1
         budget, catch_up = config.spec_tree_budget, config.max_num_batched_tokens
         stop = early_stop_for(config, default=None)

@@ -373,7 +373,10 @@ class EagleProposer(DraftModelProposer):
         head, ids = load_eagle(
             path, target.hf_config, target.model.embed_tokens, target.dtype, target.device, max_positions
         )
-        runner = ModelRunner(head, head.config, target.device, target.dtype, config.block_size, compile=target.compiled)
+        runner = ModelRunner(
+            head, head.config, target.device, target.dtype, config.block_size, compile=target.compiled,
+            attention_backend=target.attention_backend,
+        )  # fmt: skip
         aux = tuple(j - 1 for j in ids)  # hidden_states[j] is decoder layer j - 1's output
         stop = early_stop_for(config, default=None)
         tree, topk, budget = config.spec_tree_topk > 1, config.spec_tree_topk, config.spec_tree_budget

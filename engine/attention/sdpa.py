@@ -1,17 +1,9 @@
-"""Paged attention over one flattened batch of new tokens from many sequences.
+"""The reference attention backend: gather each sequence's K/V, then SDPA with a dense mask.
 
-The runner flattens every scheduled sequence's new tokens (prefill chunks, decode tokens, draft trees)
-into one ``[T]`` batch. Each new token's K/V is written to its cache slot; then each sequence's
-queries attend to its whole context (cached tokens + its new tokens) gathered from the paged cache.
-
-Terms:
-- *context length* ``ctx_len``: tokens of a sequence already in the cache before this forward.
-- *new-token mask*: which of a sequence's new tokens each new token may see. Causal by default; a
-  draft tree passes its ancestor mask instead. Cached tokens are always visible.
-- *slot*: ``block_id * block_size + offset`` — a row of the flat KV pool.
-
-This module builds that metadata once per forward (shared by all layers) and computes attention with
-``scaled_dot_product_attention`` on padded ``[B, Qmax]`` queries and ``[B, Kmax]`` gathered keys.
+It builds the metadata once per forward (shared by all layers) and computes attention with
+``scaled_dot_product_attention`` on padded ``[B, Qmax]`` queries and ``[B, Kmax]`` gathered keys (the
+terms are defined in ``engine.attention``). Its memory grows with ``B * Qmax * Kmax``: it is the CPU
+path and the reference the other backends are tested against, not a large-batch GPU path.
 *Soft-capping* (Gemma-2: ``scores = cap * tanh(scores / cap)`` before the mask and softmax) has no
 SDPA form, so a layer with a cap gets its scores from plain matmuls instead (cap and softmax in float32).
 
@@ -28,7 +20,7 @@ import torch.nn.functional as F
 
 
 @dataclass
-class AttentionMetadata:
+class SdpaMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot each new token's K/V is written to
     kv_slots: torch.Tensor  # [B, Kmax] int64: cache slots of each sequence's keys (padding → 0)
     mask: torch.Tensor  # [B, 1, Qmax, Kmax] bool, True = may attend
@@ -37,8 +29,14 @@ class AttentionMetadata:
     num_seqs: int
     max_q: int
 
+    def attend(self, q, k, v, kv_pool, layer: int, scale: float, sliding: bool, softcap: float) -> torch.Tensor:
+        mask = self.sliding_mask if sliding else self.mask
+        return torch.ops.augur.paged_attention(
+            q, k, v, kv_pool, layer, self.slot_mapping, self.kv_slots, mask, self.q_index, scale, softcap
+        )
 
-def build_attention_metadata(
+
+def build_sdpa_metadata(
     q_lens: list[int],
     ctx_lens: list[int],
     block_tables: list[list[int]],
@@ -48,7 +46,7 @@ def build_attention_metadata(
     mask_starts: list[int] | None = None,  # per sequence: first key index the mask covers (default: ctx_len)
     sliding_window: int | None = None,
     device: torch.device | str = "cpu",
-) -> AttentionMetadata:
+) -> SdpaMetadata:
     """Build attention metadata for sequences laid out back to back in the flat batch.
 
     Sequence ``b`` owns flat tokens ``sum(q_lens[:b]) ...`` and its new token ``i`` is stored at context
@@ -77,7 +75,7 @@ def build_attention_metadata(
 
     # Flat token → (sequence, new-token index).
     starts = torch.cumsum(q_lens_t, 0) - q_lens_t
-    seq_of_tok = torch.repeat_interleave(torch.arange(B, device=device), q_lens_t)
+    seq_of_tok = torch.repeat_interleave(torch.arange(B, device=device), q_lens_t, output_size=positions.numel())
     idx_in_seq = torch.arange(positions.numel(), device=device) - starts[seq_of_tok]
     slot_mapping = kv_slots[seq_of_tok, ctx_t[seq_of_tok] + idx_in_seq]
 
@@ -114,7 +112,7 @@ def build_attention_metadata(
         sliding_mask = sliding_mask[:, None]
 
     q_index = seq_of_tok * max_q + idx_in_seq
-    return AttentionMetadata(
+    return SdpaMetadata(
         slot_mapping=slot_mapping,
         kv_slots=kv_slots,
         mask=mask,
@@ -122,25 +120,6 @@ def build_attention_metadata(
         q_index=q_index,
         num_seqs=B,
         max_q=max_q,
-    )
-
-
-def paged_attention(
-    q: torch.Tensor,  # [T, H, D]
-    k: torch.Tensor,  # [T, Hkv, D]
-    v: torch.Tensor,  # [T, Hkv, D]
-    kv_pool: torch.Tensor,  # [layers, 2, num_slots, Hkv, D]
-    layer: int,
-    meta: AttentionMetadata,
-    scale: float,
-    sliding: bool = False,
-    softcap: float = 0.0,
-) -> torch.Tensor:  # [T, H * D]
-    """Write the new K/V into ``kv_pool[layer]``, then attend each sequence's queries to its context.
-    ``softcap`` > 0 soft-caps the attention scores at that value (0: no cap)."""
-    mask = meta.sliding_mask if sliding else meta.mask
-    return torch.ops.augur.paged_attention(
-        q, k, v, kv_pool, layer, meta.slot_mapping, meta.kv_slots, mask, meta.q_index, scale, softcap
     )
 
 

@@ -1,0 +1,104 @@
+"""Paged attention over one flattened batch of new tokens from many sequences, behind one interface.
+
+The runner flattens every scheduled sequence's new tokens (prefill chunks, decode tokens, draft trees)
+into one ``[T]`` batch. Each new token's K/V is written to its cache slot; then each sequence's
+queries attend to its whole context: the tokens already cached and its new tokens.
+
+Terms:
+- *context length* ``ctx_len``: tokens of a sequence already in the cache before this forward.
+- *new-token mask*: which of a sequence's new tokens each new token may see. Causal by default; a
+  draft tree passes its ancestor mask instead. Cached tokens are always visible.
+- *slot*: ``block_id * block_size + offset``, a row of the flat KV pool.
+
+A backend is a metadata builder: from plain lists (one entry per sequence) it builds, once per
+forward, the device tensors every layer shares, and that metadata's ``attend`` is what each layer
+calls (through :func:`paged_attention`). The model code never knows which backend runs.
+
+- ``sdpa`` (``sdpa.py``): gathers each sequence's K/V and runs ``scaled_dot_product_attention`` with a
+  dense padded mask. The CPU path and the reference.
+- ``triton`` (``triton_paged.py``): one Triton kernel reads K/V straight from the paged pool, with
+  per-sequence tree masks; memory proportional to what is computed. The GPU path; on a CPU its
+  kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``), which is how the tests check it.
+
+``auto`` picks ``triton`` on a CUDA device where Triton imports, ``sdpa`` otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+BACKENDS = ("sdpa", "triton")
+
+
+class AttentionMetadata(Protocol):
+    num_seqs: int
+
+    def attend(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_pool: torch.Tensor,  # [layers, 2, num_slots, Hkv, D]
+        layer: int,
+        scale: float,
+        sliding: bool,
+        softcap: float,
+    ) -> torch.Tensor: ...  # [T, H * D]
+
+
+MetadataBuilder = Callable[..., AttentionMetadata]
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton kernels run in its interpreter (on CPU tensors) instead of being compiled."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """The backend ``name`` stands for on ``device`` (``auto`` resolved), or a ValueError saying why not."""
+    has_triton = importlib.util.find_spec("triton") is not None
+    if name == "auto":
+        return "triton" if device.type == "cuda" and has_triton else "sdpa"
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend must be auto or one of {list(BACKENDS)}, got {name!r}")
+    if name == "triton":
+        if not has_triton:
+            raise ValueError("the triton attention backend needs the triton package (pip install triton)")
+        if device.type != "cuda" and not triton_interpreted():
+            raise ValueError(
+                "the triton attention backend needs a CUDA device "
+                "(or TRITON_INTERPRET=1, which runs its kernels in Triton's interpreter: slow, for testing)"
+            )
+    return name
+
+
+def metadata_builder(name: str) -> MetadataBuilder:
+    """The metadata builder of a resolved backend name (Triton is imported only when asked for)."""
+    if name == "triton":
+        from engine.attention.triton_paged import build_triton_metadata
+
+        return build_triton_metadata
+    from engine.attention.sdpa import build_sdpa_metadata
+
+    return build_sdpa_metadata
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    kv_pool: torch.Tensor,  # [layers, 2, num_slots, Hkv, D]
+    layer: int,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding: bool = False,
+    softcap: float = 0.0,
+) -> torch.Tensor:  # [T, H * D]
+    """Write the new K/V into ``kv_pool[layer]``, then attend each sequence's queries to its context.
+    ``sliding`` applies the model's sliding window; ``softcap`` > 0 soft-caps the scores at that value."""
+    return meta.attend(q, k, v, kv_pool, layer, scale, sliding, softcap)

@@ -1,0 +1,291 @@
+"""The GPU attention backend: one Triton kernel that reads K/V straight from the paged pool.
+
+Prefill chunks, decode tokens and draft trees of many sequences run in the same launch, without
+gathering any sequence's K/V into a padded copy and without a dense mask:
+
+- A *program* takes up to ``BLOCK_Q`` new tokens of one sequence and one KV head. Its rows are those
+  tokens times the ``G = H / Hkv`` query heads that share the KV head (GQA), so each K/V tile it loads
+  serves every query head of the group.
+- It walks the sequence's keys in tiles of ``BLOCK_N``, finding each key's slot through the block
+  table, and keeps a running (flash) softmax in float32: no score matrix is ever stored.
+- Visibility is computed per (query, key) in the kernel: cached keys are visible; new keys are
+  causal, or read from the sequence's own tree mask (a ``q x width`` byte matrix, packed with the other
+  sequences' into one flat tensor); the sliding window and the soft-cap are compile-time options.
+  Tiles past the causal horizon, or before the sliding window, are never loaded.
+
+Memory is the output and per-sequence metadata (``O(T * H * D + B * blocks + tree masks)``), whatever
+the context lengths. One assumption the window skip relies on: a key's position never exceeds its
+context index (a draft tree's node sits at a slot at or past its position), so a key before
+``min(query position) - window + 1`` is out of every query's window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.attention import triton_interpreted
+
+# Per-sequence fields of ``seq_info`` (one int32 row per sequence).
+CTX, KV_LEN, Q_START, Q_LEN, MASK_OFF, MASK_START, MASK_WIDTH = range(7)
+SEQ_FIELDS = 8  # padded to 8 columns
+BLOCK_Q_DECODE = 1  # every sequence feeds one token: one program per sequence
+BLOCK_Q_CHUNK = 16  # new tokens per program otherwise
+
+
+@dataclass
+class TritonMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot each new token's K/V is written to
+    block_tables: torch.Tensor  # [B, max_blocks] int32 (padding → 0, never read)
+    seq_info: torch.Tensor  # [B, SEQ_FIELDS] int32, the fields above
+    programs: torch.Tensor  # [P, 2] int32: (sequence, first new token) of each program
+    positions: torch.Tensor  # [T] int64: each new token's position (the sliding window reads them)
+    masks: torch.Tensor  # [sum q * width] uint8: every tree mask, row-major, back to back (≥ 1 element)
+    block_size: int
+    block_q: int
+    sliding_window: int  # 0: the model has none
+    num_seqs: int
+
+    def attend(self, q, k, v, kv_pool, layer: int, scale: float, sliding: bool, softcap: float) -> torch.Tensor:
+        window = self.sliding_window if sliding else 0
+        return torch.ops.augur.triton_paged_attention(
+            q, k, v, kv_pool, layer, self.slot_mapping, self.block_tables, self.seq_info, self.programs,
+            self.positions, self.masks, self.block_size, self.block_q, window, scale, softcap,
+        )  # fmt: skip
+
+
+def build_triton_metadata(
+    q_lens: list[int],
+    ctx_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    positions: torch.Tensor,  # [T] int64, on the target device
+    new_token_masks: list[torch.Tensor | None] | None = None,  # per sequence [q_len, ctx+q_len-mask_start] bool
+    mask_starts: list[int] | None = None,  # per sequence: first key index the mask covers (default: ctx_len)
+    sliding_window: int | None = None,
+    device: torch.device | str = "cpu",
+) -> TritonMetadata:
+    """Metadata for sequences laid out back to back in the flat batch (same arguments and meaning as
+    :func:`engine.attention.sdpa.build_sdpa_metadata`). Everything is built on the host from the lists
+    and copied once; nothing here depends on the context lengths but the block tables."""
+    B = len(q_lens)
+    kv_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
+    max_blocks = max(-(-n // block_size) for n in kv_lens)
+    table = [bt[:max_blocks] + [0] * (max_blocks - min(len(bt), max_blocks)) for bt in block_tables]
+
+    block_q = BLOCK_Q_DECODE if max(q_lens) == 1 else BLOCK_Q_CHUNK
+    info: list[list[int]] = []
+    programs: list[tuple[int, int]] = []
+    flat_masks: list[torch.Tensor] = []
+    mask_len = 0
+    q_start = 0
+    for b in range(B):
+        q, c = q_lens[b], ctx_lens[b]
+        m = None if new_token_masks is None else new_token_masks[b]
+        start = c if mask_starts is None else mask_starts[b]
+        if m is None:  # causal: no key is read from a mask
+            off, start, width = -1, c + q, 0
+        else:
+            off, width = mask_len, c + q - start
+            if tuple(m.shape) != (q, width):
+                raise ValueError(f"sequence {b}: tree mask shape {tuple(m.shape)}, expected {(q, width)}")
+            flat_masks.append(m.reshape(-1).to(torch.uint8))
+            mask_len += q * width
+        info.append([c, c + q, q_start, q, off, start, width, 0])
+        programs.extend((b, i) for i in range(0, q, block_q))
+        q_start += q
+
+    # Each new token's slot: the block table entry of its context index.
+    seq_of_tok = torch.repeat_interleave(torch.arange(B), torch.tensor(q_lens), output_size=q_start)
+    ctx_of_tok = torch.tensor(ctx_lens)[seq_of_tok]
+    index = ctx_of_tok + torch.arange(q_start) - (torch.tensor(info)[:, Q_START])[seq_of_tok]
+    table_t = torch.tensor(table, dtype=torch.int32)
+    slots = table_t[seq_of_tok, index // block_size].long() * block_size + index % block_size
+
+    masks = torch.cat(flat_masks) if flat_masks else torch.zeros(1, dtype=torch.uint8)
+    return TritonMetadata(
+        slot_mapping=slots.to(device, non_blocking=True),
+        block_tables=table_t.to(device, non_blocking=True),
+        seq_info=torch.tensor(info, dtype=torch.int32).to(device, non_blocking=True),
+        programs=torch.tensor(programs, dtype=torch.int32).to(device, non_blocking=True),
+        positions=positions,
+        masks=masks.to(device, non_blocking=True),
+        block_size=block_size,
+        block_q=block_q,
+        sliding_window=sliding_window or 0,
+        num_seqs=B,
+    )
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,  # [T, H * D]
+    q_ptr,  # [T, H, D]
+    k_cache_ptr,  # [num_slots, Hkv, D]: this layer's keys
+    v_cache_ptr,  # [num_slots, Hkv, D]
+    block_tables_ptr,  # [B, max_blocks] int32
+    seq_info_ptr,  # [B, SEQ_FIELDS] int32
+    programs_ptr,  # [P, 2] int32
+    positions_ptr,  # [T] int64
+    masks_ptr,  # flat uint8 tree masks
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_cs,  # K/V cache: slot stride
+    stride_ch,  # K/V cache: head stride
+    stride_bt,
+    scale,
+    softcap,
+    window,
+    G: tl.constexpr,  # query heads per KV head
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # >= BLOCK_Q * G, a power of two >= 16
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,  # tokens per KV block
+    SOFTCAP: tl.constexpr,
+    SLIDING: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,  # multiply in float32 (Triton's interpreter multiplies 16-bit floats wrongly)
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(programs_ptr + pid * 2)
+    q0 = tl.load(programs_ptr + pid * 2 + 1)
+    info = seq_info_ptr + seq * 8
+    ctx = tl.load(info + 0)
+    kv_len = tl.load(info + 1)
+    q_start = tl.load(info + 2)
+    q_len = tl.load(info + 3)
+    mask_off = tl.load(info + 4)
+    mask_start = tl.load(info + 5)
+    mask_width = tl.load(info + 6)
+
+    rows = tl.arange(0, BLOCK_M)
+    qi = q0 + rows // G  # the row's new-token index within its sequence
+    head = kv_head * G + rows % G
+    row_ok = (rows < BLOCK_Q * G) & (qi < q_len)
+    tok = q_start + qi
+    d = tl.arange(0, D_PAD)
+    d_ok = d < D
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # Keys this program may see: a causal block stops at its last token; a tree sees all new keys.
+    is_tree = (mask_off >= 0).to(tl.int32)
+    hi = kv_len - (1 - is_tree) * (kv_len - tl.minimum(kv_len, ctx + q0 + BLOCK_Q))
+    lo = 0
+    if SLIDING:
+        q_pos = tl.load(positions_ptr + tok, mask=row_ok, other=0)
+        first = tl.min(tl.where(row_ok, q_pos, 2**62), axis=0)
+        lo = tl.maximum(first - window + 1, 0).to(tl.int32) // BLOCK_N * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    qk_scale = scale * 1.4426950408889634  # log2(e): the softmax runs in base 2
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < hi
+        page = tl.load(block_tables_ptr + seq * stride_bt + n // PAGE, mask=n_ok, other=0)
+        slot = page.to(tl.int64) * PAGE + n % PAGE
+        kv_offs = slot[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
+        kv_ok = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_ok, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if SOFTCAP:
+            # softcap * tanh(s * scale / softcap), tanh written with exp (stable at both ends)
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s * scale / softcap) + 1.0)) * 1.4426950408889634
+        else:
+            s = s * qk_scale
+
+        in_tree = n >= mask_start  # (a causal sequence's mask_start is its kv_len)
+        bits = tl.load(
+            masks_ptr + mask_off + qi[:, None] * mask_width + (n - mask_start)[None, :],
+            mask=row_ok[:, None] & (in_tree & n_ok)[None, :],
+            other=0,
+        )
+        causal = n[None, :] <= (ctx + qi)[:, None]
+        visible = tl.where(in_tree[None, :], bits != 0, causal) & n_ok[None, :] & row_ok[:, None]
+        if SLIDING:
+            k_pos = tl.load(positions_ptr + q_start + n - ctx, mask=n_ok & (n >= ctx), other=0)
+            k_pos = tl.where(n < ctx, n.to(tl.int64), k_pos)
+            visible = visible & ((q_pos[:, None] - k_pos[None, :]) < window)
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+        p = tl.exp2(s - shift[:, None])
+        alpha = tl.exp2(m_i - shift)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_ok, other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # (padding rows saw nothing)
+    tl.store(
+        out_ptr + tok[:, None] * stride_ot + head[:, None] * D + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
+
+
+_lib = torch.library.Library("augur", "FRAGMENT")
+_lib.define(
+    "triton_paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_pool, int layer, Tensor slot_mapping, "
+    "Tensor block_tables, Tensor seq_info, Tensor programs, Tensor positions, Tensor masks, int block_size, "
+    "int block_q, int window, float scale, float softcap) -> Tensor"
+)
+
+
+def _triton_paged_attention_impl(
+    q, k, v, kv_pool, layer, slot_mapping, block_tables, seq_info, programs, positions, masks,
+    block_size, block_q, window, scale, softcap,
+):  # fmt: skip
+    T, H, D = q.shape
+    k_cache, v_cache = kv_pool[layer, 0], kv_pool[layer, 1]  # [num_slots, Hkv, D]
+    k_cache.index_copy_(0, slot_mapping, k)
+    v_cache.index_copy_(0, slot_mapping, v)
+    out = q.new_empty(T, H * D)
+    if T == 0:
+        return out
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    G = H // k_cache.shape[1]
+    block_m = max(16, triton.next_power_of_2(block_q * G))
+    d_pad = max(16, triton.next_power_of_2(D))
+    grid = (programs.shape[0], k_cache.shape[1])
+    upcast = triton_interpreted() and q.dtype != torch.float32
+    _paged_attention_kernel[grid](
+        out, q, k_cache, v_cache, block_tables, seq_info, programs, positions, masks,
+        q.stride(0), q.stride(1), out.stride(0), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
+        scale, softcap if softcap > 0.0 else 1.0, window,
+        G=G, D=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=64 if d_pad <= 128 else 32,
+        PAGE=block_size, SOFTCAP=softcap > 0.0, SLIDING=window > 0,
+        PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
+        num_warps=8 if block_m >= 128 else 4,
+    )  # fmt: skip
+    return out
+
+
+def _triton_paged_attention_fake(
+    q, k, v, kv_pool, layer, slot_mapping, block_tables, seq_info, programs, positions, masks,
+    block_size, block_q, window, scale, softcap,
+):  # fmt: skip
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # the only allocation the real op makes
+
+
+_lib.impl("triton_paged_attention", _triton_paged_attention_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("augur::triton_paged_attention", _triton_paged_attention_fake, lib=_lib)
