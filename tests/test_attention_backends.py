@@ -92,13 +92,13 @@ def random_batch(seed: int, kinds: list[str], H: int, Hkv: int, D: int, block_si
     return lists, torch.tensor(positions), pool, q, k, v
 
 
-def attend_both(lists, positions, pool, q, k, v, window, softcap, sliding):
+def attend_both(lists, positions, pool, q, k, v, window, softcap, sliding, **triton_args):
     """(reference output, pool) and (triton output, pool) for the same inputs."""
     results = []
-    for name in ("sdpa", "triton"):
+    for name, extra in (("sdpa", {}), ("triton", triton_args)):
         p = pool.to(DEVICE)
         meta = metadata_builder(name)(
-            **lists, positions=positions.to(DEVICE), sliding_window=window, device=DEVICE
+            **lists, positions=positions.to(DEVICE), sliding_window=window, device=DEVICE, **extra
         )  # fmt: skip
         D = q.shape[-1]
         out = paged_attention(
@@ -144,6 +144,22 @@ def test_triton_sliding_window_and_softcap(window, softcap):
     if softcap:
         (uncapped, _), _ = attend_both(lists, positions, pool, q * 3, k, v, window, 0.0, sliding)
         assert (uncapped - ref).abs().max() > 1e-2  # the cap changed the result
+
+
+@pytest.mark.parametrize("splits", [2, 3, 8])
+@pytest.mark.parametrize("window,softcap", [(None, 0.0), (9, 0.0), (None, 2.0)])
+def test_triton_split_decode(splits, window, softcap):
+    """Decode batches with each token's keys split into ranges (flash-decoding) and combined: the
+    reference's output, with ranges that end up empty (more splits than key tiles, or before the
+    sliding window) weighing nothing."""
+    lists, positions, pool, q, k, v = random_batch(splits, ["decode"] * 4, 8, 2, 16, 4)
+    lists["ctx_lens"] = [c + 130 * i for i, c in enumerate(lists["ctx_lens"])]  # up to 3 key tiles
+    lists["block_tables"] = [list(range(i * 80, (i + 1) * 80)) for i in range(4)]
+    positions = torch.tensor(lists["ctx_lens"])
+    pool = torch.randn(1, 2, 320 * 4, 2, 16)
+    args = (lists, positions, pool, q * 3, k, v, window, softcap, window is not None)
+    (ref, _), (got, _) = attend_both(*args, num_splits=splits)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
 
 
 def test_triton_bfloat16():

@@ -12,6 +12,9 @@ gathering any sequence's K/V into a padded copy and without a dense mask:
   causal, or read from the sequence's own tree mask (a ``q x width`` byte matrix, packed with the other
   sequences' into one flat tensor); the sliding window and the soft-cap are compile-time options.
   Tiles past the causal horizon, or before the sliding window, are never loaded.
+- A decode-only batch too small to fill the GPU (one long sequence: ``Hkv`` programs) splits each
+  token's keys into up to ``MAX_SPLITS`` ranges on a third grid axis (flash-decoding); a second
+  kernel rescales the ranges' partial outputs to their common maximum and normalises once.
 
 Memory is the output and per-sequence metadata (``O(T * H * D + B * blocks + tree masks)``), whatever
 the context lengths. One assumption the window skip relies on: a key's position never exceeds its
@@ -21,6 +24,7 @@ context index (a draft tree's node sits at a slot at or past its position), so a
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +38,8 @@ CTX, KV_LEN, Q_START, Q_LEN, MASK_OFF, MASK_START, MASK_WIDTH = range(7)
 SEQ_FIELDS = 8  # padded to 8 columns
 BLOCK_Q_DECODE = 1  # every sequence feeds one token: one program per sequence
 BLOCK_Q_CHUNK = 16  # new tokens per program otherwise
+MAX_SPLITS = 16  # most key ranges one decode token's keys are split into
+MIN_KEYS_PER_SPLIT = 256
 
 
 @dataclass
@@ -47,13 +53,16 @@ class TritonMetadata:
     block_size: int
     block_q: int
     sliding_window: int  # 0: the model has none
+    max_kv_len: int
+    num_splits: int  # decode-only batches: key ranges per token (0: chosen from the GPU's size)
     num_seqs: int
 
     def attend(self, q, k, v, kv_pool, layer: int, scale: float, sliding: bool, softcap: float) -> torch.Tensor:
         window = self.sliding_window if sliding else 0
         return torch.ops.augur.triton_paged_attention(
             q, k, v, kv_pool, layer, self.slot_mapping, self.block_tables, self.seq_info, self.programs,
-            self.positions, self.masks, self.block_size, self.block_q, window, scale, softcap,
+            self.positions, self.masks, self.block_size, self.block_q, window, scale, softcap, self.max_kv_len,
+            self.num_splits,
         )  # fmt: skip
 
 
@@ -67,10 +76,14 @@ def build_triton_metadata(
     mask_starts: list[int] | None = None,  # per sequence: first key index the mask covers (default: ctx_len)
     sliding_window: int | None = None,
     device: torch.device | str = "cpu",
+    num_splits: int = 0,
 ) -> TritonMetadata:
     """Metadata for sequences laid out back to back in the flat batch (same arguments and meaning as
     :func:`engine.attention.sdpa.build_sdpa_metadata`). Everything is built on the host from the lists
-    and copied once; nothing here depends on the context lengths but the block tables."""
+    and copied once; nothing here depends on the context lengths but the block tables.
+
+    ``num_splits`` > 0 forces how many key ranges a decode-only batch splits each token's keys
+    into (the tests use it); 0 lets the operator choose from the GPU's size."""
     B = len(q_lens)
     kv_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
     max_blocks = max(-(-n // block_size) for n in kv_lens)
@@ -116,6 +129,8 @@ def build_triton_metadata(
         block_size=block_size,
         block_q=block_q,
         sliding_window=sliding_window or 0,
+        max_kv_len=max(kv_lens),
+        num_splits=num_splits,
         num_seqs=B,
     )
 
@@ -123,6 +138,8 @@ def build_triton_metadata(
 @triton.jit
 def _paged_attention_kernel(
     out_ptr,  # [T, H * D]
+    partial_ptr,  # SPLIT: [splits, T, H, D] float32, each key range's unnormalised output
+    ml_ptr,  # SPLIT: [splits, T, H, 2] float32, each key range's running max and sum (base 2)
     q_ptr,  # [T, H, D]
     k_cache_ptr,  # [num_slots, Hkv, D]: this layer's keys
     v_cache_ptr,  # [num_slots, Hkv, D]
@@ -140,6 +157,9 @@ def _paged_attention_kernel(
     scale,
     softcap,
     window,
+    num_tokens,
+    num_heads,
+    num_splits,
     G: tl.constexpr,  # query heads per KV head
     D: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -151,6 +171,7 @@ def _paged_attention_kernel(
     SLIDING: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,  # multiply in float32 (Triton's interpreter multiplies 16-bit floats wrongly)
+    SPLIT: tl.constexpr,  # the third grid axis splits the keys into num_splits ranges (flash-decoding)
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -188,6 +209,10 @@ def _paged_attention_kernel(
         q_pos = tl.load(positions_ptr + tok, mask=row_ok, other=0)
         first = tl.min(tl.where(row_ok, q_pos, 2**62), axis=0)
         lo = tl.maximum(first - window + 1, 0).to(tl.int32) // BLOCK_N * BLOCK_N
+    if SPLIT:  # this program's share of the keys, whole tiles each (the last shares may be empty)
+        per = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_N) * BLOCK_N
+        lo = lo + tl.program_id(2) * per
+        hi = tl.minimum(hi, lo + per)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -235,25 +260,75 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # (padding rows saw nothing)
-    tl.store(
-        out_ptr + tok[:, None] * stride_ot + head[:, None] * D + d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & d_ok[None, :],
-    )
+    if SPLIT:
+        at = (tl.program_id(2) * num_tokens + tok) * num_heads + head  # [BLOCK_M]
+        tl.store(partial_ptr + at[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(ml_ptr + at * 2, m_i, mask=row_ok)
+        tl.store(ml_ptr + at * 2 + 1, l_i, mask=row_ok)
+    else:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # (padding rows saw nothing)
+        tl.store(
+            out_ptr + tok[:, None] * stride_ot + head[:, None] * D + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+
+
+@triton.jit
+def _combine_splits_kernel(
+    out_ptr,  # [T, H * D]
+    partial_ptr,  # [splits, T, H, D] float32
+    ml_ptr,  # [splits, T, H, 2] float32
+    stride_ot,
+    num_tokens,
+    num_heads,
+    num_splits,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    S_PAD: tl.constexpr,
+):
+    """One (token, head): rescale each key range's output to the common max and normalise once."""
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, S_PAD)
+    s_ok = s < num_splits
+    at = (s * num_tokens + tok) * num_heads + head
+    m = tl.load(ml_ptr + at * 2, mask=s_ok, other=float("-inf"))
+    l_s = tl.load(ml_ptr + at * 2 + 1, mask=s_ok, other=0.0)
+    w = tl.exp2(m - tl.max(m, axis=0))  # an empty range (max -inf) weighs 0
+    d = tl.arange(0, D_PAD)
+    d_ok = d < D
+    acc = tl.load(partial_ptr + at[:, None] * D + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
+    tl.store(out_ptr + tok * stride_ot + head * D + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 _lib = torch.library.Library("augur", "FRAGMENT")
 _lib.define(
     "triton_paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_pool, int layer, Tensor slot_mapping, "
     "Tensor block_tables, Tensor seq_info, Tensor programs, Tensor positions, Tensor masks, int block_size, "
-    "int block_q, int window, float scale, float softcap) -> Tensor"
+    "int block_q, int window, float scale, float softcap, int max_kv_len, int num_splits) -> Tensor"
 )
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_splits(programs: int, max_kv_len: int, device: torch.device) -> int:
+    """Key ranges per token for a decode-only batch: enough programs to fill the GPU about twice,
+    at least ``MIN_KEYS_PER_SPLIT`` keys each. A lone long sequence otherwise runs on ``Hkv`` of the
+    GPU's streaming multiprocessors."""
+    if device.type != "cuda":
+        return 1
+    want = -(-2 * _sm_count(device) // programs)
+    return max(1, min(MAX_SPLITS, want, max_kv_len // MIN_KEYS_PER_SPLIT))
 
 
 def _triton_paged_attention_impl(
     q, k, v, kv_pool, layer, slot_mapping, block_tables, seq_info, programs, positions, masks,
-    block_size, block_q, window, scale, softcap,
+    block_size, block_q, window, scale, softcap, max_kv_len, num_splits,
 ):  # fmt: skip
     T, H, D = q.shape
     k_cache, v_cache = kv_pool[layer, 0], kv_pool[layer, 1]  # [num_slots, Hkv, D]
@@ -266,25 +341,37 @@ def _triton_paged_attention_impl(
     G = H // k_cache.shape[1]
     block_m = max(16, triton.next_power_of_2(block_q * G))
     d_pad = max(16, triton.next_power_of_2(D))
-    grid = (programs.shape[0], k_cache.shape[1])
+    Hkv = k_cache.shape[1]
+    splits = 1
+    if block_q == BLOCK_Q_DECODE:
+        splits = num_splits or decode_splits(programs.shape[0] * Hkv, max_kv_len, q.device)
+    partial = ml = out  # (unused unless split)
+    if splits > 1:
+        partial = torch.empty(splits, T, H, D, dtype=torch.float32, device=q.device)
+        ml = torch.empty(splits, T, H, 2, dtype=torch.float32, device=q.device)
     upcast = triton_interpreted() and q.dtype != torch.float32
-    _paged_attention_kernel[grid](
-        out, q, k_cache, v_cache, block_tables, seq_info, programs, positions, masks,
+    _paged_attention_kernel[(programs.shape[0], Hkv, splits)](
+        out, partial, ml, q, k_cache, v_cache, block_tables, seq_info, programs, positions, masks,
         q.stride(0), q.stride(1), out.stride(0), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
-        scale, softcap if softcap > 0.0 else 1.0, window,
+        scale, softcap if softcap > 0.0 else 1.0, window, T, H, splits,
         G=G, D=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=64 if d_pad <= 128 else 32,
         PAGE=block_size, SOFTCAP=softcap > 0.0, SLIDING=window > 0,
-        PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
+        PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast, SPLIT=splits > 1,
         num_warps=8 if block_m >= 128 else 4,
     )  # fmt: skip
+    if splits > 1:
+        _combine_splits_kernel[(T, H)](
+            out, partial, ml, out.stride(0), T, H, splits, D=D, D_PAD=d_pad, S_PAD=triton.next_power_of_2(splits)
+        )
     return out
 
 
 def _triton_paged_attention_fake(
     q, k, v, kv_pool, layer, slot_mapping, block_tables, seq_info, programs, positions, masks,
-    block_size, block_q, window, scale, softcap,
+    block_size, block_q, window, scale, softcap, max_kv_len, num_splits,
 ):  # fmt: skip
-    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # the only allocation the real op makes
+    # The output; a split decode batch also takes float32 scratch of at most MAX_SPLITS outputs' size.
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
 _lib.impl("triton_paged_attention", _triton_paged_attention_impl, "CompositeExplicitAutograd")
