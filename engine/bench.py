@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import random
+import resource
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -119,6 +120,23 @@ def run_hf(model, prompts: list[list[int]], max_tokens: int, batch: int, pad_id:
     return time.perf_counter() - start, produced
 
 
+def memory_report(engine: LLMEngine) -> dict:
+    """Bytes of the target's weights (parameters and buffers: packed quantized weights included), of
+    the KV pool (a proposer's own cache too), and the peak so far: CUDA memory allocated on a GPU, the
+    process's peak resident set on a CPU (which also counts the Python runtime and libraries)."""
+    model = engine.runner.model
+    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    caches = [engine.runner.kv_cache] + (
+        [engine.proposer.runner.kv_cache] if hasattr(engine.proposer, "runner") else []
+    )
+    kv = sum(c.numel() * c.element_size() for c in caches)
+    if engine.device.type == "cuda":
+        peak, of = torch.cuda.max_memory_allocated(engine.device), "CUDA allocated"
+    else:
+        peak, of = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process RSS"
+    return {"weights_bytes": weights, "kv_pool_bytes": kv, "peak_bytes": peak, "peak_of": of}
+
+
 def machine_description(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -157,6 +175,11 @@ def run_bench(cfg: EngineConfig, args: argparse.Namespace) -> int:
     engine = LLMEngine(cfg)
     lo, hi = args.prompt_lens
     prompts = make_prompts(args.num_prompts, lo, hi, len(engine.tokenizer))
+    plain = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, speculative=False)
+    # Warm up both sides (allocator, kernels, lazy imports) before timing; Augur's memory is read
+    # before transformers loads its copy of the model.
+    run_augur(engine, prompts[:2], 4, 2, dataclasses.replace(plain, max_tokens=4))
+    memory = memory_report(engine)
     hf = None
     if not args.no_hf:
         import transformers
@@ -164,10 +187,6 @@ def run_bench(cfg: EngineConfig, args: argparse.Namespace) -> int:
         hf = transformers.AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=engine.dtype)
         hf = hf.to(engine.device).eval()
     pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else engine.eos_token_ids[0]
-
-    plain = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, speculative=False)
-    # Warm up both sides (allocator, kernels, lazy imports) before timing.
-    run_augur(engine, prompts[:2], 4, 2, dataclasses.replace(plain, max_tokens=4))
     if hf is not None:
         run_hf(hf, prompts[:2], 4, 2, pad, engine.device)
 
@@ -191,6 +210,11 @@ def run_bench(cfg: EngineConfig, args: argparse.Namespace) -> int:
     machine = machine_description(engine.device)
     print(f"augur bench: {engine.model_path} on {engine.device} ({engine.dtype}); {machine}")
     print(f"{args.num_prompts} prompts of {lo}-{hi} tokens, {args.max_tokens} output tokens each, greedy")
+    quant = f", {cfg.quantization}" if cfg.quantization else ""
+    print(
+        f"memory{quant}: weights {memory['weights_bytes'] / 2**20:.1f} MiB, KV pool "
+        f"{memory['kv_pool_bytes'] / 2**20:.1f} MiB, peak {memory['peak_bytes'] / 2**20:.1f} MiB ({memory['peak_of']})"
+    )
 
     def fmt(x: float | None, spec: str, suffix: str = "") -> str:
         return "-" if x is None else f"{x:{spec}}{suffix}"
@@ -216,6 +240,8 @@ def run_bench(cfg: EngineConfig, args: argparse.Namespace) -> int:
             "num_prompts": args.num_prompts,
             "prompt_lens": [lo, hi],
             "max_tokens": args.max_tokens,
+            "quantization": cfg.quantization,
+            "memory": memory,
             "results": [
                 {**asdict(r), "ratio_vs_sequential": r.ratio_vs_sequential, "ratio_vs_batched": r.ratio_vs_batched}
                 for r in results

@@ -34,8 +34,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16 on GPU and bf16-capable CPUs)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     # Weight quantization at load: None (as the checkpoint is) | nf4 (every linear layer but the LM head in
-    # 4-bit NF4, dequantized on each call: less memory, not faster). Checkpoints saved by bitsandbytes in
-    # NF4 load as NF4 without it.
+    # 4-bit NF4, dequantized on each call: less memory, not faster; checkpoints saved by bitsandbytes in
+    # NF4 load as NF4 without it) | int4 (grouped affine 4-bit on PyTorch's int4 matmul kernels: less
+    # memory and faster decoding; bf16 activations at those layers).
     quantization: str | None = None
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     block_size: int = 16

@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from engine.models import model_class_for
 from engine.models.packed import MIN_PACKED_BYTES, linear_weight_bytes, packing_supported
-from engine.quant import QUANTIZATIONS
+from engine.quant import QUANTIZATIONS, quantize_linears_int4
 from engine.quant.nf4 import (
     BNB_SUFFIXES,
     QUANT_STATE_PREFIX,
@@ -108,7 +108,9 @@ def load_model(
     """Build the model without initializing weights (meta device), then fill it from the checkpoint.
     ``pack``: prepack large CPU models' linears (not for a compiled model: inductor packs its own).
     ``quantization="nf4"``: quantize the linear layers as they load (see :class:`_NF4Loading`); a
-    checkpoint saved by bitsandbytes in NF4 (config.json ``quantization_config``) loads as NF4 either way."""
+    checkpoint saved by bitsandbytes in NF4 (config.json ``quantization_config``) loads as NF4 either way.
+    ``quantization="int4"``: once loaded, each linear but the LM head becomes an int4 layer on PyTorch's
+    int4 kernels (:mod:`engine.quant.int4`), one at a time: the load peaks at the full-precision model."""
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)} or None, got {quantization!r}")
     cls = model_class_for(config)
@@ -118,14 +120,18 @@ def load_model(
         raise ValueError(f"{path}: {e}") from None
     with torch.device("meta"):
         model = cls(config, max_positions)
-    nf4 = _NF4Loading(model, path, quantize=quantization == "nf4") if prequantized or quantization else None
+    nf4 = _NF4Loading(model, path, quantize=quantization == "nf4") if prequantized or quantization == "nf4" else None
     model = model.to_empty(device=device).to(dtype)
     model.init_buffers(max_positions)
     weights = ((k, v.to(device)) for k, v in iter_safetensors(path))
     model.load_weights(nf4.intercept(weights) if nf4 else weights)
     if nf4:
         nf4.install()
-    # Packing replaces plain nn.Linear layers only; NF4 layers are not nn.Linear and stay as they are.
+    if quantization == "int4":
+        if prequantized:
+            raise ValueError(f"{path}: a bitsandbytes NF4 checkpoint cannot be re-quantized to int4")
+        quantize_linears_int4(model)
+    # Packing replaces plain nn.Linear layers only; quantized layers are not nn.Linear and stay as they are.
     if pack and packing_supported(dtype, device) and linear_weight_bytes(model) >= MIN_PACKED_BYTES:
         model.pack_for_cpu()
     return model.eval()

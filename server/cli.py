@@ -25,8 +25,9 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
         "--quantization",
         default=None,
         choices=list(QUANTIZATIONS),
-        help="quantize the linear layers at load (nf4: 4-bit NormalFloat, LM head kept); "
-        "bitsandbytes NF4 checkpoints load as NF4 without it",
+        help="quantize the linear layers at load, LM head kept (nf4: 4-bit NormalFloat, dequantized per call; "
+        "int4: grouped 4-bit on PyTorch's int4 kernels, the fast one); bitsandbytes NF4 checkpoints load as NF4 "
+        "without it",
     )
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")

@@ -94,6 +94,11 @@ def test_bench_command_reports_ratios(tmp_path, llama_dir):
         assert r["output_tokens"] == 16 and r["augur_tokens_per_s"] > 0
         assert r["ratio_vs_batched"] == pytest.approx(r["augur_tokens_per_s"] / r["hf_batched_tokens_per_s"])
     assert "vs batch" in proc.stdout
+    memory = report["memory"]
+    element = 2 if report["dtype"] in ("torch.bfloat16", "torch.float16") else 4  # auto: bf16 where the CPU has units
+    # 64 blocks of 16 tokens x 2 layers x K/V x 2 KV heads x head dim 16
+    assert memory["weights_bytes"] > 0 and memory["kv_pool_bytes"] == 64 * 16 * 2 * 2 * 2 * 16 * element
+    assert memory["peak_bytes"] > memory["weights_bytes"] and "memory: weights" in proc.stdout
 
 
 @pytest.mark.gpu

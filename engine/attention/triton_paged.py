@@ -33,9 +33,10 @@ import triton.language as tl
 
 from engine.attention import triton_interpreted
 
-# Per-sequence fields of ``seq_info`` (one int32 row per sequence).
-CTX, KV_LEN, Q_START, Q_LEN, MASK_OFF, MASK_START, MASK_WIDTH = range(7)
-SEQ_FIELDS = 8  # padded to 8 columns
+# ``seq_info`` has one int32 row per sequence: context length, KV length (context + new tokens), its
+# first token in the flat batch, new tokens, offset of its tree mask in ``masks`` (-1: causal), first key
+# the mask covers (a causal sequence's KV length, so that no key reads a mask), mask width, padding.
+SEQ_FIELDS = 8
 BLOCK_Q_DECODE = 1  # every sequence feeds one token: one program per sequence
 BLOCK_Q_CHUNK = 16  # new tokens per program otherwise
 MAX_SPLITS = 16  # most key ranges one decode token's keys are split into
@@ -46,7 +47,7 @@ MIN_KEYS_PER_SPLIT = 256
 class TritonMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot each new token's K/V is written to
     block_tables: torch.Tensor  # [B, max_blocks] int32 (padding → 0, never read)
-    seq_info: torch.Tensor  # [B, SEQ_FIELDS] int32, the fields above
+    seq_info: torch.Tensor  # [B, SEQ_FIELDS] int32 (see SEQ_FIELDS)
     programs: torch.Tensor  # [P, 2] int32: (sequence, first new token) of each program
     positions: torch.Tensor  # [T] int64: each new token's position (the sliding window reads them)
     masks: torch.Tensor  # [sum q * width] uint8: every tree mask, row-major, back to back (≥ 1 element)
@@ -114,7 +115,8 @@ def build_triton_metadata(
     # Each new token's slot: the block table entry of its context index.
     seq_of_tok = torch.repeat_interleave(torch.arange(B), torch.tensor(q_lens), output_size=q_start)
     ctx_of_tok = torch.tensor(ctx_lens)[seq_of_tok]
-    index = ctx_of_tok + torch.arange(q_start) - (torch.tensor(info)[:, Q_START])[seq_of_tok]
+    first_of_tok = torch.tensor([row[2] for row in info])[seq_of_tok]
+    index = ctx_of_tok + torch.arange(q_start) - first_of_tok  # each new token's context index
     table_t = torch.tensor(table, dtype=torch.int32)
     slots = table_t[seq_of_tok, index // block_size].long() * block_size + index % block_size
 
@@ -177,7 +179,7 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     seq = tl.load(programs_ptr + pid * 2)
     q0 = tl.load(programs_ptr + pid * 2 + 1)
-    info = seq_info_ptr + seq * 8
+    info = seq_info_ptr + seq * 8  # SEQ_FIELDS
     ctx = tl.load(info + 0)
     kv_len = tl.load(info + 1)
     q_start = tl.load(info + 2)

@@ -1,0 +1,116 @@
+"""4-bit integer weights on PyTorch's own int4 matmul kernels: the fast path.
+
+*Scheme* (asymmetric, grouped, as torchao's int4 weight-only): each row of a weight ``W [N, K]`` is cut
+into groups of ``group_size`` consecutive input features; a group keeps ``scale = (max - min) / 15``
+and its ``min``, and stores ``q = round((w - min) / scale)`` in 0..15. Dequantized: ``q * scale + min``.
+The kernels take the zero point in their own convention, ``(q - 8) * scale + zero``, so
+``zero = min + 8 * scale``.
+
+*Kernels*: ``aten._weight_int4pack_mm_for_cpu`` on a CPU and ``aten._weight_int4pack_mm`` on CUDA
+(sm80+, bfloat16 activations), each on weights packed for it by ``_convert_weight_to_int4pack[_for_cpu]``.
+They ship with PyTorch (torchao's int4 layouts call the same operators), so no other package is
+needed. They multiply straight from the packed 4-bit weights: less memory and, in a memory-bound
+decode, less time (``docs/benchmarks.md``). Both run on bfloat16 activations (CUDA's takes nothing
+else; the CPU one's float32 path is several times slower than its bfloat16 one, and slower than a
+dense float32 matmul): a float32 model's activations are rounded to bfloat16 at each int4 layer and
+its output comes back in float32. Next to 4-bit weights that rounding is small.
+
+A layer whose shape the kernels cannot take (rows not a multiple of 16, inputs not a multiple of
+32) stays in full precision, as the LM head always does.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+GROUP_SIZES = (128, 64, 32)  # tried in order: the first that divides the input features
+COMPUTE_DTYPE = torch.bfloat16  # the kernels' activations and statistics
+
+
+def group_size_for(in_features: int, out_features: int) -> int | None:
+    """The group size a layer of this shape is quantized with, or None if the kernels cannot take it."""
+    if out_features % 16:
+        return None
+    return next((g for g in GROUP_SIZES if in_features % g == 0), None)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight [N, K]`` → ``(q [N, K] uint8 in 0..15, scale [N, K/g], min [N, K/g])``, float32 statistics."""
+    N, K = weight.shape
+    w = weight.float().reshape(N, K // group_size, group_size)
+    lo, hi = w.amin(-1), w.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    q = ((w - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+    return q.reshape(N, K), scale, lo
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    N, K = q.shape
+    groups = scale.shape[1]
+    return (q.reshape(N, groups, K // groups).float() * scale[..., None] + lo[..., None]).reshape(N, K)
+
+
+class Int4Linear(nn.Module):
+    """A linear layer whose weight is packed int4 for its device's kernel (built by :meth:`from_linear`)."""
+
+    def __init__(self, in_features: int, out_features: int, group_size: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        self.register_buffer("packed", torch.empty(0, dtype=torch.uint8), persistent=False)
+        self.register_buffer("scales_and_zeros", torch.empty(0), persistent=False)  # [K/g, N, 2]
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int) -> Int4Linear:
+        weight = linear.weight.detach()
+        layer = cls(linear.in_features, linear.out_features, group_size, linear.bias)
+        layer.set_weight(*quantize_int4(weight, group_size), device=weight.device)
+        return layer
+
+    def set_weight(self, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, device) -> None:
+        """Pack ``q`` (``[N, K]`` in 0..15) for ``device``'s kernel, with its statistics in bfloat16."""
+        zero = lo + 8 * scale
+        self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous().to(device, COMPUTE_DTYPE)
+        q = q.to(device)
+        if device.type == "cuda":
+            inner_k_tiles = next(t for t in (8, 4, 2) if self.in_features % (t * 16) == 0)
+            pairs = (q[:, ::2] << 4) | q[:, 1::2]  # [N, K/2] uint8, the even column in the high nibble
+            self.packed = torch._convert_weight_to_int4pack(pairs.contiguous(), inner_k_tiles)
+        else:
+            self.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
+        if x.device.type == "cuda":
+            y = torch.ops.aten._weight_int4pack_mm(flat, self.packed, self.group_size, self.scales_and_zeros)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_and_zeros)
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
+
+
+def quantize_linears_int4(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> int:
+    """Replace every ``nn.Linear`` of ``model`` but those named in ``skip`` by an :class:`Int4Linear`, one
+    at a time (each full-precision weight is freed as its layer is replaced). Returns how many were."""
+    replaced = 0
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear) or name.rsplit(".", 1)[-1] in skip:
+            continue
+        group = group_size_for(module.in_features, module.out_features)
+        if group is None:
+            logger.info("int4: %s %s stays in full precision (shape)", name, tuple(module.weight.shape))
+            continue
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, Int4Linear.from_linear(module, group))
+        replaced += 1
+    return replaced
