@@ -118,6 +118,8 @@ def load_model(
         prequantized = bnb_quantization_kind(getattr(config, "quantization_config", None))
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
+    if prequantized and quantization == "int4":
+        raise ValueError(f"{path}: a bitsandbytes NF4 checkpoint cannot be re-quantized to int4")
     with torch.device("meta"):
         model = cls(config, max_positions)
     nf4 = _NF4Loading(model, path, quantize=quantization == "nf4") if prequantized or quantization == "nf4" else None
@@ -128,8 +130,6 @@ def load_model(
     if nf4:
         nf4.install()
     if quantization == "int4":
-        if prequantized:
-            raise ValueError(f"{path}: a bitsandbytes NF4 checkpoint cannot be re-quantized to int4")
         quantize_linears_int4(model)
     # Packing replaces plain nn.Linear layers only; quantized layers are not nn.Linear and stay as they are.
     if pack and packing_supported(dtype, device) and linear_weight_bytes(model) >= MIN_PACKED_BYTES:

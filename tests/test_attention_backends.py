@@ -196,7 +196,7 @@ def test_engine_on_triton_decodes_like_the_reference(llama_dir, tmp_path, tokeni
     draft = build_model_dir(tmp_path / "draft", tokenizer_dir, "LlamaForCausalLM", seed=5, num_hidden_layers=1)
     ps = prompts(3, seed=4, lo=10, hi=30)
     ps.append(ps[0][:8] + ps[1][:4])  # a prefix-cache hit
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, num_draft_tokens=3)
     plain = make_engine(llama_dir, device=str(DEVICE)).generate(ps, params)
     spec = make_engine(
         llama_dir, device=str(DEVICE), attention_backend="triton", speculative_method="draft", draft_model=str(draft),

@@ -119,3 +119,12 @@ def test_bench_memory_report_counts_packed_weights(llama_dir):
     plain, int4 = (memory_report(make_engine(llama_dir, quantization=q)) for q in (None, "int4"))
     assert int4["weights_bytes"] < 0.6 * plain["weights_bytes"]
     assert int4["kv_pool_bytes"] == plain["kv_pool_bytes"] > 0
+
+
+def test_nf4_checkpoint_is_not_requantized(tmp_path, llama_dir):
+    """A checkpoint bitsandbytes saved in NF4 refuses ``--quantization int4`` before anything loads."""
+    from test_nf4 import write_bnb_layout
+
+    quant = write_bnb_layout(llama_dir, tmp_path / "nf4", nested=False)
+    with pytest.raises(ValueError, match="cannot be re-quantized to int4"):
+        make_engine(quant, quantization="int4")

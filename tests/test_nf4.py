@@ -325,7 +325,7 @@ def test_quantization_flag_and_validation():
     assert engine_config_from_args(args).quantization == "nf4"
     assert EngineConfig(model="m").quantization is None
     with pytest.raises(ValueError, match="quantization must be one of"):
-        EngineConfig(model="m", quantization="int4")
+        EngineConfig(model="m", quantization="int3")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--model", "m", "--quantization", "fp4", "--prompt", "x"])
 
