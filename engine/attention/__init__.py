@@ -88,6 +88,13 @@ def metadata_builder(name: str) -> MetadataBuilder:
     return build_sdpa_metadata
 
 
+def padded_block_tables(block_tables: list[list[int]], kv_lens: list[int], block_size: int) -> list[list[int]]:
+    """Every sequence's block table cut or padded (with block 0, never read) to the blocks the longest
+    ``kv_lens`` needs: the rows of one ``[B, max_blocks]`` tensor."""
+    n = -(-max(kv_lens) // block_size)
+    return [bt[:n] + [0] * (n - min(len(bt), n)) for bt in block_tables]
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, Hkv, D]

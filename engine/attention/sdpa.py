@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.attention import padded_block_tables
+
 
 @dataclass
 class SdpaMetadata:
@@ -60,10 +62,9 @@ def build_sdpa_metadata(
     max_q = max(q_lens)
     kv_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
     max_k = max(kv_lens)
-    max_blocks = (max_k + block_size - 1) // block_size
 
     # Slots of every context index of every sequence, from the block tables: [B, Kmax].
-    padded = [bt[:max_blocks] + [0] * (max_blocks - min(len(bt), max_blocks)) for bt in block_tables]
+    padded = padded_block_tables(block_tables, kv_lens, block_size)
     table = torch.tensor(padded, dtype=torch.int64).to(device, non_blocking=True)
     k_idx = torch.arange(max_k, device=device)
     kv_slots = table[:, k_idx // block_size] * block_size + (k_idx % block_size)

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention import triton_interpreted
+from engine.attention import padded_block_tables, triton_interpreted
 
 # ``seq_info`` has one int32 row per sequence: context length, KV length (context + new tokens), its
 # first token in the flat batch, new tokens, offset of its tree mask in ``masks`` (-1: causal), first key
@@ -87,8 +87,7 @@ def build_triton_metadata(
     into (the tests use it); 0 lets the operator choose from the GPU's size."""
     B = len(q_lens)
     kv_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
-    max_blocks = max(-(-n // block_size) for n in kv_lens)
-    table = [bt[:max_blocks] + [0] * (max_blocks - min(len(bt), max_blocks)) for bt in block_tables]
+    table = padded_block_tables(block_tables, kv_lens, block_size)
 
     block_q = BLOCK_Q_DECODE if max(q_lens) == 1 else BLOCK_Q_CHUNK
     info: list[list[int]] = []
