@@ -50,6 +50,10 @@ class EngineLoad:
     running: int = 0  # requests running
     waiting: int = 0  # requests waiting to run
     kv_usage: float = 0.0  # fraction of KV blocks in use
+    # Cumulative since start: prompt tokens looked up in the prefix cache, those found, preemptions.
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    preemptions: int = 0
 
 
 class AsyncEngine:
@@ -187,7 +191,15 @@ class AsyncEngine:
 
     def _publish_load(self) -> None:
         e = self.engine
-        self.load = EngineLoad(e.num_requests_running, e.num_requests_waiting, e.block_manager.usage)
+        s = e.scheduler
+        self.load = EngineLoad(
+            e.num_requests_running,
+            e.num_requests_waiting,
+            e.block_manager.usage,
+            s.prefix_queries,
+            s.prefix_hits,
+            s.num_preemptions,
+        )
 
     def _run(self) -> None:
         while not self._stopping:

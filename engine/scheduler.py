@@ -65,6 +65,11 @@ class Scheduler:
         # Keep a few blocks in reserve when admitting new work (or drafting) so running decodes
         # rarely preempt.
         self.watermark_blocks = max(1, block_manager.num_blocks // 100)
+        # Cumulative counts for the metrics: prompt tokens looked up in the prefix cache on admission
+        # (readmissions after a preemption included), how many of them hit, and preemptions.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.num_preemptions = 0
 
     # -- queue management --------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -209,6 +214,8 @@ class Scheduler:
             self.waiting.remove(seq)
             self.bm.take_prefix(seq.block_table, seq.block_hashes, prefix_blocks, prefix_hashes)
             seq.num_computed_tokens = cached
+            self.prefix_queries += seq.num_tokens
+            self.prefix_hits += cached
             copies = self.bm.reserve(seq.block_table, cached, cached + n)
             assert copies is not None, "can_allocate promised these blocks"
             seq.status = SequenceStatus.RUNNING
@@ -260,5 +267,6 @@ class Scheduler:
         seq.block_hashes.clear()
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

@@ -96,6 +96,7 @@ class ServerSettings:
     # LOSSY, opt-in: Medusa's typical acceptance (epsilon, delta) for sampling requests that do not say
     # otherwise (unseeded, temperature > 0); None: every request is verified exactly.
     typical_acceptance: tuple[float, float] | None = None
+    metrics_compat: str = "vllm"  # also export vLLM's metric names ("none": only augur_*)
 
 
 @dataclass
@@ -107,7 +108,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
-        self.metrics = Metrics(self.settings.served_model_name)
+        self.metrics = Metrics(self.settings.served_model_name, self.settings.metrics_compat)
 
     def attach(self, engine: AsyncEngine) -> None:
         self.metrics.bind_engine(engine.engine, lambda: engine.load)
@@ -280,7 +281,7 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
         start = time.monotonic()
         first = last = None
         tokens = 0
-        m.prompt_tokens.labels(**labels).inc(len(prompt_ids))
+        m.request_started(len(prompt_ids))
         finished = False
         try:
             async for out in eng.generate(request_id, prompt_ids, params):
@@ -289,28 +290,23 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
                 if new:
                     if first is None:
                         first = now
-                        m.ttft.labels(**labels).observe(now - start)
-                    else:
-                        m.itl.labels(**labels).observe((now - last) / new)
+                        m.first_token(now - start)
+                    m.tokens(new, None if last is None else (now - last) / new)
                     last = now
                     tokens += new
-                    m.generation_tokens.labels(**labels).inc(new)
                 if out.finished:
                     finished = True
                     if out.error:
-                        m.request_failure.labels(**labels, reason="engine_error").inc()
+                        m.request_failed("engine_error")
                     else:
                         reason = out.outputs[0].finish_reason if out.outputs else None
-                        m.request_success.labels(**labels, finish_reason=reason or "stop").inc()
-                        if params.typical_acceptance is not None:
-                            m.lossy_requests.labels(**labels, acceptance="typical").inc()
-                        m.e2e.labels(**labels).observe(now - start)
-                        if first is not None and tokens > 1:
-                            m.tpot.labels(**labels).observe((now - first) / (tokens - 1))
+                        tpot = (now - first) / (tokens - 1) if first is not None and tokens > 1 else None
+                        lossy = params.typical_acceptance is not None
+                        m.request_finished(reason or "stop", now - start, tpot, len(prompt_ids), tokens, lossy)
                 yield out
         finally:
             if not finished:  # the client went away (stream closed or request cancelled): aborted
-                m.request_failure.labels(**labels, reason="client_disconnect").inc()
+                m.request_failed("client_disconnect")
 
     async def merged(
         eng, base_id: str, prompt_ids: list[list[int]], params

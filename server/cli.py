@@ -10,6 +10,7 @@ from engine.attention import BACKENDS as ATTENTION_BACKENDS
 from engine.config import EngineConfig
 from engine.quant import QUANTIZATIONS
 from engine.speculative.proposer import known_methods
+from server.metrics import COMPAT
 
 
 def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> None:
@@ -154,6 +155,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         body_timeout_s=args.body_timeout,
         typical_acceptance=tuple(args.typical_acceptance) if args.typical_acceptance else None,
+        metrics_compat=args.metrics_compat,
     )
     app = create_app(settings, lambda: AsyncEngine(LLMEngine(config)))
     print(f"Augur serving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
@@ -317,6 +319,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar=("EPSILON", "DELTA"),
         help="LOSSY: verify unseeded sampling requests by Medusa's typical acceptance (e.g. 0.09 0.3) unless they "
         "opt out; output is then not exactly the target's distribution (usage and metrics say so)",
+    )
+    serve.add_argument(
+        "--metrics-compat",
+        choices=COMPAT,
+        default="vllm",
+        help="also export /metrics under vLLM's names (vllm:*), which Kubernetes LLM routers and vLLM "
+        "dashboards read (default); none: only augur_*",
     )
     serve.add_argument("--config", default=None, help="YAML file of flags (the command line overrides it)")
     serve.set_defaults(func=cmd_serve)

@@ -1,4 +1,7 @@
-"""Prometheus metrics (prefix ``augur_``), one registry per app so several apps can share a process."""
+"""Prometheus metrics (prefix ``augur_``), one registry per app so several apps can share a process.
+
+With ``compat="vllm"`` (``--metrics-compat vllm``, the default) the same values are also exported under
+vLLM's names (:mod:`server.metrics_vllm`), for the routers and dashboards that read those."""
 
 from __future__ import annotations
 
@@ -8,7 +11,11 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from server.metrics_vllm import VllmMetrics
+
+COMPAT = ("vllm", "none")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 20, 60)
+_E2E_BUCKETS = _LATENCY_BUCKETS + (120, 300)
 
 
 class TokenRate:
@@ -39,7 +46,9 @@ class TokenRate:
 
 
 class Metrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, compat: str = "vllm") -> None:
+        if compat not in COMPAT:
+            raise ValueError(f"metrics compat must be one of {COMPAT}, not {compat!r}")
         self.registry = CollectorRegistry()
         r = self.registry
         labels = {"model_name": model_name}
@@ -77,7 +86,7 @@ class Metrics:
             "augur_e2e_request_latency_seconds",
             "End-to-end request latency",
             ["model_name"],
-            buckets=_LATENCY_BUCKETS + (120, 300),
+            buckets=_E2E_BUCKETS,
             registry=r,
         )
         self.running = Gauge("augur_num_requests_running", "Requests running in the engine", ["model_name"], registry=r)
@@ -123,6 +132,10 @@ class Metrics:
         self._spec_lock = threading.Lock()
         self._spec_seen = (0, 0, 0, [])
         self._engine = None
+        self.vllm = None
+        if compat == "vllm":
+            buckets = {"ttft": _LATENCY_BUCKETS, "itl": _LATENCY_BUCKETS, "tpot": _LATENCY_BUCKETS, "e2e": _E2E_BUCKETS}
+            self.vllm = VllmMetrics(r, model_name, buckets)
 
     def bind_engine(self, engine, load) -> None:
         """Gauges read ``load()``, the engine's load as its thread last published it (never the
@@ -134,6 +147,46 @@ class Metrics:
         method = engine.spec_method
         self.spec_acceptance_rate.labels(method=method).set_function(lambda: self._spec_window_value("rate"))
         self.spec_mean_acceptance_length.labels(method=method).set_function(lambda: self._spec_window_value("mal"))
+        if self.vllm is not None:
+            self.vllm.bind_engine(engine, load)
+
+    # -- per request: called by the HTTP front as a request's outputs pass --------------------------
+    def request_started(self, prompt_tokens: int) -> None:
+        self.prompt_tokens.labels(**self.labels).inc(prompt_tokens)
+        if self.vllm is not None:
+            self.vllm.request_started(prompt_tokens)
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.labels(**self.labels).observe(seconds)
+        if self.vllm is not None:
+            self.vllm.first_token(seconds)
+
+    def tokens(self, n: int, seconds_per_token: float | None) -> None:
+        """``n`` tokens arrived; ``seconds_per_token`` is the gap since the previous output over ``n``
+        (None for the first output, whose latency is the time to first token)."""
+        self.generation_tokens.labels(**self.labels).inc(n)
+        if seconds_per_token is not None:
+            self.itl.labels(**self.labels).observe(seconds_per_token)
+        if self.vllm is not None:
+            self.vllm.tokens(n, seconds_per_token)
+
+    def request_finished(
+        self, reason: str, e2e: float, tpot: float | None, prompt_tokens: int, generation_tokens: int, lossy: bool
+    ) -> None:
+        labels = self.labels
+        self.request_success.labels(**labels, finish_reason=reason).inc()
+        if lossy:
+            self.lossy_requests.labels(**labels, acceptance="typical").inc()
+        self.e2e.labels(**labels).observe(e2e)
+        if tpot is not None:
+            self.tpot.labels(**labels).observe(tpot)
+        if self.vllm is not None:
+            self.vllm.request_finished(reason, e2e, tpot, prompt_tokens, generation_tokens)
+
+    def request_failed(self, reason: str) -> None:
+        self.request_failure.labels(**self.labels, reason=reason).inc()
+        if self.vllm is not None:
+            self.vllm.request_failed(reason)
 
     def on_step(self, outputs, _elapsed: float) -> None:
         """Runs on the engine thread after each step."""
@@ -152,10 +205,14 @@ class Metrics:
             self.spec_drafts.labels(method=method).inc(d_drafts)
             self.spec_draft_tokens.labels(method=method).inc(d_drafted)
             self.spec_accepted_tokens.labels(method=method).inc(d_acc)
+            new_per_pos = {}
             for pos, count in enumerate(st.accepted_per_pos):
                 prev = per_pos[pos] if pos < len(per_pos) else 0
                 if count > prev:
+                    new_per_pos[pos] = count - prev
                     self.spec_accepted_per_pos.labels(method=method, position=str(pos)).inc(count - prev)
+            if self.vllm is not None:
+                self.vllm.spec_step(d_drafts, d_drafted, d_acc, new_per_pos)
             with self._spec_lock:
                 self._spec_window.append((time.monotonic(), d_drafts, d_drafted, d_acc))
         self._spec_seen = (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens, list(st.accepted_per_pos))
