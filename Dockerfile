@@ -1,29 +1,28 @@
-# Augur for GPU hosts (and, with VARIANT=cpu, for machines without one).
+# Augur for GPU hosts (and, with another torch index, for machines without one).
 #
-#   docker build -t augur .                                   # CUDA: torch comes with the base image
-#   docker build -t augur:cpu --build-arg VARIANT=cpu .       # CPU: python:3.11-slim, torch from PyPI
+#   docker build -t augur .                                   # CUDA: torch 2.13.0 from PyPI (CUDA 13 build)
+#   docker build -t augur:cu128 --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
+#   docker build -t augur:cpu --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu .
 #   docker run --gpus all -p 8000:8000 -v augur-cache:/cache augur
 #
-# The project is installed by the Makefile's `install` target, the same step as the README's
-# `make serve` / `make test`: it installs torch 2.13.0 only when torch is not importable (so the CUDA
-# base image's torch is kept as it is), then `pip install -e .` (plus `[EXTRAS]` when given, e.g. `--build-arg EXTRAS=test`).
+# torch is the one the tests run: the base image brings none, and the project is installed by the
+# Makefile's `install` target (the same step as the README's `make serve` / `make test`), which installs
+# the pinned torch (2.13.0) when torch is missing, then `pip install -e .` (plus `[EXTRAS]`).
 #
-# VARIANT=cpu: the slim base has no torch, so `make install` installs torch==2.13.0 from PyPI. On x86_64
-# that wheel bundles the CUDA libraries (several GB); for the small CPU-only wheel, build from a base
-# image that already has it (e.g. --build-arg CPU_BASE_IMAGE=<an image with the CPU wheel installed>).
+# CUDA: the torch wheels bundle their CUDA runtime, cuDNN and NCCL, so the host needs only an NVIDIA
+# driver new enough for them (and the NVIDIA Container Toolkit). PyPI's torch 2.13.0 for Linux x86_64 is
+# the CUDA 13 build (it depends on the nvidia-*-cu13 packages), which needs driver >= 580. For an older
+# driver take the same torch built for CUDA 12 from PyTorch's wheel index (TORCH_INDEX_URL=.../cu126 or
+# .../cu128: any driver >= 525, by CUDA's minor-version compatibility), or .../cpu for no GPU. Nothing
+# else in the image depends on the CUDA version.
 
-ARG VARIANT=gpu
-ARG BASE_IMAGE=pytorch/pytorch:2.6.0-cuda12.4-cudnn9-runtime
-ARG CPU_BASE_IMAGE=python:3.11-slim
+ARG BASE_IMAGE=python:3.11-slim
 
-# One stage per variant; BuildKit builds (and pulls) only the one `base-${VARIANT}` names.
-FROM ${BASE_IMAGE} AS base-gpu
-FROM ${CPU_BASE_IMAGE} AS base-cpu
+FROM ${BASE_IMAGE}
 
-FROM base-${VARIANT}
-
-# Extras of the project to install. The default is the README's (`test`: pytest, openai, ruff). An
-# empty value would make the Makefile run `pip install -e ".[]"`, which pip rejects.
+# Where `make install` takes torch from (empty: PyPI). Only torch comes from it; the rest from PyPI.
+ARG TORCH_INDEX_URL=
+# Extras of the project to install: none by default (`--build-arg EXTRAS=test` adds the test tools).
 ARG EXTRAS=
 # uid of the `augur` user: match the owner of bind-mounted model and cache directories.
 ARG AUGUR_UID=1000
@@ -32,8 +31,10 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1
 
+# make runs the install; a C compiler is what Triton (the attention kernels) and torch.compile build
+# their launchers and kernels' host code with, at first use.
 RUN apt-get update \
-    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends make \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends make gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/augur
@@ -44,7 +45,7 @@ COPY server/ server/
 COPY loadtest/ loadtest/
 COPY configs/ configs/
 
-RUN make install VENV=none EXTRAS="${EXTRAS}"
+RUN make install VENV=none EXTRAS="${EXTRAS}" TORCH_INDEX_URL="${TORCH_INDEX_URL}"
 
 RUN useradd --create-home --uid "${AUGUR_UID}" --shell /usr/sbin/nologin augur \
     && mkdir -p /models /cache/augur /cache/huggingface \

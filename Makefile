@@ -1,10 +1,14 @@
 # The two commands a newcomer needs: `make serve` and `make test`.
 # `make install` is the one source of truth for installing Augur (the Dockerfile runs it too):
-# it creates $(VENV) when absent, installs torch 2.13.0 only if torch is not importable (an
+# it creates $(VENV) when absent, installs torch $(TORCH_VERSION) only if torch is not importable (an
 # unpinned torch would pull gigabytes of CUDA packages), then installs the project.
 PYTHON ?= python3
 VENV ?= .venv
 EXTRAS ?= test
+# The torch the tests run (installed only when torch is missing), and the wheel index to take it from
+# (empty: PyPI; the Dockerfile passes PyTorch's per-CUDA indexes through here).
+TORCH_VERSION := 2.13.0
+TORCH_INDEX_URL ?=
 
 ifeq ($(VENV),none)
 PY := $(PYTHON)
@@ -20,7 +24,8 @@ install:
 ifneq ($(VENV),none)
 	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 endif
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"
+	@$(PY) -c "import torch" 2>/dev/null || \
+		$(PY) -m pip install -q "torch==$(TORCH_VERSION)" $(if $(strip $(TORCH_INDEX_URL)),--index-url $(TORCH_INDEX_URL))
 	@$(PY) -m pip install -q -e ".$(if $(strip $(EXTRAS)),[$(EXTRAS)])"
 
 test: install

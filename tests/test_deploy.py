@@ -187,16 +187,56 @@ def test_install_parsers_can_fail():
 def test_docker_extras_give_pip_a_valid_requirement():
     """The image's EXTRAS reach ``pip install -e .[EXTRAS]``: an empty value gives ``.[]``, which pip rejects."""
     args = dict(a.partition("=")[::2] for w, a in DOCKERFILE if w == "ARG")
-    run = shlex.split(install_runs(DOCKERFILE)[0].replace("${EXTRAS}", args.get("EXTRAS", "")))
+    run = shlex.split(re.sub(r"\$\{(\w+)\}", lambda m: args.get(m[1], ""), install_runs(DOCKERFILE)[0]))
     dry = subprocess.run(["make", "-n", *run[1:]], cwd=ROOT, capture_output=True, text=True, check=True)
     assert re.search(r"pip install .*-e \"?\.(\[\w[\w,]*\])?\"?$", dry.stdout, re.M), dry.stdout
     assert ".[]" not in dry.stdout
 
 
+def make_variable(name: str) -> str:
+    m = re.search(rf"^{name}\s*[:?]?=\s*(.*)$", (ROOT / "Makefile").read_text(), re.M)
+    assert m, f"the Makefile sets no {name}"
+    return m.group(1).strip()
+
+
+def test_docker_image_torch_is_the_one_the_tests_run():
+    """The base image brings no torch of its own (a pytorch/pytorch base brought 2.6 while everything
+    was tested on 2.13): the torch in the image is the Makefile's pin, from the index TORCH_INDEX_URL names."""
+    base = next(a for w, a in DOCKERFILE if w == "ARG" and a.startswith("BASE_IMAGE=")).partition("=")[2]
+    assert re.fullmatch(r"python:3\.\d+-slim(-\w+)?", base), base
+    assert re.fullmatch(r"\d+\.\d+\.\d+", make_variable("TORCH_VERSION"))
+    run = shlex.split(install_runs(DOCKERFILE)[0])
+    assert "TORCH_INDEX_URL=${TORCH_INDEX_URL}" in run
+    install = " ".join(MAKE_RULES["install"][1])
+    assert '"torch==$(TORCH_VERSION)"' in install and "--index-url $(TORCH_INDEX_URL)" in install
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_torch_index_reaches_only_the_torch_install():
+    dry = subprocess.run(
+        ["make", "-n", "install", "VENV=none", "TORCH_INDEX_URL=https://example.invalid/whl/cu126"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    torch_line = next(line for line in dry.splitlines() if "torch==" in line)
+    assert f'"torch=={make_variable("TORCH_VERSION")}" --index-url https://example.invalid/whl/cu126' in torch_line
+    assert [line for line in dry.splitlines() if "index-url" in line] == [torch_line]
+
+
+def test_tests_run_on_the_pinned_torch():
+    import torch
+
+    pinned = make_variable("TORCH_VERSION")
+    if torch.__version__.split("+")[0] != pinned:
+        pytest.skip(f"this environment has torch {torch.__version__}; the image and CI install {pinned}")
+    assert torch.__version__.startswith(pinned)
+
+
 def test_dockerfile_runs_the_server_as_a_service():
     words = {w for w, _ in DOCKERFILE}
     args = dict(DOCKERFILE)
-    assert "pytorch/pytorch:" in next(a for w, a in DOCKERFILE if w == "ARG" and a.startswith("BASE_IMAGE="))
     assert json.loads(args["ENTRYPOINT"]) == ["augur", "serve"]
     assert json.loads(args["CMD"]) == ["--host", "0.0.0.0", "--port", "8000"]
     assert json.loads(args["VOLUME"]) == ["/models", "/cache"]
