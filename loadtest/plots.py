@@ -58,3 +58,49 @@ def _save(fig, path: Path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+# -- the benchmark suite (augur bench --suite) ----------------------------------------------------------
+SUITE_PLOTS = (
+    ("output_tok_s", "output tokens/s", "suite_tokens_per_s.png", "Output tokens/s per category"),
+    ("mean_acceptance_length", "mean acceptance length", "suite_acceptance.png", "Acceptance length per category"),
+)
+
+
+def write_suite_plots(rows: list[dict], out_dir: str | Path) -> list[Path]:
+    """Grouped bars, a group per category and a bar per server/mode, a panel per concurrency:
+    suite_tokens_per_s.png and suite_acceptance.png (tokens per target forward; plain decoding is 1).
+    ``rows`` are ``augur bench --suite`` rows; a failed or unmeasured cell is left empty."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    categories = list(dict.fromkeys(r["category"] for r in rows))
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    concurrencies = sorted({r["concurrency"] for r in rows}) or [1]
+    value = {(r["label"], r["category"], r["concurrency"], key): r.get(key) for r in rows for key, *_ in SUITE_PLOTS}
+    written = []
+    for key, ylabel, filename, title in SUITE_PLOTS:
+        fig, axes = plt.subplots(
+            1, len(concurrencies), figsize=(max(6.4, 1.2 * len(categories) * len(concurrencies)), 4.2), squeeze=False
+        )
+        width = 0.8 / max(1, len(labels))
+        for ax, c in zip(axes[0], concurrencies):
+            x = np.arange(len(categories))
+            plotted = False
+            for i, label in enumerate(labels):
+                heights = [value.get((label, cat, c, key)) for cat in categories]
+                if all(h is None for h in heights):
+                    continue
+                heights = [np.nan if h is None else h for h in heights]
+                ax.bar(x + (i - (len(labels) - 1) / 2) * width, heights, width, label=label)
+                plotted = True
+            if key == "mean_acceptance_length" and plotted:
+                ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+            if not plotted:
+                ax.text(0.5, 0.5, "nothing measured", ha="center", va="center", transform=ax.transAxes)
+            ax.set_xticks(x, categories, rotation=20)
+            ax.set(ylabel=ylabel, title=f"{title}, concurrency {c}")
+            ax.grid(axis="y", alpha=0.3)
+            if plotted:
+                ax.legend(fontsize="small")
+        written.append(_save(fig, out / filename))
+    return written

@@ -3,7 +3,8 @@
 Each line of a ``.jsonl`` file is a JSON object with a ``prompt`` string (completion style, e.g. the
 demo pair's held-out ``$AUGUR_HOME/demo/prompts.jsonl``), or with ``messages`` (chat style), or a
 bare JSON string. Either kind works with either API: a plain prompt becomes one user message for
-chat, and a conversation's contents joined by newlines become the prompt for completions.
+chat, and a conversation's contents joined by newlines become the prompt for completions. An optional
+``category`` string groups the lines of a benchmark suite (``suite``: see ``loadtest.suite``).
 """
 
 from __future__ import annotations
@@ -13,13 +14,19 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-SHIPPED = {"code": "code_prefixes.jsonl", "chat": "chat.jsonl", "tutorial": "tutorial.jsonl"}
+SHIPPED = {
+    "code": "code_prefixes.jsonl",
+    "chat": "chat.jsonl",
+    "tutorial": "tutorial.jsonl",
+    "suite": "suite.jsonl",
+}
 
 
 @dataclass(frozen=True)
 class Prompt:
     text: str | None = None
     messages: tuple[dict, ...] | None = None
+    category: str | None = None  # a suite's task category (code, chat, summarization, ...)
 
     def as_messages(self) -> list[dict]:
         if self.messages is not None:
@@ -37,16 +44,19 @@ def _parse_line(obj, where: str) -> Prompt:
         obj = {"prompt": obj}
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: expected a JSON object or string, got {type(obj).__name__}")
+    category = obj.get("category")
+    if category is not None and (not isinstance(category, str) or not category):
+        raise ValueError(f"{where}: 'category' must be a non-empty string")
     messages = obj.get("messages")
     if messages is not None:
         ok = isinstance(messages, list) and messages and all(isinstance(m, dict) and "role" in m for m in messages)
         if not ok:
             raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
-        return Prompt(text=obj.get("prompt"), messages=tuple(messages))
+        return Prompt(text=obj.get("prompt"), messages=tuple(messages), category=category)
     prompt = obj.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         raise ValueError(f"{where}: needs a non-empty 'prompt' string or a 'messages' list")
-    return Prompt(text=prompt)
+    return Prompt(text=prompt, category=category)
 
 
 def parse_jsonl(text: str, name: str = "<prompts>") -> list[Prompt]:
@@ -65,7 +75,7 @@ def parse_jsonl(text: str, name: str = "<prompts>") -> list[Prompt]:
 
 
 def load_prompts(spec: str) -> list[Prompt]:
-    """``spec`` is a shipped set's name (code, chat, tutorial) or a path to a ``.jsonl`` file."""
+    """``spec`` is a shipped set's name (code, chat, tutorial, suite) or a path to a ``.jsonl`` file."""
     if spec in SHIPPED:
         text = resources.files("loadtest").joinpath("prompts", SHIPPED[spec]).read_text(encoding="utf-8")
         return parse_jsonl(text, SHIPPED[spec])

@@ -25,6 +25,11 @@ SPEC_PREFIX = "augur_spec_decode_"
 ACCEPTANCE_GAUGE = "augur_spec_decode_mean_acceptance_length"
 ACCEPTED_COUNTER = "augur_spec_decode_num_accepted_tokens_total"
 DRAFTS_COUNTER = "augur_spec_decode_num_drafts_total"
+# (accepted, drafts) counter names by the server that exports them: Augur's, else vLLM's (Augur exports both).
+SPEC_COUNTERS = {
+    "augur": (ACCEPTED_COUNTER, DRAFTS_COUNTER),
+    "vllm": ("vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_drafts_total"),
+}
 LATENCIES = ("ttft_s", "tpot_s", "itl_s", "e2e_s")
 STATS = ("mean", "p50", "p90", "p99")
 TIMELINE_BINS = 60
@@ -100,6 +105,23 @@ def server_acceptance_length(before: str | None, after: str | None) -> tuple[flo
     if drafts <= 0:
         return None, None
     return 1.0 + accepted / drafts, "counters"
+
+
+def counter_acceptance_length(before: str | None, after: str | None) -> tuple[float | None, str | None]:
+    """(``1 + Δaccepted / Δdrafts``, "augur" | "vllm") between two /metrics scrapes, from Augur's counters
+    or else vLLM's, so a vLLM server's acceptance shows too. Unlike the gauge (a 60 s window), it covers
+    exactly the interval between the scrapes. (None, None) without the counters or without drafts."""
+    if before is None or after is None:
+        return None, None
+    start, end = parse_prometheus(before), parse_prometheus(after)
+    for source, (accepted_name, drafts_name) in SPEC_COUNTERS.items():
+        if accepted_name not in end or drafts_name not in end:
+            continue
+        drafts = sum(end[drafts_name]) - sum(start.get(drafts_name, ()))
+        accepted = sum(end[accepted_name]) - sum(start.get(accepted_name, ()))
+        if drafts > 0 and math.isfinite(accepted / drafts):
+            return 1.0 + accepted / drafts, source
+    return None, None
 
 
 def usage_acceptance_length(records: list[RequestRecord]) -> tuple[float | None, int]:

@@ -173,8 +173,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.suite is not None:  # measures servers over HTTP: no engine in this process
+        from loadtest.suite_bench import run_suite
+
+        return run_suite(args)
+    if args.servers:
+        raise ValueError("--url and --server measure the prompt suite: add --suite")
     from engine.bench import run_bench
 
+    if args.num_prompts is None:
+        args.num_prompts = 16
     return run_bench(engine_config_from_args(args), args)
 
 
@@ -345,13 +353,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     bench = sub.add_parser(
-        "bench", parents=[common], help="tokens/s against Hugging Face transformers generate, same run"
+        "bench",
+        parents=[common],
+        help="tokens/s against Hugging Face transformers generate, same run; --suite: per task category, "
+        "speculative vs plain, or any OpenAI-compatible servers (--url)",
     )
     add_engine_args(bench)
-    bench.add_argument("--num-prompts", type=int, default=16)
+    bench.add_argument(
+        "--num-prompts", type=int, default=None, help="default 16; with --suite: prompts per category (default: all)"
+    )
     bench.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
     bench.add_argument(
-        "--concurrency", type=int, nargs="+", default=None, help="default: 1 16 (plain), 1 8 32 (--speculative)"
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=None,
+        help="default: 1 16 (plain), 1 8 32 (--speculative), 1 (--suite)",
     )
     bench.add_argument("--prompt-lens", type=int, nargs=2, default=[8, 128], metavar=("MIN", "MAX"))
     bench.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
@@ -384,6 +401,53 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --methods: held-out prompts, and prompts whose continuation copies from the prompt",
     )
     bench.add_argument("--output", default=None, help="write the results as JSON")
+    suite = bench.add_argument_group("prompt suite (--suite): see docs/bench-suite.md")
+    suite.add_argument(
+        "--suite",
+        nargs="?",
+        const="suite",
+        default=None,
+        metavar="FILE",
+        help="measure per category (code, chat, summarization, retrieval, math) over HTTP: the shipped suite, or "
+        "a .jsonl file with a 'category' on every line. Without --url, starts `augur serve` with these engine "
+        "flags and runs each category with speculation and plain",
+    )
+    servers = {"dest": "servers", "action": "append"}  # one list: servers run in command-line order
+    suite.add_argument(
+        "--url",
+        **servers,
+        type=lambda text: ("url", text),
+        metavar="[NAME=]URL",
+        help="measure this running OpenAI-compatible server rather than starting Augur (repeatable; ratios are "
+        "against the first server); --model is then the model name sent (default: GET /v1/models)",
+    )
+    suite.add_argument(
+        "--server",
+        **servers,
+        type=lambda text: ("command", text),
+        metavar="NAME=COMMAND|PRESET",
+        help="start this shell command serving on {port} (or a `python -m loadtest.peers` preset such as vllm-draft), "
+        "measure it and stop it before the next (repeatable, in order with --url)",
+    )
+    suite.add_argument(
+        "--plain-baseline",
+        action="store_true",
+        help='with --url/--server: also run each category with "speculative": {"enabled": false} (Augur servers)',
+    )
+    suite.add_argument("--api-key", default=None, help="sent to the servers as 'Authorization: Bearer KEY'")
+    suite.add_argument(
+        "--api",
+        choices=["auto", "chat", "completions"],
+        default="auto",
+        help="auto: chat for conversations, completions for plain prompts",
+    )
+    suite.add_argument("--categories", nargs="+", default=None, help="only these categories, in this order")
+    suite.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
+    suite.add_argument("--warmup", type=int, default=2, help="unrecorded requests per API before measuring a server")
+    suite.add_argument("--plots", default=None, metavar="DIR", help="write PNGs of tok/s and acceptance per category")
+    suite.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for a started server to answer")
+    suite.add_argument("--request-timeout", type=float, default=600.0, help="seconds without progress before a timeout")
+    suite.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     bench.set_defaults(func=cmd_bench)
 
     tune = sub.add_parser(
