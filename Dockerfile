@@ -31,10 +31,10 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1
 
-# make runs the install; a C compiler is what Triton (the attention kernels) and torch.compile build
-# their launchers and kernels' host code with, at first use.
+# make runs the install. A C/C++ compiler is what Triton (the attention kernels) builds its launchers
+# with and what torch.compile (the engine's compiled forwards) builds CPU kernels with, at first use.
 RUN apt-get update \
-    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends make gcc libc6-dev \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends make g++ \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/augur
