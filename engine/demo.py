@@ -41,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+from engine.muon import optimizers
+
 logger = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>"]
@@ -67,18 +69,25 @@ class DemoRecipe:
     seed: int = 0
     vocab_size: int = 4096
     heldout_every: int = 20  # one file in N (by a stable hash of its path) is held out
-    max_train_chars: int = 12_000_000  # of the train split, in file order; bounds tokenization time
+    max_train_chars: int = 12_000_000  # of the train split, in stable-hash order; bounds tokenization time
+    # Generated files, not written code: codec tables (whose comment-only lines taught the first pairs to
+    # answer everything with "#\n#\n...") and pydoc's topic strings. Left out of both splits.
+    exclude: tuple[str, ...] = ("encodings/", "pydoc_data/")
     tokenizer_train_chars: int = 3_000_000
     seq_len: int = 256
     batch_size: int = 8
-    target: ModelShape = ModelShape(hidden=512, layers=8, heads=8, kv_heads=4, ffn=1408)
-    draft: ModelShape = ModelShape(hidden=256, layers=2, heads=4, kv_heads=2, ffn=704)
-    target_steps: int = 200
-    target_lr: float = 2e-3
-    draft_steps: int = 160
+    target: ModelShape = ModelShape(hidden=256, layers=6, heads=4, kv_heads=2, ffn=704)
+    draft: ModelShape = ModelShape(hidden=96, layers=2, heads=3, kv_heads=1, ffn=256)
+    target_steps: int = 600
+    target_lr: float = 3e-3  # AdamW: embeddings (tied with the output head) and norm gains
+    target_muon_lr: float = 0.04  # Muon: the blocks' weight matrices (engine/muon.py)
+    draft_steps: int = 400
     draft_lr: float = 3e-3
+    draft_muon_lr: float = 0.03
     warmup_frac: float = 0.06
     eval_seqs: int = 32  # held-out windows of seq_len for perplexity and agreement
+    quality_prompts: int = 16  # held-out prompts continued greedily for the degenerate-output rate
+    quality_tokens: int = 128
     num_prompts: int = 64
     prompt_chars: tuple[int, int] = (100, 320)  # a prompt plus 128 generated tokens stays near seq_len
     max_position_embeddings: int = 2048
@@ -98,6 +107,8 @@ class DemoRecipe:
             target_steps=30,
             draft_steps=30,
             eval_seqs=8,
+            quality_prompts=4,
+            quality_tokens=16,
             num_prompts=8,
             prompt_chars=(40, 120),
             max_position_embeddings=512,
@@ -148,10 +159,13 @@ def split_corpus(recipe: DemoRecipe) -> tuple[list[tuple[str, str]], list[tuple[
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
             continue
-        if not text.strip():
+        if not text.strip() or name.startswith(recipe.exclude):
             continue
         bucket = int(hashlib.md5(name.encode()).hexdigest(), 16) % recipe.heldout_every
         (heldout if bucket == 0 else train).append((name, text))
+    # The train budget is taken in a stable pseudo-random file order, so it covers the whole library
+    # (alphabetical order stopped in test/, while the held-out files are drawn from everywhere).
+    train.sort(key=lambda item: hashlib.sha256(item[0].encode()).hexdigest())
     total = 0
     kept = []
     for name, text in train:
@@ -248,21 +262,26 @@ def _lr_at(step: int, steps: int, peak: float, warmup_frac: float) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def _train(model, batches, lr: float, recipe: DemoRecipe, device, loss_fn, desc: str, progress) -> list[float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+def _train(
+    model, batches, lrs: tuple[float, float], recipe: DemoRecipe, device, loss_fn, desc: str, progress
+) -> list[float]:
+    """``lrs``: the peak learning rates of AdamW (embeddings, norms) and Muon (the blocks' matrices)."""
     autocast = _bf16_autocast_ok(device)
+    opts = optimizers(model, *lrs, ns_dtype=torch.bfloat16 if autocast else torch.float32)
     losses = []
     model.train()
     for step, batch in enumerate(batches):
-        for group in opt.param_groups:
-            group["lr"] = _lr_at(step, len(batches), lr, recipe.warmup_frac)
+        for opt, peak in opts:
+            for group in opt.param_groups:
+                group["lr"] = _lr_at(step, len(batches), peak, recipe.warmup_frac)
         batch = batch.to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             loss = loss_fn(model, batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        for opt, _ in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         losses.append(loss.detach().item())
         progress.update(1)
         progress.set_postfix_str(f"{desc} loss {losses[-1]:.3f}")
@@ -305,6 +324,56 @@ def evaluate(target, draft, windows: torch.Tensor, device) -> dict:
         "draft_perplexity": math.exp(nll_d / total),
         "draft_target_top1_agreement": agree / total,
         "eval_tokens": total,
+    }
+
+
+LOOP_MAX_PERIOD = 8  # tokens in the longest repeating unit the degenerate-output check looks for
+LOOP_MIN_FRACTION = 0.25  # of the continuation a loop must cover to make it degenerate
+
+
+def loop_coverage(tokens: list[int], max_period: int = LOOP_MAX_PERIOD) -> int:
+    """The most tokens covered by one back-to-back repetition of a unit of at most ``max_period``
+    tokens (``x x x x``, ``self. self. self.``): 0 when nothing repeats."""
+    best = 0
+    for period in range(1, max_period + 1):
+        run = 0  # positions i with tokens[i] == tokens[i - period], consecutively
+        for i in range(period, len(tokens)):
+            run = run + 1 if tokens[i] == tokens[i - period] else 0
+            if run:
+                best = max(best, run + period)
+    return best
+
+
+def is_degenerate(tokens: list[int]) -> bool:
+    """A continuation collapsed into a short loop: one unit of at most 8 tokens, repeated back to back,
+    covers at least a quarter of it."""
+    return bool(tokens) and loop_coverage(tokens) >= LOOP_MIN_FRACTION * len(tokens)
+
+
+@torch.no_grad()
+def greedy_quality(target, tokenizer, prompts: list[dict], max_tokens: int, device) -> dict:
+    """Greedy continuations of held-out prompts: how many collapse into a loop, and a few examples
+    (what a newcomer's first request shows)."""
+    degenerate, samples = 0, []
+    for p in prompts:
+        ids = torch.tensor([tokenizer(p["prompt"], add_special_tokens=False)["input_ids"]], device=device)
+        out = target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        new = out[0, ids.shape[1] :].tolist()
+        degenerate += is_degenerate(new)
+        if len(samples) < 3:
+            samples.append({"prompt": p["prompt"], "continuation": tokenizer.decode(new)})
+    return {
+        "greedy_degenerate_rate": degenerate / max(1, len(prompts)),
+        "greedy_prompts": len(prompts),
+        "greedy_tokens": max_tokens,
+        "greedy_samples": samples,
     }
 
 
@@ -392,7 +461,7 @@ def _build_into(out: Path, recipe: DemoRecipe, device_name: str) -> None:
     target_losses = _train(
         target,
         _batches(train_stream, recipe, recipe.target_steps, recipe.seed + 2),
-        recipe.target_lr,
+        (recipe.target_lr, recipe.target_muon_lr),
         recipe,
         dev,
         _lm_loss,
@@ -404,7 +473,7 @@ def _build_into(out: Path, recipe: DemoRecipe, device_name: str) -> None:
     draft_losses = _train(
         draft,
         _batches(train_stream, recipe, recipe.draft_steps, recipe.seed + 3),
-        recipe.draft_lr,
+        (recipe.draft_lr, recipe.draft_muon_lr),
         recipe,
         dev,
         _distill_loss(target),
@@ -415,6 +484,8 @@ def _build_into(out: Path, recipe: DemoRecipe, device_name: str) -> None:
     progress.set_postfix_str("evaluating")
     windows = _batches(heldout_stream, dataclasses.replace(recipe, batch_size=recipe.eval_seqs), 1, recipe.seed + 4)[0]
     metrics = evaluate(target, draft, windows, dev)
+    prompts = make_prompts(heldout, recipe)
+    quality = greedy_quality(target, tokenizer, prompts[: recipe.quality_prompts], recipe.quality_tokens, dev)
     progress.close()
 
     for name, model in (("target", target), ("draft", draft)):
@@ -426,7 +497,6 @@ def _build_into(out: Path, recipe: DemoRecipe, device_name: str) -> None:
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         ).save_pretrained(d)
-    prompts = make_prompts(heldout, recipe)
     with open(out / "prompts.jsonl", "w") as f:
         for p in prompts:
             f.write(json.dumps(p) + "\n")
@@ -437,6 +507,7 @@ def _build_into(out: Path, recipe: DemoRecipe, device_name: str) -> None:
         "draft_params": num_params(draft),
         "param_ratio": num_params(target) / num_params(draft),
         **metrics,
+        **quality,
         "target_final_train_loss": sum(target_losses[-5:]) / len(target_losses[-5:]),
         "draft_final_distill_kl": sum(draft_losses[-5:]) / len(draft_losses[-5:]),
         "train_files": len(train),
@@ -449,6 +520,7 @@ def _build_into(out: Path, recipe: DemoRecipe, device_name: str) -> None:
             "data_and_tokenizer": round(t0 - t_start, 1),
             "target": round(t1 - t0, 1),
             "draft": round(t2 - t1, 1),
+            "evaluation": round(time.perf_counter() - t2, 1),
             "total": round(time.perf_counter() - t_start, 1),
         },
         "python": platform.python_version(),

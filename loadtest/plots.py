@@ -100,7 +100,7 @@ def write_suite_plots(rows: list[dict], out_dir: str | Path) -> list[Path]:
             ax.set_xticks(x, categories, rotation=20)
             ax.set(ylabel=ylabel, title=f"{title}, concurrency {c}")
             ax.grid(axis="y", alpha=0.3)
-            if plotted:
-                ax.legend(fontsize="small")
+            if plotted:  # below the axes: inside, it would cover the tallest bars
+                ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=min(4, len(labels)))
         written.append(_save(fig, out / filename))
     return written

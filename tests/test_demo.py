@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from engine.config import EngineConfig
-from engine.demo import DemoRecipe, build_demo, is_built, split_corpus
+from engine.demo import DemoRecipe, build_demo, is_built, is_degenerate, loop_coverage, split_corpus
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
@@ -41,6 +41,30 @@ def test_layout_and_report(demo):
     assert 0.0 <= report["draft_target_top1_agreement"] <= 1.0
     # Held-out perplexity is measured on files never trained on, and the trained target beats chance.
     assert report["target_perplexity"] < report["train_tokens"] and report["target_perplexity"] < 512
+
+
+def test_report_has_the_greedy_quality_numbers(demo):
+    """The build continues held-out prompts greedily and reports how many collapse into a loop (computed,
+    not judged: the tiny model's value means nothing), with examples."""
+    report = json.loads((demo / "report.json").read_text())
+    recipe = DemoRecipe.tiny()
+    assert report["greedy_prompts"] == recipe.quality_prompts and report["greedy_tokens"] == recipe.quality_tokens
+    rate = report["greedy_degenerate_rate"]
+    assert 0.0 <= rate <= 1.0 and (rate * recipe.quality_prompts).is_integer()
+    prompts = [json.loads(line)["prompt"] for line in (demo / "prompts.jsonl").read_text().splitlines()]
+    assert [s["prompt"] for s in report["greedy_samples"]] == prompts[: len(report["greedy_samples"])]
+    assert report["greedy_samples"] and all(s["continuation"] for s in report["greedy_samples"])
+
+
+def test_degenerate_output_check():
+    assert loop_coverage([7] * 10) == 10
+    assert loop_coverage([1, 2, 3, 1, 2, 3, 1, 2, 3]) == 9
+    assert loop_coverage(list(range(20))) == 0
+    assert loop_coverage([5, 9] * 3 + list(range(10, 20))) == 6
+    assert loop_coverage(list(range(9)) * 2, max_period=8) == 0  # a 9-token unit is no short loop
+    assert is_degenerate([4] * 40 + list(range(100, 188)))  # 40 of 128 tokens: a quarter and more
+    assert not is_degenerate([4] * 31 + list(range(100, 197)))
+    assert not is_degenerate(list(range(128))) and not is_degenerate([])
 
 
 def test_prompts_come_from_heldout_files(demo):
