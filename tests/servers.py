@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import uvicorn
@@ -82,3 +84,16 @@ def serve(app: FastAPI, wait_ready: bool = True, **limits) -> Iterator[Served]:
         server.should_exit = True
         thread.join(timeout=60)
         assert not thread.is_alive(), "uvicorn did not shut down"
+
+
+def processes_mentioning(text: str) -> list[str]:
+    """Command lines of live processes (other than this one) that contain ``text``."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in args and cmdline.parent.name != str(os.getpid()):
+            found.append(args)
+    return found

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
 import shutil
@@ -23,23 +22,10 @@ from loadtest.suite import CATEGORIES, PER_CATEGORY, _problem, by_category, math
 from loadtest.suite_bench import engine_argv, parse_command, parse_url
 from server.app import ServerSettings, create_app
 from server.cli import add_engine_args, build_parser, main
-from tests.servers import engine_factory, serve
+from servers import engine_factory, processes_mentioning, serve
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def processes_mentioning(text: str) -> list[str]:
-    """Command lines of live processes (other than this one) that contain ``text``."""
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            args = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in args and cmdline.parent.name != str(os.getpid()):
-            found.append(args)
-    return found
 
 
 def closed_port() -> int:

@@ -87,8 +87,12 @@ def test_vllm_series_carry_augurs_values_after_traffic(srv, client, http):
     idle(srv)
     before = scrape(http)
     prompt = "def parse(self, text):\n    for line in text.splitlines():\n"
-    a = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
-    b = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)  # a prefix-cache hit
+    # A fixed draft depth: the controller may rightly judge drafting unprofitable on a busy machine.
+    draft = {"speculative": {"num_draft_tokens": 3}}
+    a = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, extra_body=draft)
+    b = client.completions.create(  # a prefix-cache hit
+        model=MODEL, prompt=prompt, max_tokens=24, temperature=0, extra_body=draft
+    )
     tok_eos = srv.engine.eos_token_ids[0]
     stopped = client.completions.create(
         model=MODEL, prompt="import os\n", max_tokens=4, temperature=0, logit_bias={str(tok_eos): 100}

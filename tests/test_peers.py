@@ -12,21 +12,9 @@ import sys
 from pathlib import Path
 
 from loadtest.peers import AUGUR_EXE
+from servers import processes_mentioning
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def processes_mentioning(text: str) -> list[str]:
-    """Command lines of live processes that contain ``text``."""
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            args = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in args and cmdline.parent.name != str(os.getpid()):
-            found.append(args)
-    return found
 
 
 def test_peers_measures_one_server_at_a_time_and_skips_missing_peers(tiny_demo, tmp_path):
