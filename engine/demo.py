@@ -70,8 +70,8 @@ class DemoRecipe:
     vocab_size: int = 4096
     heldout_every: int = 20  # one file in N (by a stable hash of its path) is held out
     max_train_chars: int = 12_000_000  # of the train split, in stable-hash order; bounds tokenization time
-    # Generated files, not written code: codec tables (whose comment-only lines taught the first pairs to
-    # answer everything with "#\n#\n...") and pydoc's topic strings. Left out of both splits.
+    # Generated files, not written code: codec tables (thousands of near-identical table lines) and
+    # pydoc's topic strings. Left out of both splits.
     exclude: tuple[str, ...] = ("encodings/", "pydoc_data/")
     tokenizer_train_chars: int = 3_000_000
     seq_len: int = 256
