@@ -90,31 +90,6 @@ def parse_command(text: str) -> Server:
     return Server(spec.name, command=spec.command, status="skipped" if spec.skip else "pending", reason=spec.skip)
 
 
-def engine_argv(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> list[str]:
-    """The engine flags of ``args`` as ``augur serve`` arguments, only those that differ from their
-    defaults: learnt from a scratch parser with the same ``add_engine_args``, so a new engine flag is
-    passed on without a change here."""
-    from server.cli import add_engine_args
-
-    scratch = argparse.ArgumentParser(add_help=False)
-    add_engine_args(scratch)
-    argv: list[str] = []
-    for action in scratch._actions:
-        if not action.option_strings or action.dest in skip or not hasattr(args, action.dest):
-            continue
-        value = getattr(args, action.dest)
-        if value == action.default:
-            continue
-        flag = max(action.option_strings, key=len)
-        if action.nargs == 0:  # store_true / store_false: differing from the default means given
-            argv.append(flag)
-        elif isinstance(value, (list, tuple)):
-            argv += [flag, *map(str, value)]
-        else:
-            argv += [flag, str(value)]
-    return argv
-
-
 def load_suite(args: argparse.Namespace) -> dict[str, list[Prompt]]:
     """The categories to run and their prompts (the first ``--num-prompts`` of each)."""
     groups = by_category(load_prompts(args.suite))
@@ -266,11 +241,11 @@ async def measure_one(
     return row
 
 
-def augur_command(args: argparse.Namespace) -> str:
+def augur_command(args: argparse.Namespace, engine_flags: list[str]) -> str:
     """``augur serve`` with the bench's engine flags on ``{port}``, through this interpreter (the same
     install)."""
     argv = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--log-level", args.log_level]
-    return f"{shlex.join([*argv, *engine_argv(args)])} --port {{port}}"
+    return f"{shlex.join([*argv, *engine_flags])} --port {{port}}"
 
 
 def start_and_measure(
@@ -382,8 +357,11 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt  # a SIGTERM to the bench still stops the server it started
 
 
-def run_suite(args: argparse.Namespace) -> int:
-    """The whole ``augur bench --suite`` run; 0 when at least one category completed somewhere."""
+def run_suite(args: argparse.Namespace, engine_flags: list[str], ignored_flags: list[str]) -> int:
+    """The whole ``augur bench --suite`` run; 0 when at least one category completed somewhere.
+    ``engine_flags``: the bench's engine flags that differ from their defaults, as ``augur serve``
+    arguments (``server.cli.engine_argv``), for the Augur this starts when no server is given;
+    ``ignored_flags``: those that then do nothing (all but the model name and seed), to say so."""
     args.concurrency = sorted(args.concurrency or [1])
     if min(args.concurrency) < 1 or args.max_tokens < 1 or args.warmup < 0:
         raise ValueError("--concurrency and --max-tokens must be at least 1, --warmup at least 0")
@@ -393,9 +371,9 @@ def run_suite(args: argparse.Namespace) -> int:
         raise ValueError(f"--url/--server: two servers share a name ({', '.join(names)}); name them NAME=...")
     suite = load_suite(args)
     if given:
-        ignored = engine_argv(args, skip=("model", "seed"))
-        if ignored:
-            print(f"bench: engine flags only shape the Augur it starts; ignored: {' '.join(ignored)}", file=sys.stderr)
+        if ignored_flags:
+            ignored = " ".join(ignored_flags)
+            print(f"bench: engine flags only shape the Augur it starts; ignored: {ignored}", file=sys.stderr)
         for server in given:
             server.model = args.model  # the name to send (default: GET /v1/models)
     info = {
@@ -419,7 +397,7 @@ def run_suite(args: argparse.Namespace) -> int:
             from engine.demo import ensure_demo
 
             ensure_demo()  # built here, with its progress bar, rather than inside the server's start-up
-        given, modes = [Server("augur", command=augur_command(args))], ["default", "plain"]
+        given, modes = [Server("augur", command=augur_command(args, engine_flags))], ["default", "plain"]
     log_dir = Path(tempfile.mkdtemp(prefix="augur-bench-")) if any(s.command for s in given) else None
     servers: list[Server] = []
     main_thread = threading.current_thread() is threading.main_thread()

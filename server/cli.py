@@ -96,6 +96,29 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
         g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
 
 
+def engine_argv(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> list[str]:
+    """The inverse of :func:`add_engine_args`: the engine flags of ``args`` that differ from their
+    defaults, as ``augur serve`` arguments (learnt from a scratch parser, so a new engine flag is passed
+    on without a change here). ``augur bench --suite`` starts its server with them."""
+    scratch = argparse.ArgumentParser(add_help=False)
+    add_engine_args(scratch)
+    argv: list[str] = []
+    for action in scratch._actions:
+        if not action.option_strings or action.dest in skip or not hasattr(args, action.dest):
+            continue
+        value = getattr(args, action.dest)
+        if value == action.default:
+            continue
+        flag = max(action.option_strings, key=len)
+        if action.nargs == 0:  # store_true / store_false: differing from the default means given
+            argv.append(flag)
+        elif isinstance(value, (list, tuple)):
+            argv += [flag, *map(str, value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from the flags; no --model means the embedded demo target (built on first use)."""
     fields = EngineConfig.field_names()
@@ -176,7 +199,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.suite is not None:  # measures servers over HTTP: no engine in this process
         from loadtest.suite_bench import run_suite
 
-        return run_suite(args)
+        return run_suite(args, engine_argv(args), engine_argv(args, skip=("model", "seed")))
     if args.servers:
         raise ValueError("--url and --server measure the prompt suite: add --suite")
     from engine.bench import run_bench

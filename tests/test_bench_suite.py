@@ -19,9 +19,9 @@ from transformers import AutoTokenizer
 from loadtest.prompts import load_prompts
 from loadtest.report import counter_acceptance_length
 from loadtest.suite import CATEGORIES, PER_CATEGORY, _problem, by_category, math_prompts, read_suite
-from loadtest.suite_bench import engine_argv, parse_command, parse_url
+from loadtest.suite_bench import parse_command, parse_url
 from server.app import ServerSettings, create_app
-from server.cli import add_engine_args, build_parser, main
+from server.cli import add_engine_args, build_parser, engine_argv, main
 from servers import engine_factory, processes_mentioning, serve
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
