@@ -89,22 +89,15 @@ def spec_metrics(text: str | None) -> dict[str, float] | None:
 
 
 def server_acceptance_length(before: str | None, after: str | None) -> tuple[float | None, str | None]:
-    """(mean acceptance length, "gauge" | "counters") from /metrics scraped around the run; (None, None)
-    when the server exposes neither the gauge nor the counters, or /metrics could not be read."""
+    """(mean acceptance length, "gauge" | "counters") from /metrics scraped around the run: Augur's gauge,
+    else the counters (:func:`counter_acceptance_length`); (None, None) when the server exposes neither,
+    or /metrics could not be read."""
     end = spec_metrics(after)
-    if not end:
-        return None, None
-    gauge = end.get(ACCEPTANCE_GAUGE)
+    gauge = end.get(ACCEPTANCE_GAUGE) if end else None
     if gauge is not None and gauge > 0:
         return gauge, "gauge"
-    start = spec_metrics(before)
-    if start is None or end.get(ACCEPTED_COUNTER) is None or end.get(DRAFTS_COUNTER) is None:
-        return None, None
-    drafts = end[DRAFTS_COUNTER] - (start.get(DRAFTS_COUNTER) or 0.0)
-    accepted = end[ACCEPTED_COUNTER] - (start.get(ACCEPTED_COUNTER) or 0.0)
-    if drafts <= 0:
-        return None, None
-    return 1.0 + accepted / drafts, "counters"
+    value, _ = counter_acceptance_length(before, after)
+    return (value, "counters") if value is not None else (None, None)
 
 
 def counter_acceptance_length(before: str | None, after: str | None) -> tuple[float | None, str | None]:
