@@ -239,7 +239,18 @@ def test_cost_model_median_ignores_one_noisy_timing():
     assert cost.predict("target", 4, 8) == pytest.approx(0.010)
 
 
-def test_controller_hysteresis_and_guard_back_off(target, tmp_path):
+def test_cost_model_scales_drafting_by_whole_steps_and_counts_host_time():
+    cost = CostModel()
+    assert cost.spec_scale() == 1.0
+    for r in (0.5, 0.6, 9.0, 0.55, 0.01):  # medians, clipped: one stall or one freak step moves nothing
+        cost.observe_spec_scale(r)
+    assert cost.spec_scale() == pytest.approx(0.55)
+    cost.observe_host(0.002, num_seqs=2, num_drafting=0)  # 1 ms per sequence in a plain step
+    cost.observe_host(0.005, num_seqs=2, num_drafting=1)  # 3 ms more for the drafting one
+    assert cost.host_seconds(4, 2) == pytest.approx(4 * 0.001 + 2 * 0.003)
+
+
+def test_controller_hysteresis(target, tmp_path):
     from test_spec import cheap_draft_costs, noisy_copy
 
     draft = noisy_copy(target, tmp_path / "d", 0.0)
@@ -265,42 +276,86 @@ def test_controller_hysteresis_and_guard_back_off(target, tmp_path):
     ctl.estimate(seq).alpha = [0.5, 0.05, 0.05, 0.05]
     assert ctl.plan([seq], 0) == [1]
 
-    # The guard: speculating steps measured slower than plain ones at the same batch size cap the depth.
-    guard = Guard(max_depth=4, probe_every=10**9)
-    for _ in range(6):
+
+def test_guard_turns_off_a_losing_bucket_and_bursts_back_at_full_depth():
+    # Speculating steps measured slower than plain ones at the same batch size turn the bucket off:
+    # a true bypass (depth 0), judged on the ratio of sums, not on one step.
+    guard = Guard(max_depth=4, min_samples=4, probe_every=8, burst=4)
+    for _ in range(4):
         guard.observe(1, 1, 0.010, speculated=False)  # plain: 100 tok/s
-    for _ in range(6):
-        guard.observe(1, 2, 0.030, speculated=True)  # speculating: 67 tok/s
-    assert guard.limit(1) < 4
-    for _ in range(60):  # it keeps losing: the cap reaches 0, a true bypass
-        guard.observe(1, 2, 0.030, speculated=True)
-    assert guard.limit(1) == 0
-    # A fresh bucket learns plain decoding's rate early: every 4th step is plain until it has 5 samples.
-    fresh = Guard(max_depth=4, probe_every=10**9)
+    guard.observe(1, 3, 0.010, speculated=True)  # one fast step among slow ones
+    for _ in range(3):
+        guard.observe(1, 2, 0.030, speculated=True)  # speculating: 67 tok/s in sum
+    b = guard.bucket(1)
+    assert not b.on and guard.limit(1) == 0
+    # While off: plain steps, then a burst of full-depth speculating steps every `interval` plans,
+    # which the controller reads as `exploring`; the burst's first step (the catch-up) is not judged.
+    limits, exploring = [], []
+    for _ in range(7 + 4):
+        limits.append(guard.limit(1))
+        exploring.append(guard.exploring)
+        if limits[-1]:
+            guard.observe(1, 5, 0.020, speculated=True)  # the burst wins: 250 tok/s
+    assert limits == [0] * 6 + [4] * 4 + [4] and exploring == [False] * 6 + [True] * 4 + [False]
+    assert b.on and len(b.spec) == 3 + 1  # judged at the plan after the burst (3 judged steps): back on
+    # A burst that loses doubles the interval before the next one.
+    for _ in range(4):
+        guard.observe(1, 1, 0.050, speculated=True)
+    assert not b.on
+    limits = []
+    for _ in range(8 + 4 + 16):
+        limits.append(guard.limit(1))
+        if limits[-1]:
+            guard.observe(1, 1, 0.030, speculated=True)  # 33 tok/s: still losing
+    assert limits[:8] == [0] * 7 + [4] and b.interval == 16 and limits[-1] == 4 and not b.on
+    assert limits.count(4) < 4 + 4  # the second burst stopped early (below `abort` x plain)
+
+
+def test_guard_learns_plain_early_and_keeps_it_current():
+    # A fresh bucket learns plain decoding's rate early: every 4th step is plain until it has
+    # min_samples plain samples; while on, a plain step every probe_every plans keeps it current.
+    fresh = Guard(max_depth=4, min_samples=5, probe_every=10**9)
     limits = []
     for _ in range(24):
         limits.append(fresh.limit(1))
         fresh.observe(1, 1, 0.010, speculated=limits[-1] > 0)
     assert limits[3::4][:5] == [0] * 5 and limits[23] == 4 and limits.count(0) == 5
-    # A probe now and then re-measures speculation; when it wins, the cap rises again.
-    probing = Guard(max_depth=4, probe_every=3)
-    probing.cap[(1, True)] = 0
-    assert [probing.limit(1) for _ in range(3)] == [0, 0, 1]
-    for _ in range(6):
-        probing.observe(1, 1, 0.010, speculated=False)
-        probing.observe(1, 4, 0.015, speculated=True)
-    assert probing.cap[(1, True)] > 0
+    probing = Guard(max_depth=4, min_samples=0, probe_every=3)
+    assert [probing.limit(1) for _ in range(6)] == [4, 4, 0, 4, 4, 0]
 
 
 def test_guard_keeps_greedy_and_sampled_batches_apart():
     """Sampled traffic on which speculation loses must not stop speculation for greedy traffic."""
     guard = Guard(max_depth=4, probe_every=10**9)
-    for _ in range(6):
+    for _ in range(8):
         guard.observe(1, 1, 0.010, speculated=False, greedy=False)
     for _ in range(60):
         guard.observe(1, 2, 0.030, speculated=True, greedy=False)
     assert guard.limit(1, greedy=False) == 0
     assert max(guard.limit(1, greedy=True) for _ in range(3)) == 4
+
+
+def test_controller_drafts_full_depth_in_a_guard_burst_and_no_idle_probe_while_off(target, tmp_path):
+    from test_spec import cheap_draft_costs, noisy_copy
+
+    draft = noisy_copy(target, tmp_path / "d", 0.0)
+    cfg = EngineConfig(
+        model=str(target), draft_model=str(draft), device="cpu", num_kv_blocks=256, block_size=4, spec_tree_topk=1
+    )
+    eng = LLMEngine(cfg)
+    ctl = eng.controller
+    eng.add_request("x", [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+    eng.step()
+    seq = eng.groups["x"].seqs[0]
+    ctl.cost = cheap_draft_costs(target_per_token=0.05)  # every drafted token costs: the plan says 0
+    ctl.estimate(seq).alpha = [0.3] * 4
+    ctl.guard = Guard(4, min_samples=0, probe_every=10**9)
+    assert ctl.plan([seq], 0) == [0]
+    b = ctl.guard.bucket(1)
+    b.on, b.wait, b.interval = False, 3, 3
+    seq.spec_idle_steps = 10**6  # an idle probe would be due, but the guard's bucket is off
+    plans = [ctl.plan([seq], 0) for _ in range(3)]
+    assert plans == [[0], [0], [4]]  # the burst drafts at full depth, whatever the plan would say
 
 
 # -- the draft model: prefix reuse and chunked catch-up ------------------------------------------------

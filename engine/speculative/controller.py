@@ -16,7 +16,8 @@ gain beats the marginal price of the target time they take (the current rate tim
 the ``D`` with the best predicted rate wins — but the current ``D`` is only left when another beats
 it by a margin or for several steps in a row (hysteresis). Finally a measured :class:`Guard`
 compares the tokens/s that speculating and plain steps really achieved at the same batch size, and
-caps the depth when speculation loses (probing now and then so that it notices when it wins again).
+turns speculation off where it loses (probing with bursts of real drafting now and then, so that it
+notices when it wins again).
 """
 
 from __future__ import annotations
@@ -50,7 +51,10 @@ class CostModel:
         # (median tokens, median seconds) points is built once and kept until a new observation.
         self._curves: dict[tuple[str, int], list[tuple[float, float]]] = {}
         self._rows: dict[str, list[int]] = {}
-        self._host_draft: float | None = None
+        self._host: tuple[float, float] | None = None  # medians of host_per_seq and host_per_draft
+        # Realised over predicted extra seconds of whole speculating steps (see spec_scale).
+        self.spec_ratio: deque[float] = deque(maxlen=window)
+        self._scale: float | None = None
 
     def observe(self, kind: str, num_seqs: int, tokens: int, seconds: float) -> None:
         if tokens <= 0 or num_seqs <= 0:
@@ -68,12 +72,25 @@ class CostModel:
         elif self.host_per_seq:
             base = statistics.median(self.host_per_seq) * num_seqs
             self.host_per_draft.append(max(host_seconds - base, 0.0) / num_drafting)
-            self._host_draft = None
+        self._host = None
 
-    def host_draft_seconds(self) -> float:
-        if self._host_draft is None:
-            self._host_draft = statistics.median(self.host_per_draft) if self.host_per_draft else 0.0
-        return self._host_draft
+    def observe_spec_scale(self, ratio: float) -> None:
+        self.spec_ratio.append(min(max(ratio, 0.2), 5.0))
+        self._scale = None
+
+    def spec_scale(self) -> float:
+        """How the seconds drafting really added to whole steps compare with the sum of the parts
+        predicted for them (median; 1 before any): the catch-up's real size, the draft's weights
+        falling out of the caches between steps, bookkeeping no part times."""
+        if self._scale is None:
+            self._scale = statistics.median(self.spec_ratio) if self.spec_ratio else 1.0
+        return self._scale
+
+    def host_seconds(self, num_seqs: int, num_drafting: int) -> float:
+        """Predicted host time of a step of ``num_seqs`` sequences, ``num_drafting`` of them drafting."""
+        if self._host is None:
+            self._host = tuple(statistics.median(d) if d else 0.0 for d in (self.host_per_seq, self.host_per_draft))
+        return self._host[0] * num_seqs + self._host[1] * num_drafting
 
     def predict(self, kind: str, num_seqs: int, tokens: int) -> float:
         if tokens <= 0:
@@ -138,55 +155,114 @@ class AcceptanceEstimate:
                 break  # positions after the first rejection were never tested
 
 
+class _Bucket:
+    """One guard bucket: its latest realised steps of each kind (``(tokens, seconds)``) and its state."""
+
+    def __init__(self, window: int, probe_every: int) -> None:
+        self.plain: deque[tuple[int, float]] = deque(maxlen=window)
+        self.spec: deque[tuple[int, float]] = deque(maxlen=window)
+        self.on = True  # the controller's depths stand; off: plain steps only
+        self.plans = 0
+        self.interval = self.wait = probe_every  # while off: plans between probe bursts, and until the next
+        self.burst_left = 0  # while off: probe-burst steps still to run
+        self.probing = False  # a burst ran: judge it at the next plan, when all its steps are observed
+        self.skip_next = False  # a burst's first step pays the proposer's catch-up: not judged
+
+
+def _rate(steps: deque[tuple[int, float]]) -> float:
+    seconds = sum(s for _, s in steps)
+    return sum(t for t, _ in steps) / seconds if seconds > 0 else 0.0
+
+
 class Guard:
     """Measured tokens/s of speculating vs plain decode-only steps, per bucket: the batch size's power
     of two, and whether the batch is all greedy (sampled text is accepted far less often, so a server
     whose sampled traffic makes speculation lose must not stop speculating for its greedy traffic).
 
-    When speculation's realised rate falls below ``margin`` times plain decoding's in the same bucket,
-    the depth cap for that bucket halves; when it clearly wins it rises by one again. Until a
-    bucket has ``min_samples`` plain steps, every 4th step there is plain; after that a plain step
-    every ``probe_every`` steps (a depth-1 step while capped at 0) keeps both rates current."""
+    A rate is a ratio of sums over a kind's last ``window`` steps: a step's tokens vary with what was
+    accepted, a sum over many steps does not flip on one. A bucket is *on* (the controller's depths
+    stand, whatever they are) or *off* (plain steps: no draft forward at all). It turns off as soon as
+    speculation's rate falls below ``margin`` times plain decoding's. While off it runs a *burst* of
+    ``burst`` speculating steps every ``interval`` plans with every request at full depth (not one
+    token at a time: with a fixed cost per drafting step, shallow drafts lose where deep ones win;
+    ``exploring`` tells the controller), and judges the burst alone. A burst that keeps up with plain
+    decoding turns the bucket back on; otherwise the interval doubles (up to ``max_interval``), so a
+    bucket where speculation keeps losing spends ever less on probing, and a burst whose first steps
+    run below ``abort`` times plain decoding stops early. Plain rates are learnt early (every 4th step
+    of a bucket is plain until it has ``min_samples`` of them) and kept current (one plain step every
+    ``probe_every`` plans while on).
+    """
 
     def __init__(
-        self, max_depth: int, margin: float = 0.97, ema: float = 0.3, probe_every: int = 50, min_samples: int = 5
+        self,
+        max_depth: int,
+        margin: float = 0.97,
+        window: int = 32,
+        min_samples: int = 8,
+        probe_every: int = 64,
+        burst: int = 10,
+        max_interval: int = 1024,
+        abort: float = 0.8,
     ) -> None:
-        self.max_depth, self.margin, self.ema, self.probe_every = max_depth, margin, ema, probe_every
-        self.min_samples = min_samples
-        self.rate: dict[tuple[bool, tuple[int, bool]], float] = {}  # (speculated, bucket) → tokens/s
-        self.count: dict[tuple[bool, tuple[int, bool]], int] = {}
-        self.cap: dict[tuple[int, bool], int] = {}  # bucket → depth cap
-        self.steps = 0
+        self.max_depth, self.margin, self.window, self.min_samples = max_depth, margin, window, min_samples
+        self.probe_every, self.burst, self.max_interval, self.abort = probe_every, burst, max_interval, abort
+        self.buckets: dict[tuple[int, bool], _Bucket] = {}
+        self.exploring = False  # the last limit() was a probe-burst step: draft every request at full depth
+
+    def bucket(self, num_seqs: int, greedy: bool = True) -> _Bucket:
+        key = (num_seqs.bit_length(), greedy)
+        if key not in self.buckets:
+            self.buckets[key] = _Bucket(self.window, self.probe_every)
+        return self.buckets[key]
 
     def observe(self, num_seqs: int, tokens: int, seconds: float, speculated: bool, greedy: bool = True) -> None:
         if seconds <= 0 or num_seqs <= 0:
             return
-        b = (num_seqs.bit_length(), greedy)
-        key = (speculated, b)
-        r = tokens / seconds
-        self.rate[key] = r if key not in self.rate else (1 - self.ema) * self.rate[key] + self.ema * r
-        self.count[key] = self.count.get(key, 0) + 1
-        spec, plain = self.rate.get((True, b)), self.rate.get((False, b))
-        if spec is None or plain is None or min(self.count[(True, b)], self.count[(False, b)]) < self.min_samples:
-            return
-        cap = self.cap.get(b, self.max_depth)
-        if speculated and spec < self.margin * plain:
-            self.cap[b] = cap // 2  # back off fast: a losing depth costs every step it stays
-            self.count[(True, b)] = 0  # judge the new cap on fresh steps
-        elif speculated and spec > plain / self.margin:
-            self.cap[b] = min(cap + 1, self.max_depth)
+        b = self.bucket(num_seqs, greedy)
+        if not speculated:
+            b.plain.append((tokens, seconds))
+        elif b.skip_next:
+            b.skip_next = False
+        else:
+            b.spec.append((tokens, seconds))
+            if b.on and min(len(b.spec), len(b.plain)) >= self.min_samples and not self._keeps_up(b):
+                b.on, b.interval, b.wait = False, self.probe_every, self.probe_every
+                b.spec.clear()  # the next burst is judged on its own steps
+            elif b.burst_left and len(b.spec) >= 3 and _rate(b.spec) < self.abort * _rate(b.plain):
+                b.burst_left = 0  # a burst that is clearly losing stops early
+
+    def _keeps_up(self, b: _Bucket) -> bool:
+        return _rate(b.spec) >= self.margin * _rate(b.plain)
 
     def limit(self, num_seqs: int, greedy: bool = True) -> int:
         """The most draft depth allowed this step (0: a plain step) for a batch of ``num_seqs``, all
         greedy or not."""
-        self.steps += 1
-        b = (num_seqs.bit_length(), greedy)
-        cap = self.cap.get(b, self.max_depth)
-        if cap > 0 and self.count.get((False, b), 0) < self.min_samples and self.steps % 4 == 0:
-            return 0  # learn plain decoding's rate at this batch size early, not after probe_every steps
-        if self.steps % self.probe_every == 0:
-            return 1 if cap == 0 else 0
-        return cap
+        b = self.bucket(num_seqs, greedy)
+        b.plans += 1
+        self.exploring = False
+        if len(b.plain) < self.min_samples and b.plans % 4 == 0:
+            return 0  # learn plain decoding's rate at this batch size early
+        if b.on:
+            return 0 if b.plans % self.probe_every == 0 else self.max_depth
+        if b.burst_left:
+            b.burst_left -= 1
+            self.exploring = True
+            return self.max_depth
+        if b.probing:  # every step of the burst has been observed by now
+            b.probing = False
+            if len(b.spec) >= self.min_samples // 2 and self._keeps_up(b):
+                b.on = True
+                return self.max_depth
+            b.interval = min(2 * b.interval, self.max_interval)
+            b.wait = b.interval
+            b.spec.clear()
+        b.wait -= 1
+        if b.wait > 0:
+            return 0
+        b.probing, b.burst_left, b.skip_next = True, self.burst - 1, True
+        b.spec.clear()
+        self.exploring = True
+        return self.max_depth
 
 
 @dataclass
@@ -207,6 +283,7 @@ class SpecController:
         # The current maximum depth (hysteresis state), for all-greedy batches and for the others.
         self.depth = {True: self.max_depth, False: self.max_depth}
         self._challenger, self._streak = {True: None, False: None}, {True: 0, False: 0}
+        self._memo: dict[tuple[str, int, int], float] = {}
 
     def estimate(self, seq: Sequence) -> AcceptanceEstimate:
         if seq.spec_estimate is None:
@@ -232,26 +309,28 @@ class SpecController:
                 free.append(i)
         depths = [fixed.get(i, 0) for i in range(len(seqs))]
         kinds = ("target",) + ((self.proposer.cost.kind,) if self.proposer.cost.kind else ())
-        if free and not self.cost.ready(kinds):
-            for i in free:  # before any timing exists: draft at full depth, measure, then adapt
+        if free and (self.guard.exploring or not self.cost.ready(kinds)):
+            # Before any timing exists, and in the guard's probe bursts: draft at full depth, so that
+            # the costs, the acceptance estimates and the guard all learn what deep drafts achieve.
+            for i in free:
                 depths[i] = min(self.max_depth, room[i], cap)
             return depths
-        if free and cap > 0:
-            gains = {i: self.estimate(seqs[i]).gains(self.max_depth) for i in free}
-            greedy = [s.params.greedy for s in seqs]
-            rates = {D: self._best_at(D, depths, free, gains, greedy, seqs, other_tokens, room) for D in range(cap + 1)}
-            best = max(rates, key=lambda D: rates[D][0])
-            cur = min(self.depth[kind], cap)
-            if best != cur:
-                self._streak[kind] = self._streak[kind] + 1 if best == self._challenger[kind] else 1
-                self._challenger[kind] = best
-                if rates[best][0] > rates[cur][0] * (1 + self.switch_margin) or self._streak[kind] >= self.patience:
-                    cur, self._streak[kind] = best, 0
-            else:
-                self._streak[kind] = 0
-            if cap == self.max_depth:
-                self.depth[kind] = cur
-            depths = rates[cur][1]
+        if not free or cap == 0:  # a plain step by the guard: no idle probes either
+            return depths
+        gains = {i: self.estimate(seqs[i]).gains(self.max_depth) for i in free}
+        greedy = [s.params.greedy for s in seqs]
+        rates = {D: self._best_at(D, depths, free, gains, greedy, seqs, other_tokens, room) for D in range(cap + 1)}
+        best = max(rates, key=lambda D: rates[D][0])
+        cur = min(self.depth[kind], cap)
+        if best != cur:
+            self._streak[kind] = self._streak[kind] + 1 if best == self._challenger[kind] else 1
+            self._challenger[kind] = best
+            if rates[best][0] > rates[cur][0] * (1 + self.switch_margin) or self._streak[kind] >= self.patience:
+                cur, self._streak[kind] = best, 0
+        else:
+            self._streak[kind] = 0
+        self.depth[kind] = cur
+        depths = rates[cur][1]
         return self._probe_idle(seqs, depths, free, room)
 
     def _best_at(self, D, depths, free, gains, greedy, seqs, other_tokens, room) -> tuple[float, list[int]]:
@@ -297,20 +376,29 @@ class SpecController:
         return other_tokens + len(depths) + sum(self.proposer.slots_needed(d, g) for d, g in zip(depths, greedy) if d)
 
     def _step_time(self, depths: list[int], other_tokens: int, greedy: list[bool]) -> float:
+        """Predicted seconds of a step: the same step without drafts, plus what drafting adds by the
+        cost model's parts, scaled by how whole speculating steps have compared with that sum."""
+        plain, extra = self._step_parts(depths, other_tokens, greedy)
+        return plain + self.cost.spec_scale() * extra
+
+    def _step_parts(self, depths: list[int], other_tokens: int, greedy: list[bool]) -> tuple[float, float]:
+        """(seconds of the step without drafts, seconds drafting adds) by the cost model's parts."""
         n = len(depths) + (1 if other_tokens else 0)
-        t = self._predict("target", n, self._target_tokens(depths, other_tokens, greedy))
+        plain = self._predict("target", n, other_tokens + len(depths)) + self.cost.host_seconds(len(depths), 0)
         drafting = [d for d in depths if d]
+        if not drafting:
+            return plain, 0.0
+        t = self._predict("target", n, self._target_tokens(depths, other_tokens, greedy))
+        t += self.cost.host_seconds(len(depths), len(drafting))
         shape = self.proposer.cost
-        if drafting:
-            t += self.cost.host_draft_seconds() * len(drafting)
-        if drafting and shape.kind:
+        if shape.kind:
             if shape.catch_up:  # about the root plus last step's accepted tokens
                 t += self._predict(shape.kind, len(drafting), 2 * len(drafting))
             if shape.per_level:
                 for level in range(1, max(drafting)):
                     deeper = sum(1 for d in drafting if d > level)
                     t += self._predict(shape.kind, deeper, deeper)
-        return t
+        return plain, max(t - plain, 0.0)
 
     def _marginal_token_time(self, depths: list[int], other_tokens: int, greedy: list[bool]) -> float:
         n, m = len(depths) + 1, self._target_tokens(depths, other_tokens, greedy)
@@ -331,8 +419,12 @@ class SpecController:
         steps (``batch.decode_only``) for the guard."""
         self.cost.observe_host(seconds - forward_seconds, num_seqs, num_drafting)
         if batch.decode_only:
-            greedy = all(s.seq.params.greedy for s in batch.samples)
-            self.guard.observe(num_seqs, tokens, seconds, num_drafting > 0, greedy)
+            greedy = [s.seq.params.greedy for s in batch.samples]
+            self.guard.observe(num_seqs, tokens, seconds, num_drafting > 0, all(greedy))
+            if num_drafting:  # how the whole step compared with the sum of its predicted parts
+                plain, extra = self._step_parts([s.depth for s in batch.samples], 0, greedy)
+                if extra > 0:
+                    self.cost.observe_spec_scale((seconds - plain) / extra)
 
 
 def profile_costs(
