@@ -465,6 +465,7 @@ def test_controller_long_with_identical_draft_and_off_with_random_draft(pair):
     # The guard measures real steps, where this "draft" costs as much as the target: judged alone, the
     # plan needs a fresh guard (and no early plain probes in these direct plan() calls).
     good.controller.guard = Guard(6, min_samples=0)
+    good.controller.reuse_plans = 0  # every plan searches: the hysteresis counts searched plans
     plans = [good.controller.plan(decode, 0) for _ in range(good.controller.patience + 1)]
     assert plans[-1] == [6, 6]
     # but when every batched token costs real target time (a saturated device), a draft that is right

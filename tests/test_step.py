@@ -250,16 +250,24 @@ def test_cost_model_scales_drafting_by_whole_steps_and_counts_host_time():
     assert cost.host_seconds(4, 2) == pytest.approx(4 * 0.001 + 2 * 0.003)
 
 
-def test_controller_hysteresis(target, tmp_path):
-    from test_spec import cheap_draft_costs, noisy_copy
+def _controlled_engine(target, tmp_path) -> tuple[LLMEngine, object]:
+    """An engine whose draft is the target itself (chains), and its controller."""
+    from test_spec import noisy_copy
 
     draft = noisy_copy(target, tmp_path / "d", 0.0)
     cfg = EngineConfig(
         model=str(target), draft_model=str(draft), device="cpu", num_kv_blocks=256, block_size=4, spec_tree_topk=1
     )
     eng = LLMEngine(cfg)
-    ctl = eng.controller
+    return eng, eng.controller
+
+
+def test_controller_hysteresis(target, tmp_path):
+    from test_spec import cheap_draft_costs
+
+    eng, ctl = _controlled_engine(target, tmp_path)
     ctl.guard.min_samples = 0  # this part is about the plan alone: no early plain probes
+    ctl.reuse_plans = 0  # and every plan searches (hysteresis counts searched plans)
     eng.add_request("x", [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
     eng.step()
     seq = eng.groups["x"].seqs[0]
@@ -336,14 +344,9 @@ def test_guard_keeps_greedy_and_sampled_batches_apart():
 
 
 def test_controller_drafts_full_depth_in_a_guard_burst_and_no_idle_probe_while_off(target, tmp_path):
-    from test_spec import cheap_draft_costs, noisy_copy
+    from test_spec import cheap_draft_costs
 
-    draft = noisy_copy(target, tmp_path / "d", 0.0)
-    cfg = EngineConfig(
-        model=str(target), draft_model=str(draft), device="cpu", num_kv_blocks=256, block_size=4, spec_tree_topk=1
-    )
-    eng = LLMEngine(cfg)
-    ctl = eng.controller
+    eng, ctl = _controlled_engine(target, tmp_path)
     eng.add_request("x", [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
     eng.step()
     seq = eng.groups["x"].seqs[0]
@@ -356,6 +359,26 @@ def test_controller_drafts_full_depth_in_a_guard_burst_and_no_idle_probe_while_o
     seq.spec_idle_steps = 10**6  # an idle probe would be due, but the guard's bucket is off
     plans = [ctl.plan([seq], 0) for _ in range(3)]
     assert plans == [[0], [0], [4]]  # the burst drafts at full depth, whatever the plan would say
+
+
+def test_controller_reuses_the_plan_of_an_unchanged_batch(target, tmp_path):
+    from test_spec import cheap_draft_costs
+
+    eng, ctl = _controlled_engine(target, tmp_path)
+    eng.add_request("x", [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+    eng.step()
+    seq = eng.groups["x"].seqs[0]
+    ctl.cost = cheap_draft_costs()
+    ctl.guard = Guard(4, min_samples=0, probe_every=10**9)
+    ctl.estimate(seq).alpha = [0.95] * 4
+    searched = []
+    ctl._best_at = lambda D, *a, f=ctl._best_at: searched.append(D) or f(D, *a)
+    assert ctl.plan([seq], 0) == [4] and len(searched) == 5  # a search over depths 0..4
+    assert all(ctl.plan([seq], 0) == [4] for _ in range(ctl.reuse_plans)) and len(searched) == 5
+    assert ctl.plan([seq], 0) == [4] and len(searched) == 10  # reused at most reuse_plans times
+    ctl.estimate(seq).alpha = [0.05] * 4  # new estimates: a new search at once
+    ctl.plan([seq], 0)
+    assert len(searched) == 15
 
 
 # -- the draft model: prefix reuse and chunked catch-up ------------------------------------------------

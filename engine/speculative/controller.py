@@ -274,6 +274,7 @@ class SpecController:
     min_gain: float = 0.02  # never draft a position expected to add less than this
     switch_margin: float = 0.03  # leave the current depth only for a predicted gain above this ...
     patience: int = 3  # ... or when another depth was best this many plans in a row
+    reuse_plans: int = 7  # an unchanged batch (requests, estimates, room) reuses its plan this many times
 
     def __post_init__(self) -> None:
         # Population estimates (greedy / sampled requests accept very differently): a new request
@@ -284,6 +285,7 @@ class SpecController:
         self.depth = {True: self.max_depth, False: self.max_depth}
         self._challenger, self._streak = {True: None, False: None}, {True: 0, False: 0}
         self._memo: dict[tuple[str, int, int], float] = {}
+        self._last_key, self._last_plan, self._reused = None, (), 0
 
     def estimate(self, seq: Sequence) -> AcceptanceEstimate:
         if seq.spec_estimate is None:
@@ -317,6 +319,19 @@ class SpecController:
             return depths
         if not free or cap == 0:  # a plain step by the guard: no idle probes either
             return depths
+        # The same batch with the same estimates gets the same plan for a few steps: the search over
+        # depths costs a Python loop per request and depth, a real share of a small model's step.
+        key = (
+            kind,
+            id(self.cost),
+            other_tokens,
+            tuple(depths),  # the fixed ones
+            tuple((s.seq_id, min(r, self.max_depth)) for s, r in zip(seqs, room)),
+            tuple(a for i in free for a in self.estimate(seqs[i]).alpha),
+        )
+        if key == self._last_key and self._reused < self.reuse_plans:
+            self._reused += 1
+            return self._probe_idle(seqs, list(self._last_plan), free, room)
         gains = {i: self.estimate(seqs[i]).gains(self.max_depth) for i in free}
         greedy = [s.params.greedy for s in seqs]
         rates = {D: self._best_at(D, depths, free, gains, greedy, seqs, other_tokens, room) for D in range(cap + 1)}
@@ -331,6 +346,7 @@ class SpecController:
             self._streak[kind] = 0
         self.depth[kind] = cur
         depths = rates[cur][1]
+        self._last_key, self._last_plan, self._reused = key, tuple(depths), 0
         return self._probe_idle(seqs, depths, free, room)
 
     def _best_at(self, D, depths, free, gains, greedy, seqs, other_tokens, room) -> tuple[float, list[int]]:
