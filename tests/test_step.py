@@ -297,11 +297,11 @@ def test_guard_turns_off_a_losing_bucket_and_bursts_back_at_full_depth():
     b = guard.bucket(1)
     assert not b.on and guard.limit(1) == 0
     # While off: plain steps, then a burst of full-depth speculating steps every `interval` plans,
-    # which the controller reads as `exploring`; the burst's first step (the catch-up) is not judged.
+    # which the controller tells by a positive limit while off; the burst's first step (the catch-up) is not judged.
     limits, exploring = [], []
     for _ in range(7 + 4):
         limits.append(guard.limit(1))
-        exploring.append(guard.exploring)
+        exploring.append(limits[-1] > 0 and not b.on)  # a burst step: the controller drafts at full depth
         if limits[-1]:
             guard.observe(1, 5, 0.020, speculated=True)  # the burst wins: 250 tok/s
     assert limits == [0] * 6 + [4] * 4 + [4] and exploring == [False] * 6 + [True] * 4 + [False]

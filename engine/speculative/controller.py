@@ -184,8 +184,8 @@ class Guard:
     stand, whatever they are) or *off* (plain steps: no draft forward at all). It turns off as soon as
     speculation's rate falls below ``margin`` times plain decoding's. While off it runs a *burst* of
     ``burst`` speculating steps every ``interval`` plans with every request at full depth (not one
-    token at a time: with a fixed cost per drafting step, shallow drafts lose where deep ones win;
-    ``exploring`` tells the controller), and judges the burst alone. A burst that keeps up with plain
+    token at a time: with a fixed cost per drafting step, shallow drafts lose where deep ones win; a
+    positive limit while a bucket is off is a burst step), and judges the burst alone. A burst that keeps up with plain
     decoding turns the bucket back on; otherwise the interval doubles (up to ``max_interval``), so a
     bucket where speculation keeps losing spends ever less on probing, and a burst whose first steps
     run below ``abort`` times plain decoding stops early. Plain rates are learnt early (every 4th step
@@ -207,7 +207,6 @@ class Guard:
         self.max_depth, self.margin, self.window, self.min_samples = max_depth, margin, window, min_samples
         self.probe_every, self.burst, self.max_interval, self.abort = probe_every, burst, max_interval, abort
         self.buckets: dict[tuple[int, bool], _Bucket] = {}
-        self.exploring = False  # the last limit() was a probe-burst step: draft every request at full depth
 
     def bucket(self, num_seqs: int, greedy: bool = True) -> _Bucket:
         key = (num_seqs.bit_length(), greedy)
@@ -239,14 +238,12 @@ class Guard:
         greedy or not."""
         b = self.bucket(num_seqs, greedy)
         b.plans += 1
-        self.exploring = False
         if len(b.plain) < self.min_samples and b.plans % 4 == 0:
             return 0  # learn plain decoding's rate at this batch size early
         if b.on:
             return 0 if b.plans % self.probe_every == 0 else self.max_depth
         if b.burst_left:
             b.burst_left -= 1
-            self.exploring = True
             return self.max_depth
         if b.probing:  # every step of the burst has been observed by now
             b.probing = False
@@ -261,7 +258,6 @@ class Guard:
             return 0
         b.probing, b.burst_left, b.skip_next = True, self.burst - 1, True
         b.spec.clear()
-        self.exploring = True
         return self.max_depth
 
 
@@ -311,7 +307,8 @@ class SpecController:
                 free.append(i)
         depths = [fixed.get(i, 0) for i in range(len(seqs))]
         kinds = ("target",) + ((self.proposer.cost.kind,) if self.proposer.cost.kind else ())
-        if free and (self.guard.exploring or not self.cost.ready(kinds)):
+        bursting = cap > 0 and not self.guard.bucket(len(seqs), kind).on  # the guard's probe burst
+        if free and (bursting or not self.cost.ready(kinds)):
             # Before any timing exists, and in the guard's probe bursts: draft at full depth, so that
             # the costs, the acceptance estimates and the guard all learn what deep drafts achieve.
             for i in free:
