@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import types
 from dataclasses import dataclass
 
 import torch
@@ -70,15 +71,17 @@ class LogitsForward(torch.nn.Module):
         return self.model.compute_logits(hidden.index_select(0, logit_rows)), captured, hidden
 
 
-def compile_forward(fn: torch.nn.Module, device: torch.device):
+def compile_forward(fn: torch.nn.Module, device: torch.device, freeze: bool = True):
     """``torch.compile`` a forward for every batch shape at once.
 
     Shapes are dynamic from the first call, and sizes 0 and 1 are not special-cased
     (``backed_size_oblivious``), so one graph serves a lone decode token, a verify chunk and a mixed
     batch alike: no recompilation mid-serving. Attention is an opaque custom operator
-    (``augur::paged_attention``), so the graph never copies the KV pool. On a CPU, freezing turns the
-    weights into constants that inductor prepacks for its GEMM kernels (a second copy of the linear
-    weights, taken at the first call).
+    (``augur::paged_attention``), so the graph never copies the KV pool. On a CPU, ``freeze`` turns the
+    weights into constants that inductor prepacks for oneDNN's GEMM kernels (a second copy of the
+    linear weights, taken at the first call): they win from a few rows up, but each call costs more
+    than a plain ``mm``, so a model that runs a row or two at a time (a proposer's draft levels) is
+    compiled unfrozen.
     """
     import torch._dynamo
     import torch._inductor.config
@@ -88,9 +91,25 @@ def compile_forward(fn: torch.nn.Module, device: torch.device):
     fx_config.use_duck_shape = False  # equal sizes seen once are not assumed equal forever
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     if device.type == "cpu":
-        # Read when the graph is traced, so it cannot be a per-compile option.
+        # Dynamo reads the global flag when it traces (whether a graph may be frozen at all); each
+        # compile's option then says whether its graph is.
         torch._inductor.config.freezing = True
-    return torch.compile(fn, dynamic=True)
+    # Dynamo keeps compiled graphs, and checks their guards, per code object: this forward gets a
+    # code object of its own, so that a call never walks past the guards of another model's graphs.
+    method = type(fn).forward
+    own = types.FunctionType(method.__code__.replace(), method.__globals__, method.__name__, method.__defaults__)
+    fn.forward = types.MethodType(own, fn)
+    return torch.compile(
+        fn, dynamic=True, options={"freezing": freeze and device.type == "cpu", "guard_filter_fn": _module_guards}
+    )
+
+
+def _module_guards(entries) -> list[bool]:
+    """Which of dynamo's guards a compiled forward keeps: all but those on the model's modules'
+    attributes (about 900 for a 6-layer model, checked on every call), bar the identities of its
+    parameters and buffers. A runner's model is built once and never changes, and its compiled graphs
+    are its own (see compile_forward), so the identities alone tell that a graph is this model's."""
+    return [e.guard_type == "ID_MATCH" or not e.orig_guard.source.is_unspecialized_nn_module() for e in entries]
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
@@ -105,7 +124,7 @@ def kv_pool_blocks(runner: ModelRunner, extra_bytes_per_token: int, config, max_
     also pays ``extra_bytes_per_token`` (a proposer's own cache, one slot per target slot)."""
     per_block = (runner.kv_bytes_per_token + extra_bytes_per_token) * config.block_size
     available = available_memory_bytes(runner.device)
-    if runner.compiled and runner.device.type == "cpu":
+    if runner.frozen:
         available -= linear_weight_bytes(runner.model)  # the frozen copy compilation will make
     blocks = int(available * config.kv_cache_memory_fraction) // per_block
     if runner.device.type == "cpu":
@@ -134,6 +153,7 @@ class ModelRunner:
         num_blocks: int | None = None,
         compile: bool = False,
         attention_backend: str = "auto",
+        freeze: bool = True,  # compiled on a CPU: weights as prepacked constants (see compile_forward)
     ) -> None:
         self.model = model
         self.hf_config = hf_config
@@ -149,9 +169,10 @@ class ModelRunner:
         if num_blocks is not None:
             self.allocate_kv(num_blocks)
         self.compiled = compile
+        self.frozen = compile and freeze and device.type == "cpu"
         self._run = LogitsForward(model)
         if compile:
-            self._run = compile_forward(self._run, device)
+            self._run = compile_forward(self._run, device, freeze)
 
     def allocate_kv(self, num_blocks: int) -> None:
         """Allocate the KV pool, once its size is known (it is shared out with any proposer's cache)."""
@@ -255,7 +276,7 @@ class ModelRunner:
         if not self.compiled:
             return
         t0 = time.perf_counter()
-        for n in (1, 2):
+        for n in (2, 1):  # the general graph first: a lone token then needs no graph of its own
             blocks = list(range(-(-n // self.block_size)))
             self.forward([ForwardChunk([0] * n, 0, blocks, n)], skip=skip, hidden_layers=hidden_layers)
         logger.info("compiled %s forward in %.1fs", type(self.model).__name__, time.perf_counter() - t0)

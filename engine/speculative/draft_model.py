@@ -71,7 +71,7 @@ class DraftModelProposer(LevelDrafter):
         model = load_model(path, draft_config, target.dtype, target.device, max_positions, pack=not target.compiled)
         runner = ModelRunner(
             model, draft_config, target.device, target.dtype, config.block_size, compile=target.compiled,
-            attention_backend=target.attention_backend,
+            attention_backend=target.attention_backend, freeze=False,  # its levels run a row or two each
         )  # fmt: skip
         tree = config.spec_tree_topk > 1
         budget, catch_up = config.spec_tree_budget, config.max_num_batched_tokens

@@ -375,7 +375,7 @@ class EagleProposer(DraftModelProposer):
         )
         runner = ModelRunner(
             head, head.config, target.device, target.dtype, config.block_size, compile=target.compiled,
-            attention_backend=target.attention_backend,
+            attention_backend=target.attention_backend, freeze=False,  # its levels run a row or two each
         )  # fmt: skip
         aux = tuple(j - 1 for j in ids)  # hidden_states[j] is decoder layer j - 1's output
         stop = early_stop_for(config, default=None)
