@@ -74,14 +74,16 @@ class LogitsForward(torch.nn.Module):
 def compile_forward(fn: torch.nn.Module, device: torch.device, freeze: bool = True):
     """``torch.compile`` a forward for every batch shape at once.
 
-    Shapes are dynamic from the first call, and sizes 0 and 1 are not special-cased
-    (``backed_size_oblivious``), so one graph serves a lone decode token, a verify chunk and a mixed
-    batch alike: no recompilation mid-serving. Attention is an opaque custom operator
+    Shapes are dynamic from the first call and sizes 0 and 1 are not special-cased where that can be
+    avoided (``backed_size_oblivious``): one graph serves every forward of several tokens (a verify
+    chunk, a mixed batch), a second one a lone token (fake tensors' stride rules tell a dimension of
+    1 apart), and :meth:`ModelRunner.warmup` compiles both, so nothing recompiles mid-serving. Attention is an opaque custom operator
     (``augur::paged_attention``), so the graph never copies the KV pool. On a CPU, ``freeze`` turns the
     weights into constants that inductor prepacks for oneDNN's GEMM kernels (a second copy of the
     linear weights, taken at the first call): they win from a few rows up, but each call costs more
     than a plain ``mm``, so a model that runs a row or two at a time (a proposer's draft levels) is
-    compiled unfrozen.
+    compiled unfrozen. On a CPU the graph's wrapper is C++ (``cpp_wrapper``): the Python one cost
+    about 0.5 ms per forward of a small model in kernel launches alone.
     """
     import torch._dynamo
     import torch._inductor.config
@@ -99,9 +101,9 @@ def compile_forward(fn: torch.nn.Module, device: torch.device, freeze: bool = Tr
     method = type(fn).forward
     own = types.FunctionType(method.__code__.replace(), method.__globals__, method.__name__, method.__defaults__)
     fn.forward = types.MethodType(own, fn)
-    return torch.compile(
-        fn, dynamic=True, options={"freezing": freeze and device.type == "cpu", "guard_filter_fn": _module_guards}
-    )
+    cpu = device.type == "cpu"
+    options = {"freezing": freeze and cpu, "cpp_wrapper": cpu, "guard_filter_fn": _module_guards}
+    return torch.compile(fn, dynamic=True, options=options)
 
 
 def _module_guards(entries) -> list[bool]:

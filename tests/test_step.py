@@ -259,6 +259,7 @@ def _controlled_engine(target, tmp_path) -> tuple[LLMEngine, object]:
         model=str(target), draft_model=str(draft), device="cpu", num_kv_blocks=256, block_size=4, spec_tree_topk=1
     )
     eng = LLMEngine(cfg)
+    eng.controller.trial_steps = 0  # requests start from the estimates a test sets, not with trial drafts
     return eng, eng.controller
 
 
@@ -379,6 +380,46 @@ def test_controller_reuses_the_plan_of_an_unchanged_batch(target, tmp_path):
     ctl.estimate(seq).alpha = [0.05] * 4  # new estimates: a new search at once
     ctl.plan([seq], 0)
     assert len(searched) == 15
+
+
+def test_controller_trials_a_new_request_and_probes_idle_ones_at_full_depth_unjudged(target, tmp_path):
+    from test_spec import cheap_draft_costs
+
+    eng, ctl = _controlled_engine(target, tmp_path)
+    ctl.trial_steps, ctl.idle_probe = 3, 5
+    eng.add_request("x", [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+    eng.step()
+    seq = eng.groups["x"].seqs[0]
+    ctl.cost = cheap_draft_costs(target_per_token=0.05)  # every drafted token costs: the plan says 0
+    ctl.guard = Guard(4, min_samples=0, probe_every=10**9)
+    ctl.estimate(seq).alpha = [0.3] * 4
+    batch = Batch(samples=[Sample(seq, DraftTree(), 0, 0, depth=4)])
+    plans = []
+    for _ in range(ctl.trial_steps):  # its first drafts are at full depth, whatever the population says
+        plans.append(ctl.plan([seq], 0))
+        assert ctl.exploring
+        ctl.observe_step(1, 1, 0.05, 0.04, 1, batch)  # a losing step: exploration, not the plan's choice
+        ctl.update(seq, 4, 0)
+    assert plans == [[4]] * ctl.trial_steps and not ctl.guard.bucket(1).spec
+    # Then the plan decides (0 here); a request kept at 0 drafts at full depth every idle_probe steps.
+    plans = [ctl.plan([seq], 0) for _ in range(2 * ctl.idle_probe)]
+    assert plans == ([[0]] * (ctl.idle_probe - 1) + [[4]]) * 2
+
+
+def test_guard_verdict_expires_with_the_requests_it_was_about():
+    guard = Guard(max_depth=4, min_samples=2, probe_every=8, max_interval=64)
+    old, new = frozenset({1}), frozenset({2})
+    for _ in range(2):
+        guard.observe(1, 1, 0.010, speculated=False, members=old)
+    for _ in range(2):
+        guard.observe(1, 1, 0.030, speculated=True, members=old)
+    b = guard.bucket(1)
+    assert not b.on and b.judged == old
+    b.interval = b.wait = 64  # it had lost for a while
+    assert [guard.limit(1, members=old) for _ in range(8)] == [0] * 8 and b.wait == 56
+    # A new request alone in the batch: the next burst is at most probe_every plans away.
+    limits = [guard.limit(1, members=new) for _ in range(8)]
+    assert limits == [0] * 7 + [4]
 
 
 # -- the draft model: prefix reuse and chunked catch-up ------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -57,68 +58,65 @@ def build_sdpa_metadata(
     A given mask covers keys ``mask_starts[b] .. ctx_lens[b] + q_lens[b]``: by default just the new
     tokens, but a draft tree expanded level by level reaches back over its earlier levels, which
     are already in the cache (a node must see its ancestors there, and not its cousins).
+
+    The index arithmetic runs in numpy on the host (a few microseconds an operation, where each small
+    torch operation costs several: this is per forward, a real share of a small model's step); the
+    results go to the device once, and the tree masks, which may already be there, are applied there.
     """
     B = len(q_lens)
-    max_q = max(q_lens)
-    kv_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
-    max_k = max(kv_lens)
+    q_np = np.asarray(q_lens, dtype=np.int64)
+    ctx_np = np.asarray(ctx_lens, dtype=np.int64)
+    kv_np = ctx_np + q_np
+    max_q, max_k, T = int(q_np.max()), int(kv_np.max()), int(q_np.sum())
 
-    # Slots of every context index of every sequence, from the block tables: [B, Kmax].
-    padded = padded_block_tables(block_tables, kv_lens, block_size)
-    table = torch.tensor(padded, dtype=torch.int64).to(device, non_blocking=True)
-    k_idx = torch.arange(max_k, device=device)
-    kv_slots = table[:, k_idx // block_size] * block_size + (k_idx % block_size)
-
-    q_lens_t = torch.tensor(q_lens, dtype=torch.int64).to(device, non_blocking=True)
-    ctx_t = torch.tensor(ctx_lens, dtype=torch.int64).to(device, non_blocking=True)
-    kv_lens_t = ctx_t + q_lens_t
-    kv_slots = torch.where(k_idx[None, :] < kv_lens_t[:, None], kv_slots, torch.zeros_like(kv_slots))
+    # Slots of every context index of every sequence, from the block tables: [B, Kmax] (padding → 0).
+    table = np.asarray(padded_block_tables(block_tables, kv_np.tolist(), block_size), dtype=np.int64)
+    k_idx = np.arange(max_k)
+    in_ctx = k_idx[None, :] < kv_np[:, None]
+    kv_slots = np.where(in_ctx, table[:, k_idx // block_size] * block_size + k_idx % block_size, 0)
 
     # Flat token → (sequence, new-token index).
-    starts = torch.cumsum(q_lens_t, 0) - q_lens_t
-    seq_of_tok = torch.repeat_interleave(torch.arange(B, device=device), q_lens_t, output_size=positions.numel())
-    idx_in_seq = torch.arange(positions.numel(), device=device) - starts[seq_of_tok]
-    slot_mapping = kv_slots[seq_of_tok, ctx_t[seq_of_tok] + idx_in_seq]
+    seq_of_tok = np.repeat(np.arange(B), q_np)
+    idx_in_seq = np.arange(T) - (np.cumsum(q_np) - q_np)[seq_of_tok]
+    new_cols = ctx_np[seq_of_tok] + idx_in_seq
+    slot_mapping = kv_slots[seq_of_tok, new_cols]
 
-    # Causal mask over [cached | new] keys: query i sees key j iff j <= ctx + i.
-    q_idx = torch.arange(max_q, device=device)
-    rel = k_idx[None, None, :] - ctx_t[:, None, None]  # [B, 1, Kmax]: key index among new tokens
-    mask = rel <= q_idx[None, :, None]  # [B, Qmax, Kmax]
-    mask &= k_idx[None, None, :] < kv_lens_t[:, None, None]
+    # Causal mask over [cached | new] keys: query i sees key j iff j <= ctx + i; padding query rows
+    # also see key 0, so softmax never meets an all-masked row.
+    q_idx = np.arange(max_q)
+    mask = (k_idx[None, None, :] - ctx_np[:, None, None]) <= q_idx[None, :, None]  # [B, Qmax, Kmax]
+    mask &= in_ctx[:, None, :]
+    pad_row = q_idx[None, :] >= q_np[:, None]  # [B, Qmax]
+    mask[:, :, 0] |= pad_row
+
+    window_ok = None
+    if sliding_window is not None:
+        # Key positions: cached keys sit at their own index; new keys at the positions given.
+        pos = positions.cpu().numpy()
+        pos_pad = np.zeros((B, max_q), dtype=np.int64)
+        pos_pad[seq_of_tok, idx_in_seq] = pos
+        k_pos = np.broadcast_to(k_idx[None, :], (B, max_k)).copy()
+        k_pos[seq_of_tok, new_cols] = pos
+        window_ok = (pos_pad[:, :, None] - k_pos[:, None, :]) < sliding_window
+        window_ok[:, :, 0] |= pad_row
+
+    def dev(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(device, non_blocking=True)
+
+    mask_t = dev(mask)
     if new_token_masks is not None:
         for b, m in enumerate(new_token_masks):
             if m is not None:
                 q, c = q_lens[b], ctx_lens[b]
                 start = c if mask_starts is None else mask_starts[b]
-                mask[b, :q, start : c + q] = m.to(device)
-    valid_q = q_idx[None, :] < q_lens_t[:, None]  # [B, Qmax]
-
-    sliding_mask = None
-    if sliding_window is not None:
-        # Key positions: cached keys sit at their own index; new keys at the positions given.
-        pos_pad = torch.zeros(B, max_q, dtype=torch.int64, device=device)
-        pos_pad[seq_of_tok, idx_in_seq] = positions
-        k_pos = k_idx[None, :].expand(B, max_k).clone()
-        new_cols = ctx_t[seq_of_tok] + idx_in_seq
-        k_pos[seq_of_tok, new_cols] = positions
-        window_ok = (pos_pad[:, :, None] - k_pos[:, None, :]) < sliding_window
-        sliding_mask = mask & window_ok
-
-    # Padding query rows attend to key 0 only, so softmax never sees an all-masked row.
-    pad_row = ~valid_q
-    mask[:, :, 0] |= pad_row
-    mask = mask[:, None]
-    if sliding_mask is not None:
-        sliding_mask[:, :, 0] |= pad_row
-        sliding_mask = sliding_mask[:, None]
-
-    q_index = seq_of_tok * max_q + idx_in_seq
+                mask_t[b, :q, start : c + q] = m.to(mask_t.device)
+    sliding_mask = None if window_ok is None else (mask_t & dev(window_ok))[:, None]
     return SdpaMetadata(
-        slot_mapping=slot_mapping,
-        kv_slots=kv_slots,
-        mask=mask,
+        slot_mapping=dev(slot_mapping),
+        kv_slots=dev(kv_slots),
+        mask=mask_t[:, None],
         sliding_mask=sliding_mask,
-        q_index=q_index,
+        q_index=dev(seq_of_tok * max_q + idx_in_seq),
         num_seqs=B,
         max_q=max_q,
     )

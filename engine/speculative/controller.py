@@ -135,6 +135,7 @@ class CostModel:
 class AcceptanceEstimate:
     alpha: list[float]  # per draft position, P(accepted | previous accepted)
     ema: float = 0.25
+    updates: int = 0  # verified drafts seen
 
     def expected_tokens(self, k: int) -> float:
         return 1.0 + sum(self.gains(k))
@@ -148,6 +149,7 @@ class AcceptanceEstimate:
         return out
 
     def update(self, drafted: int, accepted: int) -> None:
+        self.updates += 1
         for j in range(min(drafted, len(self.alpha))):
             hit = 1.0 if j < accepted else 0.0
             self.alpha[j] = (1 - self.ema) * self.alpha[j] + self.ema * hit
@@ -167,6 +169,7 @@ class _Bucket:
         self.burst_left = 0  # while off: probe-burst steps still to run
         self.probing = False  # a burst ran: judge it at the next plan, when all its steps are observed
         self.skip_next = False  # a burst's first step pays the proposer's catch-up: not judged
+        self.judged: frozenset = frozenset()  # while off: the requests the last verdict was about
 
 
 def _rate(steps: deque[tuple[int, float]]) -> float:
@@ -188,7 +191,9 @@ class Guard:
     positive limit while a bucket is off is a burst step), and judges the burst alone. A burst that keeps up with plain
     decoding turns the bucket back on; otherwise the interval doubles (up to ``max_interval``), so a
     bucket where speculation keeps losing spends ever less on probing, and a burst whose first steps
-    run below ``abort`` times plain decoding stops early. Plain rates are learnt early (every 4th step
+    run below ``abort`` times plain decoding stops early. A verdict is about the requests it saw: once
+    none of them is left in the batch (a new conversation at one request a time, a turned-over batch),
+    the next burst is at most ``probe_every`` plans away. Plain rates are learnt early (every 4th step
     of a bucket is plain until it has ``min_samples`` of them) and kept current (one plain step every
     ``probe_every`` plans while on).
     """
@@ -214,7 +219,15 @@ class Guard:
             self.buckets[key] = _Bucket(self.window, self.probe_every)
         return self.buckets[key]
 
-    def observe(self, num_seqs: int, tokens: int, seconds: float, speculated: bool, greedy: bool = True) -> None:
+    def observe(
+        self,
+        num_seqs: int,
+        tokens: int,
+        seconds: float,
+        speculated: bool,
+        greedy: bool = True,
+        members: frozenset = frozenset(),
+    ) -> None:
         if seconds <= 0 or num_seqs <= 0:
             return
         b = self.bucket(num_seqs, greedy)
@@ -227,17 +240,20 @@ class Guard:
             if b.on and min(len(b.spec), len(b.plain)) >= self.min_samples and not self._keeps_up(b):
                 b.on, b.interval, b.wait = False, self.probe_every, self.probe_every
                 b.spec.clear()  # the next burst is judged on its own steps
+                b.judged = members
             elif b.burst_left and len(b.spec) >= 3 and _rate(b.spec) < self.abort * _rate(b.plain):
                 b.burst_left = 0  # a burst that is clearly losing stops early
 
     def _keeps_up(self, b: _Bucket) -> bool:
         return _rate(b.spec) >= self.margin * _rate(b.plain)
 
-    def limit(self, num_seqs: int, greedy: bool = True) -> int:
+    def limit(self, num_seqs: int, greedy: bool = True, members: frozenset = frozenset()) -> int:
         """The most draft depth allowed this step (0: a plain step) for a batch of ``num_seqs``, all
-        greedy or not."""
+        greedy or not; ``members`` names the batch's requests."""
         b = self.bucket(num_seqs, greedy)
         b.plans += 1
+        if not b.on and members and b.judged and not members & b.judged:
+            b.judged, b.wait = frozenset(), min(b.wait, self.probe_every)  # a verdict on requests now gone
         if len(b.plain) < self.min_samples and b.plans % 4 == 0:
             return 0  # learn plain decoding's rate at this batch size early
         if b.on:
@@ -253,6 +269,7 @@ class Guard:
             b.interval = min(2 * b.interval, self.max_interval)
             b.wait = b.interval
             b.spec.clear()
+            b.judged = members
         b.wait -= 1
         if b.wait > 0:
             return 0
@@ -271,6 +288,8 @@ class SpecController:
     switch_margin: float = 0.03  # leave the current depth only for a predicted gain above this ...
     patience: int = 3  # ... or when another depth was best this many plans in a row
     reuse_plans: int = 7  # an unchanged batch (requests, estimates, room) reuses its plan this many times
+    trial_steps: int = 3  # a request's first verified drafts are at full depth: its own estimate, soon
+    idle_probe: int = 32  # a request kept at zero drafts at full depth again after this many steps
 
     def __post_init__(self) -> None:
         # Population estimates (greedy / sampled requests accept very differently): a new request
@@ -282,6 +301,7 @@ class SpecController:
         self._challenger, self._streak = {True: None, False: None}, {True: 0, False: 0}
         self._memo: dict[tuple[str, int, int], float] = {}
         self._last_key, self._last_plan, self._reused = None, (), 0
+        self.exploring = False  # this step's plan holds a trial or an idle probe (see observe_step)
 
     def estimate(self, seq: Sequence) -> AcceptanceEstimate:
         if seq.spec_estimate is None:
@@ -293,8 +313,10 @@ class SpecController:
         ``other_tokens`` counts the step's non-speculative target tokens (prefill chunks)."""
         room = room if room is not None else [self.max_depth] * len(seqs)
         kind = all(s.params.greedy for s in seqs)
-        cap = self.guard.limit(len(seqs), kind)
+        members = frozenset(s.seq_id for s in seqs)
+        cap = self.guard.limit(len(seqs), kind, members)
         self._memo: dict[tuple[str, int, int], float] = {}
+        self.exploring = False
         fixed: dict[int, int] = {}
         free: list[int] = []
         for i, seq in enumerate(seqs):
@@ -303,6 +325,12 @@ class SpecController:
                 fixed[i] = 0
             elif p.num_draft_tokens is not None:
                 fixed[i] = min(p.num_draft_tokens, self.max_depth, room[i])
+            elif cap and self.estimate(seq).updates < self.trial_steps and room[i] > 0:
+                # A request's acceptance is its own (a prompt that copies, one that does not): it learns
+                # it from a few full-depth drafts rather than from its population's, which may keep it
+                # from drafting at all.
+                fixed[i] = min(self.max_depth, room[i], cap)
+                self.exploring = True
             else:
                 free.append(i)
         depths = [fixed.get(i, 0) for i in range(len(seqs))]
@@ -313,6 +341,7 @@ class SpecController:
             # the costs, the acceptance estimates and the guard all learn what deep drafts achieve.
             for i in free:
                 depths[i] = min(self.max_depth, room[i], cap)
+            self.exploring = False  # a burst is judged by the guard, trials or not
             return depths
         if not free or cap == 0:  # a plain step by the guard: no idle probes either
             return depths
@@ -364,15 +393,17 @@ class SpecController:
         return ((other_tokens + self._tokens(trial, seqs)) / t if t > 0 else 0.0), trial
 
     def _probe_idle(self, seqs, depths, free, room) -> list[int]:
-        """A request kept at zero probes with one draft token now and then, so that a better phase
-        of its text (or a lighter load) is noticed."""
+        """A request kept at zero drafts at full depth every ``idle_probe`` steps, so that a better
+        phase of its text (or a lighter load) is noticed: one token at a time would only test the
+        first position, and lose where deep drafts win."""
         for i in free:
             if depths[i] > 0:
                 seqs[i].spec_idle_steps = 0
                 continue
             seqs[i].spec_idle_steps += 1
-            if seqs[i].spec_idle_steps >= 32 and room[i] > 0:
-                seqs[i].spec_idle_steps, depths[i] = 0, 1
+            if seqs[i].spec_idle_steps >= self.idle_probe and room[i] > 0:
+                seqs[i].spec_idle_steps, depths[i] = 0, min(self.max_depth, room[i])
+                self.exploring = True
         return depths
 
     def _predict(self, kind: str, num_seqs: int, tokens: int) -> float:
@@ -429,11 +460,14 @@ class SpecController:
         self, num_seqs: int, tokens: int, seconds: float, forward_seconds: float, num_drafting: int, batch
     ) -> None:
         """A whole step's outcome: host time for the cost model; realised tokens/s of decode-only
-        steps (``batch.decode_only``) for the guard."""
+        steps (``batch.decode_only``) for the guard, which judges the controller's own choices: a step
+        with a trial or an idle probe in it is exploration, paid for on purpose, and not judged."""
         self.cost.observe_host(seconds - forward_seconds, num_seqs, num_drafting)
         if batch.decode_only:
             greedy = [s.seq.params.greedy for s in batch.samples]
-            self.guard.observe(num_seqs, tokens, seconds, num_drafting > 0, all(greedy))
+            members = frozenset(s.seq.seq_id for s in batch.samples)
+            if not (num_drafting and self.exploring):
+                self.guard.observe(num_seqs, tokens, seconds, num_drafting > 0, all(greedy), members)
             if num_drafting:  # how the whole step compared with the sum of its predicted parts
                 plain, extra = self._step_parts([s.depth for s in batch.samples], 0, greedy)
                 if extra > 0:
