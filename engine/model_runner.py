@@ -77,13 +77,15 @@ def compile_forward(fn: torch.nn.Module, device: torch.device, freeze: bool = Tr
     Shapes are dynamic from the first call and sizes 0 and 1 are not special-cased where that can be
     avoided (``backed_size_oblivious``): one graph serves every forward of several tokens (a verify
     chunk, a mixed batch), a second one a lone token (fake tensors' stride rules tell a dimension of
-    1 apart), and :meth:`ModelRunner.warmup` compiles both, so nothing recompiles mid-serving. Attention is an opaque custom operator
-    (``augur::paged_attention``), so the graph never copies the KV pool. On a CPU, ``freeze`` turns the
-    weights into constants that inductor prepacks for oneDNN's GEMM kernels (a second copy of the
-    linear weights, taken at the first call): they win from a few rows up, but each call costs more
-    than a plain ``mm``, so a model that runs a row or two at a time (a proposer's draft levels) is
-    compiled unfrozen. On a CPU the graph's wrapper is C++ (``cpp_wrapper``): the Python one cost
-    about 0.5 ms per forward of a small model in kernel launches alone.
+    1 apart), and :meth:`ModelRunner.warmup` compiles both, so nothing recompiles mid-serving.
+    Attention is an opaque custom operator (``augur::paged_attention``), so the graph never copies the
+    KV pool.
+
+    On a CPU, ``freeze`` turns the weights into constants that inductor prepacks for oneDNN's GEMM
+    kernels (a second copy of the linear weights, taken at the first call): they win from a few rows
+    up, but each call costs more than a plain ``mm``, so a model that runs a row or two at a time (a
+    proposer's draft levels) is compiled unfrozen. The graph's wrapper is C++ there (``cpp_wrapper``):
+    the Python one cost about 0.5 ms per forward of the demo target in kernel launches alone.
     """
     import torch._dynamo
     import torch._inductor.config
