@@ -382,7 +382,7 @@ def test_controller_reuses_the_plan_of_an_unchanged_batch(target, tmp_path):
     assert len(searched) == 15
 
 
-def test_controller_trials_a_new_request_and_probes_idle_ones_at_full_depth_unjudged(target, tmp_path):
+def test_controller_explores_at_full_depth_where_it_could_pay_and_unjudged(target, tmp_path):
     from test_spec import cheap_draft_costs
 
     eng, ctl = _controlled_engine(target, tmp_path)
@@ -390,12 +390,12 @@ def test_controller_trials_a_new_request_and_probes_idle_ones_at_full_depth_unju
     eng.add_request("x", [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
     eng.step()
     seq = eng.groups["x"].seqs[0]
-    ctl.cost = cheap_draft_costs(target_per_token=0.05)  # every drafted token costs: the plan says 0
+    ctl.cost = cheap_draft_costs()  # a draft forward is a tenth of a target forward
     ctl.guard = Guard(4, min_samples=0, probe_every=10**9)
-    ctl.estimate(seq).alpha = [0.3] * 4
+    ctl.estimate(seq).alpha = [0.05] * 4  # its population says drafting does not pay: the search says 0
     batch = Batch(samples=[Sample(seq, DraftTree(), 0, 0, depth=4)])
     plans = []
-    for _ in range(ctl.trial_steps):  # its first drafts are at full depth, whatever the population says
+    for _ in range(ctl.trial_steps):  # its first drafts are at full depth all the same
         plans.append(ctl.plan([seq], 0))
         assert ctl.exploring
         ctl.observe_step(1, 1, 0.05, 0.04, 1, batch)  # a losing step: exploration, not the plan's choice
@@ -404,6 +404,14 @@ def test_controller_trials_a_new_request_and_probes_idle_ones_at_full_depth_unju
     # Then the plan decides (0 here); a request kept at 0 drafts at full depth every idle_probe steps.
     plans = [ctl.plan([seq], 0) for _ in range(2 * ctl.idle_probe)]
     assert plans == ([[0]] * (ctl.idle_probe - 1) + [[4]]) * 2
+    # Where drafting costs more than even the most predictable text returns (every target token
+    # costs: a saturated device), neither a new request nor an idle one explores.
+    ctl.cost = cheap_draft_costs(target_per_token=0.05)
+    eng.add_request("y", [9, 10, 11], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+    eng.step()
+    new = eng.groups["y"].seqs[0]
+    assert ctl.estimate(new).updates == 0
+    assert all(ctl.plan([new], 0) == [0] and not ctl.exploring for _ in range(2 * ctl.idle_probe))
 
 
 def test_guard_verdict_expires_with_the_requests_it_was_about():

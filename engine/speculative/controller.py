@@ -290,6 +290,7 @@ class SpecController:
     reuse_plans: int = 7  # an unchanged batch (requests, estimates, room) reuses its plan this many times
     trial_steps: int = 3  # a request's first verified drafts are at full depth: its own estimate, soon
     idle_probe: int = 32  # a request kept at zero drafts at full depth again after this many steps
+    optimism: float = 0.9  # per-position acceptance of the most predictable text (exploration's bound)
 
     def __post_init__(self) -> None:
         # Population estimates (greedy / sampled requests accept very differently): a new request
@@ -325,12 +326,6 @@ class SpecController:
                 fixed[i] = 0
             elif p.num_draft_tokens is not None:
                 fixed[i] = min(p.num_draft_tokens, self.max_depth, room[i])
-            elif cap and self.estimate(seq).updates < self.trial_steps and room[i] > 0:
-                # A request's acceptance is its own (a prompt that copies, one that does not): it learns
-                # it from a few full-depth drafts rather than from its population's, which may keep it
-                # from drafting at all.
-                fixed[i] = min(self.max_depth, room[i], cap)
-                self.exploring = True
             else:
                 free.append(i)
         depths = [fixed.get(i, 0) for i in range(len(seqs))]
@@ -357,7 +352,7 @@ class SpecController:
         )
         if key == self._last_key and self._reused < self.reuse_plans:
             self._reused += 1
-            return self._probe_idle(seqs, list(self._last_plan), free, room)
+            return self._explore(seqs, list(self._last_plan), free, room, other_tokens, cap)
         gains = {i: self.estimate(seqs[i]).gains(self.max_depth) for i in free}
         greedy = [s.params.greedy for s in seqs]
         rates = {D: self._best_at(D, depths, free, gains, greedy, seqs, other_tokens, room) for D in range(cap + 1)}
@@ -373,7 +368,7 @@ class SpecController:
         self.depth[kind] = cur
         depths = rates[cur][1]
         self._last_key, self._last_plan, self._reused = key, tuple(depths), 0
-        return self._probe_idle(seqs, depths, free, room)
+        return self._explore(seqs, depths, free, room, other_tokens, cap)
 
     def _best_at(self, D, depths, free, gains, greedy, seqs, other_tokens, room) -> tuple[float, list[int]]:
         """Predicted rate and per-request depths when no request drafts deeper than ``D``."""
@@ -392,19 +387,44 @@ class SpecController:
         t = self._step_time(trial, other_tokens, greedy)
         return ((other_tokens + self._tokens(trial, seqs)) / t if t > 0 else 0.0), trial
 
-    def _probe_idle(self, seqs, depths, free, room) -> list[int]:
-        """A request kept at zero drafts at full depth every ``idle_probe`` steps, so that a better
-        phase of its text (or a lighter load) is noticed: one token at a time would only test the
-        first position, and lose where deep drafts win."""
+    def _explore(self, seqs, depths, free, room, other_tokens, cap) -> list[int]:
+        """Exploration, at full depth, of requests the plan keeps at zero: a new request's first
+        ``trial_steps`` drafts (acceptance is the text's own — a prompt that copies, one that does
+        not — so it learns its own estimate rather than inheriting its population's, which may keep
+        it from drafting at all), and a request idle for ``idle_probe`` steps (a better phase of its
+        text, a lighter load). One token at a time would test only the first position, and lose where
+        deep drafts win. A request explores only where it could pay (:meth:`_could_pay`)."""
+        greedy = [s.params.greedy for s in seqs]
         for i in free:
+            seq = seqs[i]
             if depths[i] > 0:
-                seqs[i].spec_idle_steps = 0
+                seq.spec_idle_steps = 0
                 continue
-            seqs[i].spec_idle_steps += 1
-            if seqs[i].spec_idle_steps >= self.idle_probe and room[i] > 0:
-                seqs[i].spec_idle_steps, depths[i] = 0, min(self.max_depth, room[i])
-                self.exploring = True
+            seq.spec_idle_steps += 1
+            idle = seq.spec_idle_steps
+            # due: an idle probe, or a trial (again just after the last; a trial that could not pay is
+            # asked again ``idle_probe`` steps later, like an idle probe)
+            due = idle >= self.idle_probe or (idle == 1 and self.estimate(seq).updates < self.trial_steps)
+            if due and room[i] > 0:
+                full = min(self.max_depth, room[i], cap)
+                if self._could_pay(i, full, depths, seqs, other_tokens, greedy):
+                    depths[i] = full
+                    self.exploring = True
+                if depths[i] or idle >= self.idle_probe:
+                    seq.spec_idle_steps = 0
         return depths
+
+    def _could_pay(self, i, full, depths, seqs, other_tokens, greedy) -> bool:
+        """Whether drafting ``full`` positions for request ``i`` (now at zero) would raise the step's
+        predicted rate if its text were as predictable as texts get (``optimism`` per position).
+        Where even that loses (a batch whose drafting costs more than deep drafts can return), trying
+        only costs."""
+        tokens = other_tokens + self._tokens(depths, seqs)
+        rate = tokens / max(self._step_time(depths, other_tokens, greedy), 1e-9)
+        trial = list(depths)
+        trial[i] = full
+        best_case = tokens + sum(self.optimism ** (j + 1) for j in range(full))
+        return best_case / max(self._step_time(trial, other_tokens, greedy), 1e-9) > rate
 
     def _predict(self, kind: str, num_seqs: int, tokens: int) -> float:
         """``cost.predict``, memoized for one plan (which asks for the same shapes many times)."""
