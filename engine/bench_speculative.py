@@ -7,6 +7,11 @@ Then the mean acceptance length of the default configuration (``augur serve``'s:
 trees on GPU) on several *fresh* engines (a new controller each time, as a fresh server), whose
 spread says whether the controller is stable. And the acceptance at a fixed depth (controller off),
 which measures the drafts alone.
+
+On a machine whose speed drifts between runs (a shared 2-core host moves by ±20%), ``--repeats N``
+measures each cell's three configurations N times, interleaved (plain, trees, chains, plain, ...),
+and reports per configuration the median tokens/s and the median of its ratios to the plain run of
+the same round: a drift slower than a round moves both sides of each ratio alike.
 """
 
 from __future__ import annotations
@@ -46,13 +51,14 @@ def run_spec_bench(cfg: EngineConfig, args: argparse.Namespace) -> int:
             base = SamplingParams(temperature=t, max_tokens=args.max_tokens, ignore_eos=True)
             for c in conc:
                 ps = prompts[: max(args.num_prompts, c)]
-                cells = {
-                    "plain": run_augur(tree, ps, args.max_tokens, c, dataclasses.replace(base, speculative=False)),
-                    "trees": run_augur(tree, ps, args.max_tokens, c, base),
-                    "chains": run_augur(chain, ps, args.max_tokens, c, base),
-                }
-                for name, r in cells.items():
-                    rows.append(result_row(dtype, t, c, name, r, cells["plain"].tokens_per_s))
+                runs = {"plain": (tree, dataclasses.replace(base, speculative=False)), "trees": (tree, base)}
+                runs["chains"] = (chain, base)
+                rounds = [
+                    {name: run_augur(e, ps, args.max_tokens, c, params) for name, (e, params) in runs.items()}
+                    for _ in range(max(args.repeats, 1))
+                ]
+                for name in runs:
+                    rows.append(cell_row(dtype, t, c, name, rounds))
         depth = cfg.num_speculative_tokens
         for t in args.temperatures:  # the drafts alone: a fixed depth, the controller off
             fixed = SamplingParams(temperature=t, max_tokens=args.max_tokens, ignore_eos=True, num_draft_tokens=depth)
@@ -76,6 +82,7 @@ def run_spec_bench(cfg: EngineConfig, args: argparse.Namespace) -> int:
         "prompts": source,
         "num_prompts": args.num_prompts,
         "max_tokens": args.max_tokens,
+        "repeats": max(args.repeats, 1),
         "config": {k: getattr(cfg, k) for k in ("num_speculative_tokens", "spec_tree_topk", "spec_tree_budget")},
         "default": "chains" if cfg.spec_tree_topk == 1 else "trees",
         "results": rows,
@@ -95,6 +102,18 @@ def bench_prompts(engine: LLMEngine, n: int, args) -> tuple[list[list[int]], str
     return make_prompts(n, lo, hi, len(engine.tokenizer)), "random token prompts"
 
 
+def cell_row(dtype: str, t: float, c: int, method: str, rounds: list[dict]) -> dict:
+    """One configuration of a cell over its interleaved rounds: medians, ratios to the same round's plain run."""
+    runs = [r[method] for r in rounds]
+    row = result_row(dtype, t, c, method, runs[0], None)
+    row["tokens_per_s"] = statistics.median(r.tokens_per_s for r in runs)
+    row["ratio_vs_plain"] = statistics.median(r[method].tokens_per_s / r["plain"].tokens_per_s for r in rounds)
+    row["mean_acceptance_length"] = statistics.median(r.mean_acceptance_length for r in runs)
+    row["target_forwards_per_token"] = statistics.median(r.engine_steps / r.tokens for r in runs)
+    row["repeats"] = len(runs)
+    return row
+
+
 def result_row(dtype: str, t: float, c: int, method: str, r, plain_tps: float | None) -> dict:
     return {
         "dtype": dtype,
@@ -111,7 +130,9 @@ def result_row(dtype: str, t: float, c: int, method: str, r, plain_tps: float | 
 
 def _print(report: dict) -> None:
     print(f"augur bench --speculative: {report['model']} ({report['proposer']}) on {report['machine']}")
-    print(f"{report['num_prompts']} prompts ({report['prompts']}), {report['max_tokens']} output tokens each")
+    print(f"{report['num_prompts']} prompts ({report['prompts']}), {report['max_tokens']} output tokens each", end="")
+    reps = report.get("repeats", 1)
+    print(f"; each cell {reps} interleaved rounds, medians" if reps > 1 else "")
     header = ("dtype", "T", "conc", "method", "tok/s", "vs plain", "mean acc len", "fwd/token")
     print("  ".join(f"{h:>12}" for h in header))
     for r in report["results"]:

@@ -408,6 +408,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--fresh-runs", type=int, default=5, help="with --speculative: fresh engines whose acceptance lengths compare"
     )
     bench.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="with --speculative: rounds per cell, interleaved (plain, trees, chains, ...); medians are reported",
+    )
+    bench.add_argument(
         "--methods",
         nargs="+",
         default=None,

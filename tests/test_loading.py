@@ -116,7 +116,8 @@ def test_speculative_bench_reports_every_cell(tmp_path, tiny_demo):
         [sys.executable, "-m", "server.cli", "bench", "--speculative", "--model", str(tiny_demo / "target"),
          "--draft-model", str(tiny_demo / "draft"), "--device", "cpu", "--num-prompts", "2", "--max-tokens", "4",
          "--concurrency", "1", "2", "--temperatures", "0", "1", "--num-speculative-tokens", "2",
-         "--dtypes", "float32", "bfloat16", "--fresh-runs", "2", "--num-kv-blocks", "128", "--output", str(out)],
+         "--dtypes", "float32", "bfloat16", "--fresh-runs", "2", "--num-kv-blocks", "128", "--output", str(out),
+         "--repeats", "2"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -124,6 +125,8 @@ def test_speculative_bench_reports_every_cell(tmp_path, tiny_demo):
 
     report = json.loads(out.read_text())
     rows = report["results"]
+    assert report["repeats"] == 2 and "2 interleaved rounds" in proc.stdout
+    assert all(r["repeats"] == 2 for r in rows if "@" not in r["method"])
     cells = {(r["dtype"], r["temperature"], r["concurrency"], r["method"]) for r in rows}
     for d in ("float32", "bfloat16"):
         for t in (0.0, 1.0):
