@@ -113,7 +113,12 @@ def _module_guards(entries) -> list[bool]:
     attributes (about 900 for a 6-layer model, checked on every call), bar the identities of its
     parameters and buffers. A runner's model is built once and never changes, and its compiled graphs
     are its own (see compile_forward), so the identities alone tell that a graph is this model's."""
-    return [e.guard_type == "ID_MATCH" or not e.orig_guard.source.is_unspecialized_nn_module() for e in entries]
+    return [e.guard_type == "ID_MATCH" or not _on_module(e) for e in entries]
+
+
+def _on_module(entry) -> bool:
+    source = getattr(getattr(entry, "orig_guard", None), "source", None)  # kept where a torch lacks them
+    return source is not None and source.is_unspecialized_nn_module()
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:

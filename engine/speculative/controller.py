@@ -17,7 +17,8 @@ the ``D`` with the best predicted rate wins — but the current ``D`` is only le
 it by a margin or for several steps in a row (hysteresis). Finally a measured :class:`Guard`
 compares the tokens/s that speculating and plain steps really achieved at the same batch size, and
 turns speculation off where it loses (probing with bursts of real drafting now and then, so that it
-notices when it wins again).
+notices when it wins again). Exploration — a new request's first drafts, an idle request's probes,
+both at full depth — happens only where it could pay, and the guard does not judge it.
 """
 
 from __future__ import annotations
