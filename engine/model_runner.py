@@ -285,7 +285,7 @@ class ModelRunner:
         if not self.compiled:
             return
         t0 = time.perf_counter()
-        for n in (2, 1):  # the general graph first: a lone token then needs no graph of its own
+        for n in (2, 1):  # the graph of several tokens, then a lone token's (see compile_forward)
             blocks = list(range(-(-n // self.block_size)))
             self.forward([ForwardChunk([0] * n, 0, blocks, n)], skip=skip, hidden_layers=hidden_layers)
         logger.info("compiled %s forward in %.1fs", type(self.model).__name__, time.perf_counter() - t0)
