@@ -314,7 +314,8 @@ class SpecController:
         """Draft depth per decode sequence (0 = none); ``room[i]`` caps sequence i's depth and
         ``other_tokens`` counts the step's non-speculative target tokens (prefill chunks)."""
         room = room if room is not None else [self.max_depth] * len(seqs)
-        kind = all(s.params.greedy for s in seqs)
+        greedy = [s.params.greedy for s in seqs]
+        kind = all(greedy)
         members = frozenset(s.seq_id for s in seqs)
         cap = self.guard.limit(len(seqs), kind, members)
         self._memo: dict[tuple[str, int, int], float] = {}
@@ -353,9 +354,8 @@ class SpecController:
         )
         if key == self._last_key and self._reused < self.reuse_plans:
             self._reused += 1
-            return self._explore(seqs, list(self._last_plan), free, room, other_tokens, cap)
+            return self._explore(seqs, list(self._last_plan), free, room, other_tokens, cap, greedy)
         gains = {i: self.estimate(seqs[i]).gains(self.max_depth) for i in free}
-        greedy = [s.params.greedy for s in seqs]
         rates = {D: self._best_at(D, depths, free, gains, greedy, seqs, other_tokens, room) for D in range(cap + 1)}
         best = max(rates, key=lambda D: rates[D][0])
         cur = min(self.depth[kind], cap)
@@ -369,7 +369,7 @@ class SpecController:
         self.depth[kind] = cur
         depths = rates[cur][1]
         self._last_key, self._last_plan, self._reused = key, tuple(depths), 0
-        return self._explore(seqs, depths, free, room, other_tokens, cap)
+        return self._explore(seqs, depths, free, room, other_tokens, cap, greedy)
 
     def _best_at(self, D, depths, free, gains, greedy, seqs, other_tokens, room) -> tuple[float, list[int]]:
         """Predicted rate and per-request depths when no request drafts deeper than ``D``."""
@@ -388,14 +388,13 @@ class SpecController:
         t = self._step_time(trial, other_tokens, greedy)
         return ((other_tokens + self._tokens(trial, seqs)) / t if t > 0 else 0.0), trial
 
-    def _explore(self, seqs, depths, free, room, other_tokens, cap) -> list[int]:
+    def _explore(self, seqs, depths, free, room, other_tokens, cap, greedy) -> list[int]:
         """Exploration, at full depth, of requests the plan keeps at zero: a new request's first
         ``trial_steps`` drafts (acceptance is the text's own — a prompt that copies, one that does
         not — so it learns its own estimate rather than inheriting its population's, which may keep
         it from drafting at all), and a request idle for ``idle_probe`` steps (a better phase of its
         text, a lighter load). One token at a time would test only the first position, and lose where
         deep drafts win. A request explores only where it could pay (:meth:`_could_pay`)."""
-        greedy = [s.params.greedy for s in seqs]
         for i in free:
             seq = seqs[i]
             if depths[i] > 0:
