@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata, metadata_builder, resolve_backend
+from engine.attention.cpu_kernel import load_cpu_kernel
 from engine.models.layer_skip import LayerSkip
 from engine.models.packed import linear_weight_bytes
 
@@ -173,6 +174,8 @@ class ModelRunner:
         self.kv_bytes_per_token = kv_bytes_per_token(hf_config, dtype)
         self.attention_backend = resolve_backend(attention_backend, device)  # see engine.attention
         self._build_metadata = metadata_builder(self.attention_backend)
+        if device.type == "cpu" and self.attention_backend == "sdpa":
+            load_cpu_kernel()  # the op's C++ kernel for CPU tensors (built on first use)
         self.num_blocks = 0
         self.kv_cache = torch.empty(0)
         if num_blocks is not None:

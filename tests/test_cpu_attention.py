@@ -1,0 +1,116 @@
+"""The C++ CPU kernel of ``augur::paged_attention`` against the op's Python implementation (the reference).
+
+Both paths are checked: the fused one (up to 32 new tokens per sequence: decodes, draft levels, verify
+trees) and the gathered one (longer prefill chunks), with GQA, tree masks over earlier levels, sliding
+windows, soft-capping, bf16, and K/V that arrive as strided views of a fused QKV projection.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention.cpu_kernel import load_cpu_kernel
+from engine.attention.sdpa import _paged_attention_impl, build_sdpa_metadata
+
+
+@pytest.fixture(autouse=True, scope="module")
+def kernel():
+    # CI has the compiler and ninja: a failed build must fail here, not leave the reference comparing
+    # with itself.
+    assert load_cpu_kernel()
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("augur::paged_attention", "CPU")
+
+
+def batch(seed: int, q_lens: list[int], H: int, Hkv: int, D: int, dtype, trees: bool, window: int | None):
+    """Sequences with the given new-token counts over a shuffled paged pool (block size 4); with
+    ``trees``, every sequence of several new tokens gets a random ancestor mask that reaches back over
+    up to 3 cached tokens (a tree expanded level by level)."""
+    g = torch.Generator().manual_seed(seed)
+    bs = 4
+    ctx = [int(torch.randint(3, 60, (), generator=g)) for _ in q_lens]
+    need = [-(-(c + q) // bs) for c, q in zip(ctx, q_lens)]
+    perm = torch.randperm(sum(need) + 3, generator=g).tolist()
+    tables = []
+    for n in need:
+        tables.append(perm[:n])
+        perm = perm[n:]
+    masks, starts = [], []
+    for c, q in zip(ctx, q_lens):
+        if trees and q > 1:
+            start = c - int(torch.randint(0, 4, (), generator=g))
+            m = torch.rand(q, c + q - start, generator=g) < 0.5
+            m[:, c - start :] &= torch.ones(q, q, dtype=torch.bool).tril()
+            m[torch.arange(q), c - start + torch.arange(q)] = True  # each node sees itself
+            masks.append(m)
+            starts.append(start)
+        else:
+            masks.append(None)
+            starts.append(c)
+    positions = torch.cat([torch.arange(c, c + q) for c, q in zip(ctx, q_lens)])
+    meta = build_sdpa_metadata(
+        q_lens, ctx, tables, bs, positions, masks if trees else None, starts, sliding_window=window
+    )  # fmt: skip
+    T, slots = sum(q_lens), (sum(need) + 3) * bs
+    pool = torch.randn(2, 2, slots, Hkv, D, generator=g).to(dtype)
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g).to(dtype)  # K and V as the model passes them: views
+    q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+    return meta, pool, q.reshape(T, H, D) * 2, k.view(T, Hkv, D), v.unflatten(-1, (Hkv, D))
+
+
+def both(meta, pool, q, k, v, window, softcap):
+    """(reference output, pool) and (kernel output, pool), layer 1 of a two-layer pool."""
+    mask = meta.sliding_mask if window is not None else meta.mask
+    args = (1, meta.slot_mapping, meta.kv_slots, mask, meta.q_index, q.shape[-1] ** -0.5, softcap)
+    ref_pool, got_pool = pool.clone(), pool.clone()
+    ref = _paged_attention_impl(q, k, v, ref_pool, *args)
+    got = torch.ops.augur.paged_attention(q, k, v, got_pool, *args)
+    return (ref, ref_pool), (got, got_pool)
+
+
+SHAPES = {"mha": (4, 4, 16), "gqa2": (4, 2, 64), "gqa3": (3, 1, 32), "gqa4": (8, 2, 24)}
+BATCHES = {
+    "decodes": [1, 1, 1, 1],
+    "one": [1],
+    "trees": [5, 1, 12, 3],
+    "widest fused": [32, 1],
+    "gathered": [33, 1, 4],
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("lens", list(BATCHES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernel_matches_reference(shape, lens, dtype):
+    H, Hkv, D = SHAPES[shape]
+    q_lens = BATCHES[lens]
+    seed = sum(q_lens) * 31 + H * 7 + D
+    meta, pool, q, k, v = batch(seed, q_lens, H, Hkv, D, dtype, trees=True, window=None)
+    (ref, ref_pool), (got, got_pool) = both(meta, pool, q, k, v, None, 0.0)
+    torch.testing.assert_close(got_pool, ref_pool, atol=0, rtol=0)  # the new K/V, at their slots
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("window", [None, 1, 6])
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
+@pytest.mark.parametrize("lens", ["trees", "gathered"])
+def test_kernel_sliding_window_and_softcap(window, softcap, lens):
+    meta, pool, q, k, v = batch(11, BATCHES[lens], 4, 2, 16, torch.float32, trees=window is None, window=window)
+    (ref, _), (got, _) = both(meta, pool, q, k, v, window, softcap)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+    if softcap and window != 1:  # (a window of 1 leaves one key per query: nothing for the cap to change)
+        (uncapped, _), _ = both(meta, pool, q, k, v, window, 0.0)
+        assert (uncapped - ref).abs().max() > 1e-2  # the cap bit
+
+
+def test_a_wrong_mask_changes_the_kernel_output():
+    """The comparison can fail: a tree mask that hides one visible key moves the kernel's output."""
+    meta, pool, q, k, v = batch(5, BATCHES["trees"], 4, 2, 16, torch.float32, trees=True, window=None)
+    (ref, _), _ = both(meta, pool, q, k, v, None, 0.0)
+    row = int(meta.q_index[0])  # the first token of the first sequence
+    visible = meta.mask[0, 0, row].nonzero().flatten()
+    meta.mask[0, 0, row, visible[0]] = False
+    _, (got, _) = both(meta, pool, q, k, v, None, 0.0)
+    assert (got[0] - ref[0]).abs().max() > 1e-4
+    torch.testing.assert_close(got[1:], ref[1:], atol=2e-5, rtol=2e-5)
