@@ -259,6 +259,27 @@ def test_greedy_speculation_is_identical_to_plain(pair, topk):
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 
+def test_a_cached_size_draft_runs_in_float32_under_a_bf16_target_on_cpu(pair, monkeypatch):
+    """On a CPU a draft whose float32 weights fit in the last-level cache runs in float32 under a bf16
+    target (its own KV cache too), and greedy speculation still gives the bf16 target's plain tokens;
+    a draft too large for the cache keeps the target's dtype."""
+    import engine.speculative.draft_model as draft_model
+
+    ps = prompts(6, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, num_draft_tokens=4)
+    plain = staggered(make(pair["target"], dtype="bfloat16"), ps, params)
+    monkeypatch.setattr(draft_model, "last_level_cache_bytes", lambda: 32 * 2**20)
+    eng = make(pair["target"], pair["same"], dtype="bfloat16")
+    runner = eng.proposer.runner
+    assert eng.runner.dtype == torch.bfloat16 and runner.dtype == torch.float32
+    assert runner.kv_cache.dtype == torch.float32
+    assert staggered(eng, ps, params) == plain
+    assert eng.spec_stats.num_accepted_tokens > 0
+    monkeypatch.setattr(draft_model, "last_level_cache_bytes", lambda: 0)  # no cache information, or too small
+    assert make(pair["target"], pair["same"], dtype="bfloat16").proposer.runner.dtype == torch.bfloat16
+    assert make(pair["target"], pair["same"]).proposer.runner.dtype == torch.float32
+
+
 def test_speculation_with_stops_penalties_and_logprobs(pair):
     ps = prompts(6, seed=2)
     params = SamplingParams(
