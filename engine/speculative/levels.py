@@ -160,36 +160,18 @@ class LevelDrafter(Proposer):
         )
         level_rows: list[dict[int, int]] = []  # per level: sequence index → its row at that level
         level_tokens: list[torch.Tensor] = []  # [A, k] per level
-        level_q: list[torch.Tensor] = []  # [A, k, V] per level (the distribution each sibling was drawn from)
+        level_q: list[torch.Tensor | None] = []  # [A, k, V] per level, each sibling's q (None: greedy chains)
         rows, cur = list(range(B)), logits
         fed = [0] * B  # spine tokens fed back per sequence (at their final slots)
         for d in range(D):
             mdl = md.select(rows)
             cur = apply_logits_processors(cur, mdl) if mdl.needs_processing else cur
-            q = compute_probs(cur, mdl)  # [A, V]
-            if self.early_stop is not None and d > 0:  # rows whose drafter is unsure stop before this level
-                sure = self._sure(cur, q, [seqs[b].params.greedy for b in rows])
-                if len(sure) < len(rows):
-                    if not sure:
-                        break
-                    idx = torch.tensor(sure, device=cur.device)
-                    rows, cur, q, state = [rows[a] for a in sure], cur[idx], q[idx], _rows(state, idx)
-                    mdl = md.select(rows)
-            # A seeded request drafts with the noise its verification samples the same position with
-            # (coupled draws: the draft is kept whenever its choice is also the target's).
-            noise = [seqs[b].noise_key(d) if not seqs[b].params.greedy else None for b in rows]
-            if k == 1:
-                order = (q if mdl.all_greedy else q / exponential_noise(q, noise)).argmax(-1, keepdim=True)
-                qs = q[:, None]
-            else:  # k distinct siblings, and the distribution each was drawn from
-                order = (q / exponential_noise(q, noise)).topk(k, dim=-1).indices  # [A, k]
-                taken = torch.zeros_like(q, dtype=torch.bool)
-                qs = []
-                for i in range(k):
-                    qi = q.masked_fill(taken, 0.0)
-                    qs.append(qi / qi.sum(-1, keepdim=True).clamp_min(1e-30))
-                    taken.scatter_(1, order[:, i : i + 1], True)
-                qs = torch.stack(qs, 1)
+            if k == 1 and mdl.all_greedy and self.early_stop is None:
+                order, qs = cur.argmax(-1, keepdim=True), None  # greedy chains: q is one-hot there, read by nothing
+            else:
+                rows, cur, order, qs, state = self._draw(seqs, rows, cur, md, mdl, d, k, state)
+                if not rows:
+                    break
             at = {b: a for a, b in enumerate(rows)}
             level_rows.append(at)
             level_tokens.append(order)
@@ -205,7 +187,7 @@ class LevelDrafter(Proposer):
             rows = nxt
         # One transfer: tokens and the probability each sibling had, for every level.
         tok_host = [t.tolist() for t in level_tokens]
-        p_host = [qs.gather(2, t[:, :, None])[:, :, 0].tolist() for qs, t in zip(level_q, level_tokens)]
+        p_host = [None if q is None else q.gather(2, t[..., None]).tolist() for q, t in zip(level_q, level_tokens)]
         trees = []
         for b in range(B):
             toks, parents, qrows, spine_node, spine = [], [], [], -1, []
@@ -215,17 +197,47 @@ class LevelDrafter(Proposer):
                 a = at[b]
                 first = len(toks)
                 for i in range(k):
-                    if i > 0 and p_host[d][a][i] <= 0.0:
+                    if i > 0 and p_host[d][a][i][0] <= 0.0:
                         continue  # fewer than k tokens have mass (top-k / top-p): no such sibling
                     toks.append(tok_host[d][a][i])
                     parents.append(spine_node)
-                    qrows.append(level_q[d][a, i])
+                    if level_q[d] is not None:
+                        qrows.append(level_q[d][a, i])
                 spine_node = first
                 spine.append(first)
             q = torch.stack(qrows) if qrows and not seqs[b].params.greedy else None  # [n, V]
             trees.append(DraftTree(toks, parents, q))
             self._written[seqs[b].seq_id] = spine[: fed[b]]
         return trees
+
+    def _draw(self, seqs, rows, cur, md, mdl, d, k, state):
+        """Level ``d + 1``'s tokens for the sequences ``rows`` (``cur``: their draft logits ``[A, V]``,
+        processed): the rows that go on (the confidence exit may drop some), their logits, the drawn
+        tokens ``[A, k]``, the distribution each was drawn from ``[A, k, V]``, and their states."""
+        q = compute_probs(cur, mdl)  # [A, V]
+        if self.early_stop is not None and d > 0:  # rows whose drafter is unsure stop before this level
+            sure = self._sure(cur, q, [seqs[b].params.greedy for b in rows])
+            if len(sure) < len(rows):
+                if not sure:
+                    return [], cur, None, None, state
+                idx = torch.tensor(sure, device=cur.device)
+                rows, cur, q, state = [rows[a] for a in sure], cur[idx], q[idx], _rows(state, idx)
+                mdl = md.select(rows)
+        # A seeded request drafts with the noise its verification samples the same position with
+        # (coupled draws: the draft is kept whenever its choice is also the target's).
+        noise = [seqs[b].noise_key(d) if not seqs[b].params.greedy else None for b in rows]
+        if k == 1:
+            order = (q if mdl.all_greedy else q / exponential_noise(q, noise)).argmax(-1, keepdim=True)
+            return rows, cur, order, q[:, None], state
+        # k distinct siblings, and the distribution each was drawn from
+        order = (q / exponential_noise(q, noise)).topk(k, dim=-1).indices  # [A, k]
+        taken = torch.zeros_like(q, dtype=torch.bool)
+        qs = []
+        for i in range(k):
+            qi = q.masked_fill(taken, 0.0)
+            qs.append(qi / qi.sum(-1, keepdim=True).clamp_min(1e-30))
+            taken.scatter_(1, order[:, i : i + 1], True)
+        return rows, cur, order, torch.stack(qs, 1), state
 
     def _greedy_trees(
         self, seqs: list[Sequence], depths: list[int], logits: torch.Tensor, state: torch.Tensor | None
