@@ -16,6 +16,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
+import shutil
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -31,6 +33,7 @@ def load_cpu_kernel() -> bool:
     try:
         from torch.utils.cpp_extension import load_inline
 
+        _put_ninja_on_path()
         source = SOURCE.read_text()
         # -march=native: the build is for this CPU, so its cache entry is named after the CPU too.
         tag = hashlib.sha1((source + _cpu_flags()).encode()).hexdigest()[:12]
@@ -45,6 +48,18 @@ def load_cpu_kernel() -> bool:
         logger.warning("the C++ CPU attention kernel is unavailable (%s); using the Python implementation", exc)
         return False
     return True
+
+
+def _put_ninja_on_path() -> None:
+    """``torch.utils.cpp_extension`` runs ``ninja`` from ``PATH``; the ``ninja`` package (a dependency)
+    installs it next to this interpreter, which is not on ``PATH`` unless the virtualenv is active."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
 def _cpu_flags() -> str:
