@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import build_model_dir
 from engine.attention import metadata_builder, paged_attention, resolve_backend
+from engine.attention.sdpa import _paged_attention_impl
 from engine.bench_gpu import model_config
 from engine.config import EngineConfig
 from engine.model_runner import ForwardChunk
@@ -101,9 +102,12 @@ def attend_both(lists, positions, pool, q, k, v, window, softcap, sliding, **tri
             **lists, positions=positions.to(DEVICE), sliding_window=window, device=DEVICE, **extra
         )  # fmt: skip
         D = q.shape[-1]
-        out = paged_attention(
-            q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), p, 0, meta, D**-0.5, sliding=sliding, softcap=softcap
-        )
+        args = (q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), p, 0)
+        if name == "sdpa":  # the op's Python implementation, whichever kernel serves CPU tensors
+            mask = meta.sliding_mask if sliding else meta.mask
+            out = _paged_attention_impl(*args, meta.slot_mapping, meta.kv_slots, mask, meta.q_index, D**-0.5, softcap)
+        else:
+            out = paged_attention(*args, meta, D**-0.5, sliding=sliding, softcap=softcap)
         results.append((out.float().cpu(), p.float().cpu()))
     return results
 
