@@ -54,8 +54,11 @@ def run_spec_bench(cfg: EngineConfig, args: argparse.Namespace) -> int:
                 # Plain decoding runs on the default's engine: two engines of one model differ by a few
                 # percent on a CPU (where their memory landed), which is not what the ratio is about.
                 own = chain if cfg.spec_tree_topk == 1 else tree
-                runs = {"plain": (own, dataclasses.replace(base, speculative=False)), "trees": (tree, base)}
-                runs["chains"] = (chain, base)
+                runs = {
+                    "plain": (own, dataclasses.replace(base, speculative=False)),
+                    "trees": (tree, base),
+                    "chains": (chain, base),
+                }
                 rounds = [
                     {name: run_augur(e, ps, args.max_tokens, c, params) for name, (e, params) in runs.items()}
                     for _ in range(max(args.repeats, 1))

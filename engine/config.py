@@ -13,14 +13,20 @@ from engine.attention import BACKENDS as ATTENTION_BACKENDS
 
 
 @functools.cache
+def cpu_flags() -> tuple[str, ...]:
+    """This CPU's feature flags, as Linux reports them (empty where it does not)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return tuple(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        return ()
+
+
+@functools.cache
 def cpu_has_bf16_units() -> bool:
     """Whether this CPU multiplies bf16 natively (AMX-BF16 or AVX512-BF16). Elsewhere bf16 matmuls
     are emulated through float32 conversions, so float32 is the default there."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
+    flags = cpu_flags()
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 

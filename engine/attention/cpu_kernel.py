@@ -20,6 +20,8 @@ import os
 import shutil
 from pathlib import Path
 
+from engine.config import cpu_flags
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
@@ -36,7 +38,7 @@ def load_cpu_kernel() -> bool:
         _put_ninja_on_path()
         source = SOURCE.read_text()
         # -march=native: the build is for this CPU, so its cache entry is named after the CPU too.
-        tag = hashlib.sha1((source + _cpu_flags()).encode()).hexdigest()[:12]
+        tag = hashlib.sha1((source + " ".join(cpu_flags())).encode()).hexdigest()[:12]
         load_inline(
             name=f"augur_paged_attention_cpu_{tag}",
             cpp_sources=source,
@@ -60,15 +62,3 @@ def _put_ninja_on_path() -> None:
     except ImportError:
         return
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor()
