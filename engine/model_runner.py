@@ -72,6 +72,24 @@ class LogitsForward(torch.nn.Module):
         return self.model.compute_logits(hidden.index_select(0, logit_rows)), captured, hidden
 
 
+class GreedyChainForward(torch.nn.Module):
+    """Several draft levels of greedy chains in one call: each level feeds one token per sequence
+    and the argmax of its logits is the next level's token, without leaving the device (or, compiled,
+    the graph). Level ``d`` runs with ``metas[d]`` at ``positions[d]``; returns the tokens ``[B, L]``."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, positions, metas, kv_cache, skip):
+        out = []
+        for pos, meta in zip(positions, metas):
+            hidden, _ = self.model(input_ids, pos, meta, kv_cache, skip, ())
+            input_ids = self.model.compute_logits(hidden).argmax(-1)
+            out.append(input_ids)
+        return torch.stack(out, 1)
+
+
 def compile_forward(fn: torch.nn.Module, device: torch.device, freeze: bool = True):
     """``torch.compile`` a forward for every batch shape at once.
 
@@ -183,8 +201,11 @@ class ModelRunner:
         self.compiled = compile
         self.frozen = compile and freeze and device.type == "cpu"
         self._run = LogitsForward(model)
+        self._chain = GreedyChainForward(model)
         if compile:
             self._run = compile_forward(self._run, device, freeze)
+            if not self.frozen:  # a frozen graph would take a second copy of the weights
+                self._chain = compile_forward(self._chain, device, freeze)
 
     def allocate_kv(self, num_blocks: int) -> None:
         """Allocate the KV pool, once its size is known (it is shared out with any proposer's cache)."""
@@ -272,6 +293,29 @@ class ModelRunner:
         )
         return ForwardOutput(logits=logits, hidden_states=captured, final_hidden=final)
 
+    def prepare_levels(self, chunks: list[ForwardChunk]) -> list[ForwardBatch]:
+        """Causal chunks of one length ``L`` (one per sequence; their token ids are not read) as ``L``
+        batches of one token per sequence, level ``d`` holding every chunk's token ``d``: the levels of
+        greedy chains. One metadata build where the backend's metadata splits into levels (sdpa's
+        ``levels()``), one per level otherwise."""
+        L, B = len(chunks[0].token_ids), len(chunks)
+        if self.attention_backend != "sdpa":
+            one = lambda d: [ForwardChunk([0], c.ctx_len + d, c.block_table, 1) for c in chunks]  # noqa: E731
+            return [self.prepare(one(d)) for d in range(L)]
+        whole = self.prepare(chunks)
+        pos = whole.positions.view(B, L)
+        rows = torch.arange(B, device=self.device)
+        return [ForwardBatch(pos[:, d], pos[:, d], m, rows, B, B) for d, m in enumerate(whole.meta.levels())]
+
+    @torch.inference_mode()
+    def greedy_chain(
+        self, batches: list[ForwardBatch], input_ids: torch.Tensor, skip: LayerSkip | None = None
+    ) -> torch.Tensor:
+        """Run ``len(batches)`` levels of greedy chains in one call (see :class:`GreedyChainForward`):
+        level ``d`` feeds one token per sequence with ``batches[d]``'s metadata (:meth:`prepare_levels`),
+        the first level ``input_ids`` ``[B]`` (on the device); returns each level's argmax ``[B, L]``."""
+        return self._chain(input_ids, [b.positions for b in batches], [b.meta for b in batches], self.kv_cache, skip)
+
     def forward(
         self,
         chunks: list[ForwardChunk],
@@ -280,17 +324,21 @@ class ModelRunner:
     ) -> ForwardOutput:
         return self.execute(self.prepare(chunks), skip=skip, hidden_layers=hidden_layers)
 
-    def warmup(self, hidden_layers: tuple[int, ...] = (), skip: LayerSkip | None = None) -> None:
+    def warmup(self, hidden_layers: tuple[int, ...] = (), skip: LayerSkip | None = None, chain_levels: int = 0) -> None:
         """Run the forward once for each graph a compiled model needs (one new token, several; with
-        the hidden layers the step captures), so that no request waits for a compilation. Writes only
-        the first blocks' slots, which every later forward overwrites before reading (a token's K/V
-        is written before attention reads it)."""
+        the hidden layers the step captures; greedy chains of 1 .. ``chain_levels`` levels), so that
+        no request waits for a compilation. Writes only the first blocks' slots, which every later
+        forward overwrites before reading (a token's K/V is written before attention reads it)."""
         if not self.compiled:
             return
         t0 = time.perf_counter()
         for n in (2, 1):  # the graph of several tokens, then a lone token's (see compile_forward)
             blocks = list(range(-(-n // self.block_size)))
             self.forward([ForwardChunk([0] * n, 0, blocks, n)], skip=skip, hidden_layers=hidden_layers)
+            for levels in range(1, chain_levels + 1):  # n sequences of one token per level
+                table = list(range(-(-(levels + 1) // self.block_size)))
+                batches = self.prepare_levels([ForwardChunk([0] * levels, 1, table, levels)] * n)
+                self.greedy_chain(batches, torch.zeros(n, dtype=torch.int64, device=self.device), skip)
         logger.info("compiled %s forward in %.1fs", type(self.model).__name__, time.perf_counter() - t0)
 
     def synchronize(self) -> None:

@@ -50,6 +50,9 @@ def test_tree_layout():
     )
     assert torch.equal(lay.mask, expected)
     assert DraftTree.chain([1, 2, 3]).is_chain and not t.is_chain
+    # A chain's rows are a causal chunk: no mask to build (its forward takes the causal default).
+    chain = tree_layout(DraftTree.chain([4, 5, 6]))
+    assert chain.mask is None and chain.depths == [0, 1, 2, 3] and chain.children == [[1], [2], [3], []]
     with pytest.raises(ValueError):
         DraftTree([1, 2], [1, -1])
 

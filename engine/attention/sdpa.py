@@ -32,6 +32,19 @@ class SdpaMetadata:
     num_seqs: int
     max_q: int
 
+    def levels(self) -> list[SdpaMetadata]:
+        """A batch of causal chunks of one length ``L`` (no padding, no tree masks) as ``L`` forwards of
+        one token per sequence, in order: level ``d`` is every chunk's token ``d``, which sees the
+        context and the chunk's tokens up to itself. Slices of this metadata, no host work."""
+        B, L = self.num_seqs, self.max_q
+        rows = torch.arange(B, device=self.q_index.device)
+        slots = self.slot_mapping.view(B, L).t().contiguous()
+        level = lambda m, d: None if m is None else m[:, :, d : d + 1].contiguous()  # noqa: E731
+        return [
+            SdpaMetadata(slots[d], self.kv_slots, level(self.mask, d), level(self.sliding_mask, d), rows, B, 1)
+            for d in range(L)
+        ]
+
     def attend(self, q, k, v, kv_pool, layer: int, scale: float, sliding: bool, softcap: float) -> torch.Tensor:
         mask = self.sliding_mask if sliding else self.mask
         return torch.ops.augur.paged_attention(

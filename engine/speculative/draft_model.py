@@ -39,6 +39,7 @@ class DraftModelProposer(LevelDrafter):
     # target's hidden state at position r with the token that followed it).
     shift: int = 0
     state_layers: tuple[int, ...] = ()  # the draft layer whose output is the next level's state
+    fuses_chains = True  # greedy chains' levels in one call (see LevelDrafter._fused_chains)
 
     def __init__(
         self,
@@ -50,9 +51,11 @@ class DraftModelProposer(LevelDrafter):
         budget: int = 16,
         catch_up_budget: int = 2048,
         early_stop: EarlyStop | None = None,
+        max_depth: int = 0,  # the deepest draft a step asks for (its greedy chains are compiled ahead)
     ) -> None:
         super().__init__(target_vocab_size, eos_token_ids, runner.device, tree, topk, budget, early_stop)
         self.runner = runner
+        self.max_depth = max_depth
         # The draft may pad its vocabulary differently from the target: its distributions are
         # widened to the target's (padding ids get no mass), and ids it has no row for are never fed.
         self.draft_vocab_size = runner.vocab_size
@@ -79,14 +82,15 @@ class DraftModelProposer(LevelDrafter):
         tree = config.spec_tree_topk > 1
         budget, catch_up = config.spec_tree_budget, config.max_num_batched_tokens
         stop = early_stop_for(config, default=None)
-        return cls(runner, target.vocab_size, eos_token_ids, tree, config.spec_tree_topk, budget, catch_up, stop)
+        depth = config.num_speculative_tokens
+        return cls(runner, target.vocab_size, eos_token_ids, tree, config.spec_tree_topk, budget, catch_up, stop, depth)
 
     # -- cache and lifecycle --------------------------------------------------------------------
     def allocate_kv(self, num_blocks: int) -> None:
         self.runner.allocate_kv(num_blocks)
 
     def warmup(self) -> None:
-        self.runner.warmup()
+        self.runner.warmup(chain_levels=max(self.max_depth - 1, 0) if self.fuses_chains and not self.tree else 0)
 
     def cost_probe(self):
         return self.runner.forward
@@ -167,10 +171,7 @@ class DraftModelProposer(LevelDrafter):
         layer's output at the same rows."""
         self.num_forwards += 1
         t0 = time.perf_counter()
-        bs = self.runner.block_size
-        for c in chunks:  # the draft overwrites these slots: their blocks no longer hold a cached prefix
-            for b in range(c.ctx_len // bs, (c.ctx_len + len(c.token_ids) - 1) // bs + 1):
-                self._valid.pop(c.block_table[b], None)
+        self._overwrites(chunks)
         if input_ids is None and self.draft_vocab_size < self.vocab_size:
             batch.input_ids = batch.input_ids.clamp(max=self.draft_vocab_size - 1)
         out = self.runner.execute(batch, input_ids=input_ids, hidden_layers=self.state_layers, hidden_in=hidden_in)
@@ -184,6 +185,29 @@ class DraftModelProposer(LevelDrafter):
         self.runner.synchronize()
         self._timings.append((self.cost.kind, batch.num_seqs, batch.num_tokens, time.perf_counter() - t0))
         return logits, state
+
+    def _overwrites(self, chunks: list[ForwardChunk]) -> None:
+        """The draft writes these chunks' slots: their blocks no longer hold a cached prefix."""
+        bs = self.runner.block_size
+        for c in chunks:
+            for b in range(c.ctx_len // bs, (c.ctx_len + len(c.token_ids) - 1) // bs + 1):
+                self._valid.pop(c.block_table[b], None)
+
+    def _greedy_chain_levels(self, seqs: list[Sequence], ids: torch.Tensor, levels: int) -> torch.Tensor:
+        # Level d feeds its token at draft slot root + 1 + d, which is also its position: the levels
+        # are a causal chunk of `levels` tokens after the root.
+        chunks = [ForwardChunk([0] * levels, s.num_tokens - self.shift, s.block_table, levels) for s in seqs]
+        batches = self.runner.prepare_levels(chunks)
+        self._overwrites(chunks)
+        if self.draft_vocab_size < self.vocab_size:
+            ids = ids.clamp(max=self.draft_vocab_size - 1)
+        self.num_forwards += levels
+        t0 = time.perf_counter()
+        out = self.runner.greedy_chain(batches, ids)
+        self.runner.synchronize()
+        per_level = (time.perf_counter() - t0) / levels  # the cost model prices draft levels one by one
+        self._timings.extend((self.cost.kind, len(seqs), len(seqs), per_level) for _ in range(levels))
+        return out
 
     def _level(self, seqs, ids, per_seq, first, depth, masks=None, state=None):
         """Feed ``per_seq`` device-resident tokens per sequence at draft slots ``root + 1 + first[b] ...``,

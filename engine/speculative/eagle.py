@@ -355,6 +355,7 @@ class EagleProposer(DraftModelProposer):
     cost = CostShape(kind="eagle")  # a catch-up forward, then one per level, like a draft model
     shift = 1
     state_layers = (0,)
+    fuses_chains = False  # each level feeds the head's own state back
 
     def __init__(self, runner: ModelRunner, aux_layers: tuple[int, ...], target_vocab: int, eos_token_ids, tree,
                  topk=2, budget=16, catch_up_budget=2048, early_stop=None) -> None:  # fmt: skip

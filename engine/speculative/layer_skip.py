@@ -35,6 +35,8 @@ EARLY_STOP_TARGET = 0.7  # the acceptance rate of drafted tokens the confidence 
 class LayerSkipProposer(DraftModelProposer):
     method = "layer-skip"
     cost = CostShape(kind="layer-skip")  # a root forward (like a catch-up), then one per level
+    # Its levels run on the target's frozen graphs; a chain graph would freeze a second weight copy.
+    fuses_chains = False
 
     def __init__(
         self,

@@ -43,6 +43,10 @@ def _rows(state: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
 class LevelDrafter(Proposer):
     """A proposer that drafts chains and trees level by level from a model (see the module doc)."""
 
+    # A drafter that can run several levels of plain greedy chains (no state, no logits processing)
+    # in one call sets this and implements _greedy_chain_levels.
+    fuses_chains = False
+
     def __init__(
         self,
         vocab_size: int,
@@ -88,6 +92,12 @@ class LevelDrafter(Proposer):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Feed ``per_seq`` tokens per sequence as tree nodes at depth ``depth`` (draft slots
         ``root + 1 + first[b] ...``); returns their children's logits ``[A * per_seq, V]`` and states."""
+
+    def _greedy_chain_levels(self, seqs: list[Sequence], ids: torch.Tensor, levels: int) -> torch.Tensor:
+        """Only for drafters with ``fuses_chains``: ``levels`` levels of plain greedy chains in one
+        call, ``ids`` ``[A]`` (on the device) feeding the first at draft slot ``root + 1``; returns
+        each level's argmax ``[A, levels]``."""
+        raise NotImplementedError
 
     # -- shape ----------------------------------------------------------------------------------
     def slots_needed(self, depth: int, greedy: bool = True) -> int:
@@ -158,6 +168,9 @@ class LevelDrafter(Proposer):
             self.vocab_size,
             self.device,
         )
+        if self.fuses_chains and k == 1 and state is None and self.early_stop is None:
+            if md.all_greedy and not md.needs_processing:
+                return self._fused_chains(seqs, depths, logits)
         level_rows: list[dict[int, int]] = []  # per level: sequence index → its row at that level
         level_tokens: list[torch.Tensor] = []  # [A, k] per level
         level_q: list[torch.Tensor | None] = []  # [A, k, V] per level, each sibling's q (None: greedy chains)
@@ -208,6 +221,28 @@ class LevelDrafter(Proposer):
             q = torch.stack(qrows) if qrows and not seqs[b].params.greedy else None  # [n, V]
             trees.append(DraftTree(toks, parents, q))
             self._written[seqs[b].seq_id] = spine[: fed[b]]
+        return trees
+
+    def _fused_chains(self, seqs: list[Sequence], depths: list[int], logits: torch.Tensor) -> list[DraftTree]:
+        """Greedy chains whose levels past the first run in one call per depth (see
+        :meth:`_greedy_chain_levels`): the argmax of the root logits, then ``depth - 1`` more."""
+        first = logits.argmax(-1)
+        by_depth: dict[int, list[int]] = {}
+        for b, d in enumerate(depths):
+            by_depth.setdefault(d, []).append(b)
+        deeper = []
+        for d, members in by_depth.items():
+            if d > 1:
+                idx = torch.tensor(members, device=first.device)
+                deeper.append((members, self._greedy_chain_levels([seqs[b] for b in members], first[idx], d - 1)))
+        tokens = [[t] for t in first.tolist()]  # one transfer per depth
+        for members, rest in deeper:
+            for b, row in zip(members, rest.tolist()):
+                tokens[b] += row
+        trees = []
+        for seq, toks in zip(seqs, tokens):
+            trees.append(DraftTree(toks, list(range(-1, len(toks) - 1))))
+            self._written[seq.seq_id] = list(range(len(toks) - 1))  # every token but the last was fed
         return trees
 
     def _draw(self, seqs, rows, cur, md, mdl, d, k, state):

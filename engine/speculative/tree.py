@@ -5,8 +5,8 @@ sequence's last sampled token, not yet in the target's cache). A chain is a tree
 hangs under ``i - 1``. Siblings are listed best first (the order verification tries them in).
 
 :func:`tree_layout` turns a tree into what a verify forward needs, for rows ``[root, node 0, …]``:
-the attention mask among them, their depths (positions are ``ctx_len + depth``), and each row's
-children.
+the attention mask among them (none for a chain: causal), their depths (positions are
+``ctx_len + depth``), and each row's children.
 """
 
 from __future__ import annotations
@@ -53,13 +53,15 @@ class DraftTree:
 
 @dataclass
 class TreeLayout:
-    mask: torch.Tensor  # [n + 1, n + 1] bool: row r may attend to row c (root = row 0)
+    mask: torch.Tensor | None  # [n + 1, n + 1] bool: row r may attend to row c (root = row 0); None: causal
     depths: list[int]  # [n + 1], root 0
     children: list[list[int]]  # [n + 1] rows of each row's children, best first
 
 
 def tree_layout(tree: DraftTree) -> TreeLayout:
     n = len(tree)
+    if tree.is_chain:  # rows [root, node 0, …] are a causal chunk: no mask to build or apply
+        return TreeLayout(None, list(range(n + 1)), [[r + 1] for r in range(n)] + [[]])
     depths = [0] * (n + 1)
     children: list[list[int]] = [[] for _ in range(n + 1)]
     mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)

@@ -1,0 +1,109 @@
+"""Greedy chains' draft levels in one call (``ModelRunner.prepare_levels`` + ``greedy_chain``): the
+same tokens and the same K/V as feeding the levels one forward at a time, for sequences of
+different lengths across block boundaries, with a sliding window, and compiled."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.loader import load_config, load_model
+from engine.model_runner import ForwardChunk, ModelRunner
+
+BS = 4  # block size
+
+
+def runner(path, compiled: bool = False) -> ModelRunner:
+    cfg = load_config(path)
+    model = load_model(path, cfg, torch.float32, torch.device("cpu"), 128, pack=not compiled)
+    return ModelRunner(
+        model, cfg, torch.device("cpu"), torch.float32, BS, num_blocks=40, compile=compiled, freeze=False
+    )
+
+
+def prefill(r: ModelRunner, prompts: list[list[int]], tables: list[list[int]]) -> torch.Tensor:
+    """Cache every prompt but its last token (the root); returns the roots' next-token argmax [B]."""
+    r.forward([ForwardChunk(p[:-1], 0, t, 0) for p, t in zip(prompts, tables)])
+    out = r.forward([ForwardChunk(p[-1:], len(p) - 1, t, 1) for p, t in zip(prompts, tables)])
+    return out.logits.argmax(-1)
+
+
+def one_at_a_time(r: ModelRunner, prompts, tables, first: torch.Tensor, levels: int) -> torch.Tensor:
+    ids, out = first, []
+    for d in range(levels):
+        chunks = [ForwardChunk([0], len(p) + d, t, 1) for p, t in zip(prompts, tables)]
+        ids = r.execute(r.prepare(chunks), input_ids=ids).logits.argmax(-1)
+        out.append(ids)
+    return torch.stack(out, 1)
+
+
+def fused(r: ModelRunner, prompts, tables, first: torch.Tensor, levels: int) -> torch.Tensor:
+    chunks = [ForwardChunk([0] * levels, len(p), t, levels) for p, t in zip(prompts, tables)]
+    return r.greedy_chain(r.prepare_levels(chunks), first)
+
+
+CASES = [  # prompt lengths: one sequence, several ending at different offsets in their blocks
+    [7],
+    [5, 12, 3],
+    [8, 9],
+]
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "MistralForCausalLM"])  # Mistral: a sliding window
+@pytest.mark.parametrize("lens", CASES)
+@pytest.mark.parametrize("levels", [1, 3, 5])
+def test_fused_levels_match_one_forward_per_level(model_dirs, arch, lens, levels):
+    g = torch.Generator().manual_seed(sum(lens) + levels)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in lens]
+    # Shuffled, disjoint block tables with room for every level.
+    need = [-(-(n + levels) // BS) for n in lens]
+    perm = torch.randperm(39, generator=g).add(1).tolist()
+    tables = []
+    for n in need:
+        tables.append(perm[:n])
+        perm = perm[n:]
+    a, b = runner(model_dirs[arch]), runner(model_dirs[arch])
+    first = prefill(a, prompts, tables)
+    assert torch.equal(prefill(b, prompts, tables), first)
+    want = one_at_a_time(a, prompts, tables, first, levels)
+    got = fused(b, prompts, tables, first, levels)
+    assert got.shape == (len(lens), levels)
+    assert torch.equal(got, want)
+    # Every level wrote its token's K/V to the same slot, with the same values.
+    torch.testing.assert_close(b.kv_cache, a.kv_cache, atol=1e-5, rtol=1e-5)
+
+
+def test_a_wrong_level_view_is_caught(model_dirs):
+    """The comparison can fail: levels that each see the whole chunk (no causal cut) give other K/V."""
+    path = model_dirs["LlamaForCausalLM"]
+    prompts, tables, levels = [[5, 6, 7, 8, 9]], [[3, 4, 5]], 4
+    a, b = runner(path), runner(path)
+    first = prefill(a, prompts, tables)
+    prefill(b, prompts, tables)
+    one_at_a_time(a, prompts, tables, first, levels)
+    chunks = [ForwardChunk([0] * levels, 5, tables[0], levels)]
+    batches = b.prepare_levels(chunks)
+    for batch in batches:  # every level sees all the chunk's slots, its later levels' stale K/V too
+        batch.meta.mask = batches[-1].meta.mask
+    b.kv_cache[:, :, 5 * BS : 6 * BS] = 1.0  # stale values in the slots later levels will write
+    b.greedy_chain(batches, first)
+    assert not torch.allclose(b.kv_cache, a.kv_cache, atol=1e-3)
+
+
+def test_compiled_fused_levels_match_eager(model_dirs):
+    path = model_dirs["LlamaForCausalLM"]
+    lens, levels = [6, 11], 3
+    prompts = [list(range(10, 10 + n)) for n in lens]
+    tables = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    eager, compiled = runner(path), runner(path, compiled=True)
+    compiled.warmup(chain_levels=levels)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    first = prefill(eager, prompts, tables)
+    assert torch.equal(prefill(compiled, prompts, tables), first)
+    assert torch.equal(fused(compiled, prompts, tables, first, levels), fused(eager, prompts, tables, first, levels))
+    assert torch.equal(
+        fused(compiled, prompts[:1], tables[:1], first[:1], 2),
+        one_at_a_time(eager, prompts[:1], tables[:1], first[:1], 2),
+    )
+    # warmup() compiled every chain length up to `levels`, one sequence and several: none mid-serving.
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
