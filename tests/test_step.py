@@ -382,6 +382,38 @@ def test_controller_reuses_the_plan_of_an_unchanged_batch(target, tmp_path):
     assert len(searched) == 15
 
 
+def test_a_long_catch_up_does_not_price_later_drafts(target, tmp_path):
+    """A request's first drafts feed the draft its whole prompt: that step's whole-step ratio and host
+    time stay out of the cost model (else a few of them price every later draft at several times
+    its cost); a steady step's go in."""
+    from test_spec import cheap_draft_costs
+
+    eng, ctl = _controlled_engine(target, tmp_path)
+    eng.add_request("x", [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+    eng.step()
+    seq = eng.groups["x"].seqs[0]
+    ctl.cost = cost = cheap_draft_costs()
+    cost.take_step_tokens("draft")
+    cost.observe_host(0.001, num_seqs=1, num_drafting=0)
+    batch = Batch(samples=[Sample(seq, DraftTree.chain([9, 9, 9, 9]), 0, 0, depth=4)])
+
+    def drafting_step(catch_up: int) -> None:
+        for tokens in (catch_up, 1, 1, 1):  # the catch-up forward, then three draft levels
+            cost.observe("draft", 1, tokens, 0.001)
+        ctl.observe_step(1, 3, 0.030, 0.014, 1, batch)  # 15 ms of it beyond the forwards' parts
+
+    drafting_step(catch_up=200)
+    assert not cost.spec_ratio and not cost.host_per_draft
+    drafting_step(catch_up=2)
+    assert len(cost.spec_ratio) == 1 and len(cost.host_per_draft) == 1
+    assert cost.host_seconds(1, 1) == pytest.approx(0.016)
+    # Plain steps in between reset the count: each step is judged on its own forwards.
+    cost.observe("draft", 1, 300, 0.001)
+    ctl.observe_step(1, 1, 0.012, 0.011, 0, Batch(samples=[Sample(seq, DraftTree(), 0, 0)]))
+    drafting_step(catch_up=2)
+    assert len(cost.spec_ratio) == 2
+
+
 def test_controller_explores_at_full_depth_where_it_could_pay_and_unjudged(target, tmp_path):
     from test_spec import cheap_draft_costs
 

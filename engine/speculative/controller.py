@@ -56,10 +56,12 @@ class CostModel:
         # Realised over predicted extra seconds of whole speculating steps (see spec_scale).
         self.spec_ratio: deque[float] = deque(maxlen=window)
         self._scale: float | None = None
+        self._step_tokens: dict[str, int] = {}  # tokens each kind's forwards ran since the last step ended
 
     def observe(self, kind: str, num_seqs: int, tokens: int, seconds: float) -> None:
         if tokens <= 0 or num_seqs <= 0:
             return
+        self._step_tokens[kind] = self._step_tokens.get(kind, 0) + tokens
         key = (kind, num_seqs.bit_length(), tokens.bit_length())
         self.cells.setdefault(key, deque(maxlen=self.window)).append((tokens, seconds))
         self._curves.pop((kind, key[1]), None)
@@ -74,6 +76,11 @@ class CostModel:
             base = statistics.median(self.host_per_seq) * num_seqs
             self.host_per_draft.append(max(host_seconds - base, 0.0) / num_drafting)
         self._host = None
+
+    def take_step_tokens(self, kind: str) -> int:
+        """Tokens the forwards of ``kind`` ran in the step just ended (and start counting the next)."""
+        tokens, self._step_tokens = self._step_tokens.get(kind, 0), {}
+        return tokens
 
     def observe_spec_scale(self, ratio: float) -> None:
         self.spec_ratio.append(min(max(ratio, 0.2), 5.0))
@@ -481,17 +488,32 @@ class SpecController:
     ) -> None:
         """A whole step's outcome: host time for the cost model; realised tokens/s of decode-only
         steps (``batch.decode_only``) for the guard, which judges the controller's own choices: a step
-        with a trial or an idle probe in it is exploration, paid for on purpose, and not judged."""
-        self.cost.observe_host(seconds - forward_seconds, num_seqs, num_drafting)
+        with a trial or an idle probe in it is exploration, paid for on purpose, and not judged.
+
+        A drafting step whose proposer caught up more than a steady step can (a request's first
+        drafts feed the draft its whole prompt; a probe after plain steps, all of them) teaches the
+        cost model nothing about drafting's usual price: its whole-step ratio and host time are left
+        out, or a few such steps would price every later draft at several times its cost."""
+        kind = self.proposer.cost.kind
+        ran = self.cost.take_step_tokens(kind) if kind else 0
+        steady = not num_drafting or ran <= self._steady_tokens(batch)
+        if steady:
+            self.cost.observe_host(seconds - forward_seconds, num_seqs, num_drafting)
         if batch.decode_only:
             greedy = [s.seq.params.greedy for s in batch.samples]
             members = frozenset(s.seq.seq_id for s in batch.samples)
             if not (num_drafting and self.exploring):
                 self.guard.observe(num_seqs, tokens, seconds, num_drafting > 0, all(greedy), members)
-            if num_drafting:  # how the whole step compared with the sum of its predicted parts
+            if num_drafting and steady:  # how the whole step compared with the sum of its predicted parts
                 plain, extra = self._step_parts([s.depth for s in batch.samples], 0, greedy)
                 if extra > 0:
                     self.cost.observe_spec_scale((seconds - plain) / extra)
+
+    def _steady_tokens(self, batch) -> int:
+        """The most tokens a proposer's forwards run in a steady drafting step: per drafting sequence,
+        a catch-up of its root and last step's accepted tokens, then its draft levels."""
+        samples = [s for s in batch.samples if len(s.tree)]
+        return sum(s.depth + 1 + self.proposer.slots_needed(s.depth, s.seq.params.greedy) for s in samples)
 
 
 def profile_costs(
