@@ -303,9 +303,9 @@ class ModelRunner:
             one = lambda d: [ForwardChunk([0], c.ctx_len + d, c.block_table, 1) for c in chunks]  # noqa: E731
             return [self.prepare(one(d)) for d in range(L)]
         whole = self.prepare(chunks)
-        pos = whole.positions.view(B, L)
+        ids, pos = whole.input_ids.view(B, L), whole.positions.view(B, L)
         rows = torch.arange(B, device=self.device)
-        return [ForwardBatch(pos[:, d], pos[:, d], m, rows, B, B) for d, m in enumerate(whole.meta.levels())]
+        return [ForwardBatch(ids[:, d], pos[:, d], m, rows, B, B) for d, m in enumerate(whole.meta.levels())]
 
     @torch.inference_mode()
     def greedy_chain(

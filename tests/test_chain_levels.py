@@ -13,12 +13,11 @@ from engine.model_runner import ForwardChunk, ModelRunner
 BS = 4  # block size
 
 
-def runner(path, compiled: bool = False) -> ModelRunner:
+def runner(path, compiled: bool = False, backend: str = "sdpa") -> ModelRunner:
     cfg = load_config(path)
     model = load_model(path, cfg, torch.float32, torch.device("cpu"), 128, pack=not compiled)
-    return ModelRunner(
-        model, cfg, torch.device("cpu"), torch.float32, BS, num_blocks=40, compile=compiled, freeze=False
-    )
+    dev, f32 = torch.device("cpu"), torch.float32
+    return ModelRunner(model, cfg, dev, f32, BS, 40, compile=compiled, attention_backend=backend, freeze=False)
 
 
 def prefill(r: ModelRunner, prompts: list[list[int]], tables: list[list[int]]) -> torch.Tensor:
@@ -53,6 +52,19 @@ CASES = [  # prompt lengths: one sequence, several ending at different offsets i
 @pytest.mark.parametrize("lens", CASES)
 @pytest.mark.parametrize("levels", [1, 3, 5])
 def test_fused_levels_match_one_forward_per_level(model_dirs, arch, lens, levels):
+    check_levels(model_dirs[arch], lens, levels, "sdpa")
+
+
+def test_fused_levels_on_a_backend_that_builds_each_level(model_dirs):
+    """Backends whose metadata has no ``levels()`` (Triton: its kernel in the interpreter here) build
+    one metadata per level; the chain is the same."""
+    triton = pytest.importorskip("triton")
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
+        pytest.skip("Triton's interpreter runs this kernel from version 3.9 on")
+    check_levels(model_dirs["LlamaForCausalLM"], [5, 12], 3, "triton")
+
+
+def check_levels(path, lens: list[int], levels: int, backend: str) -> None:
     g = torch.Generator().manual_seed(sum(lens) + levels)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in lens]
     # Shuffled, disjoint block tables with room for every level.
@@ -62,7 +74,7 @@ def test_fused_levels_match_one_forward_per_level(model_dirs, arch, lens, levels
     for n in need:
         tables.append(perm[:n])
         perm = perm[n:]
-    a, b = runner(model_dirs[arch]), runner(model_dirs[arch])
+    a, b = runner(path), runner(path, backend=backend)
     first = prefill(a, prompts, tables)
     assert torch.equal(prefill(b, prompts, tables), first)
     want = one_at_a_time(a, prompts, tables, first, levels)
