@@ -41,9 +41,17 @@ class ScaledEmbedding(nn.Embedding):
     first layer reads (a proposer reusing ``embed_tokens`` gets the same). The tied output layer
     reads the unscaled ``weight``."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # The factor rounded to each dtype, as Python numbers: no host-to-device copy per call (which a
+        # CUDA graph's capture refuses), and constants to torch.compile.
+        root = self.embedding_dim**0.5
+        dtypes = (torch.float32, torch.bfloat16, torch.float16)
+        self.factors = {dt: torch.tensor(root, dtype=dt, device="cpu").item() for dt in dtypes}
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = super().forward(input_ids)
-        return x * torch.tensor(self.embedding_dim**0.5, dtype=x.dtype, device=x.device)
+        return x * self.factors[x.dtype]
 
 
 class Gemma2Attention(LlamaAttention):
