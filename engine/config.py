@@ -54,8 +54,10 @@ class EngineConfig:
     seed: int = 0
     # torch.compile the target and draft forwards: auto | on | off. auto: the AUGUR_COMPILE environment
     # variable (on/off) if set, else on for CPUs (measured 1.06-1.27x per target forward, 1.2-1.9x per
-    # draft forward: docs/benchmarks.md), off on GPUs until their CUDA-graph path lands.
+    # draft forward: docs/benchmarks.md), off on GPUs, where decode and verify run as CUDA graphs instead.
     compile: str = "auto"
+    # GPUs: run every forward eagerly, without capturing CUDA graphs (engine/cuda_graphs.py).
+    enforce_eager: bool = False
     # Attention backend: auto | sdpa | triton (engine/attention). auto: triton on CUDA where Triton imports,
     # else sdpa (the CPU path and the reference).
     attention_backend: str = "auto"
@@ -147,6 +149,11 @@ class EngineConfig:
         if env:
             return env == "on"
         return self.torch_device.type == "cpu"
+
+    @property
+    def cuda_graph_max_seqs(self) -> int:
+        """The largest batch the model runners capture as CUDA graphs; 0 (none) off CUDA or when eager."""
+        return 0 if self.enforce_eager or self.torch_device.type != "cuda" else self.max_num_seqs
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -65,7 +65,7 @@ class LLMEngine:
         logger.info("loaded %s in %.1fs (%s, %s)", self.model_path, time.perf_counter() - t0, self.dtype, self.device)
         self.runner = ModelRunner(
             model, self.hf_config, self.device, self.dtype, config.block_size, compile=compiled,
-            attention_backend=config.attention_backend,
+            attention_backend=config.attention_backend, cuda_graph_max_seqs=config.cuda_graph_max_seqs,
         )  # fmt: skip
         self.proposer = None
         if config.speculative_method != "none" and config.num_speculative_tokens > 0:

@@ -11,6 +11,7 @@ import os
 import time
 import types
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,9 @@ from engine.attention import AttentionMetadata, metadata_builder, resolve_backen
 from engine.attention.cpu_kernel import load_cpu_kernel
 from engine.models.layer_skip import LayerSkip
 from engine.models.packed import linear_weight_bytes
+
+if TYPE_CHECKING:  # graphs import Triton, which only the triton backend needs
+    from engine.cuda_graphs import CudaGraphs, GraphShape
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +59,7 @@ class ForwardBatch:
     logit_rows: torch.Tensor  # [N] int64 rows of the tokens needing logits
     num_seqs: int
     num_tokens: int
+    graph: GraphShape | None = None  # padded to a captured shape (positions and meta are padded; the rest is not)
 
 
 class LogitsForward(torch.nn.Module):
@@ -182,6 +187,7 @@ class ModelRunner:
         compile: bool = False,
         attention_backend: str = "auto",
         freeze: bool = True,  # compiled on a CPU: weights as prepacked constants (see compile_forward)
+        cuda_graph_max_seqs: int = 0,  # largest batch run as a captured graph (engine.cuda_graphs); 0: none
     ) -> None:
         self.model = model
         self.hf_config = hf_config
@@ -196,6 +202,9 @@ class ModelRunner:
             load_cpu_kernel()  # the op's C++ kernel for CPU tensors (built on first use)
         self.num_blocks = 0
         self.kv_cache = torch.empty(0)
+        # Graphs need the triton backend's static-shaped metadata; they are set up with the pool.
+        self.cuda_graph_max_seqs = cuda_graph_max_seqs if self.attention_backend == "triton" else 0
+        self.graphs: CudaGraphs | None = None
         if num_blocks is not None:
             self.allocate_kv(num_blocks)
         self.compiled = compile
@@ -208,14 +217,16 @@ class ModelRunner:
                 self._chain = compile_forward(self._chain, device, freeze)
 
     def allocate_kv(self, num_blocks: int) -> None:
-        """Allocate the KV pool, once its size is known (it is shared out with any proposer's cache)."""
+        """Allocate the KV pool, once its size is known (it is shared out with any proposer's cache).
+        With graphs, one more block past the pool's is their padding tokens' scratch."""
         attn = self.model.layers[0].self_attn
         self.num_blocks = num_blocks
+        scratch = int(self.cuda_graph_max_seqs > 0)
         # [layers, K/V, slots, kv_heads, head_dim]: one contiguous pool; slot = block * block_size + offset.
         self.kv_cache = torch.zeros(
             self.model.num_layers,
             2,
-            num_blocks * self.block_size,
+            (num_blocks + scratch) * self.block_size,
             attn.num_kv_heads,
             attn.head_dim,
             dtype=self.dtype,
@@ -227,6 +238,12 @@ class ModelRunner:
             self.block_size,
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
         )
+        if scratch:  # (new graphs: the old ones read the old pool)
+            from engine.cuda_graphs import CudaGraphs
+
+            self.graphs = CudaGraphs(
+                self.device, self.cuda_graph_max_seqs, num_blocks, self.block_size, attn.num_kv_heads
+            )
 
     # -- KV blocks --------------------------------------------------------------------------------
     def move_slots(self, src: list[int], dst: list[int]) -> None:
@@ -250,7 +267,13 @@ class ModelRunner:
 
     # -- forward ----------------------------------------------------------------------------------
     def prepare(self, chunks: list[ForwardChunk]) -> ForwardBatch:
-        """Host metadata → device tensors for one flattened forward (shared by every layer)."""
+        """Host metadata → device tensors for one flattened forward (shared by every layer): padded
+        to a captured shape where the batch has one (see engine.cuda_graphs)."""
+        if self.graphs is not None:
+            back = any(c.tree_mask is not None and c.mask_start not in (None, c.ctx_len) for c in chunks)
+            shape = self.graphs.shape_for([len(c.token_ids) for c in chunks], back)
+            if shape is not None:
+                return self._prepare_padded(chunks, *shape)
         token_ids: list[int] = []
         positions: list[int] = []
         logit_rows: list[int] = []
@@ -278,6 +301,55 @@ class ModelRunner:
         rows = torch.tensor(logit_rows, dtype=torch.int64).to(dev, non_blocking=True)
         return ForwardBatch(input_ids, pos, meta, rows, len(chunks), len(token_ids))
 
+    def _prepare_padded(self, chunks: list[ForwardChunk], num_seqs: int, width: int) -> ForwardBatch:
+        """:meth:`prepare` for a captured shape: every sequence padded to ``width`` new tokens and the
+        batch to ``num_seqs`` sequences. Padding repeats a sequence's last position (a padding sequence
+        has position 0 and no blocks), writes the scratch slot, and no real token sees it: it comes after
+        a causal sequence's tokens, and a tree mask is padded with zero columns (a padding row sees itself)."""
+        token_ids: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []  # each real token's padded row
+        logit_rows: list[int] = []  # the padded rows needing logits
+        real_logit_rows: list[int] = []  # ... and the same tokens' rows in the unpadded batch
+        masks: list[torch.Tensor | None] = []
+        for b, c in enumerate(chunks):
+            q, start = len(c.token_ids), b * width
+            real_logit_rows.extend(range(len(token_ids) + q - c.num_logits, len(token_ids) + q))
+            token_ids.extend(c.token_ids)
+            pos = list(c.positions) if c.positions is not None else list(range(c.ctx_len, c.ctx_len + q))
+            positions.extend(pos + pos[-1:] * (width - q))
+            rows.extend(range(start, start + q))
+            logit_rows.extend(range(start + q - c.num_logits, start + q))
+            mask = c.tree_mask
+            if mask is not None and q < width:
+                mask = torch.eye(width, dtype=torch.bool)
+                mask[:q, :q] = c.tree_mask
+            masks.append(mask)
+        pads = num_seqs - len(chunks)
+        positions.extend([0] * (pads * width))
+        dev = self.device
+        pos = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
+        meta = self._build_metadata(
+            q_lens=[width] * num_seqs,
+            ctx_lens=[c.ctx_len for c in chunks] + [0] * pads,
+            block_tables=[c.block_table for c in chunks] + [[]] * pads,
+            block_size=self.block_size,
+            positions=pos,
+            new_token_masks=masks + [None] * pads if any(m is not None for m in masks) else None,
+            sliding_window=self.model.sliding_window,
+            device=dev,
+            num_splits=self.graphs.decode_splits(num_seqs),
+            write_lens=[len(c.token_ids) for c in chunks] + [0] * pads,
+            scratch_slot=self.graphs.scratch_slot,
+        )
+        # One copy: the token ids, their padded rows, the padded and unpadded rows needing logits.
+        T, N = len(token_ids), len(logit_rows)
+        host = torch.tensor(token_ids + rows + logit_rows + real_logit_rows, dtype=torch.int64)
+        ids, rows_t, logits_t, real_t = host.to(dev, non_blocking=True).split([T, T, N, N])
+        from engine.cuda_graphs import GraphShape
+
+        return ForwardBatch(ids, pos, meta, real_t, len(chunks), T, GraphShape(num_seqs, width, rows_t, logits_t))
+
     @torch.inference_mode()
     def execute(
         self,
@@ -288,6 +360,11 @@ class ModelRunner:
         hidden_in: torch.Tensor | None = None,  # [T, ...] per-token features for a model that takes them
     ) -> ForwardOutput:
         ids = batch.input_ids if input_ids is None else input_ids
+        if batch.graph is not None:
+            logits, captured, final = self.graphs.run(
+                self._run, batch, ids, self.kv_cache, skip, hidden_layers, hidden_in
+            )
+            return ForwardOutput(logits=logits, hidden_states=captured, final_hidden=final)
         logits, captured, final = self._run(
             ids, batch.positions, batch.meta, self.kv_cache, batch.logit_rows, skip, hidden_layers, hidden_in
         )
@@ -313,7 +390,14 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Run ``len(batches)`` levels of greedy chains in one call (see :class:`GreedyChainForward`):
         level ``d`` feeds one token per sequence with ``batches[d]``'s metadata (:meth:`prepare_levels`),
-        the first level ``input_ids`` ``[B]`` (on the device); returns each level's argmax ``[B, L]``."""
+        the first level ``input_ids`` ``[B]`` (on the device); returns each level's argmax ``[B, L]``.
+        Captured levels replay one graph each, still without a host sync between them."""
+        if self.graphs is not None:
+            out = []
+            for b in batches:
+                input_ids = self.execute(b, input_ids, skip).logits.argmax(-1)
+                out.append(input_ids)
+            return torch.stack(out, 1)
         return self._chain(input_ids, [b.positions for b in batches], [b.meta for b in batches], self.kv_cache, skip)
 
     def forward(
@@ -328,18 +412,25 @@ class ModelRunner:
         """Run the forward once for each graph a compiled model needs (one new token, several; with
         the hidden layers the step captures; greedy chains of 1 .. ``chain_levels`` levels), so that
         no request waits for a compilation. Writes only the first blocks' slots, which every later
-        forward overwrites before reading (a token's K/V is written before attention reads it)."""
-        if not self.compiled:
-            return
+        forward overwrites before reading (a token's K/V is written before attention reads it).
+        With graphs, then captures decode (a token a sequence) at every batch bucket, the largest first."""
         t0 = time.perf_counter()
-        for n in (2, 1):  # the graph of several tokens, then a lone token's (see compile_forward)
+        # Compiled: the graph of several tokens, then a lone token's (see compile_forward).
+        for n in (2, 1) if self.compiled else ():
             blocks = list(range(-(-n // self.block_size)))
             self.forward([ForwardChunk([0] * n, 0, blocks, n)], skip=skip, hidden_layers=hidden_layers)
             for levels in range(1, chain_levels + 1):  # n sequences of one token per level
                 table = list(range(-(-(levels + 1) // self.block_size)))
                 batches = self.prepare_levels([ForwardChunk([0] * levels, 1, table, levels)] * n)
                 self.greedy_chain(batches, torch.zeros(n, dtype=torch.int64, device=self.device), skip)
-        logger.info("compiled %s forward in %.1fs", type(self.model).__name__, time.perf_counter() - t0)
+        if self.compiled:
+            logger.info("compiled %s forward in %.1fs", type(self.model).__name__, time.perf_counter() - t0)
+        if self.graphs is not None:
+            t0 = time.perf_counter()
+            for n in reversed(self.graphs.buckets):
+                self.forward([ForwardChunk([0], 0, [0], 1)] * n, skip=skip, hidden_layers=hidden_layers)
+            self.synchronize()
+            logger.info("%s decode graphs ready in %.1fs", type(self.model).__name__, time.perf_counter() - t0)
 
     def synchronize(self) -> None:
         """Wait for the device (timings are taken after it)."""

@@ -55,6 +55,11 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
         choices=["auto", *ATTENTION_BACKENDS],
         help="paged attention kernels (auto: triton on CUDA where Triton imports, else sdpa, the CPU reference)",
     )
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="GPU: run every forward eagerly instead of replaying captured CUDA graphs for decode and verify",
+    )
     sp = p.add_argument_group("speculative decoding")
     sp.add_argument(
         "--speculative-method",

@@ -78,13 +78,17 @@ def build_triton_metadata(
     sliding_window: int | None = None,
     device: torch.device | str = "cpu",
     num_splits: int = 0,
+    write_lens: list[int] | None = None,  # per sequence: how many new tokens are real (the rest are padding)
+    scratch_slot: int = -1,  # ... and the slot padding tokens write to
 ) -> TritonMetadata:
     """Metadata for sequences laid out back to back in the flat batch (same arguments and meaning as
     :func:`engine.attention.sdpa.build_sdpa_metadata`). Everything is built on the host from the lists
     and copied once; nothing here depends on the context lengths but the block tables.
 
     ``num_splits`` > 0 forces how many key ranges a decode-only batch splits each token's keys
-    into (the tests use it); 0 lets the operator choose from the GPU's size."""
+    into (the tests use it, and captured graphs, whose launch grid is fixed); 0 lets the operator
+    choose from the GPU's size. Padding tokens (a sequence's new tokens past ``write_lens``) write
+    their K/V to ``scratch_slot`` instead of the block table's slot, which is not theirs."""
     B = len(q_lens)
     kv_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
     table = padded_block_tables(block_tables, kv_lens, block_size)
@@ -118,6 +122,9 @@ def build_triton_metadata(
     index = ctx_of_tok + torch.arange(q_start) - first_of_tok  # each new token's context index
     table_t = torch.tensor(table, dtype=torch.int32)
     slots = table_t[seq_of_tok, index // block_size].long() * block_size + index % block_size
+    if write_lens is not None:
+        real = ctx_of_tok + torch.tensor(write_lens)[seq_of_tok]
+        slots = torch.where(index < real, slots, scratch_slot)
 
     masks = torch.cat(flat_masks) if flat_masks else torch.zeros(1, dtype=torch.uint8)
     return TritonMetadata(

@@ -78,6 +78,7 @@ class DraftModelProposer(LevelDrafter):
         runner = ModelRunner(
             model, draft_config, target.device, dtype, config.block_size, compile=target.compiled,
             attention_backend=target.attention_backend, freeze=False,  # its levels run a row or two each
+            cuda_graph_max_seqs=target.cuda_graph_max_seqs,
         )  # fmt: skip
         tree = config.spec_tree_topk > 1
         budget, catch_up = config.spec_tree_budget, config.max_num_batched_tokens

@@ -377,6 +377,7 @@ class EagleProposer(DraftModelProposer):
         runner = ModelRunner(
             head, head.config, target.device, target.dtype, config.block_size, compile=target.compiled,
             attention_backend=target.attention_backend, freeze=False,  # its levels run a row or two each
+            cuda_graph_max_seqs=target.cuda_graph_max_seqs,
         )  # fmt: skip
         aux = tuple(j - 1 for j in ids)  # hidden_states[j] is decoder layer j - 1's output
         stop = early_stop_for(config, default=None)

@@ -1,0 +1,197 @@
+"""Static-shape forwards, captured as CUDA graphs: decode, draft levels and verify without launch cost.
+
+Eager decoding on a GPU is launch-bound at small batches: an 8B model's step is about a thousand
+kernels, whose launches take longer than their work. A CUDA graph records a forward's kernels once
+and replays them in one launch. The price is fixed shapes and fixed addresses:
+
+- *Shapes.* A batch qualifies when each sequence feeds at most ``width`` new tokens (one for decode
+  and draft levels, the nodes plus the root for a verify) and any tree mask covers its new tokens
+  only. Its sequences are padded up to a batch bucket (1, 2, 4, 8, then multiples of 8) and each
+  sequence's tokens up to a width bucket (powers of two), at most :data:`MAX_GRAPH_TOKENS` in all.
+  A padding sequence or token writes its K/V to a scratch slot past the pool's blocks, no real token
+  sees it (its tree-mask column is zero, or it comes after the real tokens), and its outputs are
+  dropped.
+- *Addresses.* The inputs live in static buffers, one set per runner shared by its graphs (graphs run
+  one at a time, and each replay loads its own inputs first); the outputs are the graph's own. A
+  replay copies the step's metadata in (a few small device copies), replays, and gathers the real
+  rows out into new tensors, so that nothing a caller holds is overwritten by a later replay.
+
+A shape is captured on its first use; warm-up captures decode (width 1) at every batch bucket, the
+largest first. All graphs of a runner share one memory pool. Only the triton backend's metadata has
+static shapes (it is the GPU backend). On a CPU nothing is captured: the same padded forward on the
+static buffers runs directly, which is how the tests check everything but the capture itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.attention.triton_paged import SEQ_FIELDS, TritonMetadata, decode_splits
+
+logger = logging.getLogger(__name__)
+
+MAX_GRAPH_TOKENS = 512  # padded tokens of the largest captured forward
+MAX_GRAPH_WIDTH = 64  # most new tokens of one sequence in a captured forward
+
+
+def batch_buckets(max_seqs: int) -> list[int]:
+    """Captured batch sizes: 1, 2, 4, then every multiple of 8 below ``max_seqs``, and ``max_seqs``."""
+    return [b for b in (1, 2, 4) if b < max_seqs] + [b for b in range(8, max_seqs, 8)] + [max_seqs]
+
+
+def width_buckets() -> list[int]:
+    return [1 << i for i in range(MAX_GRAPH_WIDTH.bit_length()) if 1 << i <= MAX_GRAPH_WIDTH]
+
+
+@dataclass
+class GraphShape:
+    """How a prepared batch maps onto a captured shape: ``num_seqs`` x ``width`` padded tokens."""
+
+    num_seqs: int
+    width: int
+    token_rows: torch.Tensor  # [T] int64: each real token's row in the padded batch, in batch order
+    logit_rows: torch.Tensor  # [N] int64: the padded rows of the tokens needing logits
+
+
+@dataclass
+class _Graph:
+    outputs: tuple  # (logits [Tp, V], captured {layer: [Tp, hidden]}, final hidden [Tp, hidden])
+    graph: torch.cuda.CUDAGraph | None = None  # None on a CPU: the forward runs on the static buffers
+
+
+@dataclass
+class _StaticInputs:
+    """Every input a captured forward reads, at the largest shape; graphs use their leading part."""
+
+    input_ids: torch.Tensor  # [MAX_GRAPH_TOKENS] int64
+    positions: torch.Tensor  # [MAX_GRAPH_TOKENS] int64
+    rows: torch.Tensor  # [MAX_GRAPH_TOKENS] int64: 0 .. Tp - 1 (every padded row gets logits)
+    slot_mapping: torch.Tensor  # [MAX_GRAPH_TOKENS] int64
+    block_tables: torch.Tensor  # [max_seqs, table_width] int32
+    seq_info: torch.Tensor  # [max_seqs, SEQ_FIELDS] int32
+    programs: torch.Tensor  # [MAX_GRAPH_TOKENS, 2] int32
+    masks: torch.Tensor  # [MAX_GRAPH_TOKENS * MAX_GRAPH_WIDTH] uint8
+    hidden_in: dict = field(default_factory=dict)  # (trailing shape, dtype) → [MAX_GRAPH_TOKENS, ...]
+
+
+class CudaGraphs:
+    """The captured forwards of one model runner (see the module docstring)."""
+
+    def __init__(self, device: torch.device, max_seqs: int, num_blocks: int, block_size: int, num_kv_heads: int):
+        self.device = device
+        self.capture = device.type == "cuda"
+        self.scratch_slot = num_blocks * block_size  # the block past the pool's (allocated by the runner)
+        self.max_kv_len = num_blocks * block_size
+        self.num_kv_heads = num_kv_heads
+        table_width = num_blocks + MAX_GRAPH_WIDTH // block_size + 1  # a padded sequence's blocks at most
+        self.buckets = [b for b in batch_buckets(max_seqs) if b <= MAX_GRAPH_TOKENS]
+        self.widths = width_buckets()
+        T, B = MAX_GRAPH_TOKENS, self.buckets[-1]
+        i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
+        self.static = _StaticInputs(
+            input_ids=torch.zeros(T, **i64),
+            positions=torch.zeros(T, **i64),
+            rows=torch.arange(T, **i64),
+            slot_mapping=torch.full((T,), self.scratch_slot, **i64),
+            block_tables=torch.zeros(B, table_width, **i32),
+            seq_info=torch.zeros(B, SEQ_FIELDS, **i32),
+            programs=torch.zeros(T, 2, **i32),
+            masks=torch.zeros(T * MAX_GRAPH_WIDTH, dtype=torch.uint8, device=device),
+        )
+        self.graphs: dict[tuple, _Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+
+    def shape_for(self, q_lens: list[int], tree_reaches_back: bool) -> tuple[int, int] | None:
+        """The padded (sequences, width) a batch runs at, or None where it runs as it is (too many
+        sequences or tokens, or a tree mask over keys before its new tokens)."""
+        if tree_reaches_back or min(q_lens) == 0:
+            return None
+        q = max(q_lens)
+        num_seqs = next((b for b in self.buckets if b >= len(q_lens)), None)
+        width = next((w for w in self.widths if w >= q), None)
+        if num_seqs is None or width is None or num_seqs * width > MAX_GRAPH_TOKENS:
+            return None
+        return num_seqs, width
+
+    def decode_splits(self, num_seqs: int) -> int:
+        """Key ranges per decode token at ``num_seqs`` sequences: fixed per shape (a graph's launch grid
+        is), chosen for the longest context the pool holds (shorter ones leave ranges empty)."""
+        return decode_splits(num_seqs * self.num_kv_heads, self.max_kv_len, self.device)
+
+    def run(self, fn, batch, input_ids, kv_cache, skip, hidden_layers, hidden_in):
+        """Load ``batch`` (padded by the runner's prepare) into the static buffers, replay its shape's
+        graph (capturing it first if new), and return (logits, captured, final hidden) at the real rows."""
+        shape: GraphShape = batch.graph
+        sig = None if hidden_in is None else (tuple(hidden_in.shape[1:]), hidden_in.dtype)
+        key = (shape.num_seqs, shape.width, skip, tuple(hidden_layers), sig)
+        args = self._load(batch, input_ids, hidden_in, sig)
+        static_args = (*args, kv_cache, self.static.rows[: shape.num_seqs * shape.width], skip, hidden_layers)
+        g = self.graphs.get(key)
+        if g is None:
+            g = self.graphs[key] = self._capture(fn, static_args, key)
+        elif g.graph is not None:
+            g.graph.replay()
+        else:
+            g.outputs = self._call(fn, static_args)
+        logits, captured, final = g.outputs
+        rows = shape.token_rows
+        return (
+            logits.index_select(0, shape.logit_rows),
+            {layer: h.index_select(0, rows) for layer, h in captured.items()},
+            final.index_select(0, rows),
+        )
+
+    def _load(self, batch, input_ids, hidden_in, sig):
+        """Copy the batch's inputs into the static buffers; the padded metadata over them."""
+        s, meta, shape = self.static, batch.meta, batch.graph
+        T = shape.num_seqs * shape.width
+        s.input_ids.index_copy_(0, shape.token_rows, input_ids)
+        s.positions[:T].copy_(batch.positions)
+        for name in ("slot_mapping", "block_tables", "seq_info", "programs", "masks"):
+            src = getattr(meta, name)
+            getattr(s, name)[tuple(slice(0, n) for n in src.shape)].copy_(src)
+        static_in = None
+        if sig is not None:
+            if sig not in s.hidden_in:
+                s.hidden_in[sig] = torch.zeros(MAX_GRAPH_TOKENS, *sig[0], dtype=sig[1], device=self.device)
+            static_in = s.hidden_in[sig][:T]
+            static_in.index_copy_(0, shape.token_rows, hidden_in)
+        static_meta = TritonMetadata(
+            slot_mapping=s.slot_mapping[:T],
+            block_tables=s.block_tables[: shape.num_seqs],
+            seq_info=s.seq_info[: shape.num_seqs],
+            programs=s.programs[: meta.programs.shape[0]],
+            positions=s.positions[:T],
+            masks=s.masks,
+            block_size=meta.block_size,
+            block_q=meta.block_q,
+            sliding_window=meta.sliding_window,
+            max_kv_len=meta.max_kv_len,
+            num_splits=meta.num_splits,
+            num_seqs=shape.num_seqs,
+        )
+        return s.input_ids[:T], s.positions[:T], static_meta, static_in
+
+    @staticmethod
+    def _call(fn, static_args):
+        ids, pos, meta, hidden_in, kv_cache, rows, skip, hidden_layers = static_args
+        return fn(ids, pos, meta, kv_cache, rows, skip, hidden_layers, hidden_in)
+
+    def _capture(self, fn, static_args, key) -> _Graph:
+        """Run the forward once (this batch's real result, and Triton's compilation), then record it."""
+        if not self.capture:
+            return _Graph(self._call(fn, static_args))
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._call(fn, static_args)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = self._call(fn, static_args)
+        graph.replay()  # the capture ran nothing: this is the batch's result
+        logger.info("captured a CUDA graph: %d sequences x %d tokens", key[0], key[1])
+        return _Graph(outputs, graph)
