@@ -18,6 +18,9 @@ It measures, on the device it names:
   figure leaves out the host work of the accept stage; ``augur bench --speculative`` measures that
   end to end.
 
+Forwards replay captured CUDA graphs (``engine/cuda_graphs.py``, the serving default on a GPU) with
+the triton backend; ``--cuda-graphs on off`` measures both that and eager forwards.
+
 ``--shapes tiny`` runs the same code on toy shapes (the tests run it on CPU). Results print as a
 table and go to ``--output`` as JSON, with the device named.
 """
@@ -92,6 +95,7 @@ TREE_NODES = 60
 class ShapeResult:
     shape: str
     attention_backend: str
+    cuda_graphs: bool  # forwards replayed captured graphs (the triton backend only)
     params_b: float  # billions of parameters
     decode_bytes_gb: float  # what one decode step must read
     decode_ms: float
@@ -114,7 +118,8 @@ def model_config(name: str, max_positions: int):
 
 
 def build(
-    name: str, device: torch.device, dtype: torch.dtype, max_positions: int, attention_backend: str = "auto"
+    name: str, device: torch.device, dtype: torch.dtype, max_positions: int, attention_backend: str = "auto",
+    graphs: bool = False,
 ) -> tuple[ModelRunner, object]:
     """The model at ``name``'s shape with random weights (N(0, 0.02); norms at 1), built on ``device``."""
     config = model_config(name, max_positions)
@@ -130,7 +135,10 @@ def build(
                 p.normal_(0.0, 0.02, generator=g)
             else:
                 p.fill_(0.0 if cls_name == "Gemma2ForCausalLM" else 1.0)  # Gemma's norms scale by 1 + w
-    return ModelRunner(model.eval(), config, device, dtype, BLOCK, attention_backend=attention_backend), config
+    runner = ModelRunner(
+        model.eval(), config, device, dtype, BLOCK, attention_backend=attention_backend, cuda_graph_max_seqs=int(graphs)
+    )
+    return runner, config
 
 
 def decode_bytes(runner: ModelRunner, context: int) -> int:
@@ -190,10 +198,10 @@ def random_tree(nodes: int, seed: int = 0) -> DraftTree:
 
 
 def measure(
-    name: str, backend: str, device, dtype, context: int, repeats: int, alphas, depths, bandwidth: float
+    name: str, backend: str, graphs: bool, device, dtype, context: int, repeats: int, alphas, depths, bandwidth: float
 ) -> ShapeResult:
     max_positions = context + TREE_NODES + 8
-    runner, _ = build(name, device, dtype, max_positions, backend)
+    runner, _ = build(name, device, dtype, max_positions, backend, graphs)
     runner.allocate_kv(-(-max_positions // BLOCK) + 1)
     table = list(range(runner.num_blocks))
     ids = [random.Random(1).randrange(3, 100) for _ in range(context)]
@@ -208,14 +216,15 @@ def measure(
     chains = {k: time_forward(runner, [ForwardChunk([5] * (k + 1), context, table, k + 1)], repeats) for k in depths}
     params = sum(p.numel() for p in runner.model.parameters())
     bound = nbytes / bandwidth
+    graphed = runner.graphs is not None
     result = ShapeResult(
-        name, runner.attention_backend, params / 1e9, nbytes / 1e9, decode * 1e3, bound * 1e3, bound / decode,
-        verify * 1e3, verify / decode,
+        name, runner.attention_backend, graphed, params / 1e9, nbytes / 1e9, decode * 1e3, bound * 1e3,
+        bound / decode, verify * 1e3, verify / decode,
     )  # fmt: skip
     del runner
     draft = SHAPES[name].get("draft")
     if draft:
-        druns, _ = build(draft, device, dtype, max_positions, backend)
+        druns, _ = build(draft, device, dtype, max_positions, backend, graphs)
         druns.allocate_kv(-(-max_positions // BLOCK) + 1)
         with torch.inference_mode():
             druns.forward([ForwardChunk(ids, 0, table, 1)])
@@ -252,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
         "--attention-backends", nargs="+", default=["auto"], choices=["auto", *ATTENTION_BACKENDS],
         help="measure each shape with each of these (engine.attention; auto: triton on CUDA)",
     )  # fmt: skip
+    ap.add_argument(
+        "--cuda-graphs", nargs="+", default=["on"], choices=["on", "off"],
+        help="replay captured graphs (on: the triton backend only) or run eagerly (off); both: on off",
+    )  # fmt: skip
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--alphas", type=float, nargs="+", default=[0.6, 0.8])
     ap.add_argument("--depths", type=int, nargs="+", default=[2, 4, 6])
@@ -262,11 +275,15 @@ def main(argv: list[str] | None = None) -> int:
     head = f"device: {device_name(device)}; copy bandwidth {bandwidth / 1e9:.0f} GB/s"
     print(f"{head}; {args.dtype}; context {args.context}")
     results = []
-    for name, backend in itertools.product(args.shapes, args.attention_backends):
-        r = measure(name, backend, device, dtype, args.context, args.repeats, args.alphas, args.depths, bandwidth)
+    for name, backend, graphs in itertools.product(args.shapes, args.attention_backends, args.cuda_graphs):
+        r = measure(
+            name, backend, graphs == "on", device, dtype, args.context, args.repeats, args.alphas, args.depths,
+            bandwidth,
+        )  # fmt: skip
         results.append(r)
+        mode = "graphs" if r.cuda_graphs else "eager"
         print(
-            f"{name} ({r.attention_backend} attention): {r.params_b:.2f}B params, decode {r.decode_ms:.2f} ms "
+            f"{name} ({r.attention_backend} attention, {mode}): {r.params_b:.2f}B params, decode {r.decode_ms:.2f} ms "
             f"vs HBM bound {r.hbm_bound_ms:.2f} ms "
             f"({r.fraction_of_bound:.0%} of the bound); {TREE_NODES}-node tree verify {r.verify_tree_ms:.2f} ms "
             f"= {r.verify_vs_decode:.2f}x a decode"

@@ -19,6 +19,7 @@ def test_step_benchmark_runs_and_reports(tmp_path):
     assert report["device"] and report["copy_bandwidth_gb_s"] > 0
     r, t = report["results"]
     assert (r["attention_backend"], t["attention_backend"]) == ("sdpa", "triton")
+    assert (r["cuda_graphs"], t["cuda_graphs"]) == (False, True)  # graphs (on by default) need triton
     assert t["decode_ms"] > 0 and t["verify_tree_ms"] > 0
     assert r["shape"] == "tiny" and r["draft"] == "tiny-draft"
     assert r["decode_ms"] > 0 and r["hbm_bound_ms"] > 0 and r["verify_tree_ms"] > 0
