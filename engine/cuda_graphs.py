@@ -6,8 +6,10 @@ and replays them in one launch. The price is fixed shapes and fixed addresses:
 
 - *Shapes.* A batch qualifies when each sequence feeds at most ``width`` new tokens (one for decode
   and draft levels, the nodes plus the root for a verify) and any tree mask covers its new tokens
-  only. Its sequences are padded up to a batch bucket (1, 2, 4, 8, then multiples of 8) and each
-  sequence's tokens up to a width bucket (powers of two), at most :data:`MAX_GRAPH_TOKENS` in all.
+  only. Its sequences are padded up to a batch bucket (1, 2, 4, then multiples of 8) and each
+  sequence's tokens up to a width bucket (powers of two), at most :data:`MAX_GRAPH_TOKENS` in all,
+  and at most twice the real tokens unless within :data:`FREE_TOKENS` (a few decodes beside a
+  prompt chunk run as they are, not as a batch of prompt-wide rows).
   A padding sequence or token writes its K/V to a scratch slot past the pool's blocks, no real token
   sees it (its tree-mask column is zero, or it comes after the real tokens), and its outputs are
   dropped.
@@ -16,8 +18,12 @@ and replays them in one launch. The price is fixed shapes and fixed addresses:
   replay copies the step's metadata in (a few small device copies), replays, and gathers the real
   rows out into new tensors, so that nothing a caller holds is overwritten by a later replay.
 
-A shape is captured on its first use; warm-up captures decode (width 1) at every batch bucket, the
-largest first. All graphs of a runner share one memory pool. Only the triton backend's metadata has
+A graph runs the model up to its final-normed hidden states (and the layers proposers read): the
+output layer runs after it on the rows needing logits only, so no graph keeps a ``[tokens, vocab]``
+block. Every graph captures the union of the hidden layers asked for so far (a new layer drops the
+graphs, to be captured again). Warm-up captures every shape, the largest first, so that serving
+never waits for a capture (nor for ``torch.cuda.graph``'s sync and cache release); a shape not seen
+there is captured on first use. All graphs of a runner share one memory pool. Only the triton backend's metadata has
 static shapes (it is the GPU backend). On a CPU nothing is captured: the same padded forward on the
 static buffers runs directly, which is how the tests check everything but the capture itself.
 """
@@ -35,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 MAX_GRAPH_TOKENS = 512  # padded tokens of the largest captured forward
 MAX_GRAPH_WIDTH = 64  # most new tokens of one sequence in a captured forward
+FREE_TOKENS = 64  # padded tokens a forward may have whatever its real ones (a GPU step costs the same)
 
 
 def batch_buckets(max_seqs: int) -> list[int]:
@@ -58,7 +65,7 @@ class GraphShape:
 
 @dataclass
 class _Graph:
-    outputs: tuple  # (logits [Tp, V], captured {layer: [Tp, hidden]}, final hidden [Tp, hidden])
+    outputs: tuple  # (captured {layer: [Tp, hidden]}, final hidden [Tp, hidden])
     graph: torch.cuda.CUDAGraph | None = None  # None on a CPU: the forward runs on the static buffers
 
 
@@ -68,7 +75,7 @@ class _StaticInputs:
 
     input_ids: torch.Tensor  # [MAX_GRAPH_TOKENS] int64
     positions: torch.Tensor  # [MAX_GRAPH_TOKENS] int64
-    rows: torch.Tensor  # [MAX_GRAPH_TOKENS] int64: 0 .. Tp - 1 (every padded row gets logits)
+    no_rows: torch.Tensor  # [0] int64: the rows the graph computes logits of (none: see the module docstring)
     slot_mapping: torch.Tensor  # [MAX_GRAPH_TOKENS] int64
     block_tables: torch.Tensor  # [max_seqs, table_width] int32
     seq_info: torch.Tensor  # [max_seqs, SEQ_FIELDS] int32
@@ -94,7 +101,7 @@ class CudaGraphs:
         self.static = _StaticInputs(
             input_ids=torch.zeros(T, **i64),
             positions=torch.zeros(T, **i64),
-            rows=torch.arange(T, **i64),
+            no_rows=torch.zeros(0, **i64),
             slot_mapping=torch.full((T,), self.scratch_slot, **i64),
             block_tables=torch.zeros(B, table_width, **i32),
             seq_info=torch.zeros(B, SEQ_FIELDS, **i32),
@@ -102,11 +109,12 @@ class CudaGraphs:
             masks=torch.zeros(T * MAX_GRAPH_WIDTH, dtype=torch.uint8, device=device),
         )
         self.graphs: dict[tuple, _Graph] = {}
+        self.hidden_layers: tuple[int, ...] = ()  # what every graph captures (see the module docstring)
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
 
     def shape_for(self, q_lens: list[int], tree_reaches_back: bool) -> tuple[int, int] | None:
         """The padded (sequences, width) a batch runs at, or None where it runs as it is (too many
-        sequences or tokens, or a tree mask over keys before its new tokens)."""
+        sequences or tokens, too much padding, or a tree mask over keys before its new tokens)."""
         if tree_reaches_back or min(q_lens) == 0:
             return None
         q = max(q_lens)
@@ -114,7 +122,16 @@ class CudaGraphs:
         width = next((w for w in self.widths if w >= q), None)
         if num_seqs is None or width is None or num_seqs * width > MAX_GRAPH_TOKENS:
             return None
+        if num_seqs * width > max(FREE_TOKENS, 2 * sum(q_lens)):
+            return None
         return num_seqs, width
+
+    def warmup_shapes(self) -> list[tuple[int, int]]:
+        """The shapes warm-up runs, the largest first: every one where graphs are captured; off CUDA,
+        where nothing is, decode at each batch bucket."""
+        widths = self.widths if self.capture else [1]
+        shapes = [(b, w) for b in self.buckets for w in widths if b * w <= MAX_GRAPH_TOKENS]
+        return sorted(shapes, key=lambda s: s[0] * s[1], reverse=True)
 
     def decode_splits(self, num_seqs: int) -> int:
         """Key ranges per decode token at ``num_seqs`` sequences: fixed per shape (a graph's launch grid
@@ -123,12 +140,16 @@ class CudaGraphs:
 
     def run(self, fn, batch, input_ids, kv_cache, skip, hidden_layers, hidden_in):
         """Load ``batch`` (padded by the runner's prepare) into the static buffers, replay its shape's
-        graph (capturing it first if new), and return (logits, captured, final hidden) at the real rows."""
+        graph (capturing it first if new), and return the hidden layers asked for and the final hidden
+        states at the real rows, and the final hidden states at the rows needing logits."""
         shape: GraphShape = batch.graph
+        if not set(hidden_layers) <= set(self.hidden_layers):
+            self.hidden_layers = tuple(sorted({*self.hidden_layers, *hidden_layers}))
+            self.graphs.clear()
         sig = None if hidden_in is None else (tuple(hidden_in.shape[1:]), hidden_in.dtype)
-        key = (shape.num_seqs, shape.width, skip, tuple(hidden_layers), sig)
+        key = (shape.num_seqs, shape.width, skip, sig)
         args = self._load(batch, input_ids, hidden_in, sig)
-        static_args = (*args, kv_cache, self.static.rows[: shape.num_seqs * shape.width], skip, hidden_layers)
+        static_args = (*args, kv_cache, self.static.no_rows, skip, self.hidden_layers)
         g = self.graphs.get(key)
         if g is None:
             g = self.graphs[key] = self._capture(fn, static_args, key)
@@ -136,12 +157,12 @@ class CudaGraphs:
             g.graph.replay()
         else:
             g.outputs = self._call(fn, static_args)
-        logits, captured, final = g.outputs
+        captured, final = g.outputs
         rows = shape.token_rows
         return (
-            logits.index_select(0, shape.logit_rows),
-            {layer: h.index_select(0, rows) for layer, h in captured.items()},
+            {layer: captured[layer].index_select(0, rows) for layer in hidden_layers},
             final.index_select(0, rows),
+            final.index_select(0, shape.logit_rows),
         )
 
     def _load(self, batch, input_ids, hidden_in, sig):
@@ -177,8 +198,10 @@ class CudaGraphs:
 
     @staticmethod
     def _call(fn, static_args):
-        ids, pos, meta, hidden_in, kv_cache, rows, skip, hidden_layers = static_args
-        return fn(ids, pos, meta, kv_cache, rows, skip, hidden_layers, hidden_in)
+        """The forward with no logit rows: its captured layers and final hidden states."""
+        ids, pos, meta, hidden_in, kv_cache, no_rows, skip, hidden_layers = static_args
+        _, captured, final = fn(ids, pos, meta, kv_cache, no_rows, skip, hidden_layers, hidden_in)
+        return captured, final
 
     def _capture(self, fn, static_args, key) -> _Graph:
         """Run the forward once (this batch's real result, and Triton's compilation), then record it."""

@@ -360,11 +360,11 @@ class ModelRunner:
         hidden_in: torch.Tensor | None = None,  # [T, ...] per-token features for a model that takes them
     ) -> ForwardOutput:
         ids = batch.input_ids if input_ids is None else input_ids
-        if batch.graph is not None:
-            logits, captured, final = self.graphs.run(
+        if batch.graph is not None:  # the output layer runs after the graph (see engine.cuda_graphs)
+            captured, final, at_logits = self.graphs.run(
                 self._run, batch, ids, self.kv_cache, skip, hidden_layers, hidden_in
             )
-            return ForwardOutput(logits=logits, hidden_states=captured, final_hidden=final)
+            return ForwardOutput(self.model.compute_logits(at_logits), captured, final)
         logits, captured, final = self._run(
             ids, batch.positions, batch.meta, self.kv_cache, batch.logit_rows, skip, hidden_layers, hidden_in
         )
@@ -427,10 +427,14 @@ class ModelRunner:
             logger.info("compiled %s forward in %.1fs", type(self.model).__name__, time.perf_counter() - t0)
         if self.graphs is not None:
             t0 = time.perf_counter()
-            for n in reversed(self.graphs.buckets):
-                self.forward([ForwardChunk([0], 0, [0], 1)] * n, skip=skip, hidden_layers=hidden_layers)
+            shapes = self.graphs.warmup_shapes()
+            for n, width in shapes:  # n sequences of `width` tokens, in the first block(s)
+                table = [b % self.num_blocks for b in range(-(-width // self.block_size))]
+                chunks = [ForwardChunk([0] * width, 0, table, width)] * n
+                self.forward(chunks, skip=skip, hidden_layers=hidden_layers)
             self.synchronize()
-            logger.info("%s decode graphs ready in %.1fs", type(self.model).__name__, time.perf_counter() - t0)
+            took = time.perf_counter() - t0
+            logger.info("%s: %d graph shapes in %.1fs", type(self.model).__name__, len(shapes), took)
 
     def synchronize(self) -> None:
         """Wait for the device (timings are taken after it)."""

@@ -98,11 +98,10 @@ def test_padded_forwards_match_the_unpadded_ones(llama_dir):
             torch.testing.assert_close(outs[1].final_hidden, outs[0].final_hidden, atol=1e-5, rtol=1e-5)
             # Padding wrote the scratch slot only: the pool's blocks hold the same K/V.
             torch.testing.assert_close(pool(graphed), pool(eager), atol=1e-5, rtol=1e-5)
-    # Warm-up: decode at every bucket. Then prefill width 16, decode width 1, verify width 8 at the
-    # bucket of 4, with layer 0's states captured (a key of its own).
-    keys = graphed.graphs.graphs
-    assert {(k[0], k[1]) for k in keys if k[3] == ()} == {(1, 1), (2, 1), (4, 1)}
-    assert {(k[0], k[1]) for k in keys if k[3] == (0,)} == {(4, 16), (4, 1), (4, 8)}
+    # Asking for layer 0 dropped warm-up's graphs (decode at each bucket, without it); since then:
+    # prefill width 16, decode width 1, verify width 8 at the bucket of 4, each capturing layer 0.
+    assert graphed.graphs.hidden_layers == (0,)
+    assert {(k[0], k[1]) for k in graphed.graphs.graphs} == {(4, 16), (4, 1), (4, 8)}
 
 
 def test_input_ids_and_features_from_the_device(llama_dir):
@@ -123,6 +122,23 @@ def test_batches_without_a_captured_shape_run_as_they_are(llama_dir):
     # More tokens than the largest captured forward.
     assert graphed.prepare([ForwardChunk([5] * (MAX_GRAPH_TOKENS + 1), 0, list(range(1, 300)), 1)]).graph is None
     assert graphed.prepare([ForwardChunk([5] * 64, 0, table(0) + table(1), 1)]).graph is not None
+    # A prompt chunk beside decodes: 4 rows of 64 tokens for 43 real ones is too much padding.
+    decodes = [ForwardChunk([5], 8, table(s), 1) for s in (1, 2, 3)]
+    assert graphed.prepare([ForwardChunk([5] * 40, 0, table(0), 1), *decodes]).graph is None
+    assert graphed.prepare([ForwardChunk([5] * 12, 0, table(0), 1), *decodes]).graph is not None  # 64 tokens
+
+
+def test_warmup_captures_every_shape_the_largest_first(llama_dir):
+    _, graphed = runners(llama_dir, max_num_seqs=64)
+    g = graphed.graphs
+    assert g.warmup_shapes() == [(64, 1), (56, 1), (48, 1), (40, 1), (32, 1), (24, 1), (16, 1), (8, 1), (4, 1),
+                                 (2, 1), (1, 1)]  # fmt: skip  (off CUDA nothing is captured: decode only)
+    g.capture = True  # what a CUDA runner warms up (not run here)
+    shapes = g.warmup_shapes()
+    sizes = [b * w for b, w in shapes]
+    assert sizes == sorted(sizes, reverse=True) and max(sizes) == MAX_GRAPH_TOKENS
+    assert set(shapes) == {(b, w) for b in g.buckets for w in g.widths if b * w <= MAX_GRAPH_TOKENS}
+    assert (1, 64) in shapes and (64, 8) in shapes and (64, 16) not in shapes
 
 
 @pytest.mark.parametrize(
@@ -160,7 +176,7 @@ def test_speculating_engine_on_graphs_decodes_like_plain(
     else:
         assert spec.runner.graphs.graphs
     if method == "eagle":  # the head's features ride in a static buffer of their own
-        assert any(k[4] is not None for k in spec.proposer.runner.graphs.graphs)
+        assert any(k[3] is not None for k in spec.proposer.runner.graphs.graphs)
 
 
 @pytest.mark.gpu
