@@ -413,7 +413,7 @@ class ModelRunner:
         the hidden layers the step captures; greedy chains of 1 .. ``chain_levels`` levels), so that
         no request waits for a compilation. Writes only the first blocks' slots, which every later
         forward overwrites before reading (a token's K/V is written before attention reads it).
-        With graphs, then captures decode (a token a sequence) at every batch bucket, the largest first."""
+        With graphs, then captures them (:meth:`capture_graphs`)."""
         t0 = time.perf_counter()
         # Compiled: the graph of several tokens, then a lone token's (see compile_forward).
         for n in (2, 1) if self.compiled else ():
@@ -425,16 +425,26 @@ class ModelRunner:
                 self.greedy_chain(batches, torch.zeros(n, dtype=torch.int64, device=self.device), skip)
         if self.compiled:
             logger.info("compiled %s forward in %.1fs", type(self.model).__name__, time.perf_counter() - t0)
-        if self.graphs is not None:
-            t0 = time.perf_counter()
-            shapes = self.graphs.warmup_shapes()
-            for n, width in shapes:  # n sequences of `width` tokens, in the first block(s)
-                table = [b % self.num_blocks for b in range(-(-width // self.block_size))]
-                chunks = [ForwardChunk([0] * width, 0, table, width)] * n
-                self.forward(chunks, skip=skip, hidden_layers=hidden_layers)
-            self.synchronize()
-            took = time.perf_counter() - t0
-            logger.info("%s: %d graph shapes in %.1fs", type(self.model).__name__, len(shapes), took)
+        self.capture_graphs(hidden_layers, skip)
+
+    def capture_graphs(
+        self, hidden_layers: tuple[int, ...] = (), skip: LayerSkip | None = None, features: int | None = None
+    ) -> None:
+        """With graphs, run (so capture) every shape warm-up covers (``CudaGraphs.warmup_shapes``), as
+        the step will call it: with these hidden layers and skipped layers, and ``features``-wide
+        per-token inputs for a model that takes them. Writes only the first blocks, as warmup does."""
+        if self.graphs is None:
+            return
+        t0 = time.perf_counter()
+        shapes = self.graphs.warmup_shapes()
+        for n, width in shapes:  # n sequences of `width` tokens, in the first block(s)
+            table = [b % self.num_blocks for b in range(-(-width // self.block_size))]
+            batch = self.prepare([ForwardChunk([0] * width, 0, table, width)] * n)
+            feats = None if features is None else torch.zeros(n * width, features, dtype=self.dtype, device=self.device)
+            self.execute(batch, skip=skip, hidden_layers=hidden_layers, hidden_in=feats)
+        self.synchronize()
+        took = time.perf_counter() - t0
+        logger.info("%s: %d graph shapes in %.1fs", type(self.model).__name__, len(shapes), took)
 
     def synchronize(self) -> None:
         """Wait for the device (timings are taken after it)."""

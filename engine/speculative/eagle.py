@@ -422,11 +422,10 @@ class EagleProposer(DraftModelProposer):
 
     def warmup(self) -> None:
         """Compile the head's forward as the step calls it: with features, its tokens from the batch
-        (catch-up) or still on the device (draft levels)."""
-        if not self.runner.compiled:
-            return
+        (catch-up) or still on the device (draft levels); with graphs, capture it so."""
         h = self.head.config.hidden_size
-        for n in (1, 2):
+        self.runner.capture_graphs(self.state_layers, features=h)
+        for n in (1, 2) if self.runner.compiled else ():
             chunks = [ForwardChunk([0] * n, 0, list(range(-(-n // self.runner.block_size))), n)]
             batch = self.runner.prepare(chunks)
             feats = torch.zeros(n, h, dtype=self.runner.dtype, device=self.runner.device)
