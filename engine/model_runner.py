@@ -77,22 +77,35 @@ class LogitsForward(torch.nn.Module):
         return self.model.compute_logits(hidden.index_select(0, logit_rows)), captured, hidden
 
 
-class GreedyChainForward(torch.nn.Module):
-    """Several draft levels of greedy chains in one call: each level feeds one token per sequence
-    and the argmax of its logits is the next level's token, without leaving the device (or, compiled,
-    the graph). Level ``d`` runs with ``metas[d]`` at ``positions[d]``; returns the tokens ``[B, L]``."""
+def chain_pick(logits, temperature=None, noise=None):
+    """A chain level's next token from its logits ``[B, V]``: the argmax, or with a ``temperature``
+    ``[B]`` a draw from ``q = softmax(logits / T)`` by the exponential race against ``noise``
+    ``[B, V]`` (Exp(1)); returns the tokens and ``q`` (None for argmax)."""
+    if temperature is None:
+        return logits.argmax(-1), None
+    q = torch.softmax(logits.float() / temperature[:, None], -1)
+    return (q / noise).argmax(-1), q
+
+
+class ChainForward(torch.nn.Module):
+    """Several draft levels of chains in one call: each level feeds one token per sequence and the
+    token :func:`chain_pick` takes from its logits is the next level's, without leaving the device
+    (or, compiled, the graph). Level ``d`` runs with ``metas[d]`` at ``positions[d]`` (and
+    ``noise[d]``); returns the tokens ``[B, L]`` and, sampled, each level's ``q`` ``[B, L, V]``."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids, positions, metas, kv_cache, skip):
-        out = []
-        for pos, meta in zip(positions, metas):
+    def forward(self, input_ids, positions, metas, kv_cache, skip, temperature=None, noise=None):
+        out, qs = [], []
+        for d, (pos, meta) in enumerate(zip(positions, metas)):
             hidden, _ = self.model(input_ids, pos, meta, kv_cache, skip, ())
-            input_ids = self.model.compute_logits(hidden).argmax(-1)
+            level_noise = None if noise is None else noise[d]
+            input_ids, q = chain_pick(self.model.compute_logits(hidden), temperature, level_noise)
             out.append(input_ids)
-        return torch.stack(out, 1)
+            qs.append(q)
+        return torch.stack(out, 1), None if noise is None else torch.stack(qs, 1)
 
 
 def compile_forward(fn: torch.nn.Module, device: torch.device, freeze: bool = True):
@@ -210,7 +223,7 @@ class ModelRunner:
         self.compiled = compile
         self.frozen = compile and freeze and device.type == "cpu"
         self._run = LogitsForward(model)
-        self._chain = GreedyChainForward(model)
+        self._chain = ChainForward(model)
         if compile:
             self._run = compile_forward(self._run, device, freeze)
             if not self.frozen:  # a frozen graph would take a second copy of the weights
@@ -385,20 +398,28 @@ class ModelRunner:
         return [ForwardBatch(ids[:, d], pos[:, d], m, rows, B, B) for d, m in enumerate(whole.meta.levels())]
 
     @torch.inference_mode()
-    def greedy_chain(
-        self, batches: list[ForwardBatch], input_ids: torch.Tensor, skip: LayerSkip | None = None
-    ) -> torch.Tensor:
-        """Run ``len(batches)`` levels of greedy chains in one call (see :class:`GreedyChainForward`):
-        level ``d`` feeds one token per sequence with ``batches[d]``'s metadata (:meth:`prepare_levels`),
-        the first level ``input_ids`` ``[B]`` (on the device); returns each level's argmax ``[B, L]``.
+    def chain(
+        self,
+        batches: list[ForwardBatch],
+        input_ids: torch.Tensor,  # [B] the first level's tokens, on the device
+        temperature: torch.Tensor | None = None,  # [B] sampled chains (None: greedy)
+        noise: torch.Tensor | None = None,  # [L, B, V] Exp(1) draws, one row per level and sequence
+        skip: LayerSkip | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run ``len(batches)`` levels of chains in one call (see :class:`ChainForward`): level ``d``
+        feeds one token per sequence with ``batches[d]``'s metadata (:meth:`prepare_levels`); returns
+        each level's token ``[B, L]`` and, sampled, the ``q`` each was drawn from ``[B, L, V]``.
         Captured levels replay one graph each, still without a host sync between them."""
         if self.graphs is not None:
-            out = []
-            for b in batches:
-                input_ids = self.execute(b, input_ids, skip).logits.argmax(-1)
+            out, qs = [], []
+            for d, b in enumerate(batches):
+                logits = self.execute(b, input_ids, skip).logits
+                input_ids, q = chain_pick(logits, temperature, None if noise is None else noise[d])
                 out.append(input_ids)
-            return torch.stack(out, 1)
-        return self._chain(input_ids, [b.positions for b in batches], [b.meta for b in batches], self.kv_cache, skip)
+                qs.append(q)
+            return torch.stack(out, 1), None if noise is None else torch.stack(qs, 1)
+        positions, metas = [b.positions for b in batches], [b.meta for b in batches]
+        return self._chain(input_ids, positions, metas, self.kv_cache, skip, temperature, noise)
 
     def forward(
         self,
@@ -410,7 +431,7 @@ class ModelRunner:
 
     def warmup(self, hidden_layers: tuple[int, ...] = (), skip: LayerSkip | None = None, chain_levels: int = 0) -> None:
         """Run the forward once for each graph a compiled model needs (one new token, several; with
-        the hidden layers the step captures; greedy chains of 1 .. ``chain_levels`` levels), so that
+        the hidden layers the step captures; greedy and sampled chains of 1 .. ``chain_levels`` levels), so that
         no request waits for a compilation. Writes only the first blocks' slots, which every later
         forward overwrites before reading (a token's K/V is written before attention reads it).
         With graphs, then captures them (:meth:`capture_graphs`)."""
@@ -422,7 +443,11 @@ class ModelRunner:
             for levels in range(1, chain_levels + 1):  # n sequences of one token per level
                 table = list(range(-(-(levels + 1) // self.block_size)))
                 batches = self.prepare_levels([ForwardChunk([0] * levels, 1, table, levels)] * n)
-                self.greedy_chain(batches, torch.zeros(n, dtype=torch.int64, device=self.device), skip)
+                ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+                self.chain(batches, ids, skip=skip)
+                temperature = torch.ones(n, device=self.device)
+                noise = torch.ones(levels, n, self.vocab_size, device=self.device)
+                self.chain(batches, ids, temperature, noise, skip)
         if self.compiled:
             logger.info("compiled %s forward in %.1fs", type(self.model).__name__, time.perf_counter() - t0)
         self.capture_graphs(hidden_layers, skip)

@@ -1,4 +1,4 @@
-"""Greedy chains' draft levels in one call (``ModelRunner.prepare_levels`` + ``greedy_chain``): the
+"""Greedy chains' draft levels in one call (``ModelRunner.prepare_levels`` + ``chain``): the
 same tokens and the same K/V as feeding the levels one forward at a time, for sequences of
 different lengths across block boundaries, with a sliding window, and compiled."""
 
@@ -38,7 +38,7 @@ def one_at_a_time(r: ModelRunner, prompts, tables, first: torch.Tensor, levels: 
 
 def fused(r: ModelRunner, prompts, tables, first: torch.Tensor, levels: int) -> torch.Tensor:
     chunks = [ForwardChunk([0] * levels, len(p), t, levels) for p, t in zip(prompts, tables)]
-    return r.greedy_chain(r.prepare_levels(chunks), first)
+    return r.chain(r.prepare_levels(chunks), first)[0]
 
 
 CASES = [  # prompt lengths: one sequence, several ending at different offsets in their blocks
@@ -98,8 +98,76 @@ def test_a_wrong_level_view_is_caught(model_dirs):
     for batch in batches:  # every level sees all the chunk's slots, its later levels' stale K/V too
         batch.meta.mask = batches[-1].meta.mask
     b.kv_cache[:, :, 5 * BS : 6 * BS] = 1.0  # stale values in the slots later levels will write
-    b.greedy_chain(batches, first)
+    b.chain(batches, first)
     assert not torch.allclose(b.kv_cache, a.kv_cache, atol=1e-3)
+
+
+def test_sampled_levels_match_one_forward_per_level(model_dirs):
+    """Sampled chains: with the same noise, each level's token and ``q`` are those of one forward per
+    level followed by the same draw."""
+    from engine.model_runner import chain_pick
+
+    path, lens, levels = model_dirs["LlamaForCausalLM"], [7, 12], 3
+    prompts = [[3 + (i * 5 + j) % 50 for j in range(n)] for i, n in enumerate(lens)]
+    tables = [list(range(8 * i, 8 * i + 8)) for i in range(len(lens))]
+    a, b = runner(path), runner(path)
+    first = prefill(a, prompts, tables)
+    prefill(b, prompts, tables)
+    g = torch.Generator().manual_seed(0)
+    temperature = torch.tensor([0.7, 1.3])
+    noise = torch.empty(levels, len(lens), a.vocab_size).exponential_(generator=g)
+    ids, want_t, want_q = first, [], []
+    for d in range(levels):
+        chunks = [ForwardChunk([0], len(p) + d, t, 1) for p, t in zip(prompts, tables)]
+        ids, q = chain_pick(a.execute(a.prepare(chunks), input_ids=ids).logits, temperature, noise[d])
+        want_t.append(ids)
+        want_q.append(q)
+    chunks = [ForwardChunk([0] * levels, len(p), t, levels) for p, t in zip(prompts, tables)]
+    got_t, got_q = b.chain(b.prepare_levels(chunks), first, temperature, noise)
+    assert torch.equal(got_t, torch.stack(want_t, 1))
+    torch.testing.assert_close(got_q, torch.stack(want_q, 1), atol=1e-6, rtol=1e-5)
+
+
+def test_sampled_levels_draw_from_the_q_they_return(model_dirs, monkeypatch):
+    """Many sequences with one root token: the first fused level's logits are the same for all, so
+    its tokens are i.i.d. draws, which must follow the ``q`` returned with them (G-test). Tokens
+    drawn at the wrong temperature (``logits * T`` for ``logits / T``) are caught."""
+    from test_spec import g_statistic, g_test_threshold
+
+    import engine.model_runner as runner_mod
+
+    path = model_dirs["LlamaForCausalLM"]
+    B, rounds, T = 64, 48, 0.8
+    prompt = [5, 9, 13, 17, 21]
+    tables = [[2 * i, 2 * i + 1] for i in range(B)]  # 8 slots each: the prompt and two levels
+    r = runner(path)
+    r.allocate_kv(2 * B)
+    first = prefill(r, [prompt] * B, tables)
+    chunks = [ForwardChunk([0, 0], len(prompt), t, 2) for t in tables]
+    temperature = torch.full((B,), T)
+
+    def sample(seed: int) -> tuple[dict, dict, int]:
+        g = torch.Generator().manual_seed(seed)
+        counts: dict = {}
+        for _ in range(rounds):
+            noise = torch.empty(2, B, r.vocab_size).exponential_(generator=g)
+            tokens, q = r.chain(r.prepare_levels(chunks), first, temperature, noise)
+            for t in tokens[:, 0].tolist():
+                counts[(t,)] = counts.get((t,), 0) + 1
+        return counts, {(v,): p for v, p in enumerate(q[0, 0].tolist())}, B * rounds
+
+    counts, expected, n = sample(1)
+    stat, dof = g_statistic(counts, expected, n)
+    assert stat < g_test_threshold(dof), f"G={stat:.1f} dof={dof}"
+    pick = runner_mod.chain_pick
+
+    def wrong_q(logits, temperature=None, noise=None):  # the tokens drawn from softmax(logits * T)
+        return pick(logits * temperature[:, None] ** 2, temperature, noise)[0], pick(logits, temperature, noise)[1]
+
+    monkeypatch.setattr(runner_mod, "chain_pick", wrong_q)
+    counts, expected, n = sample(2)
+    stat, dof = g_statistic(counts, expected, n)
+    assert stat > g_test_threshold(dof), f"the wrong q went unnoticed: G={stat:.1f} dof={dof}"
 
 
 def test_compiled_fused_levels_match_eager(model_dirs):

@@ -127,7 +127,8 @@ def g_statistic(counts: dict, expected: dict[tuple, float], n: int) -> tuple[flo
 
 def tabular_speculation(P: torch.Tensor, Q: torch.Tensor, n: int, mode: str, seed: int) -> dict:
     """Sample 3 tokens per sequence from a tabular target P[last] with draft Q[last], n sequences at
-    once, through build_verify_input + verify (chains sampled from q; trees deterministic top-2)."""
+    once, through build_verify_input + verify (chains sampled from q, or deterministic argmax chains
+    without q, as n-gram lookups draft; trees deterministic top-2)."""
     torch.manual_seed(seed)
     Vt = P.shape[0]
     seqs = torch.zeros(n, 1, dtype=torch.int64)
@@ -143,6 +144,13 @@ def tabular_speculation(P: torch.Tensor, Q: torch.Tensor, n: int, mode: str, see
                 a, b, c = last[j].item(), t1[j].item(), t2[j].item()
                 trees.append(DraftTree.chain([b, c], torch.stack([Q[a], Q[b]])))
                 rows += [P[a], P[b], P[c]]
+        elif mode == "argmax-chain":  # the second sequence of each pair drafts nothing
+            t1 = Q[last].argmax(-1)
+            t2 = Q[t1].argmax(-1)
+            for j in range(len(active)):
+                a, b, c = last[j].item(), t1[j].item(), t2[j].item()
+                trees.append(DraftTree.chain([b, c] if j % 2 == 0 else []))
+                rows += [P[a], P[b], P[c]] if j % 2 == 0 else [P[a]]
         else:
             top = Q[last].topk(2).indices
             for j in range(len(active)):
@@ -169,7 +177,7 @@ def tabular_joint(P: torch.Tensor) -> dict[tuple, float]:
     return {(a, b, c): (P[0, a] * P[a, b] * P[b, c]).item() for a, b, c in itertools.product(range(Vt), repeat=3)}
 
 
-@pytest.mark.parametrize("mode", ["chain", "tree"])
+@pytest.mark.parametrize("mode", ["chain", "argmax-chain", "tree"])
 def test_tabular_speculation_matches_target_and_wrong_rule_fails(mode, monkeypatch):
     g = torch.Generator().manual_seed(0)
     Vt = 5
@@ -437,6 +445,25 @@ def test_engine_sampling_distribution_matches_target(small_vocab_pair, topk):
     counts = engine_samples(target, draft, topk, params, prompt, n)
     stat, dof = g_statistic(counts, exact_joint(target, prompt, params), n)
     assert stat < g_test_threshold(dof), f"G={stat:.1f} dof={dof}"
+
+
+def test_fused_sampled_chains_keep_the_targets_distribution(small_vocab_pair, monkeypatch, tmp_path):
+    """At a temperature alone a draft model's chains run their levels past the first in one call,
+    drawing each token inside it (``ModelRunner.chain``); samples still follow the target.
+    (``test_chain_levels.py`` checks that each token is a draw from the ``q`` returned with it.)"""
+    from engine.speculative.draft_model import DraftModelProposer
+
+    target, _ = small_vocab_pair
+    draft = noisy_copy(target, tmp_path / "close", 0.1)  # close: the fused levels' tokens are often accepted
+    # Room for depth-3 drafts after the first token (the test reads the first three tokens).
+    params = SamplingParams(temperature=0.5, max_tokens=6, ignore_eos=True, num_draft_tokens=3)
+    prompt = [0, 3, 4, 5]
+    n = 10_240
+    calls = []
+    fused = DraftModelProposer._chain_levels
+    monkeypatch.setattr(DraftModelProposer, "_chain_levels", lambda *a: calls.append(1) or fused(*a))
+    stat, dof = g_statistic(engine_samples(target, draft, 1, params, prompt, n), exact_joint(target, prompt, params), n)
+    assert calls and stat < g_test_threshold(dof), f"G={stat:.1f} dof={dof} (fused calls: {len(calls)})"
 
 
 def test_no_repeat_ngrams_stay_exact_under_speculation_and_a_wrong_rule_fails(small_vocab_pair, monkeypatch):

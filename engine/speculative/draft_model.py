@@ -39,7 +39,7 @@ class DraftModelProposer(LevelDrafter):
     # target's hidden state at position r with the token that followed it).
     shift: int = 0
     state_layers: tuple[int, ...] = ()  # the draft layer whose output is the next level's state
-    fuses_chains = True  # greedy chains' levels in one call (see LevelDrafter._fused_chains)
+    fuses_chains = True  # chains' levels in one call (see LevelDrafter._fused_chains)
 
     def __init__(
         self,
@@ -59,6 +59,8 @@ class DraftModelProposer(LevelDrafter):
         # The draft may pad its vocabulary differently from the target: its distributions are
         # widened to the target's (padding ids get no mass), and ids it has no row for are never fed.
         self.draft_vocab_size = runner.vocab_size
+        # Sampled chains in one call draw from the draft's own logits: only where they are the target's width.
+        self.fuses_sampled_chains = self.draft_vocab_size == target_vocab_size
         self.catch_up_budget = catch_up_budget
         self.kv_bytes_per_token = runner.kv_bytes_per_token
         self.num_forwards = 0
@@ -194,7 +196,7 @@ class DraftModelProposer(LevelDrafter):
             for b in range(c.ctx_len // bs, (c.ctx_len + len(c.token_ids) - 1) // bs + 1):
                 self._valid.pop(c.block_table[b], None)
 
-    def _greedy_chain_levels(self, seqs: list[Sequence], ids: torch.Tensor, levels: int) -> torch.Tensor:
+    def _chain_levels(self, seqs: list[Sequence], ids: torch.Tensor, levels: int, temperature=None, noise=None):
         # Level d feeds its token at draft slot root + 1 + d, which is also its position: the levels
         # are a causal chunk of `levels` tokens after the root.
         chunks = [ForwardChunk([0] * levels, s.num_tokens - self.shift, s.block_table, levels) for s in seqs]
@@ -204,11 +206,11 @@ class DraftModelProposer(LevelDrafter):
             ids = ids.clamp(max=self.draft_vocab_size - 1)
         self.num_forwards += levels
         t0 = time.perf_counter()
-        out = self.runner.greedy_chain(batches, ids)
+        out, q = self.runner.chain(batches, ids, temperature, noise)
         self.runner.synchronize()
         per_level = (time.perf_counter() - t0) / levels  # the cost model prices draft levels one by one
         self._timings.extend((self.cost.kind, len(seqs), len(seqs), per_level) for _ in range(levels))
-        return out
+        return out, q
 
     def _level(self, seqs, ids, per_seq, first, depth, masks=None, state=None):
         """Feed ``per_seq`` device-resident tokens per sequence at draft slots ``root + 1 + first[b] ...``,

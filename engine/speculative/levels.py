@@ -43,9 +43,11 @@ def _rows(state: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
 class LevelDrafter(Proposer):
     """A proposer that drafts chains and trees level by level from a model (see the module doc)."""
 
-    # A drafter that can run several levels of plain greedy chains (no state, no logits processing)
-    # in one call sets this and implements _greedy_chain_levels.
+    # A drafter that can run several levels of chains (no state, no logits processing) in one call
+    # sets this and implements _chain_levels; the second also lets sampled chains (at a temperature
+    # alone) run so.
     fuses_chains = False
+    fuses_sampled_chains = False
 
     def __init__(
         self,
@@ -93,10 +95,14 @@ class LevelDrafter(Proposer):
         """Feed ``per_seq`` tokens per sequence as tree nodes at depth ``depth`` (draft slots
         ``root + 1 + first[b] ...``); returns their children's logits ``[A * per_seq, V]`` and states."""
 
-    def _greedy_chain_levels(self, seqs: list[Sequence], ids: torch.Tensor, levels: int) -> torch.Tensor:
-        """Only for drafters with ``fuses_chains``: ``levels`` levels of plain greedy chains in one
-        call, ``ids`` ``[A]`` (on the device) feeding the first at draft slot ``root + 1``; returns
-        each level's argmax ``[A, levels]``."""
+    def _chain_levels(
+        self, seqs: list[Sequence], ids: torch.Tensor, levels: int, temperature=None, noise=None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Only for drafters with ``fuses_chains``: ``levels`` levels of chains in one call, ``ids``
+        ``[A]`` (on the device) feeding the first at draft slot ``root + 1``; returns each level's
+        token ``[A, levels]``: the argmax, or with a ``temperature`` ``[A]`` a draw from
+        ``q = softmax(logits / T)`` against ``noise[level]`` (``[levels, A, V]`` Exp(1)), with those
+        ``q`` ``[A, levels, V]`` (see ``ModelRunner.chain``)."""
         raise NotImplementedError
 
     # -- shape ----------------------------------------------------------------------------------
@@ -168,9 +174,10 @@ class LevelDrafter(Proposer):
             self.vocab_size,
             self.device,
         )
-        if self.fuses_chains and k == 1 and state is None and self.early_stop is None:
-            if md.all_greedy and not md.needs_processing:
-                return self._fused_chains(seqs, depths, logits)
+        if self.fuses_chains and k == 1 and state is None and self.early_stop is None and not md.needs_processing:
+            temperature_only = md.all_random and md.top_k is None and md.top_p is None and md.min_p is None
+            if md.all_greedy or (temperature_only and self.fuses_sampled_chains):
+                return self._fused_chains(seqs, depths, logits, md)
         level_rows: list[dict[int, int]] = []  # per level: sequence index → its row at that level
         level_tokens: list[torch.Tensor] = []  # [A, k] per level
         level_q: list[torch.Tensor | None] = []  # [A, k, V] per level, each sibling's q (None: greedy chains)
@@ -223,10 +230,16 @@ class LevelDrafter(Proposer):
             self._written[seqs[b].seq_id] = spine[: fed[b]]
         return trees
 
-    def _fused_chains(self, seqs: list[Sequence], depths: list[int], logits: torch.Tensor) -> list[DraftTree]:
-        """Greedy chains whose levels past the first run in one call per depth (see
-        :meth:`_greedy_chain_levels`): the argmax of the root logits, then ``depth - 1`` more."""
-        first = logits.argmax(-1)
+    def _fused_chains(self, seqs, depths: list[int], logits: torch.Tensor, md: SamplingMetadata) -> list[DraftTree]:
+        """Chains whose levels past the first run in one call per depth (see :meth:`_chain_levels`):
+        the first token from the root logits, as :meth:`_draw` takes it (the argmax, or a draw from
+        ``q`` with the noise of the request's key for that level), then ``depth - 1`` more."""
+        greedy = md.all_greedy
+        if greedy:
+            q0, first = None, logits.argmax(-1)
+        else:
+            q0 = compute_probs(logits, md)  # [B, V]: softmax(logits / T), nothing else applies
+            first = (q0 / exponential_noise(q0, [s.noise_key(0) for s in seqs])).argmax(-1)
         by_depth: dict[int, list[int]] = {}
         for b, d in enumerate(depths):
             by_depth.setdefault(d, []).append(b)
@@ -234,14 +247,23 @@ class LevelDrafter(Proposer):
         for d, members in by_depth.items():
             if d > 1:
                 idx = torch.tensor(members, device=first.device)
-                deeper.append((members, self._greedy_chain_levels([seqs[b] for b in members], first[idx], d - 1)))
+                group = [seqs[b] for b in members]
+                temperature = noise = None
+                if not greedy:  # each level's noise from the request's key for that level, as _draw's
+                    temperature = md.temperature[idx]
+                    keys = [[s.noise_key(j) for s in group] for j in range(1, d)]
+                    noise = torch.stack([exponential_noise(q0[idx], level) for level in keys])
+                deeper.append((members, *self._chain_levels(group, first[idx], d - 1, temperature, noise)))
         tokens = [[t] for t in first.tolist()]  # one transfer per depth
-        for members, rest in deeper:
-            for b, row in zip(members, rest.tolist()):
+        qs: list[list[torch.Tensor]] = [[] if greedy else [q0[b : b + 1]] for b in range(len(seqs))]
+        for members, rest, q in deeper:
+            for j, (b, row) in enumerate(zip(members, rest.tolist())):
                 tokens[b] += row
+                if q is not None:
+                    qs[b].append(q[j])
         trees = []
-        for seq, toks in zip(seqs, tokens):
-            trees.append(DraftTree(toks, list(range(-1, len(toks) - 1))))
+        for seq, toks, q in zip(seqs, tokens, qs):
+            trees.append(DraftTree(toks, list(range(-1, len(toks) - 1)), None if greedy else torch.cat(q)))
             self._written[seq.seq_id] = list(range(len(toks) - 1))  # every token but the last was fed
         return trees
 

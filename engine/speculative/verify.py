@@ -63,6 +63,8 @@ def reject_residual(P: torch.Tensor, q_rows: torch.Tensor) -> torch.Tensor:
 def verify(inp: VerifyInput) -> VerifyOutput:
     p, children, roots = inp.p, inp.children, inp.roots
     B, C = roots.shape[0], children.shape[1]
+    if C == 1:
+        return verify_chains(inp)
     device = p.device
     u, e = _randoms(B, (inp.max_depth + 1) * C, p.shape[1], device)
     cur = roots.clone()
@@ -110,6 +112,37 @@ def verify(inp: VerifyInput) -> VerifyOutput:
         P = torch.where(took[:, None], p[cur], P)
     rows = torch.stack(accepted_by_depth, 1).tolist() if accepted_by_depth else [[] for _ in range(B)]
     return VerifyOutput([[r for r in seq_rows if r >= 0] for seq_rows in rows], final.tolist())
+
+
+def verify_chains(inp: VerifyInput) -> VerifyOutput:
+    """:func:`verify` where every tree is a chain (a row has one child at most), in one pass instead of
+    a walk: with no siblings, each node's test reads its parent's ``p`` alone, so every test is drawn
+    at once, the walk's end is the first rejection (or the leaf), and one draw from that row's
+    residual (or ``p`` at the leaf: the bonus token) ends it. Same rules and residuals as the walk."""
+    p, roots, D = inp.p, inp.roots, inp.max_depth
+    R, B, device = p.shape[0], roots.shape[0], p.device
+    n = torch.diff(roots, append=roots.new_tensor([R])) - 1  # [B] nodes per chain (rows: root, nodes)
+    node = (roots[:, None] + 1 + torch.arange(D, device=device)).clamp(max=R - 1)  # [B, D] row of depth d + 1
+    x = inp.row_tokens[node]
+    px = p[node - 1, x] / p.sum(-1).clamp(min=1e-30)[node - 1]  # each node's p, at its parent's row
+    if inp.q is not None:
+        ratio = torch.where(inp.sampled[node], (px / inp.q[node, x].clamp(min=1e-30)).clamp(max=1.0), px)
+    else:
+        ratio = px
+    u, e = _randoms(B, D, p.shape[1], device)
+    kept = (u[:, :D] < ratio) & (torch.arange(D, device=device) < n[:, None])
+    a = kept.long().cumprod(1).sum(1)  # [B] accepted nodes: those before the first rejection
+    last = roots + a  # the row the walk ends at
+    P = p[last]
+    rej = (last + 1).clamp(max=R - 1)  # the rejected node's row, where a < n
+    residual = drop_token(P, inp.row_tokens[rej])
+    if inp.q is not None:
+        residual = torch.where(inp.sampled[rej][:, None], reject_residual(P, inp.q[rej]), residual)
+    P = torch.where((a < n)[:, None], residual, P)
+    P = torch.where(P.sum(-1, keepdim=True) <= 0, p[last], P)  # only by rounding: fall back to p itself
+    host = torch.cat([a, (P / e).argmax(-1), roots]).tolist()  # one transfer
+    a_, final, root = host[:B], host[B : 2 * B], host[2 * B :]
+    return VerifyOutput([list(range(r + 1, r + 1 + k)) for r, k in zip(root, a_)], final)
 
 
 def build_verify_input(
