@@ -30,7 +30,9 @@ def graphs_everywhere(monkeypatch):
 def runners(model_dir, **kw):
     """The same model twice on the triton backend: without graphs, and with them (buckets 1, 2, 4)."""
     kw.setdefault("max_num_seqs", 4)
-    eager = make_engine(model_dir, device=str(DEVICE), attention_backend="triton", **kw).runner
+    with pytest.MonkeyPatch.context() as m:  # (on a GPU engines capture by default)
+        m.setattr(EngineConfig, "cuda_graph_max_seqs", property(lambda self: 0))
+        eager = make_engine(model_dir, device=str(DEVICE), attention_backend="triton", **kw).runner
     with pytest.MonkeyPatch.context() as m:
         m.setattr(EngineConfig, "cuda_graph_max_seqs", property(lambda self: self.max_num_seqs))
         graphed = make_engine(model_dir, device=str(DEVICE), attention_backend="triton", **kw).runner
@@ -131,8 +133,9 @@ def test_batches_without_a_captured_shape_run_as_they_are(llama_dir):
 def test_warmup_captures_every_shape_the_largest_first(llama_dir):
     _, graphed = runners(llama_dir, max_num_seqs=64)
     g = graphed.graphs
+    g.capture = False  # where nothing is captured (off CUDA), warm-up runs decode only
     assert g.warmup_shapes() == [(64, 1), (56, 1), (48, 1), (40, 1), (32, 1), (24, 1), (16, 1), (8, 1), (4, 1),
-                                 (2, 1), (1, 1)]  # fmt: skip  (off CUDA nothing is captured: decode only)
+                                 (2, 1), (1, 1)]  # fmt: skip
     g.capture = True  # what a CUDA runner warms up (not run here)
     shapes = g.warmup_shapes()
     sizes = [b * w for b, w in shapes]
