@@ -466,6 +466,30 @@ def test_fused_sampled_chains_keep_the_targets_distribution(small_vocab_pair, mo
     assert calls and stat < g_test_threshold(dof), f"G={stat:.1f} dof={dof} (fused calls: {len(calls)})"
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded-sampling"])
+def test_fused_chain_levels_draft_what_one_forward_per_level_drafts(pair, monkeypatch, temperature):
+    """A draft model's chain levels in one call (its ``_chain_levels``) and ``LevelDrafter``'s
+    default (one ``_level`` forward per level, the same pick) draft the same tokens: the same
+    outputs, and the same acceptance at every depth."""
+    from engine.speculative.draft_model import DraftModelProposer
+    from engine.speculative.levels import LevelDrafter
+
+    ps = prompts(4, seed=11)
+    params = SamplingParams(temperature=temperature, seed=7 if temperature else None, max_tokens=16,
+                            ignore_eos=True, num_draft_tokens=3)  # fmt: skip
+    runs = []
+    for impl in (DraftModelProposer._chain_levels, LevelDrafter._chain_levels):
+        calls = []
+        spy = lambda *a, f=impl, c=calls: c.append(1) or f(*a)  # noqa: E731
+        monkeypatch.setattr(DraftModelProposer, "_chain_levels", spy)
+        eng = make(pair["target"], pair["same"], spec_tree_topk=1)
+        out = [o.outputs[0].delta_token_ids for o in eng.generate(ps, params)]
+        assert calls
+        runs.append((out, list(eng.spec_stats.accepted_per_pos)))
+    assert runs[0] == runs[1]
+    assert sum(runs[0][1][1:]) > 0  # some chains kept tokens past the first level
+
+
 def test_no_repeat_ngrams_stay_exact_under_speculation_and_a_wrong_rule_fails(small_vocab_pair, monkeypatch):
     """no_repeat_ngram_size shapes every verified row as plain sampling would (a tree node's history
     includes the path above it), so speculative samples follow the banned distribution exactly; a

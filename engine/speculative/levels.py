@@ -29,6 +29,7 @@ from abc import abstractmethod
 
 import torch
 
+from engine.model_runner import chain_pick
 from engine.sampler import SamplingMetadata, apply_logits_processors, compute_probs, exponential_noise
 from engine.sequence import Sequence
 from engine.speculative.early_stop import EarlyStop, draft_confidence
@@ -98,12 +99,18 @@ class LevelDrafter(Proposer):
     def _chain_levels(
         self, seqs: list[Sequence], ids: torch.Tensor, levels: int, temperature=None, noise=None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Only for drafters with ``fuses_chains``: ``levels`` levels of chains in one call, ``ids``
-        ``[A]`` (on the device) feeding the first at draft slot ``root + 1``; returns each level's
-        token ``[A, levels]``: the argmax, or with a ``temperature`` ``[A]`` a draw from
-        ``q = softmax(logits / T)`` against ``noise[level]`` (``[levels, A, V]`` Exp(1)), with those
-        ``q`` ``[A, levels, V]`` (see ``ModelRunner.chain``)."""
-        raise NotImplementedError
+        """``levels`` levels of chains, ``ids`` ``[A]`` (on the device) feeding the first at draft slot
+        ``root + 1``; returns each level's token ``[A, levels]``: the argmax, or with a ``temperature``
+        ``[A]`` a draw from ``q = softmax(logits / T)`` against ``noise[level]`` (``[levels, A, V]``
+        Exp(1)), with those ``q`` ``[A, levels, V]`` (see ``ModelRunner.chain``). This one feeds
+        them one :meth:`_level` forward each; a drafter with ``fuses_chains`` runs them in one call."""
+        out, qs = [], []
+        for d in range(levels):
+            logits, _ = self._level(seqs, ids, 1, [d] * len(seqs), d + 1)
+            ids, q = chain_pick(logits, temperature, None if noise is None else noise[d])
+            out.append(ids)
+            qs.append(q)
+        return torch.stack(out, 1), None if noise is None else torch.stack(qs, 1)
 
     # -- shape ----------------------------------------------------------------------------------
     def slots_needed(self, depth: int, greedy: bool = True) -> int:
