@@ -146,7 +146,8 @@ class LLMEngine:
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError if this request cannot be served as asked."""
         amateur = self.proposer is not None and self.proposer.has_language_model
-        limits = (self.vocab_size, self.max_model_len, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        c, capacity = self.config, self.block_manager.num_blocks * self.block_manager.block_size
+        limits = (self.vocab_size, self.max_model_len, c.max_num_seqs, c.max_num_batched_tokens, capacity)
         check_request(prompt_ids, params, *limits, amateur)
 
     def add_request(

@@ -16,10 +16,20 @@ def check_request(
     max_model_len: int,
     max_num_seqs: int,
     max_num_batched_tokens: int,
+    kv_capacity: int,  # token slots of the KV pool (blocks x block size); at least max_model_len
     has_amateur: bool,  # a draft model serves that contrastive decoding can use as its amateur
 ) -> None:
     """Raise InvalidRequestError if this request cannot be served as asked (its parameters alone were
-    checked when they were made: :meth:`SamplingParams.validate`)."""
+    checked when they were made: :meth:`SamplingParams.validate`), or could never be served by this
+    engine, however long it waited: it is refused here, before it is queued.
+
+    What a request needs at worst, by strategy: one sequence (sampling, greedy, speculation) holds at
+    most ``max_model_len`` tokens of KV, which the pool always holds, and drafts take only the
+    lookahead the scheduler can spare; ``n`` choices and beams run side by side when they fit and
+    are preempted and recomputed when they do not, so they need ``max_num_seqs`` seats (beams step
+    in lockstep), not ``n`` contexts of KV; contrastive search feeds its ``top_k`` candidates in
+    one step, past the context: ``prompt + max_tokens + top_k - 1`` slots and ``top_k`` tokens of
+    the step's budget."""
     if not prompt_ids:
         raise InvalidRequestError("the prompt must not be empty")
     if params.beam_width > max_num_seqs:
@@ -54,3 +64,14 @@ def check_request(
             f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
             f"length of {max_model_len} tokens"
         )
+    if params.contrastive_search:
+        new_tokens = params.max_tokens if params.max_tokens is not None else room
+        need = len(prompt_ids) + new_tokens + params.top_k - 1
+        if need > kv_capacity:
+            fits = kv_capacity - len(prompt_ids) - params.top_k + 1
+            hint = f"max_tokens at most {fits}" if fits >= 1 else "a smaller top_k or a shorter prompt"
+            raise InvalidRequestError(
+                f"contrastive search writes its top_k ({params.top_k}) candidates past the context: prompt "
+                f"({len(prompt_ids)} tokens) + max_tokens ({new_tokens}) + top_k - 1 = {need} KV slots, more "
+                f"than the server's KV cache holds ({kv_capacity} tokens); ask for {hint}"
+            )

@@ -37,6 +37,9 @@ class LayerSkipProposer(DraftModelProposer):
     cost = CostShape(kind="layer-skip")  # a root forward (like a catch-up), then one per level
     # Its levels run on the target's frozen graphs; a chain graph would freeze a second weight copy.
     fuses_chains = False
+    # Its drafts come from the target itself, not from a language model of its own: contrastive
+    # decoding has no amateur here and refuses (docs/decoding.md).
+    has_language_model = False
 
     def __init__(
         self,
