@@ -9,6 +9,7 @@ alone (500) while the server keeps serving everyone else.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -17,13 +18,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import AsyncEngine, EngineDeadError
@@ -32,15 +31,25 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprob
 from server.limits import BodyLimits
-from server.metrics import Metrics
 from server.protocol import (
-    BadBodyError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     UnsupportedError,
     error_body,
-    parse_json_body,
 )
+from server.routes.common import (
+    APIError,
+    bad_request,
+    check_model,
+    off_loop,
+    parse_request,
+    ready_engine,
+    request_body,
+)
+from server.routes.tokenize import add_tokenizer_routes
+from server.state import ServerSettings, ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -48,20 +57,6 @@ try:
     AUGUR_VERSION = version("augur")
 except PackageNotFoundError:  # running from a source tree that was not installed
     AUGUR_VERSION = "0.0.0+local"
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code=None, headers=None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def bad_request(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, "invalid_request_error", param)
 
 
 class BearerAuth:
@@ -85,41 +80,16 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
-@dataclass
-class ServerSettings:
-    served_model_name: str
-    api_key: str | None = None
-    max_queue_len: int = 256
-    disconnect_poll_s: float = 0.2
-    max_request_bytes: int = 16 * 2**20  # larger bodies get 413
-    body_timeout_s: float = 30.0  # a body not received within this gets 408
-    # LOSSY, opt-in: Medusa's typical acceptance (epsilon, delta) for sampling requests that do not say
-    # otherwise (unseeded, temperature > 0); None: every request is verified exactly.
-    typical_acceptance: tuple[float, float] | None = None
-    metrics_compat: str = "vllm"  # also export vLLM's metric names ("none": only augur_*)
-
-
-@dataclass
-class ServerState:
-    settings: ServerSettings
-    engine: AsyncEngine | None = None
-    load_error: str | None = None
-    metrics: Metrics = field(init=False)
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    def __post_init__(self) -> None:
-        self.metrics = Metrics(self.settings.served_model_name, self.settings.metrics_compat)
-
-    def attach(self, engine: AsyncEngine) -> None:
-        self.metrics.bind_engine(engine.engine, lambda: engine.load)
-        engine.step_hooks.append(self.metrics.on_step)
-        engine.start()
-        self.engine = engine
-
-
-def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngine]) -> FastAPI:
+def create_app(
+    settings: ServerSettings,
+    engine_factory: Callable[[], AsyncEngine],
+    on_load_failure: Callable[[str], None] | None = None,
+) -> FastAPI:
     """The app. ``engine_factory`` runs on a background thread at start-up, so /health can answer
-    503 while the model loads."""
+    503 while the model loads. If it fails, /health reports why, and ``on_load_failure(reason)`` is
+    called: ``augur serve`` then stops the server and exits non-zero, so that Docker, Kubernetes or
+    ``make serve`` see the failure (and restart with the reason logged) instead of a server that
+    answers 503 forever."""
     state = ServerState(settings)
 
     @asynccontextmanager
@@ -128,9 +98,11 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
             try:
                 state.attach(engine_factory())
                 logger.info("engine ready: serving %s", settings.served_model_name)
-            except Exception as e:  # reported by /health; the process stays up to say why
+            except Exception as e:
                 logger.exception("engine failed to load")
                 state.load_error = f"{type(e).__name__}: {e}"
+                if on_load_failure is not None:
+                    on_load_failure(state.load_error)
 
         loader = threading.Thread(target=load, name="augur-load", daemon=True)
         loader.start()
@@ -206,18 +178,6 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
         return {"object": "list", "data": [card]}
 
     # -- generation -----------------------------------------------------------------------------------
-    def ready_engine() -> AsyncEngine:
-        eng = state.engine
-        if eng is None or not eng.is_running:
-            raise APIError(
-                503, "the model is not ready" if eng is None else "the engine is not running", "service_unavailable"
-            )
-        return eng
-
-    def check_model(name: str | None) -> None:
-        if name is not None and name != settings.served_model_name:
-            raise APIError(404, f"The model `{name}` does not exist.", "not_found_error", "model", "model_not_found")
-
     def admit(eng: AsyncEngine, request_ids: list[str]) -> None:
         """Reserve queue places now (429 if full), before any await lets another request in."""
         check_queue_bound(len(request_ids))
@@ -229,30 +189,11 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
                 headers={"Retry-After": "1"},
             )
 
-    async def parse(request: Request, model):
-        raw = await request.body()
-        try:
-            # A big body is parsed off the event loop, which keeps answering everyone else meanwhile.
-            body = parse_json_body(raw) if len(raw) < 2**16 else await asyncio.to_thread(parse_json_body, raw)
-        except BadBodyError as e:
-            raise bad_request(str(e)) from None
-        try:
-            return model.model_validate(body)
-        except UnsupportedError as e:
-            raise bad_request(str(e), e.param) from None
-        except ValidationError as e:
-            raise RequestValidationError(e.errors()) from None
-
     def check_queue_bound(num_prompts: int) -> None:
         if num_prompts > settings.max_queue_len:  # would never fit, however long the client waited
             raise bad_request(
                 f"{num_prompts} prompts exceed the server's queue of {settings.max_queue_len} requests", "prompt"
             )
-
-    async def off_loop(fn, size: int):
-        """Run CPU work (tokenizing, rendering a chat template) on a worker thread when the input is
-        big enough to hold the event loop up: /health and every stream keep being served meanwhile."""
-        return fn() if size < 4096 else await asyncio.to_thread(fn)
 
     async def prepare(eng: AsyncEngine, prompts: list[str | list[int]], params: SamplingParams) -> list[list[int]]:
         def work() -> list[list[int]]:
@@ -416,6 +357,13 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
         return list(token_text(eng, token_id).encode("utf-8"))
 
     # -- /v1/completions ------------------------------------------------------------------------------
+    def top_entry(eng, e: TokenLogprob) -> dict[str, float]:
+        """A position's ``top_logprobs``: the ``logprobs`` best tokens and, as OpenAI's legacy completions
+        always add it, the chosen token (so ``logprobs: 0`` gives the chosen token alone)."""
+        top = {token_text(eng, t): lp for t, lp in e.top}
+        top.setdefault(token_text(eng, e.token_id), e.logprob)
+        return top
+
     def completion_logprobs(eng, entries: list[TokenLogprob | None], offset: int) -> dict:
         tokens, token_lps, tops, offsets = [], [], [], []
         pos = offset
@@ -425,12 +373,13 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
             text = token_text(eng, e.token_id)
             tokens.append(text)
             token_lps.append(e.logprob)
-            tops.append({token_text(eng, t): lp for t, lp in e.top} if e.top else None)
+            tops.append(top_entry(eng, e))
             offsets.append(pos)
             pos += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
     def prompt_logprob_entries(eng, out: RequestOutput) -> dict:
+        """The echoed prompt's logprobs (``None`` at the first token, which nothing predicts)."""
         entries = out.prompt_logprobs or []
         res = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         pos = 0
@@ -438,18 +387,39 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
             text = token_text(eng, tok)
             res["tokens"].append(text)
             res["token_logprobs"].append(None if e is None else e.logprob)
-            res["top_logprobs"].append(None if e is None else {token_text(eng, t): lp for t, lp in e.top})
+            res["top_logprobs"].append(None if e is None else top_entry(eng, e))
             res["text_offset"].append(pos)
             pos += len(text)
         return res
 
+    def echoed_logprobs(prompt_lp: dict | None, shift: int, lp: dict) -> dict:
+        """The prompt's logprobs followed by the completion's (its offsets shifted past the prompt)."""
+        pl = prompt_lp or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        return {
+            "tokens": pl["tokens"] + lp["tokens"],
+            "token_logprobs": pl["token_logprobs"] + lp["token_logprobs"],
+            "top_logprobs": pl["top_logprobs"] + lp["top_logprobs"],
+            "text_offset": pl["text_offset"] + [o + shift for o in lp["text_offset"]],
+        }
+
+    def scored(c):
+        """A ``max_tokens: 0`` choice: the engine ran it for one token, which nobody asked for; it is
+        dropped (text, logprobs, count) and the choice ends as OpenAI ends it, at the length limit."""
+        reason = "length" if c.finished else None
+        return dataclasses.replace(
+            c, text="", delta_text="", delta_token_ids=[], delta_logprobs=[], num_tokens=0, finish_reason=reason,
+            stop_reason=None,
+        )  # fmt: skip
+
     @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(request: Request):
-        req: CompletionRequest = await parse(request, CompletionRequest)
-        check_model(req.model)
-        eng = ready_engine()
+        req: CompletionRequest = await parse_request(request, CompletionRequest)
+        check_model(state, req.model)
+        eng = ready_engine(state)
         want_lp = req.logprobs
-        params = make_params(req, req.max_tokens, want_lp, want_lp if req.echo and want_lp is not None else None)
+        # Scoring (max_tokens 0) runs one token, the least the engine generates, and drops it.
+        max_tokens = 1 if req.scores_only else req.max_tokens
+        params = make_params(req, max_tokens, want_lp, want_lp if req.echo and want_lp is not None else None)
         prompts = req.prompts()
         check_queue_bound(len(prompts))
         prompt_ids = await prepare(eng, prompts, params)
@@ -479,6 +449,8 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
                             idx = i * n + c.index
                             if idx in ended:
                                 continue
+                            if req.scores_only:
+                                c = scored(c)
                             if c.finished:
                                 ended.add(idx)
                             text = c.delta_text
@@ -487,7 +459,10 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
                                 lp = completion_logprobs(eng, c.delta_logprobs or [], len(c.text) - len(c.delta_text))
                             if req.echo and idx not in echoed:
                                 echoed.add(idx)
-                                text = prompt_text(i) + text
+                                ptext = prompt_text(i)
+                                text = ptext + text
+                                if lp is not None:
+                                    lp = echoed_logprobs(prompt_logprob_entries(eng, out), len(ptext), lp)
                             completion_tokens += len(c.delta_token_ids)
                             if not text and not c.finished and not c.delta_token_ids:
                                 continue
@@ -535,6 +510,7 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
                 if out.prompt_logprobs is not None:
                     prompt_lp[i] = prompt_logprob_entries(eng, out)
                 for c in out.outputs:
+                    c = scored(c) if req.scores_only else c
                     idx = i * n + c.index
                     texts[idx] = c.text
                     lps.setdefault(idx, []).extend(c.delta_logprobs or [])
@@ -552,19 +528,7 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
                 if req.echo:
                     ptext = prompt_text(i)
                     if lp is not None:
-                        pl = prompt_lp.get(i) or {
-                            "tokens": [],
-                            "token_logprobs": [],
-                            "top_logprobs": [],
-                            "text_offset": [],
-                        }
-                        shift = len(ptext)
-                        lp = {
-                            "tokens": pl["tokens"] + lp["tokens"],
-                            "token_logprobs": pl["token_logprobs"] + lp["token_logprobs"],
-                            "top_logprobs": pl["top_logprobs"] + lp["top_logprobs"],
-                            "text_offset": pl["text_offset"] + [o + shift for o in lp["text_offset"]],
-                        }
+                        lp = echoed_logprobs(prompt_lp.get(i), len(ptext), lp)
                     text = ptext + text
                 choices.append({"index": idx, "text": text, "logprobs": lp, "finish_reason": reasons[idx]})
             prompt_tokens = sum(len(p) for p in prompt_ids)
@@ -588,9 +552,9 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
 
     @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
-        req: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
-        check_model(req.model)
-        eng = ready_engine()
+        req: ChatCompletionRequest = await parse_request(request, ChatCompletionRequest)
+        check_model(state, req.model)
+        eng = ready_engine(state)
         tok = eng.engine.tokenizer
         if not getattr(tok, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions", "messages")
@@ -709,14 +673,9 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
 
         return JSONResponse(await until_disconnect(request, collect()))
 
-    publish_request_schemas(app, [CompletionRequest, ChatCompletionRequest])
+    add_tokenizer_routes(app, state)
+    publish_request_schemas(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
     return app
-
-
-def request_body(model) -> dict:
-    """The OpenAPI request body of a handler that parses its JSON itself (off the event loop)."""
-    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
 def publish_request_schemas(app: FastAPI, models: list) -> None:

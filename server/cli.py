@@ -185,7 +185,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         typical_acceptance=tuple(args.typical_acceptance) if args.typical_acceptance else None,
         metrics_compat=args.metrics_compat,
     )
-    app = create_app(settings, lambda: AsyncEngine(LLMEngine(config)))
+    server: uvicorn.Server | None = None
+
+    def give_up(reason: str) -> None:  # the engine cannot load: stop serving, exit non-zero (below)
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(settings, lambda: AsyncEngine(LLMEngine(config)), on_load_failure=give_up)
     print(f"Augur serving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     server_config = uvicorn_config(
         app,
@@ -196,7 +202,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         timeout_keep_alive_s=args.timeout_keep_alive,
         limit_concurrency=args.limit_concurrency or None,
     )
-    uvicorn.Server(server_config).run()
+    server = uvicorn.Server(server_config)
+    server.run()
+    error = app.state.augur.load_error
+    if error is not None:
+        print(f"augur: error: the engine failed to load: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

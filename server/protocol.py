@@ -219,7 +219,8 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: StrictInt | None = Field(default=16, ge=1)
+    # 0 with echo scores the prompt (its logprobs, nothing generated): the classic way to score a text.
+    max_tokens: StrictInt | None = Field(default=16, ge=0)
     logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     echo: StrictBool = False
     suffix: str | None = None
@@ -256,7 +257,14 @@ class CompletionRequest(_Sampling):
     def _unsupported(self):
         if self.suffix:
             raise UnsupportedError("suffix is not supported", "suffix")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 generates nothing: it is for scoring a prompt, with echo true")
         return self
+
+    @property
+    def scores_only(self) -> bool:
+        """``max_tokens: 0`` with ``echo``: the prompt back with its logprobs, no token generated."""
+        return self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -288,6 +296,21 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
+def check_messages(messages: list[ChatMessage]) -> None:
+    if not messages:
+        raise ValueError("messages must not be empty")
+    for i, m in enumerate(messages):
+        if m.role not in ("system", "developer", "user", "assistant"):
+            if m.role in ("tool", "function"):
+                raise UnsupportedError(f"messages[{i}]: role {m.role!r} is not supported (no tool calling)", "messages")
+            raise ValueError(f"messages[{i}]: unknown role {m.role!r}")
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the chat template expects; 'developer' is OpenAI's newer name for 'system'."""
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
     max_tokens: StrictInt | None = Field(default=None, ge=1)
@@ -303,15 +326,7 @@ class ChatCompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _check(self):
-        if not self.messages:
-            raise ValueError("messages must not be empty")
-        for i, m in enumerate(self.messages):
-            if m.role not in ("system", "developer", "user", "assistant"):
-                if m.role in ("tool", "function"):
-                    raise UnsupportedError(
-                        f"messages[{i}]: role {m.role!r} is not supported (no tool calling)", "messages"
-                    )
-                raise ValueError(f"messages[{i}]: unknown role {m.role!r}")
+        check_messages(self.messages)
         for name in ("tools", "tool_choice", "functions", "function_call"):
             if getattr(self, name) is not None:
                 raise UnsupportedError(f"{name} is not supported: Augur does not do tool calling", name)
@@ -325,12 +340,49 @@ class ChatCompletionRequest(_Sampling):
         return self
 
     def chat_messages(self) -> list[dict[str, str]]:
-        """Messages as the chat template expects; 'developer' is OpenAI's newer name for 'system'."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        return template_messages(self.messages)
 
     @property
     def completion_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize``, in vLLM's shape: a ``prompt`` (tokenized as /v1/completions tokenizes it) or
+    chat ``messages`` (rendered with the chat template as /v1/chat/completions renders them)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    # Default: true for a prompt (BOS as completions add it), false for messages (the template has it).
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    return_token_strs: StrictBool = False
+
+    @model_validator(mode="after")
+    def _check(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt (a string) or messages, not both")
+        if self.messages is not None:
+            check_messages(self.messages)
+        both = self.continue_final_message and self.add_generation_prompt
+        if both and "add_generation_prompt" in self.model_fields_set:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        return self
+
+    @property
+    def special_tokens(self) -> bool:
+        return self.add_special_tokens if self.add_special_tokens is not None else self.messages is None
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize``, in vLLM's shape."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[TokenId]
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:

@@ -311,14 +311,16 @@ def test_logprobs_shape(client):
     assert lp.text_offset[0] == 0
     for i in range(n_tok):
         assert lp.token_logprobs[i] <= 0.0
-        assert 1 <= len(lp.top_logprobs[i]) <= k  # keyed by token text, so equal texts collapse
+        # The k best and the chosen token (OpenAI's legacy rule), keyed by text: equal texts collapse.
+        assert 1 <= len(lp.top_logprobs[i]) <= k + 1 and lp.tokens[i] in lp.top_logprobs[i]
         # Greedy: the sampled token is the model's argmax, so nothing in the top list beats it.
         assert lp.token_logprobs[i] >= max(lp.top_logprobs[i].values()) - 1e-5
         if i:
             assert lp.text_offset[i] == lp.text_offset[i - 1] + len(lp.tokens[i - 1])
     zero = greedy(client, "import string", n_tok, logprobs=0).choices[0].logprobs
     assert zero.token_logprobs == pytest.approx(lp.token_logprobs)
-    assert zero.top_logprobs == [None] * n_tok or all(not t for t in zero.top_logprobs)
+    # logprobs 0: the chosen token alone, as OpenAI's legacy completions return it.
+    assert zero.top_logprobs == [{t: v} for t, v in zip(zero.tokens, zero.token_logprobs)]
 
 
 def test_echo(client, tok):

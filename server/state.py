@@ -1,0 +1,41 @@
+"""What the server keeps between requests: its settings, the engine once loaded, its metrics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from engine.async_engine import AsyncEngine
+from server.metrics import Metrics
+
+
+@dataclass
+class ServerSettings:
+    served_model_name: str
+    api_key: str | None = None
+    max_queue_len: int = 256
+    disconnect_poll_s: float = 0.2
+    max_request_bytes: int = 16 * 2**20  # larger bodies get 413
+    body_timeout_s: float = 30.0  # a body not received within this gets 408
+    # LOSSY, opt-in: Medusa's typical acceptance (epsilon, delta) for sampling requests that do not say
+    # otherwise (unseeded, temperature > 0); None: every request is verified exactly.
+    typical_acceptance: tuple[float, float] | None = None
+    metrics_compat: str = "vllm"  # also export vLLM's metric names ("none": only augur_*)
+
+
+@dataclass
+class ServerState:
+    settings: ServerSettings
+    engine: AsyncEngine | None = None
+    load_error: str | None = None
+    metrics: Metrics = field(init=False)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.metrics = Metrics(self.settings.served_model_name, self.settings.metrics_compat)
+
+    def attach(self, engine: AsyncEngine) -> None:
+        self.metrics.bind_engine(engine.engine, lambda: engine.load)
+        engine.step_hooks.append(self.metrics.on_step)
+        engine.start()
+        self.engine = engine
