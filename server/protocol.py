@@ -258,7 +258,9 @@ class CompletionRequest(_Sampling):
         if self.suffix:
             raise UnsupportedError("suffix is not supported", "suffix")
         if self.max_tokens == 0 and not self.echo:
-            raise ValueError("max_tokens 0 generates nothing: it is for scoring a prompt, with echo true")
+            raise UnsupportedError(
+                "max_tokens 0 generates nothing: it is for scoring a prompt, with echo true", "max_tokens"
+            )
         return self
 
     @property

@@ -43,17 +43,12 @@ class Served:
 
 
 def engine_factory(model_dir, **kw) -> Callable[[], AsyncEngine]:
+    """An engine on ``model_dir`` (CPU, float32, a pool of NUM_BLOCKS blocks of 4, MAX_LEN context);
+    ``kw`` sets any other EngineConfig field or overrides these."""
+    defaults = dict(device="cpu", dtype="float32", num_kv_blocks=NUM_BLOCKS, block_size=4, max_model_len=MAX_LEN)
+
     def make() -> AsyncEngine:
-        config = EngineConfig(
-            model=str(model_dir),
-            device="cpu",
-            dtype="float32",
-            num_kv_blocks=NUM_BLOCKS,
-            block_size=4,
-            max_model_len=MAX_LEN,
-            **kw,
-        )
-        return AsyncEngine(LLMEngine(config))
+        return AsyncEngine(LLMEngine(EngineConfig(model=str(model_dir), **{**defaults, **kw})))
 
     return make
 

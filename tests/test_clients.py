@@ -23,12 +23,11 @@ import torch
 from transformers import AutoTokenizer
 
 from conftest import build_model_dir
-from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from server.app import ServerSettings, create_app
-from servers import Served, serve, wait_until
+from servers import Served, engine_factory, serve, wait_until
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -40,21 +39,9 @@ PROMPT = list(range(10, 30))  # 20 token ids
 
 
 def factory(model_dir: Path, **kw):
-    def make() -> AsyncEngine:
-        config = EngineConfig(
-            model=str(model_dir),
-            device="cpu",
-            dtype="float32",
-            num_kv_blocks=BLOCKS,
-            block_size=BLOCK,
-            max_model_len=CONTEXT,
-            max_num_seqs=SEQS,
-            max_num_batched_tokens=BATCH,
-            **kw,
-        )
-        return AsyncEngine(LLMEngine(config))
-
-    return make
+    """An engine on the small pool."""
+    pool = dict(num_kv_blocks=BLOCKS, block_size=BLOCK, max_model_len=CONTEXT, max_num_seqs=SEQS)
+    return engine_factory(model_dir, **pool, max_num_batched_tokens=BATCH, **kw)
 
 
 @pytest.fixture(scope="module")
