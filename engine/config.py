@@ -56,7 +56,7 @@ class EngineConfig:
     # variable (on/off) if set, else on for CPUs (measured 1.06-1.27x per target forward, 1.2-1.9x per
     # draft forward: docs/benchmarks.md), off on GPUs, where decode and verify run as CUDA graphs instead.
     compile: str = "auto"
-    # GPUs: run every forward eagerly, without capturing CUDA graphs (engine/cuda_graphs.py).
+    # GPUs: run every forward eagerly, without capturing CUDA graphs (engine/runner/cuda_graphs.py).
     enforce_eager: bool = False
     # Attention backend: auto | sdpa | triton (engine/attention). auto: triton on CUDA where Triton imports,
     # else sdpa (the CPU path and the reference).

@@ -274,7 +274,7 @@ def math_prompts(rng: random.Random) -> list[dict]:
 def build_suite(seed: int = SEED) -> list[dict]:
     """Every line of the suite, category by category. Imports the demo module (and torch) to learn
     which standard-library files the demo pair held out of its training."""
-    from engine.demo import DemoRecipe, split_corpus
+    from engine.offline.demo import DemoRecipe, split_corpus
 
     train, heldout = split_corpus(DemoRecipe())
     lines = [

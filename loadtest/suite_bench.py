@@ -394,7 +394,7 @@ def run_suite(args: argparse.Namespace, engine_flags: list[str], ignored_flags: 
         modes = ["default", "plain"] if args.plain_baseline else ["default"]
     else:
         if not args.model:
-            from engine.demo import ensure_demo
+            from engine.offline.demo import ensure_demo
 
             ensure_demo()  # built here, with its progress bar, rather than inside the server's start-up
         given, modes = [Server("augur", command=augur_command(args, engine_flags))], ["default", "plain"]

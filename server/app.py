@@ -25,11 +25,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.async_engine import AsyncEngine, EngineDeadError
-from engine.llm_engine import InvalidRequestError
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.sequence import TokenLogprob
+from engine.core.async_engine import AsyncEngine, EngineDeadError
+from engine.core.llm_engine import InvalidRequestError
+from engine.request.outputs import RequestOutput
+from engine.request.sampling_params import SamplingParams
+from engine.request.sequence import TokenLogprob
 from server.limits import BodyLimits
 from server.protocol import (
     ChatCompletionRequest,

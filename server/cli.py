@@ -129,7 +129,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     fields = EngineConfig.field_names()
     values = {k: v for k, v in vars(args).items() if k in fields}
     if not values.get("model"):
-        from engine.demo import ensure_demo
+        from engine.offline.demo import ensure_demo
 
         demo = ensure_demo()
         values["model"] = str(demo / "target")
@@ -140,8 +140,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from engine.core.llm_engine import LLMEngine
+    from engine.request.sampling_params import SamplingParams
 
     engine = LLMEngine(engine_config_from_args(args))
     params = SamplingParams(
@@ -167,8 +167,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from engine.async_engine import AsyncEngine
-    from engine.llm_engine import LLMEngine
+    from engine.core.async_engine import AsyncEngine
+    from engine.core.llm_engine import LLMEngine
     from server.app import ServerSettings, create_app
     from server.limits import uvicorn_config
 
@@ -218,7 +218,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return run_suite(args, engine_argv(args), engine_argv(args, skip=("model", "seed")))
     if args.servers:
         raise ValueError("--url and --server measure the prompt suite: add --suite")
-    from engine.bench import run_bench
+    from loadtest.bench import run_bench
 
     if args.num_prompts is None:
         args.num_prompts = 16
@@ -228,9 +228,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_tune_layer_skip(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from engine.bench import demo_prompts
-    from engine.loader import load_tokenizer, resolve_model_path
-    from engine.speculative.tune_layer_skip import tune_layer_skip, write_result
+    from engine.offline.tune_layer_skip import tune_layer_skip, write_result
+    from engine.runner.loader import load_tokenizer, resolve_model_path
+    from loadtest.bench import demo_prompts
     from loadtest.prompts import load_prompts
 
     config = engine_config_from_args(args)
@@ -275,7 +275,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     import dataclasses
     from pathlib import Path
 
-    from engine.speculative.train_draft import TrainConfig, train_draft
+    from engine.offline.train_draft import TrainConfig, train_draft
 
     demo = not args.model
     config = engine_config_from_args(args)
@@ -284,7 +284,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
 
         prompts = [p.as_text() for p in load_prompts(args.data)][: args.num_prompts]
     elif demo:
-        from engine.demo import DemoRecipe, make_prompts, split_corpus
+        from engine.offline.demo import DemoRecipe, make_prompts, split_corpus
 
         recipe = dataclasses.replace(DemoRecipe(), num_prompts=args.num_prompts)
         prompts = [p["prompt"] for p in make_prompts(split_corpus(recipe)[0], recipe)]  # train files only
@@ -320,7 +320,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     import json
 
-    from engine.demo import DemoRecipe, build_demo, demo_dir, format_report
+    from engine.offline.demo import DemoRecipe, build_demo, demo_dir, format_report
 
     if args.demo_command == "path":
         print(demo_dir())

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
-from engine.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams
 
 
 class UnsupportedError(ValueError):

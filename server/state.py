@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine.async_engine import AsyncEngine
+from engine.core.async_engine import AsyncEngine
 from server.metrics import Metrics
 
 

@@ -163,7 +163,7 @@ def model_dirs(tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_demo(tmp_path_factory) -> Path:
     """The embedded demo pair, built at its tiny size through the real build path (about 20 s)."""
-    from engine.demo import DemoRecipe, build_demo
+    from engine.offline.demo import DemoRecipe, build_demo
 
     return build_demo(tmp_path_factory.mktemp("augur-home") / "demo", DemoRecipe.tiny(), device="cpu")
 

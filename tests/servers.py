@@ -14,9 +14,9 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
-from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.core.async_engine import AsyncEngine
+from engine.core.llm_engine import LLMEngine
 from server.limits import uvicorn_config
 
 NUM_BLOCKS = 1024

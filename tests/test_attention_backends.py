@@ -17,11 +17,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from conftest import build_model_dir
 from engine.attention import metadata_builder, paged_attention, resolve_backend
 from engine.attention.sdpa import _paged_attention_impl
-from engine.bench_gpu import model_config
 from engine.config import EngineConfig
-from engine.model_runner import ForwardChunk
 from engine.models import model_class_for
-from engine.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams
+from engine.runner.model_runner import ForwardChunk
+from loadtest.bench_gpu import model_config
 
 triton = pytest.importorskip("triton")
 

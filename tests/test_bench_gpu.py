@@ -1,4 +1,4 @@
-"""The real-shape step benchmark (``python -m engine.bench_gpu``) end to end, on toy shapes on CPU:
+"""The real-shape step benchmark (``python -m loadtest.bench_gpu``) end to end, on toy shapes on CPU:
 the same code a GPU run takes, writing every figure it reports."""
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.loader import load_config, load_model
-from engine.model_runner import ForwardChunk, ModelRunner
+from engine.runner.loader import load_config, load_model
+from engine.runner.model_runner import ForwardChunk, ModelRunner
 
 BS = 4  # block size
 
@@ -105,7 +105,7 @@ def test_a_wrong_level_view_is_caught(model_dirs):
 def test_sampled_levels_match_one_forward_per_level(model_dirs):
     """Sampled chains: with the same noise, each level's token and ``q`` are those of one forward per
     level followed by the same draw."""
-    from engine.model_runner import chain_pick
+    from engine.runner.model_runner import chain_pick
 
     path, lens, levels = model_dirs["LlamaForCausalLM"], [7, 12], 3
     prompts = [[3 + (i * 5 + j) % 50 for j in range(n)] for i, n in enumerate(lens)]
@@ -134,7 +134,7 @@ def test_sampled_levels_draw_from_the_q_they_return(model_dirs, monkeypatch):
     drawn at the wrong temperature (``logits * T`` for ``logits / T``) are caught."""
     from test_spec import g_statistic, g_test_threshold
 
-    import engine.model_runner as runner_mod
+    import engine.runner.model_runner as runner_mod
 
     path = model_dirs["LlamaForCausalLM"]
     B, rounds, T = 64, 48, 0.8

@@ -24,8 +24,8 @@ from transformers import AutoTokenizer
 
 from conftest import build_model_dir
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from engine.core.llm_engine import LLMEngine
+from engine.request.sampling_params import SamplingParams
 from server.app import ServerSettings, create_app
 from servers import Served, engine_factory, serve, wait_until
 

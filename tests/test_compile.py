@@ -9,10 +9,10 @@ import torch
 
 from conftest import build_model_dir
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.loader import load_config, load_model
-from engine.model_runner import ForwardChunk, ModelRunner
-from engine.sampling_params import SamplingParams
+from engine.core.llm_engine import LLMEngine
+from engine.request.sampling_params import SamplingParams
+from engine.runner.loader import load_config, load_model
+from engine.runner.model_runner import ForwardChunk, ModelRunner
 
 SHAPES = [  # (new tokens, cached tokens) per sequence: decode, prefill, verify chunks, a mixed batch
     [(1, 7)],

@@ -27,10 +27,10 @@ import yaml
 from transformers import AutoTokenizer
 
 from engine.config import EngineConfig
-from engine.demo import DemoRecipe, ModelShape, llama_config
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
 from engine.models.layer_skip import LayerSkip
-from engine.sampling_params import SamplingParams
+from engine.offline.demo import DemoRecipe, ModelShape, llama_config
+from engine.request.sampling_params import SamplingParams
 from server.cli import apply_config_file, build_parser
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

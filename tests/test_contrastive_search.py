@@ -22,8 +22,8 @@ from test_engine import make_engine
 from test_server import assert_error
 
 from conftest import build_model_dir
-from engine.decoding.no_repeat import banned_in
-from engine.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams
+from engine.sampling.no_repeat import banned_in
 from server.app import ServerSettings, create_app
 from servers import Served, engine_factory, serve
 

@@ -1,4 +1,4 @@
-"""Captured-shape forwards (engine/cuda_graphs.py): batches padded to a batch bucket and a width bucket,
+"""Captured-shape forwards (engine/runner/cuda_graphs.py): batches padded to a batch bucket and a width bucket,
 run on static buffers, give the unpadded forward's logits, hidden states and KV pool.
 
 Without CUDA (Triton's interpreter, as conftest sets) nothing is captured: everything but the capture
@@ -13,9 +13,9 @@ from test_engine import make_engine, prompts
 
 from conftest import build_model_dir
 from engine.config import EngineConfig
-from engine.cuda_graphs import MAX_GRAPH_TOKENS, batch_buckets
-from engine.model_runner import ForwardChunk
-from engine.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams
+from engine.runner.cuda_graphs import MAX_GRAPH_TOKENS, batch_buckets
+from engine.runner.model_runner import ForwardChunk
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BS = 4  # block size (make_engine's)

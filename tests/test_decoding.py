@@ -26,10 +26,10 @@ from test_server import assert_error
 from transformers import AutoTokenizer
 
 from conftest import build_model_dir
+from engine.core.llm_engine import InvalidRequestError
 from engine.decoding.contrastive import contrastive_logits
-from engine.decoding.no_repeat import NgramIndex, banned_in
-from engine.llm_engine import InvalidRequestError
-from engine.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams
+from engine.sampling.no_repeat import NgramIndex, banned_in
 from server.app import ServerSettings, create_app
 from servers import Served, engine_factory, serve, wait_until
 

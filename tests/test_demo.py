@@ -13,9 +13,9 @@ import torch
 import transformers
 
 from engine.config import EngineConfig
-from engine.demo import DemoRecipe, build_demo, is_built, is_degenerate, loop_coverage, split_corpus
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from engine.core.llm_engine import LLMEngine
+from engine.offline.demo import DemoRecipe, build_demo, is_built, is_degenerate, loop_coverage, split_corpus
+from engine.request.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.request.detokenizer import IncrementalDetokenizer
 
 EOS = "<|eos|>"
 CORPUS = [

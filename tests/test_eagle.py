@@ -20,12 +20,12 @@ from test_step import make
 from test_step import prompts as repetitive_prompts
 from transformers import AutoConfig, LlamaConfig
 
-import engine.speculative.verify as verify_mod
+import engine.sampling.verify as verify_mod
 from conftest import build_model_dir
 from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from engine.speculative.eagle import EagleHead, load_eagle
-from engine.speculative.train_draft import TrainConfig, train_draft
+from engine.offline.train_draft import TrainConfig, train_draft
+from engine.request.sampling_params import SamplingParams
+from engine.speculative.methods.eagle import EagleHead, load_eagle
 
 
 def random_head(target, draft_vocab: int | None = None, aux=(1, 2), std=0.3, seed=1) -> tuple[EagleHead, list[int]]:

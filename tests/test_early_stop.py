@@ -13,14 +13,14 @@ from test_spec import exact_joint, g_statistic, g_test_threshold, noisy_copy, sm
 from test_step import make
 from test_step import prompts as repetitive_prompts
 
-import engine.speculative.layer_skip as layer_skip_mod
-import engine.speculative.verify as verify_mod
+import engine.sampling.verify as verify_mod
+import engine.speculative.methods.layer_skip as layer_skip_mod
 from conftest import build_model_dir
-from engine.model_runner import ForwardChunk
 from engine.models.layer_skip import LayerSkip
-from engine.sampling_params import SamplingParams
-from engine.speculative.draft_model import DraftModelProposer
+from engine.request.sampling_params import SamplingParams
+from engine.runner.model_runner import ForwardChunk
 from engine.speculative.early_stop import EarlyStop, draft_confidence
+from engine.speculative.methods.draft_model import DraftModelProposer
 
 
 def test_the_threshold_follows_acceptance_per_kind_of_request():

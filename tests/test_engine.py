@@ -11,11 +11,11 @@ import torch
 import transformers
 
 from conftest import ARCHS, VOCAB
-from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.llm_engine import InvalidRequestError, LLMEngine
-from engine.model_runner import ForwardChunk
-from engine.sampling_params import SamplingParams
+from engine.core.async_engine import AsyncEngine
+from engine.core.llm_engine import InvalidRequestError, LLMEngine
+from engine.request.sampling_params import SamplingParams
+from engine.runner.model_runner import ForwardChunk
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 

@@ -17,10 +17,10 @@ from transformers import PreTrainedTokenizerFast
 
 from conftest import VOCAB
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.loader import load_config, load_model
-from engine.model_runner import ForwardChunk, ModelRunner
-from engine.sampling_params import SamplingParams
+from engine.core.llm_engine import LLMEngine
+from engine.request.sampling_params import SamplingParams
+from engine.runner.loader import load_config, load_model
+from engine.runner.model_runner import ForwardChunk, ModelRunner
 
 WINDOW = 8
 CASES = {

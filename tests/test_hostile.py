@@ -14,11 +14,11 @@ import openai
 import pytest
 import torch
 
-from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.core.async_engine import AsyncEngine, EngineDeadError
+from engine.core.llm_engine import LLMEngine
+from engine.request.outputs import RequestOutput
+from engine.request.sampling_params import SamplingParams
 from server.app import ServerSettings, create_app
 from servers import NUM_BLOCKS, Served, engine_factory, serve, wait_until
 

@@ -10,10 +10,10 @@ from test_engine import make_engine, prompts
 from torch import nn
 
 from engine.config import EngineConfig
-from engine.model_runner import ForwardChunk
 from engine.quant import Int4Linear, dequantize_int4, quantize_int4
 from engine.quant.int4 import group_size_for
-from engine.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams
+from engine.runner.model_runner import ForwardChunk
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -114,7 +114,7 @@ def test_config_accepts_int4():
 def test_bench_memory_report_counts_packed_weights(llama_dir):
     """``augur bench``'s memory line: the int4 engine's weights (packed, with their statistics) are
     well under the float32 model's; its KV pool is the same."""
-    from engine.bench import memory_report
+    from loadtest.bench import memory_report
 
     plain, int4 = (memory_report(make_engine(llama_dir, quantization=q)) for q in (None, "int4"))
     assert int4["weights_bytes"] < 0.6 * plain["weights_bytes"]

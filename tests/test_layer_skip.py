@@ -13,11 +13,11 @@ from test_spec import exact_joint, g_statistic, g_test_threshold, small_vocab_pa
 from test_step import make
 from test_step import prompts as repetitive_prompts
 
-import engine.speculative.verify as verify_mod
+import engine.sampling.verify as verify_mod
 from conftest import build_model_dir
-from engine.model_runner import ForwardChunk
 from engine.models.layer_skip import LayerSkip
-from engine.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams
+from engine.runner.model_runner import ForwardChunk
 
 
 @pytest.fixture(scope="module")

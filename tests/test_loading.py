@@ -12,8 +12,8 @@ import transformers
 
 from conftest import build_model_dir
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from engine.core.llm_engine import LLMEngine
+from engine.request.sampling_params import SamplingParams
 
 PROMPT = [5, 17, 42, 99, 7, 250, 31]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -145,8 +145,8 @@ def test_speculative_bench_reports_every_cell(tmp_path, tiny_demo):
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM"])  # untied + tied output, q/k/v biases
 def test_prepacked_cpu_linears_match_plain_ones(model_dirs, arch):
     """Models too small to be packed by default run the same with packed weights (1 and 5 rows)."""
-    from engine.model_runner import ForwardChunk
     from engine.models.packed import PackedLinear, packing_supported
+    from engine.runner.model_runner import ForwardChunk
 
     if not packing_supported(torch.float32, torch.device("cpu")):
         pytest.skip("oneDNN is not available")

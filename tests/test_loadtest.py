@@ -18,9 +18,9 @@ import httpx
 import pytest
 import uvicorn
 
-from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.core.async_engine import AsyncEngine
+from engine.core.llm_engine import LLMEngine
 from loadtest.cli import main
 from loadtest.client import RequestRecord, build_payload, send_request
 from loadtest.config import LoadTestConfig

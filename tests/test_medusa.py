@@ -17,12 +17,12 @@ from test_step import make
 from test_step import prompts as repetitive_prompts
 from transformers import AutoConfig
 
-import engine.speculative.verify as verify_mod
+import engine.sampling.verify as verify_mod
 from conftest import build_model_dir
 from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from engine.speculative.medusa import MedusaHeads, best_first_tree, load_medusa
-from engine.speculative.train_draft import TrainConfig, train_draft
+from engine.offline.train_draft import TrainConfig, train_draft
+from engine.request.sampling_params import SamplingParams
+from engine.speculative.methods.medusa import MedusaHeads, best_first_tree, load_medusa
 
 
 def write_heads(target, path, num_heads=3, num_layers=1, fmt="safetensors", std=0.3, like_target=False) -> Path:

@@ -17,12 +17,12 @@ from test_step import make
 from test_step import prompts as repetitive_prompts
 from transformers import AutoConfig
 
-import engine.speculative.verify as verify_mod
+import engine.sampling.verify as verify_mod
 from conftest import build_model_dir
 from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from engine.speculative.mtp import ChainedHeads, load_chained_heads
-from engine.speculative.train_draft import TrainConfig
+from engine.offline.train_draft import TrainConfig
+from engine.request.sampling_params import SamplingParams
+from engine.speculative.methods.mtp import ChainedHeads, load_chained_heads
 
 
 def write_heads(target, path: Path, num_heads=3, num_layers=1, std=0.3) -> Path:

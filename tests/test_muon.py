@@ -1,11 +1,11 @@
-"""Muon (engine/muon.py), the optimiser that trains the demo pair's matrices."""
+"""Muon (engine/offline/muon.py), the optimiser that trains the demo pair's matrices."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.muon import Muon, optimizers, orthogonalise
+from engine.offline.muon import Muon, optimizers, orthogonalise
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -13,9 +13,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.loader import load_config, load_model
-from engine.model_runner import ForwardChunk
+from engine.core.llm_engine import LLMEngine
 from engine.models.packed import pack_linears
 from engine.quant.nf4 import (
     NF4_CODE,
@@ -27,7 +25,9 @@ from engine.quant.nf4 import (
     nf4_from_bnb,
     quantize_nf4,
 )
-from engine.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams
+from engine.runner.loader import load_config, load_model
+from engine.runner.model_runner import ForwardChunk
 
 PROMPT = [5, 17, 42, 99, 7, 250, 31, 8, 64, 3]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -200,7 +200,7 @@ def engine_for(model_dir: Path) -> LLMEngine:
 
 def forward_logits(model: torch.nn.Module, hf_config) -> torch.Tensor:
     """Logits of a prefill and a 5-token step of one sequence through a model runner."""
-    from engine.model_runner import ModelRunner
+    from engine.runner.model_runner import ModelRunner
 
     runner = ModelRunner(model, hf_config, torch.device("cpu"), torch.float32, 4, compile=False)
     runner.allocate_kv(16)

@@ -9,11 +9,11 @@ from test_spec import exact_joint, g_statistic, g_test_threshold, small_vocab_pa
 from test_step import make
 from test_step import prompts as repetitive_prompts
 
-import engine.speculative.verify as verify_mod
+import engine.sampling.verify as verify_mod
 from conftest import build_model_dir
 from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from engine.speculative.ngram import NgramProposer, find_continuation
+from engine.request.sampling_params import SamplingParams
+from engine.speculative.methods.ngram import NgramProposer, find_continuation
 
 
 def test_find_continuation_prefers_the_longest_then_the_latest_match():

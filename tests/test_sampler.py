@@ -13,7 +13,8 @@ import math
 import pytest
 import torch
 
-from engine.sampler import (
+from engine.request.sampling_params import SamplingParams
+from engine.sampling.sampler import (
     Sampler,
     SamplerOutput,
     SamplingMetadata,
@@ -22,7 +23,6 @@ from engine.sampler import (
     compute_probs,
     sample_from_probs,
 )
-from engine.sampling_params import SamplingParams
 
 V = 8  # vocabulary size used by most tests
 EOS = 7

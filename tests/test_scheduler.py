@@ -16,10 +16,10 @@ import itertools
 import random
 from collections.abc import Callable
 
+from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.kv import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine.request.sampling_params import SamplingParams
+from engine.request.sequence import Sequence, SequenceGroup, SequenceStatus
 
 _request_ids = itertools.count()
 _tokens = itertools.count(1000)  # distinct token ids, so deterministic tests never share a prefix

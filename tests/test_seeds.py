@@ -12,12 +12,12 @@ from collections import Counter
 import pytest
 import torch
 
-import engine.speculative.accept as accept
+import engine.sampling.accept as accept
 from conftest import VOCAB, build_model_dir
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model_runner import ForwardChunk
-from engine.sampling_params import SamplingParams
+from engine.core.llm_engine import LLMEngine
+from engine.request.sampling_params import SamplingParams
+from engine.runner.model_runner import ForwardChunk
 
 
 @pytest.fixture(scope="module")

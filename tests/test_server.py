@@ -22,8 +22,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from conftest import VOCAB
-from engine.async_engine import AsyncEngine
-from engine.output_processor import OutputProcessor
+from engine.core.async_engine import AsyncEngine
+from engine.core.output_processor import OutputProcessor
 from server.app import ServerSettings, create_app
 from servers import MAX_LEN, NUM_BLOCKS, Served, engine_factory, serve, wait_until
 

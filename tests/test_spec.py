@@ -13,15 +13,15 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-import engine.speculative.verify as verify_mod
+import engine.sampling.verify as verify_mod
 from conftest import VOCAB, build_model_dir
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampler import SamplingMetadata, apply_logits_processors, compute_probs
-from engine.sampling_params import SamplingParams
+from engine.core.llm_engine import LLMEngine
+from engine.request.sampling_params import SamplingParams
+from engine.sampling.sampler import SamplingMetadata, apply_logits_processors, compute_probs
+from engine.sampling.tree import DraftTree, tree_layout
+from engine.sampling.verify import build_verify_input, verify
 from engine.speculative.controller import CostModel, Guard
-from engine.speculative.tree import DraftTree, tree_layout
-from engine.speculative.verify import build_verify_input, verify
 
 
 # -- trees ------------------------------------------------------------------------------------------
@@ -274,7 +274,7 @@ def test_a_cached_size_draft_runs_in_float32_under_a_bf16_target_on_cpu(pair, mo
     """On a CPU a draft whose float32 weights fit in the last-level cache runs in float32 under a bf16
     target (its own KV cache too), and greedy speculation still gives the bf16 target's plain tokens;
     a draft too large for the cache keeps the target's dtype."""
-    import engine.speculative.draft_model as draft_model
+    import engine.speculative.methods.draft_model as draft_model
 
     ps = prompts(6, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, num_draft_tokens=4)
@@ -337,7 +337,7 @@ def test_kv_consistent_after_rejections(pair, topk):
         n, nd = seq.num_computed_tokens, seq.draft_num_computed
         table: list[int] = []
         assert fresh.block_manager.reserve(table, 0, n) is not None
-        from engine.model_runner import ForwardChunk
+        from engine.runner.model_runner import ForwardChunk
 
         fresh.runner.forward([ForwardChunk(seq.token_ids[:n], 0, table, 1)])
         fresh.proposer.runner.forward([ForwardChunk(seq.token_ids[:nd], 0, table, 1)])
@@ -451,7 +451,7 @@ def test_fused_sampled_chains_keep_the_targets_distribution(small_vocab_pair, mo
     """At a temperature alone a draft model's chains run their levels past the first in one call,
     drawing each token inside it (``ModelRunner.chain``); samples still follow the target.
     (``test_chain_levels.py`` checks that each token is a draw from the ``q`` returned with it.)"""
-    from engine.speculative.draft_model import DraftModelProposer
+    from engine.speculative.methods.draft_model import DraftModelProposer
 
     target, _ = small_vocab_pair
     draft = noisy_copy(target, tmp_path / "close", 0.1)  # close: the fused levels' tokens are often accepted
@@ -471,8 +471,8 @@ def test_fused_chain_levels_draft_what_one_forward_per_level_drafts(pair, monkey
     """A draft model's chain levels in one call (its ``_chain_levels``) and ``LevelDrafter``'s
     default (one ``_level`` forward per level, the same pick) draft the same tokens: the same
     outputs, and the same acceptance at every depth."""
-    from engine.speculative.draft_model import DraftModelProposer
     from engine.speculative.levels import LevelDrafter
+    from engine.speculative.methods.draft_model import DraftModelProposer
 
     ps = prompts(4, seed=11)
     params = SamplingParams(temperature=temperature, seed=7 if temperature else None, max_tokens=16,
@@ -494,7 +494,7 @@ def test_no_repeat_ngrams_stay_exact_under_speculation_and_a_wrong_rule_fails(sm
     """no_repeat_ngram_size shapes every verified row as plain sampling would (a tree node's history
     includes the path above it), so speculative samples follow the banned distribution exactly; a
     rule that forgets the path (bans from the sequence's own tokens only) is caught."""
-    import engine.speculative.accept as accept_mod
+    import engine.sampling.accept as accept_mod
 
     target, draft = small_vocab_pair
     params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, num_draft_tokens=3, no_repeat_ngram_size=1)

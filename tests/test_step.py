@@ -13,14 +13,14 @@ import torch
 
 from conftest import VOCAB, build_model_dir
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model_runner import ForwardChunk
-from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput
-from engine.speculative.batch import Batch, Sample
+from engine.core.llm_engine import LLMEngine
+from engine.core.scheduler import SchedulerOutput
+from engine.request.sampling_params import SamplingParams
+from engine.runner.model_runner import ForwardChunk
+from engine.sampling.batch import Batch, Sample
+from engine.sampling.tree import DraftTree
 from engine.speculative.controller import CostModel, Guard
 from engine.speculative.proposer import CostShape, Proposer, register
-from engine.speculative.tree import DraftTree
 
 
 @register

@@ -11,9 +11,9 @@ from test_spec import exact_joint, g_statistic, g_test_threshold, small_vocab_pa
 from test_step import make
 from test_step import prompts as repetitive_prompts
 
-import engine.speculative.verify as verify_mod
-from engine.sampling_params import SamplingParams
-from engine.speculative.suffix import ContextCounts, SuffixProposer, SuffixStore
+import engine.sampling.verify as verify_mod
+from engine.request.sampling_params import SamplingParams
+from engine.speculative.methods.suffix import ContextCounts, SuffixProposer, SuffixStore
 
 
 def test_store_is_bounded_and_forgets_exactly_what_it_evicts():

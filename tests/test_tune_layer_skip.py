@@ -15,8 +15,8 @@ from test_step import prompts as repetitive_prompts
 from conftest import build_model_dir
 from engine.config import EngineConfig
 from engine.models.layer_skip import LayerSkip
-from engine.sampling_params import SamplingParams
-from engine.speculative.tune_layer_skip import starting_points, tune_layer_skip
+from engine.offline.tune_layer_skip import starting_points, tune_layer_skip
+from engine.request.sampling_params import SamplingParams
 from server.cli import main
 
 REAL = {1, 4}  # the layers that compute something; the other four are the identity

@@ -12,12 +12,12 @@ from openai import OpenAI
 from test_medusa import target, write_heads  # noqa: F401
 from test_step import make
 
-import engine.speculative.accept as accept_mod
-from engine.sampling_params import SamplingParams
-from engine.sequence import SequenceGroup
-from engine.speculative.accept import RowsMetadata, accept_typical
-from engine.speculative.batch import Sample
-from engine.speculative.tree import DraftTree
+import engine.sampling.accept as accept_mod
+from engine.request.sampling_params import SamplingParams
+from engine.request.sequence import SequenceGroup
+from engine.sampling.accept import RowsMetadata, accept_typical
+from engine.sampling.batch import Sample
+from engine.sampling.tree import DraftTree
 from server.app import ServerSettings, create_app
 from servers import engine_factory, serve
 

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.sampler import apply_logits_processors
-from engine.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
+from engine.request.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
+from engine.sampling.sampler import apply_logits_processors
 
 _LOST = -1.0e9  # transformers' score for a candidate that may not be chosen
 

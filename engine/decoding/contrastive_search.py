@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model_runner import ForwardChunk
-from engine.sampler import apply_logits_processors
-from engine.sequence import Sequence
-from engine.speculative.batch import Sample
-from engine.speculative.tree import DraftTree
+from engine.request.sequence import Sequence
+from engine.runner.model_runner import ForwardChunk
+from engine.sampling.batch import Sample
+from engine.sampling.sampler import apply_logits_processors
+from engine.sampling.tree import DraftTree
 
 
 @dataclass

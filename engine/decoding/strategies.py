@@ -1,4 +1,4 @@
-"""What the step (``engine/speculative/step.py``) asks of the strategies beyond sampling, one call per
+"""What the step (``engine/core/step.py``) asks of the strategies beyond sampling, one call per
 stage, so that the step reads the same with or without them (see docs/decoding.md)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from engine.decoding.beam import BeamSearch
 from engine.decoding.contrastive import apply_contrast
 from engine.decoding.contrastive_search import ContrastiveSearch, Fed
 from engine.kv import BlockManager
-from engine.sequence import Sequence
-from engine.speculative.accept import count_tokens
-from engine.speculative.batch import Batch, Emit
+from engine.request.sequence import Sequence
+from engine.sampling.accept import count_tokens
+from engine.sampling.batch import Batch, Emit
 
 
 class Strategies:

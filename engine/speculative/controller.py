@@ -29,8 +29,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.model_runner import ForwardChunk
-from engine.sequence import Sequence
+from engine.request.sequence import Sequence
+from engine.runner.model_runner import ForwardChunk
 
 
 class CostModel:

@@ -29,12 +29,12 @@ from abc import abstractmethod
 
 import torch
 
-from engine.model_runner import chain_pick
-from engine.sampler import SamplingMetadata, apply_logits_processors, compute_probs, exponential_noise
-from engine.sequence import Sequence
+from engine.request.sequence import Sequence
+from engine.runner.model_runner import chain_pick
+from engine.sampling.sampler import SamplingMetadata, apply_logits_processors, compute_probs, exponential_noise
+from engine.sampling.tree import DraftTree
 from engine.speculative.early_stop import EarlyStop, draft_confidence
 from engine.speculative.proposer import ProposeContext, Proposer
-from engine.speculative.tree import DraftTree
 
 
 def _rows(state: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:

@@ -3,7 +3,7 @@
 Every proposer gets the same inputs — the sequences to draft for, each one's draft depth, and a
 :class:`ProposeContext` with what the target's forwards produced for them (hidden states of the
 layers the proposer asked for) — and returns the same output: one :class:`DraftTree` per sequence
-(a chain is a tree). The speculative step (``engine/speculative/step.py``) never branches on the
+(a chain is a tree). The speculative step (``engine/core/step.py``) never branches on the
 method; what differs between methods lives behind these hooks:
 
 - ``build(config, target, ...)``: the registry's constructor; a method loads what it needs (a draft
@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from engine.sequence import Sequence
-from engine.speculative.tree import DraftTree
+from engine.request.sequence import Sequence
+from engine.sampling.tree import DraftTree
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
-    from engine.model_runner import ForwardChunk, ModelRunner
+    from engine.runner.model_runner import ForwardChunk, ModelRunner
 
 
 @dataclass(frozen=True)
@@ -180,10 +180,10 @@ def _load_builtin() -> None:
     global _builtin_loaded
     if not _builtin_loaded:
         _builtin_loaded = True
-        import engine.speculative.draft_model  # noqa: F401
-        import engine.speculative.eagle  # noqa: F401
-        import engine.speculative.layer_skip  # noqa: F401
-        import engine.speculative.medusa  # noqa: F401
-        import engine.speculative.mtp  # noqa: F401
-        import engine.speculative.ngram  # noqa: F401
-        import engine.speculative.suffix  # noqa: F401
+        import engine.speculative.methods.draft_model  # noqa: F401
+        import engine.speculative.methods.eagle  # noqa: F401
+        import engine.speculative.methods.layer_skip  # noqa: F401
+        import engine.speculative.methods.medusa  # noqa: F401
+        import engine.speculative.methods.mtp  # noqa: F401
+        import engine.speculative.methods.ngram  # noqa: F401
+        import engine.speculative.methods.suffix  # noqa: F401

@@ -9,7 +9,7 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from engine.async_engine import AsyncEngine
+from engine.core.async_engine import AsyncEngine
 from server.protocol import BadBodyError, UnsupportedError, error_body, parse_json_body
 from server.state import ServerState
 

@@ -1,0 +1,351 @@
+"""The synchronous engine: add requests, call :meth:`LLMEngine.step` until they finish.
+
+This module builds the engine (target model, proposer, KV pool, scheduler) and runs the step
+skeleton: the step itself (plan → schedule → propose → forward → accept → commit) is
+``engine/core/step.py``; stop checks, detokenization and outputs are
+``engine/core/output_processor.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+import torch
+
+from engine.config import EngineConfig
+from engine.core.output_processor import OutputProcessor
+from engine.core.scheduler import Scheduler
+from engine.core.step import Step
+from engine.decoding.beam import BeamSearch, BeamState
+from engine.decoding.contrastive_search import SearchState
+from engine.kv import BlockManager
+from engine.request.checks import InvalidRequestError, check_request
+from engine.request.outputs import RequestOutput
+from engine.request.sampling_params import SamplingParams
+from engine.request.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus, TokenLogprob
+from engine.runner.loader import eos_token_ids, load_config, load_model, load_tokenizer, resolve_model_path
+from engine.runner.model_runner import ModelRunner, kv_pool_blocks
+from engine.speculative.controller import SpecController, profile_costs
+from engine.speculative.proposer import proposer_class
+
+logger = logging.getLogger(__name__)
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """A device (CUDA) or host allocation failed: the step was too big, not wrong."""
+    if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(e, RuntimeError) and "can't allocate memory" in str(e)  # the CPU allocator's message
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype
+        torch.manual_seed(config.seed)
+
+        self.model_path = resolve_model_path(config.model)
+        self.hf_config = load_config(self.model_path)
+        self.tokenizer = load_tokenizer(resolve_model_path(config.tokenizer) if config.tokenizer else self.model_path)
+        self.eos_token_ids = eos_token_ids(self.model_path, self.hf_config, self.tokenizer)
+        model_max = int(getattr(self.hf_config, "max_position_embeddings", 2048))
+        if config.max_model_len is not None and config.max_model_len > model_max:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {model_max} positions")
+        max_len = config.max_model_len or model_max
+
+        t0 = time.perf_counter()
+        compiled = config.compile_enabled
+        model = load_model(
+            self.model_path, self.hf_config, self.dtype, self.device, max_len, pack=not compiled,
+            quantization=config.quantization,
+        )  # fmt: skip
+        logger.info("loaded %s in %.1fs (%s, %s)", self.model_path, time.perf_counter() - t0, self.dtype, self.device)
+        self.runner = ModelRunner(
+            model, self.hf_config, self.device, self.dtype, config.block_size, compile=compiled,
+            attention_backend=config.attention_backend, cuda_graph_max_seqs=config.cuda_graph_max_seqs,
+        )  # fmt: skip
+        self.proposer = None
+        if config.speculative_method != "none" and config.num_speculative_tokens > 0:
+            cls = proposer_class(config.speculative_method)
+            self.proposer = cls.build(config, self.runner, tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids)
+            logger.info("speculative method %s", cls.method)
+
+        extra = self.proposer.kv_bytes_per_token if self.proposer else 0  # sized into the same pool
+        num_blocks = config.num_kv_blocks or kv_pool_blocks(self.runner, extra, config, max_len)
+        capacity = num_blocks * config.block_size
+        if capacity < max_len:
+            if config.max_model_len is not None:
+                raise ValueError(
+                    f"the KV pool holds {capacity} tokens, fewer than max_model_len {max_len}: "
+                    "lower --max-model-len or raise --num-kv-blocks / --kv-cache-memory-fraction"
+                )
+            logger.warning("max_model_len lowered from %d to the KV pool's %d tokens", max_len, capacity)
+            max_len = capacity
+        self.max_model_len = max_len
+        self.runner.allocate_kv(num_blocks)
+        if self.proposer is not None:
+            self.proposer.allocate_kv(num_blocks)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.groups: dict[str, SequenceGroup] = {}
+        self.num_steps = 0
+        self._max_token_chars: int | None = None
+        self.controller = SpecController(config.num_speculative_tokens, self.proposer) if self.proposer else None
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, max_len, self._finish_seq)
+        beams = BeamSearch(self.eos_token_ids, max_len, self._fork_one, self._finish_seq)
+        self.step_runner = Step(
+            self.runner, self.scheduler, self.proposer, self.controller, self._fork, beams, self.eos_token_ids, max_len
+        )
+        self.runner.warmup(self.step_runner.hidden_layers)
+        if self.proposer is not None:
+            self.proposer.warmup()
+        if self.controller is not None:  # seed the cost model with timings of the shapes the step runs
+            probes = [(self.runner.forward, "target")]
+            probe = self.proposer.cost_probe() if self.proposer.cost.kind else None
+            if probe is not None:
+                probes.append((probe, self.proposer.cost.kind))
+            c = config
+            limits = (c.block_size, c.max_num_seqs, c.max_num_batched_tokens, self.block_manager.num_free_blocks)
+            profile_costs(self.controller.cost, probes, self.runner.synchronize, *limits)
+
+    @property
+    def spec_method(self) -> str:
+        return self.proposer.method if self.proposer is not None else "none"
+
+    @property
+    def spec_stats(self):
+        return self.step_runner.stats
+
+    # -- requests ---------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            self.check_text_fits(prompt)
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def check_text_fits(self, text: str) -> None:
+        """Refuse, before tokenizing it, a text too long for the context whatever its tokens: no token
+        decodes to more characters than its vocabulary entry has (byte-level, SentencePiece and
+        added tokens alike), so it needs at least len(text) / that many tokens."""
+        if len(text) <= self.max_model_len:
+            return
+        if self._max_token_chars is None:
+            self._max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1) or 1
+        if len(text) > self.max_model_len * self._max_token_chars:
+            raise InvalidRequestError(
+                f"the prompt ({len(text)} characters) cannot fit the context of {self.max_model_len} tokens"
+            )
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError if this request cannot be served as asked."""
+        amateur = self.proposer is not None and self.proposer.has_language_model
+        c, capacity = self.config, self.block_manager.num_blocks * self.block_manager.block_size
+        limits = (self.vocab_size, self.max_model_len, c.max_num_seqs, c.max_num_batched_tokens, capacity)
+        check_request(prompt_ids, params, *limits, amateur)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        if request_id in self.groups:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        prompt_ids = self.tokenize(prompt)
+        self.validate(prompt_ids, params)
+        group = SequenceGroup(
+            request_id,
+            prompt_ids,
+            params,
+            time.monotonic() if arrival_time is None else arrival_time,
+            prompt if isinstance(prompt, str) else None,
+        )
+        if params.use_beam_search:
+            group.beam = BeamState()
+        seq = group.seqs[0]
+        if params.contrastive_search:
+            seq.search = SearchState()
+        self._init_seq(seq, seed_offset=0)
+        self.groups[request_id] = group
+        self.scheduler.add(seq)
+
+    def _init_seq(self, seq: Sequence, seed_offset: int) -> None:
+        self.outputs.init_sequence(seq)
+        if seq.params.seed is not None:  # choice i of an n > 1 request samples with seed + i, in 64 bits
+            seq.seed = (seq.params.seed + seed_offset) % 2**64
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks. False if it is unknown or already done."""
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return False
+        for seq in group.seqs:
+            if not seq.is_finished:
+                self._finish_seq(seq)
+                seq.finish_reason = FinishReason.ABORT
+        return True
+
+    def _finish_seq(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self.step_runner.forget(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    @property
+    def num_requests_running(self) -> int:
+        return len({s.group.request_id for s in self.scheduler.running})
+
+    @property
+    def num_requests_waiting(self) -> int:
+        return len(
+            {s.group.request_id for s in self.scheduler.waiting} - {s.group.request_id for s in self.scheduler.running}
+        )
+
+    # -- the step ---------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step. A failure is confined to the requests it concerns: an exception while
+        finishing one request's tokens fails that request; one in the batched forward fails the
+        requests of that batch. The engine keeps serving the rest."""
+        try:
+            emits, prompt_seqs = self.step_runner.run()
+        except Exception as e:
+            if is_out_of_memory(e) and self.step_runner.scheduled:
+                return self._shrink_after_oom(e)
+            failed = {seq.group.request_id: seq.group for seq in self.step_runner.scheduled}
+            if not failed:
+                raise  # it failed before any request was in it: not a request's fault
+            logger.exception("engine step failed; failing the %d requests in it", len(failed))
+            return [self._fail_group(g, f"{type(e).__name__}: {e}") for g in failed.values() if g.error is None]
+        if not emits and not prompt_seqs:
+            return []
+        self.scheduler.regrow()
+        self.num_steps += 1
+        touched = {seq.group.request_id: seq.group for seq in prompt_seqs}
+        now = time.monotonic()
+        for e in emits:
+            seq, group = e.seq, e.seq.group
+            if group.error is not None:  # it failed alone inside the step (e.g. forking): report it
+                if group.request_id in self.groups:
+                    touched[group.request_id] = group
+                continue
+            group.num_decode_steps += 1
+            try:
+                self.outputs.append(seq, e.tokens, e.logprobs)
+                if not seq.is_finished:
+                    self.block_manager.commit(seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed_tokens)
+            except Exception as exc:
+                logger.exception("request %s failed while appending tokens", group.request_id)
+                self._fail_group(group, f"{type(exc).__name__}: {exc}", emit=False)
+            if group.first_token_time is None:
+                group.first_token_time = now
+            touched[group.request_id] = group
+        return [self._make_output(g) for g in touched.values()]
+
+    def _shrink_after_oom(self, error: Exception) -> list[RequestOutput]:
+        """A forward ran out of memory. Nothing of that step is kept: its sequences are preempted
+        (recomputed later from their tokens) and steps shrink until they fit (``Scheduler.shrink``;
+        they grow back after steps that do). Only a lone sequence that does not fit the smallest
+        step fails, alone; the engine itself never fails for it."""
+        seqs = [s for s in self.step_runner.scheduled if s.status is SequenceStatus.RUNNING]
+        if not self.scheduler.shrink(len(seqs), self.config.block_size):
+            logger.error("out of memory with one sequence in the smallest step: failing it (%s)", error)
+            return [self._fail_group(seqs[0].group, f"out of memory: {error}")] if seqs else []
+        for seq in reversed(seqs):
+            self.step_runner.preempt(seq)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        logger.warning("out of memory: preempted the step's %d sequences and halved the step", len(seqs))
+        return []
+
+    def _fail_group(self, group: SequenceGroup, error: str, emit: bool = True) -> RequestOutput | None:
+        """End a request that failed inside the engine; its blocks are freed at once."""
+        group.error = error
+        for seq in group.seqs:
+            if not seq.is_finished:
+                self._finish_seq(seq)
+                seq.finish_reason = FinishReason.ERROR
+        return self._make_output(group) if emit else None
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Fork the other n - 1 choices of ``parent``'s request. If that fails, the request fails
+        alone: its blocks (the children's shared references too) are freed, the step goes on."""
+        group, children = parent.group, []
+        try:
+            for i in range(1, group.params.n):
+                children.append(self._fork_one(parent, i))
+                group.seqs.append(children[-1])
+        except Exception as e:
+            logger.exception("request %s failed while forking its choices", group.request_id)
+            self._fail_group(group, f"{type(e).__name__}: {e}", emit=False)
+            return []
+        return children
+
+    def _fork_one(self, parent: Sequence, index: int | None = None) -> Sequence:
+        """A new sequence of ``parent``'s request with its tokens, sharing its KV blocks (copy-on-write)
+        and its penalty counts; it runs (or waits, if ``parent`` was preempted) beside it. The caller
+        puts it in ``group.seqs``."""
+        child = Sequence(parent.group, parent.prompt_ids, index=parent.index if index is None else index)
+        child.token_ids = list(parent.token_ids)
+        child.block_table = self.block_manager.fork(parent.block_table)
+        try:
+            child.block_hashes = list(parent.block_hashes)
+            child.num_computed_tokens = parent.num_computed_tokens
+            self._init_seq(child, seed_offset=child.index)
+            child.detok = parent.detok.fork()
+            if parent.token_counts is not None:
+                child.token_counts, child.prompt_mask = parent.token_counts.clone(), parent.prompt_mask
+            if self.proposer is not None:
+                self.proposer.on_fork(parent, child)
+        except Exception:
+            self.block_manager.free(child.block_table)  # its shared references, not yet anyone's
+            raise
+        if parent.status is SequenceStatus.RUNNING:
+            self.scheduler.add_running(child)
+        else:
+            self.scheduler.add(child)
+        return child
+
+    def _make_output(self, group: SequenceGroup) -> RequestOutput:
+        out = self.outputs.make_output(group)
+        if out.finished:
+            self.groups.pop(group.request_id, None)
+        return out
+
+    # -- convenience ------------------------------------------------------------------------------
+    def generate(
+        self, prompts: Iterable[str | list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[RequestOutput]:
+        """Run prompts to completion. Returns each request's final output, whose ``delta_*`` fields hold the
+        whole completion (everything since the request started)."""
+        prompts = list(prompts)
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{self.num_steps}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+        final: dict[str, RequestOutput] = {}
+        acc: dict[tuple[str, int], tuple[list[int], list[TokenLogprob]]] = {}
+        while any(rid not in final for rid in ids):
+            if not self.has_unfinished_requests():
+                raise RuntimeError("requests vanished without finishing")
+            for o in self.step():
+                for c in o.outputs:
+                    toks, lps = acc.setdefault((o.request_id, c.index), ([], []))
+                    toks.extend(c.delta_token_ids)
+                    lps.extend(c.delta_logprobs or [])
+                if o.finished:
+                    final[o.request_id] = o
+        for rid, o in final.items():
+            for c in o.outputs:
+                c.delta_token_ids, lps = acc.get((rid, c.index), ([], []))
+                c.delta_logprobs = lps if c.delta_logprobs is not None else None
+                c.delta_text = c.text
+        return [final[rid] for rid in ids]

@@ -1,0 +1,272 @@
+"""Iteration-level (continuous) batching with chunked prefill and recompute preemption.
+
+Each step the scheduler decides which sequences run and how many of their uncomputed tokens each
+feeds, under a per-step token budget. It speaks plain Python lists and never touches a tensor.
+
+Terms: a *decode* is a running sequence with exactly one uncomputed token (its next input); its
+*mandatory* token is that one, and a running prefill's mandatory tokens are its next chunk.
+*Lookahead* slots are extra KV slots a decode may get past its mandatory token, for a speculative
+draft the same forward verifies; each granted slot is one more token of that forward, so it is
+charged to the token budget.
+
+Policy, in three passes:
+1. Mandatory tokens. Running sequences, oldest first: decodes take one token, unfinished prefills
+   take a chunk, contrastive search's candidates go in whole; a *parked* sequence (a beam whose
+   logits row waits for its group's other beams: nothing to feed) takes none. When KV blocks run
+   out, the newest parked sequence is preempted, or else the newest running one (its blocks freed;
+   it waits at the front of the queue and is recomputed later — never dropped, never corrupted).
+   No lookahead is granted here, so drafting can never starve a sequence of its token nor force a
+   preemption.
+2. Lookahead, only if nothing was preempted (a preemption means KV is short, and drafting would
+   hold blocks the victim needs back). The decodes of pass 1, in running order, each get
+   ``min(lookahead(seq), budget left)`` slots, shrunk to what the free pool gives without touching
+   the ``watermark_blocks`` reserve that admission keeps; a partial grant (or none) is normal.
+   Lookahead never preempts anyone.
+3. Admission, only if nothing was preempted: waiting sequences are admitted in arrival order while
+   the token budget, ``max_num_seqs`` and free blocks (less the watermark while anything runs)
+   allow, reusing cached prefix blocks; parked ones are skipped (they wait for their group, not for
+   compute). Where blocks are short, running parked sequences are preempted to admit a beam (maybe
+   their missing mate), or anyone when nothing but parked sequences runs.
+
+Every pass costs O(number of sequences) (lookahead also O(its blocks) per sequence).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.kv import BlockManager
+from engine.request.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens it feeds)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write copies
+    preempted: list[Sequence] = field(default_factory=list)
+    lookahead: dict[int, int] = field(default_factory=dict)  # seq_id → extra slots reserved for drafts
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self._limits = (max_num_seqs, max_num_batched_tokens)  # as configured: shrink() is undone by regrow()
+        self._good_steps = 0
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        # Keep a few blocks in reserve when admitting new work (or drafting) so running decodes
+        # rarely preempt.
+        self.watermark_blocks = max(1, block_manager.num_blocks // 100)
+        # Cumulative counts for the metrics: prompt tokens looked up in the prefix cache on admission
+        # (readmissions after a preemption included), how many of them hit, and preemptions.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.num_preemptions = 0
+
+    # -- queue management --------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence that already holds blocks (a forked ``n > 1`` choice)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence and free its blocks at once."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.free(seq.block_table)
+        seq.block_hashes.clear()
+        seq.status = SequenceStatus.FINISHED
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # -- the step ----------------------------------------------------------------------------------
+    def schedule(
+        self, token_budget: int | None = None, lookahead: Callable[[Sequence], int] | None = None
+    ) -> SchedulerOutput:
+        """One step's plan (see the module docstring for the three passes).
+
+        ``lookahead(seq)``: extra KV slots a decoding sequence wants past its next token (for a
+        speculative draft); it is asked only for decodes that got their token. What was granted
+        is ``out.lookahead[seq.seq_id]`` (absent: none), possibly less than asked.
+        """
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens if token_budget is None else token_budget
+        decodes, budget = self._schedule_running(budget, out)
+        if out.preempted:
+            return out
+        if lookahead is not None:
+            budget = self._grant_lookahead(decodes, lookahead, budget, out)
+        self._admit(budget, out)
+        return out
+
+    def _schedule_running(self, budget: int, out: SchedulerOutput) -> tuple[list[Sequence], int]:
+        """Pass 1: mandatory tokens, oldest first, preempting the newest when blocks run out.
+        Returns the decodes scheduled and the budget left."""
+        decodes: list[Sequence] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget) or seq.num_candidates  # candidates are fed whole
+            if seq.parked or not n or n > budget:
+                i += 1
+                continue
+            copies = self.bm.reserve(seq.block_table, seq.num_computed_tokens, seq.num_computed_tokens + n)
+            while copies is None:
+                parked = [s for s in self.running if s.parked]
+                victim = parked[-1] if parked else self.running[-1]  # a parked one loses only its blocks
+                if self.running.index(victim) < i:
+                    i -= 1
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+                copies = self.bm.reserve(seq.block_table, seq.num_computed_tokens, seq.num_computed_tokens + n)
+            if copies is None:  # the sequence preempted itself: nothing after it is left to run
+                break
+            out.scheduled.append((seq, n))
+            out.block_copies.extend(copies)
+            if seq.num_uncomputed_tokens == 1:
+                decodes.append(seq)
+            budget -= n
+            i += 1
+        return decodes, budget
+
+    def _grant_lookahead(
+        self, decodes: list[Sequence], lookahead: Callable[[Sequence], int], budget: int, out: SchedulerOutput
+    ) -> int:
+        """Pass 2: lookahead slots from the budget and free blocks pass 1 left. Returns the budget left.
+
+        A decode's mandatory slot was made writable in pass 1, so its draft slots start one past
+        it. Slots in blocks the table already holds privately cost nothing; a new block, or a
+        private copy of a shared one, costs one block of the spare pool (free blocks above the
+        watermark). A grant stops at the last block that still fits, so it may be partial.
+        """
+        bm, bs = self.bm, self.bm.block_size
+        spare = max(0, bm.num_free_blocks - self.watermark_blocks)
+        for seq in decodes:
+            if budget <= 0:
+                break
+            want = min(lookahead(seq), budget)
+            if want <= 0:
+                continue
+            table = seq.block_table
+            first = seq.num_computed_tokens + 1
+            end = first + want
+            limit, cost = first, 0  # slots [first, limit) fit within `cost` blocks of the spare pool
+            for b in range(first // bs, -(-end // bs)):
+                c = 1 if b >= len(table) or bm.ref_count(table[b]) > 1 else 0
+                if cost + c > spare:
+                    break
+                cost += c
+                limit = (b + 1) * bs
+            extra = min(end, limit) - first
+            if extra <= 0:
+                continue
+            copies = bm.reserve(table, first, first + extra)
+            assert copies is not None, "the spare pool covers these blocks"
+            out.block_copies.extend(copies)
+            out.lookahead[seq.seq_id] = extra
+            budget -= extra
+            spare -= cost
+        return budget
+
+    def _admit(self, budget: int, out: SchedulerOutput) -> None:
+        """Pass 3: admit waiting sequences in arrival order, keeping the watermark free."""
+        seats = self.max_num_seqs - sum(s.group.width if s.num_output_tokens == 0 else 1 for s in self.running)
+        queue = [s for s in self.waiting if not s.parked]  # a parked one has nothing to compute yet
+        while queue and budget > 0:
+            seq = queue[0]
+            need_seats = seq.group.width if seq.num_output_tokens == 0 and seq.index == 0 else 1
+            if need_seats > seats:
+                break
+            if (seq.params.prompt_logprobs is not None and not seq.group.prompt_logprobs) or seq.search is not None:
+                prefix_blocks, prefix_hashes = [], []  # every prompt position must be computed
+            else:
+                prefix_blocks, prefix_hashes = self.bm.match_prefix(seq.token_ids)
+            cached = len(prefix_blocks) * self.bm.block_size
+            n = min(seq.num_tokens - cached, budget)
+            new_blocks = self.bm.blocks_needed(len(prefix_blocks), cached + n)
+            reserve = self.watermark_blocks if self.running else 0  # an idle engine may use every block
+            if not self.bm.can_allocate(prefix_blocks, new_blocks + reserve):
+                # Parked beams give way to a beam (perhaps their missing mate), or when nothing else
+                # runs: parked sequences alone would wait for each other forever.
+                stuck = seq.group.beam is not None or all(s.parked for s in self.running)
+                if stuck and self._preempt_parked(out):
+                    seats += 1
+                    continue  # parked blocks were freed: try again
+                break
+            queue.pop(0)
+            self.waiting.remove(seq)
+            self.bm.take_prefix(seq.block_table, seq.block_hashes, prefix_blocks, prefix_hashes)
+            seq.num_computed_tokens = cached
+            self.prefix_queries += seq.num_tokens
+            self.prefix_hits += cached
+            copies = self.bm.reserve(seq.block_table, cached, cached + n)
+            assert copies is not None, "can_allocate promised these blocks"
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, n))
+            out.block_copies.extend(copies)
+            budget -= n
+            seats -= need_seats
+
+    def _preempt_parked(self, out: SchedulerOutput) -> bool:
+        """Free the newest running parked sequence's blocks for the admission (its beam mates may be the
+        ones waiting: parked beams must not hold the blocks those need). It keeps its logits row and
+        waits, parked, for its group's step. False if none is running."""
+        parked = [s for s in self.running if s.parked]
+        if not parked:
+            return False
+        self._preempt(parked[-1], out)
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.preempt(seq)
+        out.preempted.append(seq)
+
+    def shrink(self, num_in_step: int, min_tokens: int) -> bool:
+        """Halve the step (token budget and sequences, from the ``num_in_step`` of the step that did
+        not fit). False when it is already as small as it gets."""
+        if num_in_step <= 1 and self.max_num_batched_tokens <= min_tokens:
+            return False
+        self.max_num_batched_tokens = max(min_tokens, self.max_num_batched_tokens // 2)
+        self.max_num_seqs = max(1, min(self.max_num_seqs, num_in_step) // 2)
+        self._good_steps = 0
+        return True
+
+    def regrow(self, every: int = 64) -> None:
+        """After ``every`` steps that fit, double the limits back towards the configured ones."""
+        seqs, tokens = self._limits
+        if self.max_num_seqs >= seqs and self.max_num_batched_tokens >= tokens:
+            return
+        self._good_steps += 1
+        if self._good_steps >= every:
+            self._good_steps = 0
+            self.max_num_seqs = min(seqs, self.max_num_seqs * 2)
+            self.max_num_batched_tokens = min(tokens, self.max_num_batched_tokens * 2)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's KV; it is recomputed from its tokens when readmitted."""
+        self.running.remove(seq)
+        self.bm.free(seq.block_table)
+        seq.block_hashes.clear()
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)

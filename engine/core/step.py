@@ -1,0 +1,249 @@
+"""The engine step, read top to bottom: plan → schedule → propose → build → forward → accept → commit.
+
+Plain decoding is the same step with no drafts: a decode is a root with an empty tree, a prefill
+chunk that finishes its prompt samples its first token the same way. Each stage calls the module
+that owns it: the controller (depths), the scheduler (who runs, KV slots), the proposer (trees),
+the model runner (the one batched target forward), ``verify`` (what is accepted), and
+``engine/decoding`` (beam search, contrastive search and decoding: one call per stage).
+
+Terms: the *root* of a sequence is its last token, not yet in the target's cache; its draft tree's
+nodes follow it in the forward, rows ``[root, node 0, node 1, …]``. *Accepted* nodes are those the
+target kept; the *final* token is the recovered or bonus token sampled after them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+
+import torch
+
+from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.decoding.beam import BeamSearch
+from engine.decoding.strategies import Strategies
+from engine.request.sequence import Sequence
+from engine.runner.model_runner import ForwardChunk, ModelRunner
+from engine.sampling.accept import ACCEPT, RowsMetadata, acceptance_kind, count_tokens
+from engine.sampling.batch import Batch, Emit, Sample
+from engine.sampling.logprobs import record_prompt_logprobs, token_logprobs, wants_prompt_logprobs
+from engine.sampling.tree import DraftTree, tree_layout
+from engine.speculative.proposer import ProposeContext, Proposer
+from engine.speculative.stats import SpecStats
+
+_EMPTY = DraftTree()
+
+
+class Step:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        proposer: Proposer | None,
+        controller,  # engine.speculative.controller.SpecController | None
+        fork: Callable[[Sequence], list[Sequence]],  # forks a request's other n - 1 choices off its first
+        beams: BeamSearch,
+        eos_token_ids: list[int],
+        max_model_len: int,
+    ) -> None:
+        self.runner, self.scheduler, self.proposer, self.controller = runner, scheduler, proposer, controller
+        self.fork = fork
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.stats = SpecStats(controller.max_depth if controller else 0)
+        self.hidden_layers = proposer.hidden_layers if proposer else ()
+        self._hidden: dict[int, dict[int, torch.Tensor]] = {}  # seq_id → last forward's final rows
+        self.rows = RowsMetadata(runner.vocab_size, runner.device, eos_token_ids)
+        self.decoding = Strategies(beams, proposer, self.rows)  # beyond sampling: engine/decoding/
+        self.scheduled: list[Sequence] = []  # this step's sequences (the engine fails them if it raises)
+        self.forward_seconds = 0.0  # this step's target and proposer forwards (the rest is host work)
+
+    def run(self) -> tuple[list[Emit], list[Sequence]]:
+        """One step: what each sequence emitted, and sequences with news but no token of their own."""
+        t0 = time.perf_counter()
+        self.forward_seconds, self.scheduled = 0.0, []
+        want = self.plan()
+        sched = self.scheduler.schedule(lookahead=self._lookahead(want) if want else None)
+        if not sched.scheduled:
+            return [], []
+        self.scheduled = [seq for seq, _ in sched.scheduled]
+        self.mirror(sched)
+        trees = self.propose(sched, want)
+        batch = self.build(sched, trees)
+        out = self.target_forward(batch)
+        self.advance(batch, out)
+        emits = self.accept(batch, out.logits, out.final_hidden)
+        self.commit(batch, emits, out.hidden_states)
+        record_prompt_logprobs(out.logits, batch.prompt_spans)
+        if self.controller is not None:
+            tokens, seconds = sum(len(e.tokens) for e in emits), time.perf_counter() - t0
+            self.controller.observe_step(len(self.scheduled), tokens, seconds, self.forward_seconds, len(trees), batch)
+        return emits, [s for s, *_ in batch.prompt_spans] + batch.ended
+
+    # 1. plan: a draft depth per decoding sequence (absent = none)
+    def plan(self) -> dict[int, int]:
+        if self.controller is None:
+            return {}
+        # A decode has output already: a prompt whose last chunk is one token samples its first token
+        # (and forks its n > 1 choices) the plain way.
+        decode = [s for s in self.scheduler.running if s.num_uncomputed_tokens == 1 and s.num_output_tokens > 0]
+        if not decode:
+            return {}
+        other = sum(s.num_uncomputed_tokens for s in self.scheduler.running if s.num_uncomputed_tokens > 1)
+        other += sum(s.num_tokens for s in itertools.islice(self.scheduler.waiting, 4))  # likely admissions
+        # Never draft past max_tokens or the context: the final token takes the last place.
+        room = [max(s.tokens_left(self.max_model_len) - 1, 0) for s in decode]
+        depths = self.controller.plan(decode, min(other, self.scheduler.max_num_batched_tokens), room)
+        return {s.seq_id: d for s, d in zip(decode, depths) if d > 0}
+
+    def _lookahead(self, want: dict[int, int]) -> Callable[[Sequence], int]:
+        return lambda seq: self.proposer.slots_needed(want.get(seq.seq_id, 0), seq.params.greedy)
+
+    def mirror(self, sched: SchedulerOutput) -> None:
+        """Keep every cache and the proposer in step with what the scheduler did."""
+        self.runner.copy_blocks(sched.block_copies)
+        if self.proposer is not None:
+            self.proposer.copy_blocks(sched.block_copies)
+            for seq in sched.preempted:
+                self._lost_kv(seq)
+
+    # 2. propose: a tree per drafting sequence, as deep as its granted KV slots allow
+    def propose(self, sched: SchedulerOutput, want: dict[int, int]) -> dict[int, DraftTree]:
+        seqs, depths = [], []
+        for seq, _ in sched.scheduled:
+            d = want.get(seq.seq_id, 0)
+            d = self.proposer.depth_for_slots(sched.lookahead.get(seq.seq_id, 0), d, seq.params.greedy) if d else 0
+            if d > 0:
+                seqs.append(seq)
+                depths.append(d)
+        if not seqs:
+            return {}
+        ctx = ProposeContext({s.seq_id: self._hidden[s.seq_id] for s in seqs if s.seq_id in self._hidden})
+        trees = self.proposer.propose(seqs, depths, ctx)
+        for kind, num_seqs, tokens, seconds in self.proposer.timings():
+            self.controller.cost.observe(kind, num_seqs, tokens, seconds)
+            self.forward_seconds += seconds
+        return {s.seq_id: t for s, t in zip(seqs, trees) if len(t)}
+
+    # 3. build the one forward: prefill chunks, plain decodes and draft trees side by side
+    def build(self, sched: SchedulerOutput, trees: dict[int, DraftTree]) -> Batch:
+        b = Batch()
+        searching, row = self.decoding.build(b, sched.scheduled)  # contrastive search's candidates
+        tok = row
+        for seq, n in [(seq, n) for seq, n in sched.scheduled if seq.seq_id not in searching]:
+            start = seq.num_computed_tokens
+            if seq.seq_id in trees:
+                tree = trees[seq.seq_id]
+                lay = tree_layout(tree)
+                ids = [seq.token_ids[start]] + tree.tokens
+                positions = [start + d for d in lay.depths]
+                b.chunks.append(ForwardChunk(ids, start, seq.block_table, len(ids), positions, lay.mask))
+                b.samples.append(Sample(seq, tree, row, tok, max(lay.depths)))
+                row, tok = row + len(tree) + 1, tok + len(tree) + 1
+                continue
+            done, group, wants_prompt = start + n == seq.num_tokens, seq.group, wants_prompt_logprobs(seq, start)
+            num_logits = n if wants_prompt else int(done)
+            b.chunks.append(ForwardChunk(seq.token_ids[start : start + n], start, seq.block_table, num_logits))
+            b.computed.append((seq, start, n, tok))
+            if wants_prompt:
+                b.prompt_spans.append((seq, row, start, n))
+            if done:
+                fork = group.params.n > 1 and len(group.seqs) == 1 and group.beam is None
+                b.samples.append(Sample(seq, _EMPTY, row + num_logits - 1, tok + n - 1, fork=fork))
+            row, tok = row + num_logits, tok + n
+        return b
+
+    # 4. one batched target forward
+    def target_forward(self, b: Batch):
+        t0 = time.perf_counter()
+        out = self.runner.forward(b.chunks, hidden_layers=self.hidden_layers)
+        self.runner.synchronize()
+        seconds = time.perf_counter() - t0
+        self.forward_seconds += seconds
+        if self.controller is not None:
+            self.controller.cost.observe("target", len(b.chunks), sum(len(c.token_ids) for c in b.chunks), seconds)
+        return out
+
+    def advance(self, b: Batch, out) -> None:
+        """Prefill chunks and plain decodes are final as fed."""
+        for seq, start, n, tok in b.computed:
+            seq.num_computed_tokens = start + n
+            self.scheduler.bm.commit(seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed_tokens)
+            self._computed(seq, start, out.hidden_states, list(range(tok, tok + n)))
+            if seq.search is not None:
+                self.decoding.search.record(seq, start, out.final_hidden[tok : tok + n])
+
+    # 5. accept: greedy rows by argmax, sampling rows by lossless rejection sampling (seeded rows by the
+    # drafter-invariant rule; typical acceptance, lossy, only where a request asked for it)
+    def accept(self, b: Batch, logits: torch.Tensor, final_hidden: torch.Tensor | None = None) -> list[Emit]:
+        for s in list(b.samples):
+            if s.fork:  # the other choices of an n > 1 request draw their first token from the same row
+                children = self.fork(s.seq)
+                b.samples.extend(Sample(c, _EMPTY, s.row, s.tok) for c in children)
+                if s.seq.seq_id in self._hidden:  # same prefix, same hidden states: they draft next step too
+                    self._hidden.update((c.seq_id, self._hidden[s.seq.seq_id]) for c in children)
+        shaped, b.ended = self.decoding.take(b, logits)
+        results = {}
+        for part, accept in ACCEPT.items():
+            samples = [s for s in b.samples if acceptance_kind(s) == part]
+            results.update(zip(map(id, samples), accept(samples, shaped, self.rows) if samples else []))
+        emits = self.decoding.choose(b, logits, final_hidden)
+        for s in b.samples:
+            nodes, final = results[id(s)]
+            emits.append(Emit(s.seq, [s.tree.tokens[i] for i in nodes] + [final]))
+            s.accepted = nodes
+        asked = [(s, e) for s, e in zip(b.samples, emits[len(b.searches) :]) if s.seq.params.logprobs is not None]
+        requests = [([s.row] + [s.row + 1 + i for i in s.accepted], e.tokens, s.seq.params.logprobs) for s, e in asked]
+        for (_, e), lps in zip(asked, token_logprobs(logits, requests)):
+            e.logprobs = lps
+        return emits
+
+    # 6. commit: accepted K/V into place, rejected slots released, everyone told what happened
+    def commit(self, b: Batch, emits: list[Emit], hidden: dict[int, torch.Tensor]) -> None:
+        bs = self.runner.block_size
+        slot = lambda seq, i: seq.block_table[i // bs] * bs + i % bs  # noqa: E731
+        src, dst = self.decoding.place(b, self.scheduler.bm, slot, self.runner.vocab_size)
+        for s, e in zip(b.samples, emits[len(b.searches) :]):
+            count_tokens(s.seq, e.tokens, self.runner.vocab_size)
+            if not len(s.tree):
+                continue
+            seq, c, a = s.seq, s.seq.num_computed_tokens, len(s.accepted)
+            for i, node in enumerate(s.accepted):  # node i of the path belongs at position c + 1 + i
+                if node != i:
+                    src.append(slot(seq, c + 1 + node))
+                    dst.append(slot(seq, c + 1 + i))
+            seq.num_computed_tokens = c + 1 + a
+            self.scheduler.bm.release_tail(seq.block_table, seq.block_hashes, seq.num_computed_tokens)
+            self.proposer.on_verified(seq, s.tree, s.accepted)
+            self._computed(seq, c, hidden, [s.tok] + [s.tok + 1 + i for i in s.accepted])
+            self.controller.update(seq, s.depth, a)
+            self.stats.record(len(s.tree), a)
+            seq.group.num_draft_tokens += len(s.tree)
+            seq.group.num_accepted_tokens += a
+        self.runner.move_slots(src, dst)
+
+    def _computed(self, seq: Sequence, start: int, hidden: dict[int, torch.Tensor], toks: list[int]) -> None:
+        if self.proposer is None:
+            return
+        rows = {}
+        if hidden:
+            idx = torch.tensor(toks, device=self.runner.device)
+            rows = {layer: h.index_select(0, idx) for layer, h in hidden.items()}
+            self._hidden[seq.seq_id] = rows
+        self.proposer.on_computed(seq, start, rows)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Take a running sequence's KV away (it is recomputed from its tokens later)."""
+        self.scheduler.preempt(seq)
+        self._lost_kv(seq)
+
+    def _lost_kv(self, seq: Sequence) -> None:
+        self._hidden.pop(seq.seq_id, None)
+        if self.proposer is not None:
+            self.proposer.on_preempt(seq)
+
+    def forget(self, seq: Sequence) -> None:
+        """A sequence finished or was aborted."""
+        self._hidden.pop(seq.seq_id, None)
+        if self.proposer is not None:
+            self.proposer.on_free(seq)

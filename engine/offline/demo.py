@@ -1,0 +1,559 @@
+"""The embedded demo pair: a target and a draft model Augur trains itself, with nothing downloaded.
+
+Machines without internet access can still run Augur, and tests and benchmarks need a target/draft
+pair whose draft really predicts the target (random weights accept nothing). So Augur trains one,
+deterministically, on text every Python installation has: the standard library's own source files.
+
+Recipe (one :class:`DemoRecipe`; its hash keys the cache, so a second build is instant):
+
+1. *Corpus*: every ``*.py`` under ``sysconfig``'s stdlib path, split by file (a stable hash of the
+   relative path) into train and held-out sets, so held-out numbers are on code the models never saw.
+2. *Tokenizer*: byte-level BPE (``tokenizers``), with bos/eos/pad and chat-role special tokens and a
+   chat template, saved in Hugging Face format.
+3. *Target*: a Llama-architecture model pretrained on the train split (next-token cross-entropy).
+4. *Draft*: a Llama model with at least 8x fewer parameters, distilled from the target: trained to
+   minimize KL(target || draft) on the train split, so its predictions follow the target's (which is
+   what the acceptance rate of speculative decoding measures), not just the data.
+5. *Report*: parameter counts, held-out perplexities, and the draft's greedy top-1 agreement with the
+   target on held-out text (an upper bound on the greedy acceptance rate).
+
+Everything is saved as standard Hugging Face directories under ``$AUGUR_HOME/demo`` (default
+``~/.cache/augur/demo``): ``target/``, ``draft/``, ``prompts.jsonl`` and ``report.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import shutil
+import sys
+import sysconfig
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.offline.muon import optimizers
+
+logger = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+
+
+@dataclass(frozen=True)
+class DemoRecipe:
+    """Everything that determines the demo pair. Changing any field changes the cache key."""
+
+    seed: int = 0
+    vocab_size: int = 4096
+    heldout_every: int = 20  # one file in N (by a stable hash of its path) is held out
+    max_train_chars: int = 12_000_000  # of the train split, in stable-hash order; bounds tokenization time
+    # Generated files, not written code: codec tables (thousands of near-identical table lines) and
+    # pydoc's topic strings. Left out of both splits.
+    exclude: tuple[str, ...] = ("encodings/", "pydoc_data/")
+    tokenizer_train_chars: int = 3_000_000
+    seq_len: int = 256
+    batch_size: int = 8
+    target: ModelShape = ModelShape(hidden=256, layers=6, heads=4, kv_heads=2, ffn=704)
+    draft: ModelShape = ModelShape(hidden=96, layers=2, heads=3, kv_heads=1, ffn=256)
+    target_steps: int = 600
+    target_lr: float = 3e-3  # AdamW: embeddings (tied with the output head) and norm gains
+    target_muon_lr: float = 0.04  # Muon: the blocks' weight matrices (engine/offline/muon.py)
+    draft_steps: int = 400
+    draft_lr: float = 3e-3
+    draft_muon_lr: float = 0.03
+    warmup_frac: float = 0.06
+    eval_seqs: int = 32  # held-out windows of seq_len for perplexity and agreement
+    quality_prompts: int = 16  # held-out prompts continued greedily for the degenerate-output rate
+    quality_tokens: int = 128
+    num_prompts: int = 64
+    prompt_chars: tuple[int, int] = (100, 320)  # a prompt plus 128 generated tokens stays near seq_len
+    max_position_embeddings: int = 2048
+    notes: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @classmethod
+    def tiny(cls) -> DemoRecipe:
+        """The same code path at a size that builds in well under a minute (tests, CI)."""
+        return cls(
+            vocab_size=512,
+            max_train_chars=400_000,
+            tokenizer_train_chars=200_000,
+            seq_len=64,
+            batch_size=8,
+            target=ModelShape(hidden=128, layers=2, heads=4, kv_heads=2, ffn=256),
+            draft=ModelShape(hidden=32, layers=1, heads=2, kv_heads=1, ffn=64),
+            target_steps=30,
+            draft_steps=30,
+            eval_seqs=8,
+            quality_prompts=4,
+            quality_tokens=16,
+            num_prompts=8,
+            prompt_chars=(40, 120),
+            max_position_embeddings=512,
+        )
+
+    def cache_key(self) -> str:
+        """Hash of the recipe, the Python version (whose stdlib is the corpus) and the torch version."""
+        d = dataclasses.asdict(self)
+        d.pop("notes")
+        d["python"] = platform.python_version()
+        d["torch"] = torch.__version__.split("+")[0]
+        d["format"] = 1
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def augur_home() -> Path:
+    return Path(os.environ.get("AUGUR_HOME") or Path.home() / ".cache" / "augur").expanduser()
+
+
+def demo_dir() -> Path:
+    return augur_home() / "demo"
+
+
+def is_built(out: Path, recipe: DemoRecipe) -> bool:
+    marker = out / "recipe.json"
+    if not marker.is_file():
+        return False
+    try:
+        return json.loads(marker.read_text()).get("cache_key") == recipe.cache_key()
+    except (OSError, ValueError):
+        return False
+
+
+# -- corpus -----------------------------------------------------------------------------------------------
+def stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
+
+
+def split_corpus(recipe: DemoRecipe) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(name, text) pairs of the train and held-out files."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    train, heldout = [], []
+    for path in stdlib_files():
+        name = path.relative_to(root).as_posix()
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if not text.strip() or name.startswith(recipe.exclude):
+            continue
+        bucket = int(hashlib.md5(name.encode()).hexdigest(), 16) % recipe.heldout_every
+        (heldout if bucket == 0 else train).append((name, text))
+    # The train budget is taken in a stable pseudo-random file order, so it covers the whole library
+    # (alphabetical order stopped in test/, while the held-out files are drawn from everywhere).
+    train.sort(key=lambda item: hashlib.sha256(item[0].encode()).hexdigest())
+    total = 0
+    kept = []
+    for name, text in train:
+        if total >= recipe.max_train_chars:
+            break
+        kept.append((name, text))
+        total += len(text)
+    return kept, heldout
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        pad_token="<|pad|>",
+        additional_special_tokens=SPECIAL_TOKENS[3:],
+        model_max_length=1_000_000,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def token_stream(tokenizer, texts: list[str]) -> torch.Tensor:
+    """All texts tokenized and joined, each file followed by EOS: [N] int64."""
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    eos = tokenizer.eos_token_id
+    flat = [t for seq in ids for t in (*seq, eos)]
+    return torch.tensor(flat, dtype=torch.int64)
+
+
+# -- models ---------------------------------------------------------------------------------------------
+def llama_config(shape: ModelShape, tokenizer, recipe: DemoRecipe):
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=shape.hidden,
+        intermediate_size=shape.ffn,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=recipe.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        architectures=["LlamaForCausalLM"],
+    )
+
+
+def num_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _bf16_autocast_ok(device: torch.device) -> bool:
+    """bf16 autocast pays on GPUs and on CPUs with bf16 matrix units; elsewhere it is slower."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def _batches(stream: torch.Tensor, recipe: DemoRecipe, steps: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    n = stream.numel() - recipe.seq_len - 1
+    starts = torch.randint(0, n, (steps, recipe.batch_size), generator=g)
+    offsets = torch.arange(recipe.seq_len + 1)
+    return [stream[s[:, None] + offsets] for s in starts]
+
+
+def _lr_at(step: int, steps: int, peak: float, warmup_frac: float) -> float:
+    warm = max(1, int(steps * warmup_frac))
+    if step < warm:
+        return peak * (step + 1) / warm
+    progress = (step - warm) / max(1, steps - warm)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _train(
+    model, batches, lrs: tuple[float, float], recipe: DemoRecipe, device, loss_fn, desc: str, progress
+) -> list[float]:
+    """``lrs``: the peak learning rates of AdamW (embeddings, norms) and Muon (the blocks' matrices)."""
+    autocast = _bf16_autocast_ok(device)
+    opts = optimizers(model, *lrs, ns_dtype=torch.bfloat16 if autocast else torch.float32)
+    losses = []
+    model.train()
+    for step, batch in enumerate(batches):
+        for opt, peak in opts:
+            for group in opt.param_groups:
+                group["lr"] = _lr_at(step, len(batches), peak, recipe.warmup_frac)
+        batch = batch.to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = loss_fn(model, batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        for opt, _ in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach().item())
+        progress.update(1)
+        progress.set_postfix_str(f"{desc} loss {losses[-1]:.3f}")
+    model.eval()
+    return losses
+
+
+def _lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=batch[:, :-1]).logits.float()
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+
+
+def _distill_loss(target):
+    def loss(model, batch: torch.Tensor) -> torch.Tensor:
+        inputs = batch[:, :-1]
+        with torch.no_grad():
+            p_log = torch.log_softmax(target(input_ids=inputs).logits.float(), -1)  # p: target
+        q_log = torch.log_softmax(model(input_ids=inputs).logits.float(), -1)  # q: draft
+        return torch.nn.functional.kl_div(q_log, p_log, log_target=True, reduction="batchmean") / inputs.shape[1]
+
+    return loss
+
+
+@torch.no_grad()
+def evaluate(target, draft, windows: torch.Tensor, device) -> dict:
+    """Held-out perplexities and the draft's greedy top-1 agreement with the target."""
+    nll_t = nll_d = 0.0
+    agree = total = 0
+    for i in range(0, windows.shape[0], 8):
+        batch = windows[i : i + 8].to(device)
+        inputs, labels = batch[:, :-1], batch[:, 1:]
+        lt = target(input_ids=inputs).logits.float()
+        ld = draft(input_ids=inputs).logits.float()
+        nll_t += torch.nn.functional.cross_entropy(lt.flatten(0, 1), labels.flatten(), reduction="sum").item()
+        nll_d += torch.nn.functional.cross_entropy(ld.flatten(0, 1), labels.flatten(), reduction="sum").item()
+        agree += (lt.argmax(-1) == ld.argmax(-1)).sum().item()
+        total += labels.numel()
+    return {
+        "target_perplexity": math.exp(nll_t / total),
+        "draft_perplexity": math.exp(nll_d / total),
+        "draft_target_top1_agreement": agree / total,
+        "eval_tokens": total,
+    }
+
+
+LOOP_MAX_PERIOD = 8  # tokens in the longest repeating unit the degenerate-output check looks for
+LOOP_MIN_FRACTION = 0.25  # of the continuation a loop must cover to make it degenerate
+
+
+def loop_coverage(tokens: list[int], max_period: int = LOOP_MAX_PERIOD) -> int:
+    """The most tokens covered by one back-to-back repetition of a unit of at most ``max_period``
+    tokens (``x x x x``, ``self. self. self.``): 0 when nothing repeats."""
+    best = 0
+    for period in range(1, max_period + 1):
+        run = 0  # positions i with tokens[i] == tokens[i - period], consecutively
+        for i in range(period, len(tokens)):
+            run = run + 1 if tokens[i] == tokens[i - period] else 0
+            if run:
+                best = max(best, run + period)
+    return best
+
+
+def is_degenerate(tokens: list[int]) -> bool:
+    """A continuation collapsed into a short loop: one unit of at most 8 tokens, repeated back to back,
+    covers at least a quarter of it."""
+    return bool(tokens) and loop_coverage(tokens) >= LOOP_MIN_FRACTION * len(tokens)
+
+
+@torch.no_grad()
+def greedy_quality(target, tokenizer, prompts: list[dict], max_tokens: int, device) -> dict:
+    """Greedy continuations of held-out prompts: how many collapse into a loop, and a few examples
+    (what a newcomer's first request shows)."""
+    degenerate, samples = 0, []
+    for p in prompts:
+        ids = torch.tensor([tokenizer(p["prompt"], add_special_tokens=False)["input_ids"]], device=device)
+        out = target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        new = out[0, ids.shape[1] :].tolist()
+        degenerate += is_degenerate(new)
+        if len(samples) < 3:
+            samples.append({"prompt": p["prompt"], "continuation": tokenizer.decode(new)})
+    return {
+        "greedy_degenerate_rate": degenerate / max(1, len(prompts)),
+        "greedy_prompts": len(prompts),
+        "greedy_tokens": max_tokens,
+        "greedy_samples": samples,
+    }
+
+
+def make_prompts(heldout: list[tuple[str, str]], recipe: DemoRecipe) -> list[dict]:
+    """Code prefixes from held-out files: a file's opening lines, cut at a line end."""
+    g = torch.Generator().manual_seed(recipe.seed + 1)
+    lo, hi = recipe.prompt_chars
+    prompts = []
+    order = torch.randperm(len(heldout), generator=g).tolist()
+    for idx in order:
+        name, text = heldout[idx]
+        if len(text) < hi * 2:
+            continue
+        want = int(torch.randint(lo, hi + 1, (1,), generator=g))
+        start = 0
+        # Skip the module docstring / license header when there is one, so prompts are code.
+        for marker in ("\nimport ", "\nfrom ", "\ndef ", "\nclass "):
+            pos = text.find(marker)
+            if 0 <= pos < len(text) - hi:
+                start = pos + 1
+                break
+        cut = text.rfind("\n", start, start + want)
+        if cut <= start:
+            continue
+        prompts.append({"prompt": text[start : cut + 1], "source": name})
+        if len(prompts) == recipe.num_prompts:
+            break
+    return prompts
+
+
+# -- the build ------------------------------------------------------------------------------------------
+def build_demo(out: Path | None = None, recipe: DemoRecipe | None = None, device: str = "auto", force: bool = False):
+    """Build (or find cached) the demo pair in ``out``; returns ``out``."""
+    out = Path(out) if out is not None else demo_dir()
+    recipe = recipe or DemoRecipe()
+    if not force and is_built(out, recipe):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = out.parent / f".{out.name}.lock"
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same pair
+        if not force and is_built(out, recipe):
+            return out
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+        try:
+            _build_into(tmp, recipe, device)
+            if out.exists():
+                shutil.rmtree(out)
+            tmp.rename(out)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _build_into(out: Path, recipe: DemoRecipe, device_name: str) -> None:
+    import transformers
+    from tqdm import tqdm
+
+    t_start = time.perf_counter()
+    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device_name == "auto" else device_name)
+    total = recipe.target_steps + recipe.draft_steps
+    progress = tqdm(total=total, desc="augur demo build", unit="step", file=sys.stderr, dynamic_ncols=True)
+    progress.set_postfix_str("tokenizer")
+
+    train, heldout = split_corpus(recipe)
+    tok_texts, n = [], 0
+    for _, text in train:
+        if n >= recipe.tokenizer_train_chars:
+            break
+        tok_texts.append(text)
+        n += len(text)
+    tokenizer = train_tokenizer(tok_texts, recipe.vocab_size)
+    train_stream = token_stream(tokenizer, [t for _, t in train])
+    heldout_stream = token_stream(tokenizer, [t for _, t in heldout])
+
+    torch.manual_seed(recipe.seed)
+    target = transformers.LlamaForCausalLM(llama_config(recipe.target, tokenizer, recipe)).to(dev)
+    torch.manual_seed(recipe.seed + 1)
+    draft = transformers.LlamaForCausalLM(llama_config(recipe.draft, tokenizer, recipe)).to(dev)
+    if num_params(target) < 8 * num_params(draft):
+        raise ValueError("the recipe's draft must have at least 8x fewer parameters than its target")
+
+    t0 = time.perf_counter()
+    target_losses = _train(
+        target,
+        _batches(train_stream, recipe, recipe.target_steps, recipe.seed + 2),
+        (recipe.target_lr, recipe.target_muon_lr),
+        recipe,
+        dev,
+        _lm_loss,
+        "target",
+        progress,
+    )
+    t1 = time.perf_counter()
+    target.requires_grad_(False)
+    draft_losses = _train(
+        draft,
+        _batches(train_stream, recipe, recipe.draft_steps, recipe.seed + 3),
+        (recipe.draft_lr, recipe.draft_muon_lr),
+        recipe,
+        dev,
+        _distill_loss(target),
+        "draft",
+        progress,
+    )
+    t2 = time.perf_counter()
+    progress.set_postfix_str("evaluating")
+    windows = _batches(heldout_stream, dataclasses.replace(recipe, batch_size=recipe.eval_seqs), 1, recipe.seed + 4)[0]
+    metrics = evaluate(target, draft, windows, dev)
+    prompts = make_prompts(heldout, recipe)
+    quality = greedy_quality(target, tokenizer, prompts[: recipe.quality_prompts], recipe.quality_tokens, dev)
+    progress.close()
+
+    for name, model in (("target", target), ("draft", draft)):
+        d = out / name
+        model.to(torch.float32).cpu().save_pretrained(d)
+        tokenizer.save_pretrained(d)
+        transformers.GenerationConfig(
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        ).save_pretrained(d)
+    with open(out / "prompts.jsonl", "w") as f:
+        for p in prompts:
+            f.write(json.dumps(p) + "\n")
+
+    report = {
+        "cache_key": recipe.cache_key(),
+        "target_params": num_params(target),
+        "draft_params": num_params(draft),
+        "param_ratio": num_params(target) / num_params(draft),
+        **metrics,
+        **quality,
+        "target_final_train_loss": sum(target_losses[-5:]) / len(target_losses[-5:]),
+        "draft_final_distill_kl": sum(draft_losses[-5:]) / len(draft_losses[-5:]),
+        "train_files": len(train),
+        "heldout_files": len(heldout),
+        "train_tokens": int(train_stream.numel()),
+        "tokens_seen_by_target": recipe.target_steps * recipe.batch_size * recipe.seq_len,
+        "device": str(dev),
+        "bf16_autocast": _bf16_autocast_ok(dev),
+        "seconds": {
+            "data_and_tokenizer": round(t0 - t_start, 1),
+            "target": round(t1 - t0, 1),
+            "draft": round(t2 - t1, 1),
+            "evaluation": round(time.perf_counter() - t2, 1),
+            "total": round(time.perf_counter() - t_start, 1),
+        },
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "recipe.json").write_text(
+        json.dumps({"cache_key": recipe.cache_key(), "recipe": dataclasses.asdict(recipe)}, indent=2) + "\n"
+    )
+
+
+def format_report(report: dict) -> str:
+    return "\n".join(
+        [
+            f"target: {report['target_params'] / 1e6:.1f}M parameters, held-out perplexity "
+            f"{report['target_perplexity']:.2f}",
+            f"draft:  {report['draft_params'] / 1e6:.2f}M parameters ({report['param_ratio']:.1f}x fewer), "
+            f"held-out perplexity {report['draft_perplexity']:.2f}",
+            f"draft/target greedy top-1 agreement on held-out text: {report['draft_target_top1_agreement']:.3f}",
+            f"built in {report['seconds']['total']:.0f}s on {report['device']}",
+        ]
+    )
+
+
+def ensure_demo(recipe: DemoRecipe | None = None) -> Path:
+    """The demo pair's directory, building it first (with a progress bar) if needed."""
+    out = demo_dir()
+    recipe = recipe or DemoRecipe()
+    if not is_built(out, recipe):
+        print(
+            "Building Augur's embedded demo model pair (first use only; ~10 minutes on a 2-core CPU)...",
+            file=sys.stderr,
+        )
+        build_demo(out, recipe)
+        print(format_report(json.loads((out / "report.json").read_text())), file=sys.stderr)
+    return out

@@ -1,0 +1,77 @@
+"""Whether a request can be served as asked, checked once before it enters the engine."""
+
+from __future__ import annotations
+
+from engine.request.sampling_params import SamplingParams
+
+
+class InvalidRequestError(ValueError):
+    """The request itself is wrong (the server answers 400)."""
+
+
+def check_request(
+    prompt_ids: list[int],
+    params: SamplingParams,
+    vocab_size: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    kv_capacity: int,  # token slots of the KV pool (blocks x block size); at least max_model_len
+    has_amateur: bool,  # a draft model serves that contrastive decoding can use as its amateur
+) -> None:
+    """Raise InvalidRequestError if this request cannot be served as asked (its parameters alone were
+    checked when they were made: :meth:`SamplingParams.validate`), or could never be served by this
+    engine, however long it waited: it is refused here, before it is queued.
+
+    What a request needs at worst, by strategy: one sequence (sampling, greedy, speculation) holds at
+    most ``max_model_len`` tokens of KV, which the pool always holds, and drafts take only the
+    lookahead the scheduler can spare; ``n`` choices and beams run side by side when they fit and
+    are preempted and recomputed when they do not, so they need ``max_num_seqs`` seats (beams step
+    in lockstep), not ``n`` contexts of KV; contrastive search feeds its ``top_k`` candidates in
+    one step, past the context: ``prompt + max_tokens + top_k - 1`` slots and ``top_k`` tokens of
+    the step's budget."""
+    if not prompt_ids:
+        raise InvalidRequestError("the prompt must not be empty")
+    if params.beam_width > max_num_seqs:
+        what = "beams" if params.use_beam_search else "choices (n)"
+        raise InvalidRequestError(
+            f"{params.beam_width} {what} exceed the {max_num_seqs} sequences one batch can hold (--max-num-seqs)"
+        )
+    if params.contrastive is not None and not has_amateur:
+        raise InvalidRequestError(
+            "contrastive decoding needs a draft model as its amateur: serve with --draft-model "
+            "(speculative method 'draft')"
+        )
+    if params.contrastive_search and params.top_k > min(vocab_size, max_num_batched_tokens):
+        raise InvalidRequestError(
+            f"top_k ({params.top_k}) exceeds the vocabulary ({vocab_size}) or the tokens one step feeds "
+            f"({max_num_batched_tokens}, --max-num-batched-tokens): contrastive search feeds its candidates at once"
+        )
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
+    if params.logit_bias:
+        bad = [t for t in params.logit_bias if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequestError(f"logit_bias token ids out of range [0, {vocab_size}): {bad[:5]}")
+    room = max_model_len - len(prompt_ids)
+    if room < 1:
+        raise InvalidRequestError(
+            f"the prompt has {len(prompt_ids)} tokens; this model's context length is {max_model_len}"
+        )
+    if params.max_tokens is not None and params.max_tokens > room:
+        raise InvalidRequestError(
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+            f"length of {max_model_len} tokens"
+        )
+    if params.contrastive_search:
+        new_tokens = params.max_tokens if params.max_tokens is not None else room
+        need = len(prompt_ids) + new_tokens + params.top_k - 1
+        if need > kv_capacity:
+            fits = kv_capacity - len(prompt_ids) - params.top_k + 1
+            hint = f"max_tokens at most {fits}" if fits >= 1 else "a smaller top_k or a shorter prompt"
+            raise InvalidRequestError(
+                f"contrastive search writes its top_k ({params.top_k}) candidates past the context: prompt "
+                f"({len(prompt_ids)} tokens) + max_tokens ({new_tokens}) + top_k - 1 = {need} KV slots, more "
+                f"than the server's KV cache holds ({kv_capacity} tokens); ask for {hint}"
+            )

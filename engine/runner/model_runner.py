@@ -1,0 +1,477 @@
+"""The model runner owns every device tensor: the weights, the KV pool and each step's inputs.
+
+Others hand it plain metadata (:class:`ForwardChunk` lists) and get logits or sampled tokens back.
+It decides no policy: what runs, and what is accepted, is the engine's business.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import types
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.attention import AttentionMetadata, metadata_builder, resolve_backend
+from engine.attention.cpu_kernel import load_cpu_kernel
+from engine.models.layer_skip import LayerSkip
+from engine.models.packed import linear_weight_bytes
+
+if TYPE_CHECKING:  # graphs import Triton, which only the triton backend needs
+    from engine.runner.cuda_graphs import CudaGraphs, GraphShape
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ForwardChunk:
+    """One sequence's part of a flattened forward."""
+
+    token_ids: list[int]  # the new tokens fed this step
+    ctx_len: int  # tokens of this sequence already in the cache
+    block_table: list[int]
+    num_logits: int  # how many trailing new tokens need logits (0 mid-prefill, 1 for decode)
+    positions: list[int] | None = None  # None → ctx_len, ctx_len + 1, ...
+    tree_mask: torch.Tensor | None = None  # [q, ctx_len + q - mask_start] bool; None → causal
+    mask_start: int | None = None  # first key the tree mask covers (default ctx_len: the new tokens only)
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [N, vocab] float32, rows of every chunk's trailing num_logits tokens, in order
+    hidden_states: dict[int, torch.Tensor]  # layer → [T, hidden] for the layers asked for (every fed token)
+    final_hidden: torch.Tensor | None = None  # [T, hidden] the final-normed states the LM head reads
+
+
+@dataclass
+class ForwardBatch:
+    """A forward's device inputs, built once from :class:`ForwardChunk` metadata (see :meth:`ModelRunner.prepare`).
+
+    Drafting loops prepare a level's batch on the host and feed it token ids that are still on the
+    device (the previous level's output), so no level waits for the host."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    logit_rows: torch.Tensor  # [N] int64 rows of the tokens needing logits
+    num_seqs: int
+    num_tokens: int
+    graph: GraphShape | None = None  # padded to a captured shape (positions and meta are padded; the rest is not)
+
+
+class LogitsForward(torch.nn.Module):
+    """The model's forward and output layer, on the rows that need logits: what gets compiled. Its
+    final-normed hidden states come out too (contrastive search reads them; they exist anyway)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, positions, meta, kv_cache, logit_rows, skip, hidden_layers, hidden_in=None):
+        # hidden_in: a per-token input besides the token (an EAGLE head's features), for models that take one
+        extra = {} if hidden_in is None else {"hidden_in": hidden_in}
+        hidden, captured = self.model(input_ids, positions, meta, kv_cache, skip, hidden_layers, **extra)
+        return self.model.compute_logits(hidden.index_select(0, logit_rows)), captured, hidden
+
+
+def chain_pick(logits, temperature=None, noise=None):
+    """A chain level's next token from its logits ``[B, V]``: the argmax, or with a ``temperature``
+    ``[B]`` a draw from ``q = softmax(logits / T)`` by the exponential race against ``noise``
+    ``[B, V]`` (Exp(1)); returns the tokens and ``q`` (None for argmax)."""
+    if temperature is None:
+        return logits.argmax(-1), None
+    q = torch.softmax(logits.float() / temperature[:, None], -1)
+    return (q / noise).argmax(-1), q
+
+
+class ChainForward(torch.nn.Module):
+    """Several draft levels of chains in one call: each level feeds one token per sequence and the
+    token :func:`chain_pick` takes from its logits is the next level's, without leaving the device
+    (or, compiled, the graph). Level ``d`` runs with ``metas[d]`` at ``positions[d]`` (and
+    ``noise[d]``); returns the tokens ``[B, L]`` and, sampled, each level's ``q`` ``[B, L, V]``."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, positions, metas, kv_cache, skip, temperature=None, noise=None):
+        out, qs = [], []
+        for d, (pos, meta) in enumerate(zip(positions, metas)):
+            hidden, _ = self.model(input_ids, pos, meta, kv_cache, skip, ())
+            level_noise = None if noise is None else noise[d]
+            input_ids, q = chain_pick(self.model.compute_logits(hidden), temperature, level_noise)
+            out.append(input_ids)
+            qs.append(q)
+        return torch.stack(out, 1), None if noise is None else torch.stack(qs, 1)
+
+
+def compile_forward(fn: torch.nn.Module, device: torch.device, freeze: bool = True):
+    """``torch.compile`` a forward for every batch shape at once.
+
+    Shapes are dynamic from the first call and sizes 0 and 1 are not special-cased where that can be
+    avoided (``backed_size_oblivious``): one graph serves every forward of several tokens (a verify
+    chunk, a mixed batch), a second one a lone token (fake tensors' stride rules tell a dimension of
+    1 apart), and :meth:`ModelRunner.warmup` compiles both, so nothing recompiles mid-serving.
+    Attention is an opaque custom operator (``augur::paged_attention``), so the graph never copies the
+    KV pool.
+
+    On a CPU, ``freeze`` turns the weights into constants that inductor prepacks for oneDNN's GEMM
+    kernels (a second copy of the linear weights, taken at the first call): they win from a few rows
+    up, but each call costs more than a plain ``mm``, so a model that runs a row or two at a time (a
+    proposer's draft levels) is compiled unfrozen. The graph's wrapper is C++ there (``cpp_wrapper``):
+    the Python one cost about 0.5 ms per forward of the demo target in kernel launches alone.
+    """
+    import torch._dynamo
+    import torch._inductor.config
+    import torch.fx.experimental._config as fx_config
+
+    fx_config.backed_size_oblivious = True
+    fx_config.use_duck_shape = False  # equal sizes seen once are not assumed equal forever
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    if device.type == "cpu":
+        # Dynamo reads the global flag when it traces (whether a graph may be frozen at all); each
+        # compile's option then says whether its graph is.
+        torch._inductor.config.freezing = True
+    # Dynamo keeps compiled graphs, and checks their guards, per code object: this forward gets a
+    # code object of its own, so that a call never walks past the guards of another model's graphs.
+    method = type(fn).forward
+    own = types.FunctionType(method.__code__.replace(), method.__globals__, method.__name__, method.__defaults__)
+    fn.forward = types.MethodType(own, fn)
+    cpu = device.type == "cpu"
+    options = {"freezing": freeze and cpu, "cpp_wrapper": cpu, "guard_filter_fn": _module_guards}
+    return torch.compile(fn, dynamic=True, options=options)
+
+
+def _module_guards(entries) -> list[bool]:
+    """Which of dynamo's guards a compiled forward keeps: all but those on the model's modules'
+    attributes (about 900 for a 6-layer model, checked on every call), bar the identities of its
+    parameters and buffers. A runner's model is built once and never changes, and its compiled graphs
+    are its own (see compile_forward), so the identities alone tell that a graph is this model's."""
+    return [e.guard_type == "ID_MATCH" or not _on_module(e) for e in entries]
+
+
+def _on_module(entry) -> bool:
+    source = getattr(getattr(entry, "orig_guard", None), "source", None)  # kept where a torch lacks them
+    return source is not None and source.is_unspecialized_nn_module()
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    num_heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    kv_heads = config.num_key_value_heads or num_heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def kv_pool_blocks(runner: ModelRunner, extra_bytes_per_token: int, config, max_len: int) -> int:
+    """KV blocks that fit the memory left (``config.kv_cache_memory_fraction`` of it); each token
+    also pays ``extra_bytes_per_token`` (a proposer's own cache, one slot per target slot)."""
+    per_block = (runner.kv_bytes_per_token + extra_bytes_per_token) * config.block_size
+    available = available_memory_bytes(runner.device)
+    if runner.frozen:
+        available -= linear_weight_bytes(runner.model)  # the frozen copy compilation will make
+    blocks = int(available * config.kv_cache_memory_fraction) // per_block
+    if runner.device.type == "cpu":
+        # On a CPU the pool shares RAM with everything else: take no more than a full batch needs.
+        blocks = min(blocks, config.max_num_seqs * (-(-max_len // config.block_size) + 1))
+    if blocks < 1:
+        raise ValueError("no memory left for the KV cache")
+    return blocks
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        hf_config,
+        device: torch.device,
+        dtype: torch.dtype,
+        block_size: int,
+        num_blocks: int | None = None,
+        compile: bool = False,
+        attention_backend: str = "auto",
+        freeze: bool = True,  # compiled on a CPU: weights as prepacked constants (see compile_forward)
+        cuda_graph_max_seqs: int = 0,  # largest batch run as a captured graph (engine.runner.cuda_graphs); 0: none
+    ) -> None:
+        self.model = model
+        self.hf_config = hf_config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.vocab_size = hf_config.vocab_size
+        self.kv_bytes_per_token = kv_bytes_per_token(hf_config, dtype)
+        self.attention_backend = resolve_backend(attention_backend, device)  # see engine.attention
+        self._build_metadata = metadata_builder(self.attention_backend)
+        if device.type == "cpu" and self.attention_backend == "sdpa":
+            load_cpu_kernel()  # the op's C++ kernel for CPU tensors (built on first use)
+        self.num_blocks = 0
+        self.kv_cache = torch.empty(0)
+        # Graphs need the triton backend's static-shaped metadata; they are set up with the pool.
+        self.cuda_graph_max_seqs = cuda_graph_max_seqs if self.attention_backend == "triton" else 0
+        self.graphs: CudaGraphs | None = None
+        if num_blocks is not None:
+            self.allocate_kv(num_blocks)
+        self.compiled = compile
+        self.frozen = compile and freeze and device.type == "cpu"
+        self._run = LogitsForward(model)
+        self._chain = ChainForward(model)
+        if compile:
+            self._run = compile_forward(self._run, device, freeze)
+            if not self.frozen:  # a frozen graph would take a second copy of the weights
+                self._chain = compile_forward(self._chain, device, freeze)
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        """Allocate the KV pool, once its size is known (it is shared out with any proposer's cache).
+        With graphs, one more block past the pool's is their padding tokens' scratch."""
+        attn = self.model.layers[0].self_attn
+        self.num_blocks = num_blocks
+        scratch = int(self.cuda_graph_max_seqs > 0)
+        # [layers, K/V, slots, kv_heads, head_dim]: one contiguous pool; slot = block * block_size + offset.
+        self.kv_cache = torch.zeros(
+            self.model.num_layers,
+            2,
+            (num_blocks + scratch) * self.block_size,
+            attn.num_kv_heads,
+            attn.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        logger.info(
+            "KV pool: %d blocks x %d tokens (%.1f MiB)",
+            num_blocks,
+            self.block_size,
+            self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
+        )
+        if scratch:  # (new graphs: the old ones read the old pool)
+            from engine.runner.cuda_graphs import CudaGraphs
+
+            self.graphs = CudaGraphs(
+                self.device, self.cuda_graph_max_seqs, num_blocks, self.block_size, attn.num_kv_heads
+            )
+
+    # -- KV blocks --------------------------------------------------------------------------------
+    def move_slots(self, src: list[int], dst: list[int]) -> None:
+        """Move single tokens' K/V (all layers) between slots: accepted draft-tree nodes into place.
+        All sources are read before any destination is written, so overlapping moves are safe."""
+        if not src:
+            return
+        s = torch.tensor(src, device=self.device)
+        d = torch.tensor(dst, device=self.device)
+        self.kv_cache[:, :, d] = self.kv_cache[:, :, s].clone()
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate whole blocks' K/V (all layers) from src to dst."""
+        if not copies:
+            return
+        bs = self.block_size
+        offsets = torch.arange(bs, device=self.device)
+        src = (torch.tensor([s for s, _ in copies], device=self.device)[:, None] * bs + offsets).flatten()
+        dst = (torch.tensor([d for _, d in copies], device=self.device)[:, None] * bs + offsets).flatten()
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    # -- forward ----------------------------------------------------------------------------------
+    def prepare(self, chunks: list[ForwardChunk]) -> ForwardBatch:
+        """Host metadata → device tensors for one flattened forward (shared by every layer): padded
+        to a captured shape where the batch has one (see engine.runner.cuda_graphs)."""
+        if self.graphs is not None:
+            back = any(c.tree_mask is not None and c.mask_start not in (None, c.ctx_len) for c in chunks)
+            shape = self.graphs.shape_for([len(c.token_ids) for c in chunks], back)
+            if shape is not None:
+                return self._prepare_padded(chunks, *shape)
+        token_ids: list[int] = []
+        positions: list[int] = []
+        logit_rows: list[int] = []
+        for c in chunks:
+            start = len(token_ids)
+            token_ids.extend(c.token_ids)
+            q = len(c.token_ids)
+            positions.extend(c.positions if c.positions is not None else range(c.ctx_len, c.ctx_len + q))
+            logit_rows.extend(range(start + q - c.num_logits, start + q))
+        dev = self.device
+        input_ids = torch.tensor(token_ids, dtype=torch.int64).to(dev, non_blocking=True)
+        pos = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
+        masks = [c.tree_mask for c in chunks]
+        meta = self._build_metadata(
+            q_lens=[len(c.token_ids) for c in chunks],
+            ctx_lens=[c.ctx_len for c in chunks],
+            block_tables=[c.block_table for c in chunks],
+            block_size=self.block_size,
+            positions=pos,
+            new_token_masks=masks if any(m is not None for m in masks) else None,
+            mask_starts=[c.ctx_len if c.mask_start is None else c.mask_start for c in chunks],
+            sliding_window=self.model.sliding_window,
+            device=dev,
+        )
+        rows = torch.tensor(logit_rows, dtype=torch.int64).to(dev, non_blocking=True)
+        return ForwardBatch(input_ids, pos, meta, rows, len(chunks), len(token_ids))
+
+    def _prepare_padded(self, chunks: list[ForwardChunk], num_seqs: int, width: int) -> ForwardBatch:
+        """:meth:`prepare` for a captured shape: every sequence padded to ``width`` new tokens and the
+        batch to ``num_seqs`` sequences. Padding repeats a sequence's last position (a padding sequence
+        has position 0 and no blocks), writes the scratch slot, and no real token sees it: it comes after
+        a causal sequence's tokens, and a tree mask is padded with zero columns (a padding row sees itself)."""
+        token_ids: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []  # each real token's padded row
+        logit_rows: list[int] = []  # the padded rows needing logits
+        real_logit_rows: list[int] = []  # ... and the same tokens' rows in the unpadded batch
+        masks: list[torch.Tensor | None] = []
+        for b, c in enumerate(chunks):
+            q, start = len(c.token_ids), b * width
+            real_logit_rows.extend(range(len(token_ids) + q - c.num_logits, len(token_ids) + q))
+            token_ids.extend(c.token_ids)
+            pos = list(c.positions) if c.positions is not None else list(range(c.ctx_len, c.ctx_len + q))
+            positions.extend(pos + pos[-1:] * (width - q))
+            rows.extend(range(start, start + q))
+            logit_rows.extend(range(start + q - c.num_logits, start + q))
+            mask = c.tree_mask
+            if mask is not None and q < width:
+                mask = torch.eye(width, dtype=torch.bool)
+                mask[:q, :q] = c.tree_mask
+            masks.append(mask)
+        pads = num_seqs - len(chunks)
+        positions.extend([0] * (pads * width))
+        dev = self.device
+        pos = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
+        meta = self._build_metadata(
+            q_lens=[width] * num_seqs,
+            ctx_lens=[c.ctx_len for c in chunks] + [0] * pads,
+            block_tables=[c.block_table for c in chunks] + [[]] * pads,
+            block_size=self.block_size,
+            positions=pos,
+            new_token_masks=masks + [None] * pads if any(m is not None for m in masks) else None,
+            sliding_window=self.model.sliding_window,
+            device=dev,
+            num_splits=self.graphs.decode_splits(num_seqs),
+            write_lens=[len(c.token_ids) for c in chunks] + [0] * pads,
+            scratch_slot=self.graphs.scratch_slot,
+        )
+        # One copy: the token ids, their padded rows, the padded and unpadded rows needing logits.
+        T, N = len(token_ids), len(logit_rows)
+        host = torch.tensor(token_ids + rows + logit_rows + real_logit_rows, dtype=torch.int64)
+        ids, rows_t, logits_t, real_t = host.to(dev, non_blocking=True).split([T, T, N, N])
+        from engine.runner.cuda_graphs import GraphShape
+
+        return ForwardBatch(ids, pos, meta, real_t, len(chunks), T, GraphShape(num_seqs, width, rows_t, logits_t))
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        batch: ForwardBatch,
+        input_ids: torch.Tensor | None = None,  # [T] overrides batch.input_ids (tokens still on the device)
+        skip: LayerSkip | None = None,
+        hidden_layers: tuple[int, ...] = (),
+        hidden_in: torch.Tensor | None = None,  # [T, ...] per-token features for a model that takes them
+    ) -> ForwardOutput:
+        ids = batch.input_ids if input_ids is None else input_ids
+        if batch.graph is not None:  # the output layer runs after the graph (see engine.runner.cuda_graphs)
+            captured, final, at_logits = self.graphs.run(
+                self._run, batch, ids, self.kv_cache, skip, hidden_layers, hidden_in
+            )
+            return ForwardOutput(self.model.compute_logits(at_logits), captured, final)
+        logits, captured, final = self._run(
+            ids, batch.positions, batch.meta, self.kv_cache, batch.logit_rows, skip, hidden_layers, hidden_in
+        )
+        return ForwardOutput(logits=logits, hidden_states=captured, final_hidden=final)
+
+    def prepare_levels(self, chunks: list[ForwardChunk]) -> list[ForwardBatch]:
+        """Causal chunks of one length ``L`` (one per sequence; their token ids are not read) as ``L``
+        batches of one token per sequence, level ``d`` holding every chunk's token ``d``: the levels of
+        greedy chains. One metadata build where the backend's metadata splits into levels (sdpa's
+        ``levels()``), one per level otherwise."""
+        L, B = len(chunks[0].token_ids), len(chunks)
+        if self.attention_backend != "sdpa":
+            one = lambda d: [ForwardChunk([0], c.ctx_len + d, c.block_table, 1) for c in chunks]  # noqa: E731
+            return [self.prepare(one(d)) for d in range(L)]
+        whole = self.prepare(chunks)
+        ids, pos = whole.input_ids.view(B, L), whole.positions.view(B, L)
+        rows = torch.arange(B, device=self.device)
+        return [ForwardBatch(ids[:, d], pos[:, d], m, rows, B, B) for d, m in enumerate(whole.meta.levels())]
+
+    @torch.inference_mode()
+    def chain(
+        self,
+        batches: list[ForwardBatch],
+        input_ids: torch.Tensor,  # [B] the first level's tokens, on the device
+        temperature: torch.Tensor | None = None,  # [B] sampled chains (None: greedy)
+        noise: torch.Tensor | None = None,  # [L, B, V] Exp(1) draws, one row per level and sequence
+        skip: LayerSkip | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run ``len(batches)`` levels of chains in one call (see :class:`ChainForward`): level ``d``
+        feeds one token per sequence with ``batches[d]``'s metadata (:meth:`prepare_levels`); returns
+        each level's token ``[B, L]`` and, sampled, the ``q`` each was drawn from ``[B, L, V]``.
+        Captured levels replay one graph each, still without a host sync between them."""
+        if self.graphs is not None:
+            out, qs = [], []
+            for d, b in enumerate(batches):
+                logits = self.execute(b, input_ids, skip).logits
+                input_ids, q = chain_pick(logits, temperature, None if noise is None else noise[d])
+                out.append(input_ids)
+                qs.append(q)
+            return torch.stack(out, 1), None if noise is None else torch.stack(qs, 1)
+        positions, metas = [b.positions for b in batches], [b.meta for b in batches]
+        return self._chain(input_ids, positions, metas, self.kv_cache, skip, temperature, noise)
+
+    def forward(
+        self,
+        chunks: list[ForwardChunk],
+        skip: LayerSkip | None = None,
+        hidden_layers: tuple[int, ...] = (),
+    ) -> ForwardOutput:
+        return self.execute(self.prepare(chunks), skip=skip, hidden_layers=hidden_layers)
+
+    def warmup(self, hidden_layers: tuple[int, ...] = (), skip: LayerSkip | None = None, chain_levels: int = 0) -> None:
+        """Run the forward once for each graph a compiled model needs (one new token, several; with
+        the hidden layers the step captures; greedy and sampled chains of 1 .. ``chain_levels`` levels), so that
+        no request waits for a compilation. Writes only the first blocks' slots, which every later
+        forward overwrites before reading (a token's K/V is written before attention reads it).
+        With graphs, then captures them (:meth:`capture_graphs`)."""
+        t0 = time.perf_counter()
+        # Compiled: the graph of several tokens, then a lone token's (see compile_forward).
+        for n in (2, 1) if self.compiled else ():
+            blocks = list(range(-(-n // self.block_size)))
+            self.forward([ForwardChunk([0] * n, 0, blocks, n)], skip=skip, hidden_layers=hidden_layers)
+            for levels in range(1, chain_levels + 1):  # n sequences of one token per level
+                table = list(range(-(-(levels + 1) // self.block_size)))
+                batches = self.prepare_levels([ForwardChunk([0] * levels, 1, table, levels)] * n)
+                ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+                self.chain(batches, ids, skip=skip)
+                temperature = torch.ones(n, device=self.device)
+                noise = torch.ones(levels, n, self.vocab_size, device=self.device)
+                self.chain(batches, ids, temperature, noise, skip)
+        if self.compiled:
+            logger.info("compiled %s forward in %.1fs", type(self.model).__name__, time.perf_counter() - t0)
+        self.capture_graphs(hidden_layers, skip)
+
+    def capture_graphs(
+        self, hidden_layers: tuple[int, ...] = (), skip: LayerSkip | None = None, features: int | None = None
+    ) -> None:
+        """With graphs, run (so capture) every shape warm-up covers (``CudaGraphs.warmup_shapes``), as
+        the step will call it: with these hidden layers and skipped layers, and ``features``-wide
+        per-token inputs for a model that takes them. Writes only the first blocks, as warmup does."""
+        if self.graphs is None:
+            return
+        t0 = time.perf_counter()
+        shapes = self.graphs.warmup_shapes()
+        for n, width in shapes:  # n sequences of `width` tokens, in the first block(s)
+            table = [b % self.num_blocks for b in range(-(-width // self.block_size))]
+            batch = self.prepare([ForwardChunk([0] * width, 0, table, width)] * n)
+            feats = None if features is None else torch.zeros(n * width, features, dtype=self.dtype, device=self.device)
+            self.execute(batch, skip=skip, hidden_layers=hidden_layers, hidden_in=feats)
+        self.synchronize()
+        took = time.perf_counter() - t0
+        logger.info("%s: %d graph shapes in %.1fs", type(self.model).__name__, len(shapes), took)
+
+    def synchronize(self) -> None:
+        """Wait for the device (timings are taken after it)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

@@ -1,0 +1,166 @@
+"""From a forward's logits to accepted draft nodes, for a batch of samples (see ``step.py``).
+
+Greedy samples take the fast path: one argmax per row and a walk on the host
+(:func:`~engine.sampling.verify.greedy_accept`); sampling samples go through lossless
+rejection sampling (:func:`~engine.sampling.verify.verify`), seeded ones through the
+drafter-invariant rule; a request that asked for Medusa's typical acceptance (lossy) gets it.
+Every row is shaped exactly as plain sampling would shape it — a node's row as if its path above
+had been emitted — so penalties count the path's tokens too, and no-repeat n-grams see the path.
+Penalty statistics live on the sequence, on the device, updated with each step's tokens: building a
+row costs O(vocab), never O(context).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.request.sequence import Sequence
+from engine.sampling.no_repeat import banned_tokens
+from engine.sampling.sampler import SamplingMetadata, apply_logits_processors, compute_probs, exponential_noise
+from engine.sampling.verify import build_verify_input, greedy_accept, verify
+
+
+class RowsMetadata:
+    def __init__(self, vocab_size: int, device: torch.device, eos_token_ids: list[int]) -> None:
+        self.vocab_size, self.device, self.eos_token_ids = vocab_size, device, eos_token_ids
+
+    def __call__(self, samples: list) -> tuple[list[int], SamplingMetadata]:
+        """Logits rows of every sample's root and nodes, and their sampling metadata."""
+        rows, params, num_out, counts, masks, gens, extra, banned = [], [], [], [], [], [], [], []
+        for s in samples:
+            seq = s.seq
+            st = penalty_state(seq, self.vocab_size, self.device)
+            paths: list[list[int]] = [[]]
+            for t, par in zip(s.tree.tokens, s.tree.parents):
+                paths.append(paths[par + 1] + [t])
+            for i, path in enumerate(paths):
+                extra.extend((len(rows), t) for t in path)
+                rows.append(s.row + i)
+                params.append(seq.params)
+                num_out.append(seq.num_output_tokens + len(path))
+                counts.append(st[0])
+                masks.append(st[1])
+                gens.append(seq.noise_key(len(path)))  # the noise of the position this row samples
+                banned.append(banned_tokens(seq, path))
+        extra = extra if any(p.needs_penalties for p in params) else []
+        V, dev, eos = self.vocab_size, self.device, self.eos_token_ids
+        return rows, SamplingMetadata.from_state(params, num_out, counts, masks, gens, eos, V, dev, extra, banned)
+
+
+def accept_greedy(samples: list, logits: torch.Tensor, rows_md: RowsMetadata) -> list[tuple[list[int], int]]:
+    """(accepted node indices, final token) per greedy sample: the target's argmax decides."""
+    rows, md = rows_md(samples)
+    raw = logits[rows]
+    return _walk(samples, (apply_logits_processors(raw, md) if md.needs_processing else raw).argmax(-1))
+
+
+def accept_seeded(samples: list, logits: torch.Tensor, rows_md: RowsMetadata) -> list[tuple[list[int], int]]:
+    """(accepted node indices, final token) per seeded sampling sample, drafter-invariantly: each row's
+    token is the target's own sample for that output position, ``argmax(p / E)`` with ``E`` the noise
+    of (seed, position) alone, and a draft node is kept while it equals it. What is emitted is
+    therefore exactly what plain decoding with that seed emits, whatever was drafted or batched; it
+    is a sample of ``p`` because ``E`` is i.i.d. Exp(1) for every key."""
+    rows, md = rows_md(samples)
+    raw = logits[rows]
+    p = compute_probs(apply_logits_processors(raw, md) if md.needs_processing else raw, md)
+    return _walk(samples, (p / exponential_noise(p, md.generators)).argmax(-1))
+
+
+def _walk(samples: list, targets: torch.Tensor) -> list[tuple[list[int], int]]:
+    """Keep each tree's nodes while they equal the target's token of their parent's row (one transfer)."""
+    roots, r = [], 0
+    for s in samples:
+        roots.append(r)
+        r += len(s.tree) + 1
+    return greedy_accept(targets.tolist(), [s.tree for s in samples], roots)
+
+
+def accept_random(samples: list, logits: torch.Tensor, rows_md: RowsMetadata) -> list[tuple[list[int], int]]:
+    """(accepted node indices, final token) per unseeded sampling sample, by lossless rejection sampling."""
+    rows, md = rows_md(samples)
+    raw = logits[rows]
+    p = compute_probs(apply_logits_processors(raw, md) if md.needs_processing else raw, md)
+    inp, roots = build_verify_input(p, [s.tree for s in samples], rows_md.vocab_size)
+    res = verify(inp)
+    accepted = [[r - root - 1 for r in acc] for acc, root in zip(res.accepted_rows, roots)]
+    return list(zip(accepted, res.final_tokens))
+
+
+def accept_typical(samples: list, logits: torch.Tensor, rows_md: RowsMetadata) -> list[tuple[list[int], int]]:
+    """LOSSY (Medusa's typical acceptance, asked for per request): a node ``x`` under a row whose
+    shaped target distribution is ``p`` is *typical* when ``p(x) > min(epsilon, delta * exp(-H(p)))``;
+    the deepest path of typical nodes is accepted (the first such in the tree's order), and the final
+    token is sampled from ``p`` at its end. Accepts more than rejection sampling where ``p`` is flat,
+    at the price of exactness: the output is not the target's distribution."""
+    rows, md = rows_md(samples)
+    raw = logits[rows]
+    p = compute_probs(apply_logits_processors(raw, md) if md.needs_processing else raw, md)  # [R, V]
+    entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)  # [R]
+    eps_delta = [s.seq.params.typical_acceptance for s in samples for _ in range(len(s.tree) + 1)]
+    eps, delta = torch.tensor(eps_delta, dtype=torch.float32, device=p.device).unbind(-1)
+    threshold = torch.minimum(eps, delta * torch.exp(-entropy))  # [R]
+    parent_rows, tokens, r = [], [], 0
+    for s in samples:
+        parent_rows.extend(r + par + 1 for par in s.tree.parents)
+        tokens.extend(s.tree.tokens)
+        r += len(s.tree) + 1
+    par = torch.tensor(parent_rows, dtype=torch.int64, device=p.device)
+    tok = torch.tensor(tokens, dtype=torch.int64, device=p.device)
+    typical = p[par, tok] > threshold[par]  # [nodes]
+    draws = (p / exponential_noise(p, md.generators)).argmax(-1)  # [R] a sample of p at every row
+    host = torch.cat([typical.long(), draws]).tolist()  # one transfer
+    typical, draws = host[: len(tokens)], host[len(tokens) :]
+    out, node, r = [], 0, 0
+    for s in samples:
+        n = len(s.tree)
+        depth = [0] * n  # depth of node i if its whole path is typical, else 0
+        for i, parent in enumerate(s.tree.parents):
+            if typical[node + i] and (parent < 0 or depth[parent]):
+                depth[i] = (depth[parent] if parent >= 0 else 0) + 1
+        best = max(range(n), key=lambda i: (depth[i], -i), default=None)
+        path: list[int] = []
+        i = best if best is not None and depth[best] else -1
+        while i >= 0:
+            path.append(i)
+            i = s.tree.parents[i]
+        path.reverse()
+        out.append((path, draws[r + (path[-1] + 1 if path else 0)]))
+        node, r = node + n, r + n + 1
+    return out
+
+
+def acceptance_kind(sample) -> str:
+    """Which rule verifies a sample: greedy, seeded (drafter-invariant), random (rejection sampling),
+    or typical (lossy, only when the request asked for it and there is a draft)."""
+    p = sample.seq.params
+    if p.greedy:
+        return "greedy"
+    if p.typical_acceptance is not None and len(sample.tree):
+        return "typical"
+    return "seeded" if sample.seq.seed is not None else "random"
+
+
+ACCEPT = {"greedy": accept_greedy, "seeded": accept_seeded, "random": accept_random, "typical": accept_typical}
+
+
+def penalty_state(seq: Sequence, vocab_size: int, device: torch.device) -> tuple[torch.Tensor | None, ...]:
+    """A penalised sequence's ``[V]`` output-token counts and prompt mask, built once from its
+    history and then kept up to date by :func:`count_tokens`."""
+    p = seq.params
+    if not p.needs_penalties:
+        return None, None
+    if seq.token_counts is None:
+        seq.token_counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        count_tokens(seq, seq.output_ids, vocab_size)
+        if p.repetition_penalty != 1.0:
+            seq.prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            ids = [t for t in seq.prompt_ids if 0 <= t < vocab_size]
+            seq.prompt_mask[torch.tensor(ids, dtype=torch.int64, device=device)] = True
+    return seq.token_counts, seq.prompt_mask
+
+
+def count_tokens(seq: Sequence, tokens: list[int], vocab_size: int) -> None:
+    if seq.token_counts is not None and tokens:
+        dev = seq.token_counts.device
+        idx = torch.tensor([t for t in tokens if 0 <= t < vocab_size], dtype=torch.int64, device=dev)
+        seq.token_counts.index_put_((idx,), torch.ones((), device=dev), accumulate=True)

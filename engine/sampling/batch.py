@@ -1,0 +1,46 @@
+"""What one step carries between its stages (see ``step.py``): small dataclasses, no logic."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request.sequence import Sequence, TokenLogprob
+from engine.runner.model_runner import ForwardChunk
+from engine.sampling.tree import DraftTree
+
+
+@dataclass
+class Emit:
+    """What one sequence produced this step: its new tokens (accepted nodes, then the final token)."""
+
+    seq: Sequence
+    tokens: list[int]
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class Sample:
+    """A sequence whose next token is drawn this step, from the logits rows of its root and tree."""
+
+    seq: Sequence
+    tree: DraftTree  # empty: plain sampling
+    row: int  # logits row of the root; node i is row + 1 + i
+    tok: int  # flat token index of the root in the forward (for hidden states)
+    depth: int = 0  # levels its draft really reached (the controller learns from those positions only)
+    fork: bool = False  # its prompt just finished and its request has n > 1: the other choices fork here
+    accepted: list[int] = field(default_factory=list)  # node indices the target kept, root to leaf
+
+
+@dataclass
+class Batch:
+    chunks: list[ForwardChunk] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
+    computed: list[tuple[Sequence, int, int, int]] = field(default_factory=list)  # (seq, start, n, first tok)
+    prompt_spans: list[tuple[Sequence, int, int, int]] = field(default_factory=list)  # (seq, row, start, n)
+    searches: list = field(default_factory=list)  # engine.decoding.contrastive_search.Fed: candidates fed
+    ended: list[Sequence] = field(default_factory=list)  # a sequence of each beam search that ended
+
+    @property
+    def decode_only(self) -> bool:
+        """No prompt work in it: its tokens/s compare with other decode-only steps'."""
+        return not self.prompt_spans and all(c.num_logits == len(c.token_ids) for c in self.chunks)

@@ -1,0 +1,286 @@
+"""Drafting with a separate small model that shares the target's tokenizer.
+
+The draft keeps its own KV cache, indexed by the *same* block tables as the target's (one block id
+names a block in both pools), so allocation, copy-on-write, preemption and tail release stay in sync
+by construction. ``Sequence.draft_num_computed`` counts the leading tokens whose draft KV is valid.
+Each step first *catches up* (feeds the draft what it has not seen, up to the root; long catch-ups,
+e.g. a new prompt, are chunked under the step's token budget and draft nothing until done), then
+drafts chains or trees level by level (``engine/speculative/levels.py``): each level's tokens stay
+on the device and feed the next forward, whose metadata the host prepared in advance.
+
+Prefix reuse: the draft's blocks follow the target's hashes. A block whose draft KV the draft wrote
+for a full block with hash ``h`` stays valid as long as the draft writes nothing else into it, so a
+target prefix-cache hit on ``h`` is a draft hit too and its catch-up starts after it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from engine.models import model_class_for
+from engine.request.sequence import Sequence
+from engine.runner.loader import load_config, load_model, load_tokenizer, resolve_model_path
+from engine.runner.model_runner import ForwardBatch, ForwardChunk, ModelRunner
+from engine.sampling.tree import DraftTree
+from engine.speculative.early_stop import EarlyStop, early_stop_for
+from engine.speculative.levels import LevelDrafter
+from engine.speculative.proposer import CostShape, ProposeContext, register
+
+
+@register
+class DraftModelProposer(LevelDrafter):
+    method = "draft"
+    has_language_model = True
+    cost = CostShape(kind="draft")
+    # Draft row r holds the sequence's token r + shift at position r (EAGLE: 1, its row r pairs the
+    # target's hidden state at position r with the token that followed it).
+    shift: int = 0
+    state_layers: tuple[int, ...] = ()  # the draft layer whose output is the next level's state
+    fuses_chains = True  # chains' levels in one call (see LevelDrafter._fused_chains)
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        target_vocab_size: int,
+        eos_token_ids: list[int],
+        tree: bool,
+        topk: int = 2,
+        budget: int = 16,
+        catch_up_budget: int = 2048,
+        early_stop: EarlyStop | None = None,
+        max_depth: int = 0,  # the deepest draft a step asks for (its greedy chains are compiled ahead)
+    ) -> None:
+        super().__init__(target_vocab_size, eos_token_ids, runner.device, tree, topk, budget, early_stop)
+        self.runner = runner
+        self.max_depth = max_depth
+        # The draft may pad its vocabulary differently from the target: its distributions are
+        # widened to the target's (padding ids get no mass), and ids it has no row for are never fed.
+        self.draft_vocab_size = runner.vocab_size
+        # Sampled chains in one call draw from the draft's own logits: only where they are the target's width.
+        self.fuses_sampled_chains = self.draft_vocab_size == target_vocab_size
+        self.catch_up_budget = catch_up_budget
+        self.kv_bytes_per_token = runner.kv_bytes_per_token
+        self.num_forwards = 0
+        self._valid: dict[int, int] = {}  # block id → hash of the full block whose draft KV it holds
+        self._marked: dict[int, int] = {}  # seq_id → leading full blocks already recorded in _valid
+
+    @classmethod
+    def build(cls, config, target: ModelRunner, *, tokenizer, eos_token_ids: list[int]) -> DraftModelProposer:
+        if not config.draft_model:
+            raise ValueError("speculative method 'draft' needs --draft-model")
+        path = resolve_model_path(config.draft_model)
+        draft_config = load_config(path)
+        check_same_vocabulary(tokenizer, load_tokenizer(path), draft_config, target.hf_config, path)
+        max_positions = target.model.rope_cos.shape[0]
+        dtype = draft_dtype(target, draft_config, max_positions)
+        model = load_model(path, draft_config, dtype, target.device, max_positions, pack=not target.compiled)
+        runner = ModelRunner(
+            model, draft_config, target.device, dtype, config.block_size, compile=target.compiled,
+            attention_backend=target.attention_backend, freeze=False,  # its levels run a row or two each
+            cuda_graph_max_seqs=target.cuda_graph_max_seqs,
+        )  # fmt: skip
+        tree = config.spec_tree_topk > 1
+        budget, catch_up = config.spec_tree_budget, config.max_num_batched_tokens
+        stop = early_stop_for(config, default=None)
+        depth = config.num_speculative_tokens
+        return cls(runner, target.vocab_size, eos_token_ids, tree, config.spec_tree_topk, budget, catch_up, stop, depth)
+
+    # -- cache and lifecycle --------------------------------------------------------------------
+    def allocate_kv(self, num_blocks: int) -> None:
+        self.runner.allocate_kv(num_blocks)
+
+    def warmup(self) -> None:
+        self.runner.warmup(chain_levels=max(self.max_depth - 1, 0) if self.fuses_chains and not self.tree else 0)
+
+    def cost_probe(self):
+        return self.runner.forward
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        for _, dst in copies:
+            self._valid.pop(dst, None)
+        self.runner.copy_blocks(copies)
+
+    def on_verified(self, seq: Sequence, tree: DraftTree, accepted: list[int]) -> None:
+        # The root's draft KV is in place (catch-up wrote it). Nodes the draft fed at their final slot
+        # (a chain's, a sampled tree's spine, a greedy tree's best first child) stay valid while the
+        # accepted path follows them; anything else is recomputed by the next catch-up.
+        self.observe_acceptance(seq, tree, accepted)
+        written = self._written.pop(seq.seq_id, [])
+        keep = 0
+        while keep < min(len(accepted), len(written)) and accepted[keep] == written[keep]:
+            keep += 1
+        seq.draft_num_computed += keep
+
+    def on_fork(self, parent: Sequence, child: Sequence) -> None:
+        child.draft_num_computed = parent.draft_num_computed
+
+    def on_preempt(self, seq: Sequence) -> None:
+        seq.draft_num_computed = 0
+        self._written.pop(seq.seq_id, None)
+        self._marked.pop(seq.seq_id, None)
+
+    def on_free(self, seq: Sequence) -> None:
+        super().on_free(seq)
+        self._marked.pop(seq.seq_id, None)
+
+    # -- drafting -------------------------------------------------------------------------------
+    def _root_logits(self, seqs: list[Sequence], ctx: ProposeContext):
+        """Catch up (feed the draft what it has not seen, chunked under the budget): the indices of
+        the sequences whose root was reached, the draft's logits there ``[len(ready), V]`` and their
+        states (see :meth:`_forward`)."""
+        ready, chunks, states, budget = [], [], [], self.catch_up_budget
+        for i, s in enumerate(seqs):
+            self._skip_cached_prefix(s)
+            start = s.draft_num_computed
+            n = s.num_tokens - self.shift - start
+            take = min(n, max(budget, 1))
+            budget -= take
+            tokens = s.token_ids[start + self.shift : start + self.shift + take]
+            chunks.append(ForwardChunk(tokens, start, s.block_table, int(take == n)))
+            states.append(self._catch_up_state(s, start, take))
+            if take == n:
+                ready.append(i)
+        hidden_in = torch.cat(states) if states[0] is not None else None
+        logits, state = self._forward(self.runner.prepare(chunks), chunks, hidden_in=hidden_in)
+        for s, c in zip(seqs, chunks):
+            s.draft_num_computed += len(c.token_ids)
+            self._mark_valid(s)
+        return ready, logits, state
+
+    def next_token_logits(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Catch each sequence up in full (in budget-sized forwards) and return the draft's logits for
+        its next token ``[len(seqs), V]``."""
+        rows: list[torch.Tensor | None] = [None] * len(seqs)
+        todo = list(range(len(seqs)))
+        while todo:
+            ready, logits, _ = self._root_logits([seqs[i] for i in todo], ProposeContext())
+            for r, row in zip(ready, logits):
+                rows[todo[r]] = row
+            todo = [i for i in todo if rows[i] is None]
+        return torch.stack(rows)
+
+    def _catch_up_state(self, seq: Sequence, start: int, n: int) -> torch.Tensor | None:
+        """The per-row input besides the token for the draft's rows ``start .. start + n`` (None: none)."""
+        return None
+
+    def _forward(
+        self, batch: ForwardBatch, chunks: list[ForwardChunk], input_ids=None, hidden_in=None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One draft forward, timed for the cost model: its logits (widened to the target's
+        vocabulary) and, for a drafter that reads its own hidden state back (``state_layers``), that
+        layer's output at the same rows."""
+        self.num_forwards += 1
+        t0 = time.perf_counter()
+        self._overwrites(chunks)
+        if input_ids is None and self.draft_vocab_size < self.vocab_size:
+            batch.input_ids = batch.input_ids.clamp(max=self.draft_vocab_size - 1)
+        out = self.runner.execute(batch, input_ids=input_ids, hidden_layers=self.state_layers, hidden_in=hidden_in)
+        logits = out.logits
+        if logits.shape[1] != self.vocab_size:
+            wide = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+            n = min(self.vocab_size, logits.shape[1])
+            wide[:, :n] = logits[:, :n]
+            logits = wide
+        state = out.hidden_states[self.state_layers[0]].index_select(0, batch.logit_rows) if self.state_layers else None
+        self.runner.synchronize()
+        self._timings.append((self.cost.kind, batch.num_seqs, batch.num_tokens, time.perf_counter() - t0))
+        return logits, state
+
+    def _overwrites(self, chunks: list[ForwardChunk]) -> None:
+        """The draft writes these chunks' slots: their blocks no longer hold a cached prefix."""
+        bs = self.runner.block_size
+        for c in chunks:
+            for b in range(c.ctx_len // bs, (c.ctx_len + len(c.token_ids) - 1) // bs + 1):
+                self._valid.pop(c.block_table[b], None)
+
+    def _chain_levels(self, seqs: list[Sequence], ids: torch.Tensor, levels: int, temperature=None, noise=None):
+        # Level d feeds its token at draft slot root + 1 + d, which is also its position: the levels
+        # are a causal chunk of `levels` tokens after the root.
+        chunks = [ForwardChunk([0] * levels, s.num_tokens - self.shift, s.block_table, levels) for s in seqs]
+        batches = self.runner.prepare_levels(chunks)
+        self._overwrites(chunks)
+        if self.draft_vocab_size < self.vocab_size:
+            ids = ids.clamp(max=self.draft_vocab_size - 1)
+        self.num_forwards += levels
+        t0 = time.perf_counter()
+        out, q = self.runner.chain(batches, ids, temperature, noise)
+        self.runner.synchronize()
+        per_level = (time.perf_counter() - t0) / levels  # the cost model prices draft levels one by one
+        self._timings.extend((self.cost.kind, len(seqs), len(seqs), per_level) for _ in range(levels))
+        return out, q
+
+    def _level(self, seqs, ids, per_seq, first, depth, masks=None, state=None):
+        """Feed ``per_seq`` device-resident tokens per sequence at draft slots ``root + 1 + first[b] ...``,
+        all at position ``root + depth`` (``root``: the draft row that gave level 1)."""
+        chunks = []
+        for b, s in enumerate(seqs):
+            root = s.num_tokens - 1 - self.shift
+            mask, mask_start = (masks[b], root + 1) if masks is not None else (None, None)
+            positions = [root + depth] * per_seq
+            slot = root + 1 + first[b]
+            chunks.append(ForwardChunk([0] * per_seq, slot, s.block_table, per_seq, positions, mask, mask_start))
+        if self.draft_vocab_size < self.vocab_size:
+            ids = ids.clamp(max=self.draft_vocab_size - 1)
+        return self._forward(self.runner.prepare(chunks), chunks, input_ids=ids.reshape(-1), hidden_in=state)
+
+    # -- prefix reuse ---------------------------------------------------------------------------
+    def _skip_cached_prefix(self, seq: Sequence) -> None:
+        """Start catch-up after the leading full blocks whose draft KV is valid for their hash."""
+        bs = self.runner.block_size
+        n = seq.draft_num_computed // bs  # the blocks before are computed already
+        while n < len(seq.block_hashes) and self._valid.get(seq.block_table[n]) == seq.block_hashes[n]:
+            n += 1
+        n = min(n * bs, seq.num_tokens - 1 - self.shift)  # the root row is always fed
+        if n > seq.draft_num_computed:
+            seq.draft_num_computed = n
+
+    def _mark_valid(self, seq: Sequence) -> None:
+        """Record the full blocks whose draft KV is now computed, from where the last call stopped:
+        blocks before are final and never written again while the sequence holds them."""
+        end = min(len(seq.block_hashes), seq.draft_num_computed // self.runner.block_size)
+        for i in range(self._marked.get(seq.seq_id, 0), end):
+            self._valid[seq.block_table[i]] = seq.block_hashes[i]
+        self._marked[seq.seq_id] = max(end, self._marked.get(seq.seq_id, 0))
+
+
+def draft_dtype(target: ModelRunner, draft_config, max_positions: int) -> torch.dtype:
+    """The draft's dtype: the target's, except on a CPU where the target runs in half precision and the
+    draft's float32 weights fit in the last-level cache. There bandwidth does not limit the draft, and
+    at the one or two rows a draft level runs, oneDNN's half-precision GEMMs cost more per call than
+    float32's (the demo draft's forward: 0.44 ms in bf16, 0.25 ms in float32). The draft's own KV
+    cache follows its dtype; its logits are float32 either way, so verification is unchanged."""
+    if target.device.type != "cpu" or target.dtype == torch.float32:
+        return target.dtype
+    with torch.device("meta"):
+        params = sum(p.numel() for p in model_class_for(draft_config)(draft_config, max_positions).parameters())
+    return torch.float32 if 4 * params <= last_level_cache_bytes() else target.dtype
+
+
+def last_level_cache_bytes() -> int:
+    """The size of this CPU's largest cache, as Linux reports it (0 where it does not)."""
+    sizes = [0]
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = entry.read_text().strip()
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes)
+
+
+def check_same_vocabulary(target_tok, draft_tok, draft_config, target_config, draft_path) -> None:
+    """A draft must speak the target's vocabulary: same ids for the same tokens."""
+    if draft_tok.get_vocab() != target_tok.get_vocab():
+        raise ValueError(
+            f"the draft model {draft_path} has a different tokenizer vocabulary from the target; "
+            "speculative decoding needs the same tokenizer"
+        )
+    # Checkpoints of one family often pad their embedding tables differently (Qwen2.5-7B: 152064,
+    # Qwen2.5-0.5B: 151936); that is fine as long as both cover the shared tokenizer.
+    need = len(target_tok)
+    for name, cfg in (("draft", draft_config), ("target", target_config)):
+        if cfg.vocab_size < need:
+            raise ValueError(f"the {name} model's vocab_size ({cfg.vocab_size}) is smaller than its tokenizer ({need})")
