@@ -36,6 +36,7 @@ serve: install
 
 lint: install
 	$(BIN)ruff check engine server loadtest tests
+	$(BIN)lint-imports
 
 bench: install
 	$(BIN)augur bench $(ARGS)

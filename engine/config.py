@@ -3,32 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from dataclasses import dataclass
 
 import torch
 
 from engine.attention import BACKENDS as ATTENTION_BACKENDS
-
-
-@functools.cache
-def cpu_flags() -> tuple[str, ...]:
-    """This CPU's feature flags, as Linux reports them (empty where it does not)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return tuple(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
-    except OSError:
-        return ()
-
-
-@functools.cache
-def cpu_has_bf16_units() -> bool:
-    """Whether this CPU multiplies bf16 natively (AMX-BF16 or AVX512-BF16). Elsewhere bf16 matmuls
-    are emulated through float32 conversions, so float32 is the default there."""
-    flags = cpu_flags()
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
+from engine.platform import cpu_has_bf16_units
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -62,8 +43,9 @@ class EngineConfig:
     # else sdpa (the CPU path and the reference).
     attention_backend: str = "auto"
     # Speculative decoding.
-    # none | draft | ngram | suffix | layer-skip | medusa (the registry's methods; default: the method
-    # whose layout the --draft-model directory has — medusa for Medusa heads, else draft — or none)
+    # none | draft | ngram | suffix | layer-skip | medusa | eagle | mtp (engine/speculative/methods). None:
+    # the method whose layout the --draft-model directory has (medusa for Medusa heads, ..., else draft)
+    # or none; resolved and checked when the engine is built (LLMEngine), as it may read the directory.
     speculative_method: str | None = None
     draft_model: str | None = None
     num_speculative_tokens: int = 4  # the most draft positions (tree depth) per request and step
@@ -111,13 +93,6 @@ class EngineConfig:
         )
         env = os.environ.get("AUGUR_COMPILE", "")
         check(env in ("", "on", "off"), f"AUGUR_COMPILE must be on or off, got {env!r}")
-        from engine.speculative.proposer import known_methods, method_for_draft
-
-        if self.speculative_method is None:  # a draft directory's layout names its method (Medusa heads, ...)
-            self.speculative_method = method_for_draft(self.draft_model) if self.draft_model else "none"
-
-        methods = ["none", *known_methods()]
-        check(self.speculative_method in methods, f"speculative_method must be one of {methods}")
         if self.speculative_method == "draft":
             check(bool(self.draft_model), "speculative_method draft needs --draft-model")
         check(0 <= self.num_speculative_tokens <= 32, "num_speculative_tokens must be in [0, 32]")

@@ -25,8 +25,8 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
+from engine.offline.measure import machine_description, run_augur
 from engine.request.sampling_params import SamplingParams
-from loadtest.bench import machine_description, run_augur
 from loadtest.bench_speculative import bench_prompts, result_row
 
 PROMPT_SETS = ("held-out", "copy")

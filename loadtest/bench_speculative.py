@@ -25,14 +25,16 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
+from engine.offline.measure import demo_prompts, machine_description, make_prompts, run_augur
 from engine.request.sampling_params import SamplingParams
-from loadtest.bench import demo_prompts, machine_description, make_prompts, run_augur
+from engine.speculative.methods import resolve_method
 
 TARGET_RATIO = 0.97  # speculation vs plain decoding, every cell
 TARGET_SPREAD = 0.10  # mean acceptance length across fresh engines
 
 
 def run_spec_bench(cfg: EngineConfig, args: argparse.Namespace) -> int:
+    cfg = dataclasses.replace(cfg, speculative_method=resolve_method(cfg.speculative_method, cfg.draft_model))
     if cfg.speculative_method == "none":
         raise ValueError("--speculative needs a proposer (--draft-model, or the demo pair)")
     conc = sorted(args.concurrency or [1, 8, 32])

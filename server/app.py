@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.core.async_engine import AsyncEngine, EngineDeadError
-from engine.core.llm_engine import InvalidRequestError
+from engine.request.checks import InvalidRequestError
 from engine.request.outputs import RequestOutput
 from engine.request.sampling_params import SamplingParams
 from engine.request.sequence import TokenLogprob

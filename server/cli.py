@@ -9,7 +9,7 @@ import sys
 from engine.attention import BACKENDS as ATTENTION_BACKENDS
 from engine.config import EngineConfig
 from engine.quant import QUANTIZATIONS
-from engine.speculative.proposer import known_methods
+from engine.speculative.methods import known_methods
 from server.metrics import COMPAT
 
 
@@ -218,19 +218,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return run_suite(args, engine_argv(args), engine_argv(args, skip=("model", "seed")))
     if args.servers:
         raise ValueError("--url and --server measure the prompt suite: add --suite")
-    from loadtest.bench import run_bench
-
     if args.num_prompts is None:
         args.num_prompts = 16
-    return run_bench(engine_config_from_args(args), args)
+    config = engine_config_from_args(args)
+    if args.speculative:
+        from loadtest.bench_speculative import run_spec_bench
+
+        return run_spec_bench(config, args)
+    if args.methods:
+        from loadtest.bench_methods import run_methods_bench
+
+        return run_methods_bench(config, args)
+    from loadtest.bench import run_bench
+
+    return run_bench(config, args)
 
 
 def cmd_tune_layer_skip(args: argparse.Namespace) -> int:
     import dataclasses
 
+    from engine.offline.measure import demo_prompts
     from engine.offline.tune_layer_skip import tune_layer_skip, write_result
     from engine.runner.loader import load_tokenizer, resolve_model_path
-    from loadtest.bench import demo_prompts
     from loadtest.prompts import load_prompts
 
     config = engine_config_from_args(args)

@@ -25,6 +25,7 @@ from conftest import build_model_dir
 from engine.config import EngineConfig
 from engine.offline.train_draft import TrainConfig, train_draft
 from engine.request.sampling_params import SamplingParams
+from engine.speculative.methods import resolve_method
 from engine.speculative.methods.eagle import EagleHead, load_eagle
 
 
@@ -103,7 +104,7 @@ def _load(target, d):
 @pytest.mark.parametrize("layout,fmt", [("eagle3", "safetensors"), ("eagle3", "pt"), ("speculators", "safetensors")])
 def test_published_layouts_load(target, tmp_path, layout, fmt):
     d = write_eagle(target, tmp_path / "head", layout, fmt, draft_vocab=40)
-    assert EngineConfig(model=str(target), draft_model=str(d), device="cpu").speculative_method == "eagle"
+    assert resolve_method(None, str(d)) == "eagle"
     head, aux = _load(target, d)
     assert aux == [1, 2]
     if fmt == "safetensors":

@@ -114,7 +114,7 @@ def test_config_accepts_int4():
 def test_bench_memory_report_counts_packed_weights(llama_dir):
     """``augur bench``'s memory line: the int4 engine's weights (packed, with their statistics) are
     well under the float32 model's; its KV pool is the same."""
-    from loadtest.bench import memory_report
+    from engine.offline.measure import memory_report
 
     plain, int4 = (memory_report(make_engine(llama_dir, quantization=q)) for q in (None, "int4"))
     assert int4["weights_bytes"] < 0.6 * plain["weights_bytes"]

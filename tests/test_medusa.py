@@ -22,6 +22,7 @@ from conftest import build_model_dir
 from engine.config import EngineConfig
 from engine.offline.train_draft import TrainConfig, train_draft
 from engine.request.sampling_params import SamplingParams
+from engine.speculative.methods import resolve_method
 from engine.speculative.methods.medusa import MedusaHeads, best_first_tree, load_medusa
 
 
@@ -104,7 +105,7 @@ def test_best_first_tree_keeps_the_likeliest_paths():
 @pytest.mark.parametrize("topk", [1, 2], ids=["chains", "trees"])
 def test_greedy_output_is_the_plain_decoders(target, tmp_path, topk):
     heads = write_heads(target, tmp_path / "heads")
-    assert EngineConfig(model=str(target), draft_model=str(heads), device="cpu").speculative_method == "medusa"
+    assert resolve_method(None, str(heads)) == "medusa"
     ps = repetitive_prompts(8, seed=4)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     plain = [o.outputs[0].delta_token_ids for o in make(target).generate(ps, params)]

@@ -19,9 +19,9 @@ from transformers import AutoConfig
 
 import engine.sampling.verify as verify_mod
 from conftest import build_model_dir
-from engine.config import EngineConfig
 from engine.offline.train_draft import TrainConfig
 from engine.request.sampling_params import SamplingParams
+from engine.speculative.methods import resolve_method
 from engine.speculative.methods.mtp import ChainedHeads, load_chained_heads
 
 
@@ -46,7 +46,7 @@ def target(tmp_path_factory, tokenizer_dir):
 
 def test_the_directory_loads_and_heads_chain(target, tmp_path):
     d = write_heads(target, tmp_path / "heads", num_heads=2, num_layers=2)
-    assert EngineConfig(model=str(target), draft_model=str(d), device="cpu").speculative_method == "mtp"
+    assert resolve_method(None, str(d)) == "mtp"
     hidden = AutoConfig.from_pretrained(target).hidden_size
     heads = load_chained_heads(d, hidden, torch.float32, torch.device("cpu"))
     assert (heads.num_heads, heads.num_layers) == (2, 2)

@@ -20,7 +20,8 @@ from engine.runner.model_runner import ForwardChunk
 from engine.sampling.batch import Batch, Sample
 from engine.sampling.tree import DraftTree
 from engine.speculative.controller import CostModel, Guard
-from engine.speculative.proposer import CostShape, Proposer, register
+from engine.speculative.methods import register
+from engine.speculative.proposer import CostShape, Proposer
 
 
 @register

@@ -26,11 +26,12 @@ calls (through :func:`paged_attention`). The model code never knows which backen
 from __future__ import annotations
 
 import importlib.util
-import os
 from collections.abc import Callable
 from typing import Protocol
 
 import torch
+
+from engine.attention.common import triton_interpreted
 
 BACKENDS = ("sdpa", "triton")
 
@@ -52,11 +53,6 @@ class AttentionMetadata(Protocol):
 
 
 MetadataBuilder = Callable[..., AttentionMetadata]
-
-
-def triton_interpreted() -> bool:
-    """Whether Triton kernels run in its interpreter (on CPU tensors) instead of being compiled."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
@@ -86,13 +82,6 @@ def metadata_builder(name: str) -> MetadataBuilder:
     from engine.attention.sdpa import build_sdpa_metadata
 
     return build_sdpa_metadata
-
-
-def padded_block_tables(block_tables: list[list[int]], kv_lens: list[int], block_size: int) -> list[list[int]]:
-    """Every sequence's block table cut or padded (with block 0, never read) to the blocks the longest
-    ``kv_lens`` needs: the rows of one ``[B, max_blocks]`` tensor."""
-    n = -(-max(kv_lens) // block_size)
-    return [bt[:n] + [0] * (n - min(len(bt), n)) for bt in block_tables]
 
 
 def paged_attention(

@@ -20,7 +20,7 @@ import os
 import shutil
 from pathlib import Path
 
-from engine.config import cpu_flags
+from engine.platform import cpu_flags
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.attention import padded_block_tables
+from engine.attention.common import padded_block_tables
 
 
 @dataclass

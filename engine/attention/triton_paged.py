@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention import padded_block_tables, triton_interpreted
+from engine.attention.common import padded_block_tables, triton_interpreted
 
 # ``seq_info`` has one int32 row per sequence: context length, KV length (context + new tokens), its
 # first token in the flat batch, new tokens, offset of its tree mask in ``masks`` (-1: causal), first key

@@ -8,6 +8,7 @@ skeleton: the step itself (plan → schedule → propose → forward → accept 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -28,7 +29,7 @@ from engine.request.sequence import FinishReason, Sequence, SequenceGroup, Seque
 from engine.runner.loader import eos_token_ids, load_config, load_model, load_tokenizer, resolve_model_path
 from engine.runner.model_runner import ModelRunner, kv_pool_blocks
 from engine.speculative.controller import SpecController, profile_costs
-from engine.speculative.proposer import proposer_class
+from engine.speculative.methods import proposer_class, resolve_method
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,9 @@ def is_out_of_memory(e: BaseException) -> bool:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        # The speculative method, resolved (a --draft-model directory's layout may name it) and checked.
+        method = resolve_method(config.speculative_method, config.draft_model)
+        config = dataclasses.replace(config, speculative_method=method)
         self.config = config
         self.device = config.torch_device
         self.dtype = config.torch_dtype

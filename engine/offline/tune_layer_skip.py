@@ -35,9 +35,9 @@ from pathlib import Path
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.models.layer_skip import LayerSkip
+from engine.offline.measure import run_augur
 from engine.request.sampling_params import SamplingParams
 from engine.speculative.early_stop import EarlyStop
-from loadtest.bench import run_augur
 
 logger = logging.getLogger(__name__)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 _GREEDY_EPS = 1e-5
 
 
@@ -189,3 +191,29 @@ class SamplingParams:
     @property
     def needs_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+@dataclass(frozen=True)
+class NoiseKey:
+    """The randomness of one seeded output position: the noise drawn for it depends on the request's
+    seed and the position alone (never on batch mates, on how many tokens a step emitted, or on
+    what was drafted), which is what makes a seeded request's output a function of its seed."""
+
+    seed: int  # the choice's seed, in [0, 2^64)
+    position: int  # index of the output token being sampled
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        g = torch.Generator(device=device)
+        g.manual_seed(_mix64(self.seed, self.position))
+        return g
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(seed: int, position: int) -> int:
+    """SplitMix64's finaliser over (seed, position): nearby keys give unrelated generator seeds."""
+    x = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)

@@ -11,8 +11,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine.request.sampling_params import SamplingParams
-from engine.sampling.sampler import NoiseKey
+from engine.request.sampling_params import NoiseKey, SamplingParams
 
 if TYPE_CHECKING:
     import torch

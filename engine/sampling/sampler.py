@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.request.sampling_params import SamplingParams
+from engine.request.sampling_params import NoiseKey, SamplingParams
 from engine.sampling.no_repeat import banned_in
 
 # Smallest positive float32: exponential draws are clamped to it so that ``0 / 0`` never makes a NaN.
@@ -380,32 +380,6 @@ def sample_from_probs(probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor
     if not md.all_random:
         tokens = torch.where(md.temperature == 0, probs.argmax(dim=-1), tokens)
     return tokens
-
-
-@dataclass(frozen=True)
-class NoiseKey:
-    """The randomness of one seeded output position: the noise drawn for it depends on the request's
-    seed and the position alone (never on batch mates, on how many tokens a step emitted, or on
-    what was drafted), which is what makes a seeded request's output a function of its seed."""
-
-    seed: int  # the choice's seed, in [0, 2^64)
-    position: int  # index of the output token being sampled
-
-    def generator(self, device: torch.device) -> torch.Generator:
-        g = torch.Generator(device=device)
-        g.manual_seed(_mix64(self.seed, self.position))
-        return g
-
-
-_MASK64 = (1 << 64) - 1
-
-
-def _mix64(seed: int, position: int) -> int:
-    """SplitMix64's finaliser over (seed, position): nearby keys give unrelated generator seeds."""
-    x = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
 
 
 def exponential_noise(probs: torch.Tensor, generators: Sequence[torch.Generator | NoiseKey | None]) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The one interface every drafting method implements, and the registry that builds them by name.
+"""The one interface every drafting method implements (the registry that builds them by name is
+``engine/speculative/methods/__init__.py``).
 
 Every proposer gets the same inputs — the sequences to draft for, each one's draft depth, and a
 :class:`ProposeContext` with what the target's forwards produced for them (hidden states of the
@@ -136,54 +137,3 @@ class Proposer(ABC):
 
     def on_free(self, seq: Sequence) -> None:  # noqa: B027
         """``seq`` finished or was aborted."""
-
-
-_REGISTRY: dict[str, type[Proposer]] = {}
-
-
-def register(cls: type[Proposer]) -> type[Proposer]:
-    """Class decorator: make a proposer buildable by its ``method`` name."""
-    if not cls.method:
-        raise ValueError(f"{cls.__name__} has no method name")
-    _REGISTRY[cls.method] = cls
-    return cls
-
-
-def proposer_class(method: str) -> type[Proposer]:
-    _load_builtin()
-    if method not in _REGISTRY:
-        raise ValueError(f"unknown speculative method {method!r}; known: {sorted(_REGISTRY)}")
-    return _REGISTRY[method]
-
-
-def method_for_draft(path: str | Path) -> str:
-    """The method a ``--draft-model`` directory is for: the first that claims it, else ``draft``."""
-    _load_builtin()
-    path = Path(path)
-    if path.is_dir():
-        for name, cls in sorted(_REGISTRY.items()):
-            if cls.claims(path):
-                return name
-    return "draft"
-
-
-def known_methods() -> list[str]:
-    _load_builtin()
-    return sorted(_REGISTRY)
-
-
-_builtin_loaded = False
-
-
-def _load_builtin() -> None:
-    """Import the built-in methods once (each module registers itself)."""
-    global _builtin_loaded
-    if not _builtin_loaded:
-        _builtin_loaded = True
-        import engine.speculative.methods.draft_model  # noqa: F401
-        import engine.speculative.methods.eagle  # noqa: F401
-        import engine.speculative.methods.layer_skip  # noqa: F401
-        import engine.speculative.methods.medusa  # noqa: F401
-        import engine.speculative.methods.mtp  # noqa: F401
-        import engine.speculative.methods.ngram  # noqa: F401
-        import engine.speculative.methods.suffix  # noqa: F401

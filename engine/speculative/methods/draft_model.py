@@ -27,10 +27,9 @@ from engine.runner.model_runner import ForwardBatch, ForwardChunk, ModelRunner
 from engine.sampling.tree import DraftTree
 from engine.speculative.early_stop import EarlyStop, early_stop_for
 from engine.speculative.levels import LevelDrafter
-from engine.speculative.proposer import CostShape, ProposeContext, register
+from engine.speculative.proposer import CostShape, ProposeContext
 
 
-@register
 class DraftModelProposer(LevelDrafter):
     method = "draft"
     has_language_model = True

@@ -49,7 +49,7 @@ from engine.runner.model_runner import ForwardBatch, ForwardChunk, ModelRunner
 from engine.sampling.tree import DraftTree
 from engine.speculative.early_stop import early_stop_for
 from engine.speculative.methods.draft_model import DraftModelProposer
-from engine.speculative.proposer import CostShape, register
+from engine.speculative.proposer import CostShape
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 MAX_PENDING_ROWS = 1024  # target feature rows kept per sequence until its head catches up
@@ -348,7 +348,6 @@ def load_eagle(path: str | Path, target_config, embed: nn.Embedding, dtype, devi
     return head.to(dtype=dtype).eval().requires_grad_(False), info["aux_layer_ids"]
 
 
-@register
 class EagleProposer(DraftModelProposer):
     method = "eagle"
     has_language_model = False  # the head reads the target's features: no language model on its own

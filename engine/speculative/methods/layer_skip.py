@@ -26,12 +26,11 @@ from engine.runner.model_runner import ForwardBatch, ForwardChunk, ModelRunner
 from engine.sampling.tree import DraftTree
 from engine.speculative.early_stop import EarlyStop, early_stop_for
 from engine.speculative.methods.draft_model import DraftModelProposer
-from engine.speculative.proposer import CostShape, register
+from engine.speculative.proposer import CostShape
 
 EARLY_STOP_TARGET = 0.7  # the acceptance rate of drafted tokens the confidence threshold aims at
 
 
-@register
 class LayerSkipProposer(DraftModelProposer):
     method = "layer-skip"
     cost = CostShape(kind="layer-skip")  # a root forward (like a catch-up), then one per level

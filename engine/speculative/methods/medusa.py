@@ -35,7 +35,7 @@ from engine.request.sequence import Sequence
 from engine.runner.loader import check_state, read_state_file, resolve_model_path
 from engine.runner.model_runner import ModelRunner
 from engine.sampling.tree import DraftTree
-from engine.speculative.proposer import CostShape, ProposeContext, Proposer, register
+from engine.speculative.proposer import CostShape, ProposeContext, Proposer
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 
@@ -117,7 +117,6 @@ def best_first_tree(logp: list[list[float]], tokens: list[list[int]], depth: int
     return DraftTree(out_tokens, parents)
 
 
-@register
 class MedusaProposer(Proposer):
     method = "medusa"
     # One batched pass of the heads per step over the drafting requests (timed like a catch-up).

@@ -36,7 +36,7 @@ from engine.sampling.tree import DraftTree
 from engine.speculative.early_stop import early_stop_for
 from engine.speculative.levels import LevelDrafter
 from engine.speculative.methods.medusa import ResBlock
-from engine.speculative.proposer import CostShape, ProposeContext, register
+from engine.speculative.proposer import CostShape, ProposeContext
 
 WEIGHT_FILE = "mtp_heads.safetensors"
 
@@ -100,7 +100,6 @@ def load_chained_heads(path: str | Path, hidden: int, dtype: torch.dtype, device
     return heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
-@register
 class ChainedHeadsProposer(LevelDrafter):
     method = "mtp"
     cost = CostShape(kind="mtp", catch_up=True, per_level=True)  # one head pass per level

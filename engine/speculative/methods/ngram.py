@@ -17,7 +17,7 @@ import numpy as np
 
 from engine.request.sequence import Sequence
 from engine.sampling.tree import DraftTree
-from engine.speculative.proposer import CostShape, ProposeContext, Proposer, register
+from engine.speculative.proposer import CostShape, ProposeContext, Proposer
 
 
 def find_continuation(tokens: np.ndarray, n_min: int, n_max: int, depth: int) -> list[int]:
@@ -54,7 +54,6 @@ class _Tokens:
         return self.buf[: self.n]
 
 
-@register
 class NgramProposer(Proposer):
     method = "ngram"
     cost = CostShape(kind=None)

@@ -22,7 +22,7 @@ from collections import OrderedDict
 
 from engine.request.sequence import FinishReason, Sequence
 from engine.sampling.tree import DraftTree
-from engine.speculative.proposer import CostShape, ProposeContext, Proposer, register
+from engine.speculative.proposer import CostShape, ProposeContext, Proposer
 
 
 class ContextCounts:
@@ -88,7 +88,6 @@ class _Request:
         self.seen = len(tokens)
 
 
-@register
 class SuffixProposer(Proposer):
     method = "suffix"
     cost = CostShape(kind=None)
