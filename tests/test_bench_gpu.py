@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from engine import bench_gpu
+from loadtest import bench_gpu
 
 
 def test_step_benchmark_runs_and_reports(tmp_path):
