@@ -348,7 +348,17 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--log-level", default="WARNING", help="logging level (logs go to stderr)")
     sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub, common)
+    _generate_parser(sub, common)
+    _bench_parser(sub, common)
+    _tune_layer_skip_parser(sub, common)
+    _train_draft_parser(sub, common)
+    _demo_parser(sub, common)
+    return parser
 
+
+def _serve_parser(sub, common: argparse.ArgumentParser) -> None:
+    """``augur serve``: the engine flags and the HTTP server's."""
     serve = sub.add_parser("serve", parents=[common], help="the OpenAI-compatible HTTP server")
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
@@ -386,6 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", default=None, help="YAML file of flags (the command line overrides it)")
     serve.set_defaults(func=cmd_serve)
 
+
+def _generate_parser(sub, common: argparse.ArgumentParser) -> None:
+    """``augur generate``: one prompt, its completion printed."""
     gen = sub.add_parser("generate", parents=[common], help="complete one prompt and print only the completion")
     add_engine_args(gen, engine_seed=False)
     gen.add_argument("--prompt", required=True)
@@ -400,6 +413,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", dest="seed_request", type=int, default=None, help="sampling seed of the request")
     gen.set_defaults(func=cmd_generate)
 
+
+def _bench_parser(sub, common: argparse.ArgumentParser) -> None:
+    """``augur bench``: in-process benchmarks, and the prompt suite over HTTP (``--suite``)."""
     bench = sub.add_parser(
         "bench",
         parents=[common],
@@ -455,6 +471,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --methods: held-out prompts, and prompts whose continuation copies from the prompt",
     )
     bench.add_argument("--output", default=None, help="write the results as JSON")
+    _suite_args(bench)
+    bench.set_defaults(func=cmd_bench)
+
+
+def _suite_args(bench: argparse.ArgumentParser) -> None:
+    """``augur bench --suite``: the prompt suite over HTTP, against any OpenAI-compatible servers."""
     suite = bench.add_argument_group("prompt suite (--suite): see docs/bench-suite.md")
     suite.add_argument(
         "--suite",
@@ -502,8 +524,10 @@ def build_parser() -> argparse.ArgumentParser:
     suite.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for a started server to answer")
     suite.add_argument("--request-timeout", type=float, default=600.0, help="seconds without progress before a timeout")
     suite.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
-    bench.set_defaults(func=cmd_bench)
 
+
+def _tune_layer_skip_parser(sub, common: argparse.ArgumentParser) -> None:
+    """``augur tune-layer-skip``: the layer-skip draft's skip set, by Bayesian optimisation."""
     tune = sub.add_parser(
         "tune-layer-skip",
         parents=[common],
@@ -524,6 +548,9 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--output", default="layer-skip.json", help="the JSON --layer-skip-config loads")
     tune.set_defaults(func=cmd_tune_layer_skip)
 
+
+def _train_draft_parser(sub, common: argparse.ArgumentParser) -> None:
+    """``augur train-draft``: Medusa, EAGLE or MTP heads, self-distilled from the target."""
     train = sub.add_parser(
         "train-draft",
         parents=[common],
@@ -554,6 +581,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--output", default=None, help="output directory (default for the demo: beside its target)")
     train.set_defaults(func=cmd_train_draft)
 
+
+def _demo_parser(sub, common: argparse.ArgumentParser) -> None:
+    """``augur demo build | path``: the embedded demo pair."""
     demo = sub.add_parser("demo", parents=[common], help="the embedded demo target/draft pair")
     demo_sub = demo.add_subparsers(dest="demo_command", required=True)
     build = demo_sub.add_parser("build", help="train the pair (cached: a second run is instant)")
@@ -562,7 +592,6 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--tiny", action="store_true", help="a small variant through the same code path (tests)")
     demo_sub.add_parser("path", help="print the demo directory")
     demo.set_defaults(func=cmd_demo)
-    return parser
 
 
 def _method_spec(spec: str) -> str:

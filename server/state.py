@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.core.async_engine import AsyncEngine
 from server.metrics import Metrics
+from server.tokens import TokenTexts
 
 
 @dataclass
@@ -28,6 +29,7 @@ class ServerState:
     settings: ServerSettings
     engine: AsyncEngine | None = None
     load_error: str | None = None
+    token_texts: TokenTexts | None = None  # the served tokenizer's token texts, for logprobs
     metrics: Metrics = field(init=False)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -38,4 +40,5 @@ class ServerState:
         self.metrics.bind_engine(engine.engine, lambda: engine.load)
         engine.step_hooks.append(self.metrics.on_step)
         engine.start()
+        self.token_texts = TokenTexts(engine.tokenizer)
         self.engine = engine

@@ -1,10 +1,11 @@
 """An asyncio front for :class:`LLMEngine`.
 
 The step loop runs on its own thread, off the event loop, so handlers stay responsive while the
-model computes. Handlers talk to it only through a command queue (add / abort), and each request
-gets an async stream of :class:`RequestOutput`. Closing that stream early (a client disconnect)
-aborts the request; the loop applies aborts before its next step, so the KV blocks come back
-within one engine step.
+model computes. Handlers talk to it only through this class: read-only views and checks (the
+tokenizer, the limits, :meth:`AsyncEngine.prepare`, :meth:`AsyncEngine.render_chat`) and a command
+queue (add / abort), and each request gets an async stream of :class:`RequestOutput`. Closing that
+stream early (a client disconnect) aborts the request; the loop applies aborts before its next step,
+so the KV blocks come back within one engine step.
 """
 
 from __future__ import annotations
@@ -116,16 +117,54 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.dead_error is None
 
+    # -- what handlers need of the engine ---------------------------------------------------------------
+    # Read-only views and checks, safe from any thread: the tokenizer and the limits never change.
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.engine.tokenizer, "chat_template", None))
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def spec_method(self) -> str:
+        return self.engine.spec_method
+
+    def prepare(self, prompts: list[str | list[int]], params: SamplingParams) -> list[list[int]]:
+        """Each prompt tokenized and checked against the engine's limits: the one check a request gets
+        (InvalidRequestError says why it cannot be served). :meth:`generate` takes what this returns."""
+        ids = []
+        for p in prompts:
+            tokens = self.engine.tokenize(p)
+            self.engine.validate(tokens, params)
+            ids.append(tokens)
+        return ids
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        """Chat messages through the model's chat template, as token ids; a text that cannot fit the
+        context is refused before it is tokenized (InvalidRequestError)."""
+        tok = self.engine.tokenizer
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        self.engine.check_text_fits(text)
+        return tok.encode(text, add_special_tokens=False)
+
     # -- requests -----------------------------------------------------------------------------------
     async def generate(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs until it finishes. Raises InvalidRequestError before the first
-        output when the request cannot be served; leaving the loop early aborts the request."""
+        """Stream a request's outputs until it finishes; leaving the loop early aborts the request.
+        ``prompt_ids`` come from :meth:`prepare` with these ``params`` (checked there, not again)."""
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error)
-        prompt_ids = self.engine.tokenize(prompt)
-        self.engine.validate(prompt_ids, params)
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         with self._lock:
@@ -185,8 +224,8 @@ class AsyncEngine:
             if not wanted:  # the client left before the request reached the engine
                 continue
             try:
-                self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.arrival_time)
-            except Exception as e:  # validated already; anything here is confined to this request
+                self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.arrival_time, checked=True)
+            except Exception as e:  # prepared already; anything here is confined to this request
                 self._deliver(cmd.request_id, e)
 
     def _publish_load(self) -> None:

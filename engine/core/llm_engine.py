@@ -160,11 +160,15 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        checked: bool = False,
     ) -> None:
+        """Queue a request. ``checked``: ``prompt`` is token ids that :meth:`validate` passed with these
+        ``params`` already (the server's requests, checked once before they were queued)."""
         if request_id in self.groups:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
-        prompt_ids = self.tokenize(prompt)
-        self.validate(prompt_ids, params)
+        prompt_ids = list(prompt) if checked else self.tokenize(prompt)
+        if not checked:
+            self.validate(prompt_ids, params)
         group = SequenceGroup(
             request_id,
             prompt_ids,

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 
+from server.common import bad_request, check_model, off_loop, parse_request, ready_engine, request_body
 from server.protocol import DetokenizeRequest, TokenizeRequest, UnsupportedError, template_messages
-from server.routes.common import bad_request, check_model, off_loop, parse_request, ready_engine, request_body
 from server.state import ServerState
 
 # The tokenizer's own settings that /tokenizer_info passes on when it has them (besides the special
@@ -31,8 +31,8 @@ def add_tokenizer_routes(app: FastAPI, state: ServerState) -> None:
     async def tokenize(request: Request):
         req: TokenizeRequest = await parse_request(request, TokenizeRequest)
         check_model(state, req.model)
-        engine = ready_engine(state).engine
-        tok = engine.tokenizer
+        eng = ready_engine(state)
+        tok = eng.tokenizer
         if req.messages is not None and not getattr(tok, "chat_template", None):
             raise bad_request("this model has no chat template: tokenize a prompt instead", "messages")
         try:
@@ -57,24 +57,24 @@ def add_tokenizer_routes(app: FastAPI, state: ServerState) -> None:
         except ValueError as e:  # the template refused the messages (e.g. nothing to continue)
             raise bad_request(f"the chat template refused these messages: {e}", "messages") from None
         strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
-        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
+        return {"count": len(ids), "max_model_len": eng.max_model_len, "tokens": ids, "token_strs": strs}
 
     @app.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
     async def detokenize(request: Request):
         req: DetokenizeRequest = await parse_request(request, DetokenizeRequest)
         check_model(state, req.model)
-        engine = ready_engine(state).engine
-        vocab = max(engine.vocab_size, len(engine.tokenizer))
+        eng = ready_engine(state)
+        vocab = max(eng.vocab_size, len(eng.tokenizer))
         bad = [t for t in req.tokens if t >= vocab]
         if bad:
             raise bad_request(f"token ids out of range [0, {vocab}): {bad[:5]}", "tokens")
-        text = await off_loop(lambda: engine.tokenizer.decode(req.tokens), len(req.tokens))
+        text = await off_loop(lambda: eng.tokenizer.decode(req.tokens), len(req.tokens))
         return {"prompt": text}
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():
-        engine = ready_engine(state).engine
-        tok = engine.tokenizer
+        eng = ready_engine(state)
+        tok = eng.tokenizer
         info: dict = {"tokenizer_class": type(tok).__name__}
         for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
             info[name] = getattr(tok, name, None)
@@ -83,7 +83,7 @@ def add_tokenizer_routes(app: FastAPI, state: ServerState) -> None:
             value = tok.init_kwargs.get(name)
             if isinstance(value, (bool, int, float, str)):
                 info[name] = value
-        info["model_max_length"] = engine.max_model_len
+        info["model_max_length"] = eng.max_model_len
         info["vocab_size"] = len(tok)
         template = getattr(tok, "chat_template", None)
         info["chat_template"] = template if isinstance(template, str) else None

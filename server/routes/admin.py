@@ -1,0 +1,37 @@
+"""The routes around generation: ``/health``, ``/version``, ``/metrics`` and ``/v1/models``."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+
+from server.state import ServerState
+
+
+def add_admin_routes(app: FastAPI, state: ServerState, version: str) -> None:
+    @app.get("/health")
+    async def health():
+        """200 when the engine serves; 503 while it loads, after it failed to load, or once it died."""
+        if state.load_error:
+            return JSONResponse({"status": "error", "error": state.load_error}, 503)
+        if state.engine is None:
+            return JSONResponse({"status": "loading"}, 503)
+        if not state.engine.is_running:
+            return JSONResponse({"status": "dead", "error": state.engine.dead_error}, 503)
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def get_version():
+        return {"version": version}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        name = state.settings.served_model_name
+        card = {"id": name, "object": "model", "created": state.created, "owned_by": "augur"}
+        if state.engine is not None:
+            card["max_model_len"] = state.engine.max_model_len
+        return {"object": "list", "data": [card]}
