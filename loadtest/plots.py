@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
+try:
+    import matplotlib
+except ImportError as e:  # an extra: augur serve never needs it
+    raise ImportError("plots need the tools extra: pip install 'augur[tools]'") from e
 
 matplotlib.use("Agg")  # files only, never a window
 import matplotlib.pyplot as plt  # noqa: E402

@@ -107,7 +107,10 @@ def tune_layer_skip(
     on_trial: Callable[[Trial], None] | None = None,
 ) -> TuneResult:
     """Bayesian optimisation of the skip set over ``trials`` measured trials (see the module doc)."""
-    import optuna
+    try:
+        import optuna
+    except ImportError:
+        raise ValueError("augur tune-layer-skip needs the tools extra: pip install 'augur[tools]'") from None
     from tqdm import tqdm
 
     config = dataclasses.replace(config, speculative_method="layer-skip", layer_skip_config=None)

@@ -9,12 +9,18 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from engine.request.sampling_params import NoiseKey, SamplingParams
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the state strategies above this floor keep on a sequence (for annotations only)
     import torch
+
+    from engine.decoding.beam import BeamState
+    from engine.decoding.contrastive_search import SearchState
+    from engine.request.detokenizer import IncrementalDetokenizer
+    from engine.sampling.no_repeat import NgramIndex
+    from engine.speculative.controller import AcceptanceEstimate
 
 
 class SequenceStatus(enum.Enum):
@@ -65,18 +71,17 @@ class Sequence:
         # A beam whose logits row this step is taken, waiting for its group's other beams: nothing to
         # compute until the group's step appends its next token (engine.decoding.beam).
         self.parked = False
-        self.search: Any = None  # engine.decoding.contrastive_search.SearchState (contrastive search)
+        self.search: SearchState | None = None  # contrastive search only
         # Penalty statistics, kept on the device across steps (see engine.core.step): [V] float32
         # output-token counts and [V] bool prompt mask; None until a penalised request first samples.
         self.token_counts: torch.Tensor | None = None
         self.prompt_mask: torch.Tensor | None = None
-        self.ngrams: Any = None  # engine.sampling.no_repeat.NgramIndex (no_repeat_ngram_size only)
+        self.ngrams: NgramIndex | None = None  # no_repeat_ngram_size only
         # Speculative decoding state.
         self.draft_num_computed = 0  # leading tokens whose draft-model KV is valid (draft-model proposer)
-        self.spec_estimate: Any = None  # engine.speculative.controller.AcceptanceEstimate
-        self.spec_depth = 0  # the depth the controller last chose for it (hysteresis)
+        self.spec_estimate: AcceptanceEstimate | None = None  # the depth controller's, per sequence
         self.spec_idle_steps = 0  # consecutive steps the controller chose not to draft
-        self.detok: Any = None  # engine.request.detokenizer.IncrementalDetokenizer
+        self.detok: IncrementalDetokenizer | None = None
         # How much of the output the last RequestOutput already carried (for deltas).
         self.num_emitted_tokens = 0
         self.num_emitted_chars = 0
@@ -161,7 +166,7 @@ class SequenceGroup:
         self.num_decode_steps = 0  # target forwards that produced tokens, summed over choices
         self.num_draft_tokens = 0  # draft tokens proposed for this request
         self.num_accepted_tokens = 0  # of which the target accepted
-        self.beam: Any = None  # engine.decoding.beam.BeamState of a beam-search request
+        self.beam: BeamState | None = None  # a beam-search request's
 
     @property
     def width(self) -> int:

@@ -69,15 +69,20 @@ class Proposer(ABC):
     cost: ClassVar[CostShape] = CostShape()
     hidden_layers: tuple[int, ...] = ()  # target layers to capture (the last is num_layers - 1)
     kv_bytes_per_token: int = 0  # bytes of its own KV per pool slot (0: none)
-    # It runs a language model of its own over the sequence: contrastive decoding's amateur. Such a
-    # proposer has ``next_token_logits(seqs) -> [len(seqs), V]``, its model's logits for each
-    # sequence's next token with every token fed.
+    # It runs a language model of its own over the sequence: contrastive decoding's amateur, through
+    # :meth:`next_token_logits`.
     has_language_model: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
     def build(cls, config: EngineConfig, target: ModelRunner, *, tokenizer, eos_token_ids: list[int]) -> Proposer:
         """Load what the method needs; ``target`` is the target's runner (its model, vocabulary, device)."""
+
+    def next_token_logits(self, seqs: list[Sequence]) -> torch.Tensor:  # [len(seqs), V]
+        """Its own model's logits for each sequence's next token, every token of it fed (contrastive
+        decoding's amateur). Only a proposer with ``has_language_model`` has them; the engine refuses
+        contrastive requests elsewhere, so reaching this is a bug."""
+        raise TypeError(f"the {self.method} proposer has no language model of its own")
 
     @classmethod
     def claims(cls, path: Path) -> bool:
