@@ -137,10 +137,14 @@ class Metrics:
             buckets = {"ttft": _LATENCY_BUCKETS, "itl": _LATENCY_BUCKETS, "tpot": _LATENCY_BUCKETS, "e2e": _E2E_BUCKETS}
             self.vllm = VllmMetrics(r, model_name, buckets)
 
-    def bind_engine(self, engine, load) -> None:
-        """Gauges read ``load()``, the engine's load as its thread last published it (never the
-        scheduler's queues themselves, which that thread mutates)."""
+    def bind_engine(self, engine) -> None:
+        """``engine``: the AsyncEngine. Gauges read ``engine.load``, the load as its thread last
+        published it (never the scheduler's queues themselves, which that thread mutates)."""
         self._engine = engine
+
+        def load():
+            return engine.load
+
         self.running.labels(**self.labels).set_function(lambda: load().running)
         self.waiting.labels(**self.labels).set_function(lambda: load().waiting)
         self.kv_usage.labels(**self.labels).set_function(lambda: load().kv_usage)

@@ -122,12 +122,12 @@ class VllmMetrics:
         self.kv_usage.labels(**labels).set_function(lambda: load().kv_usage)
         self.gpu_cache_usage.labels(**labels).set_function(lambda: load().kv_usage)
         self.engine_counters.load = load
-        c = engine.config
+        c = engine.cache_info
         self.cache_config.labels(
             block_size=str(c.block_size),
-            num_gpu_blocks=str(engine.block_manager.num_blocks),  # KV blocks, on whatever device holds them
-            cache_dtype=str(engine.dtype).removeprefix("torch."),
-            enable_prefix_caching=str(c.enable_prefix_caching),
+            num_gpu_blocks=str(c.num_blocks),  # KV blocks, on whatever device holds them
+            cache_dtype=c.dtype,
+            enable_prefix_caching=str(c.prefix_caching),
             engine="0",
         ).set(1)
 

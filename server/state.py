@@ -37,7 +37,7 @@ class ServerState:
         self.metrics = Metrics(self.settings.served_model_name, self.settings.metrics_compat)
 
     def attach(self, engine: AsyncEngine) -> None:
-        self.metrics.bind_engine(engine.engine, lambda: engine.load)
+        self.metrics.bind_engine(engine)
         engine.step_hooks.append(self.metrics.on_step)
         engine.start()
         self.token_texts = TokenTexts(engine.tokenizer)

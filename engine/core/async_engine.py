@@ -57,6 +57,16 @@ class EngineLoad:
     preemptions: int = 0
 
 
+@dataclass(frozen=True)
+class CacheInfo:
+    """The KV cache's shape, for the metrics that describe it (vLLM's ``cache_config_info``)."""
+
+    block_size: int
+    num_blocks: int
+    dtype: str  # e.g. "float32", "bfloat16"
+    prefix_caching: bool
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -138,6 +148,18 @@ class AsyncEngine:
     @property
     def spec_method(self) -> str:
         return self.engine.spec_method
+
+    @property
+    def spec_stats(self):
+        """Cumulative drafting statistics (:class:`~engine.speculative.stats.SpecStats`); read them on
+        the engine thread (a step hook), where they change."""
+        return self.engine.spec_stats
+
+    @property
+    def cache_info(self) -> CacheInfo:
+        e = self.engine
+        dtype = str(e.dtype).removeprefix("torch.")
+        return CacheInfo(e.config.block_size, e.block_manager.num_blocks, dtype, e.config.enable_prefix_caching)
 
     def prepare(self, prompts: list[str | list[int]], params: SamplingParams) -> list[list[int]]:
         """Each prompt tokenized and checked against the engine's limits: the one check a request gets
