@@ -306,3 +306,19 @@ def test_logprobs_0_returns_the_chosen_token(client):
         assert 1 <= len(top) <= 3 and t in top
         if "\ufffd" not in t:  # byte pieces of a character all read U+FFFD: one key for several tokens
             assert top[t] == pytest.approx(v)
+
+
+def test_echoed_logprobs_of_several_prompts_and_choices(http, tok):
+    """Each choice echoes its own prompt's logprobs (choice i * n + c belongs to prompt i)."""
+    texts = ["import os\n", "def f(x):"]
+    body = {"prompt": texts, "n": 2, "max_tokens": 2, "echo": True, "logprobs": 1, "temperature": 1.0, "seed": 7}
+    choices = http.post("/v1/completions", json=body).json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    for c in choices:
+        text, ids = texts[c["index"] // 2], tok.encode(texts[c["index"] // 2])
+        lp = c["logprobs"]
+        assert c["text"].startswith(text) and len(lp["tokens"]) == len(ids) + 2
+        assert lp["tokens"][: len(ids)] == [tok.decode([t]) for t in ids] and lp["token_logprobs"][0] is None
+    for a, b in ((choices[0], choices[1]), (choices[2], choices[3])):
+        n = len(tok.encode(texts[a["index"] // 2]))
+        assert a["logprobs"]["token_logprobs"][:n] == b["logprobs"]["token_logprobs"][:n]

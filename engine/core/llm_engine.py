@@ -166,8 +166,12 @@ class LLMEngine:
         ``params`` already (the server's requests, checked once before they were queued)."""
         if request_id in self.groups:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
-        prompt_ids = list(prompt) if checked else self.tokenize(prompt)
-        if not checked:
+        if checked:  # a cheap net under the promise: ids, and in the vocabulary (the model indexes with them)
+            if isinstance(prompt, str) or not prompt or min(prompt) < 0 or max(prompt) >= self.vocab_size:
+                raise InvalidRequestError("checked prompts are non-empty token ids within the vocabulary")
+            prompt_ids = list(prompt)
+        else:
+            prompt_ids = self.tokenize(prompt)
             self.validate(prompt_ids, params)
         group = SequenceGroup(
             request_id,

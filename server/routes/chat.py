@@ -12,7 +12,7 @@ from engine.request.outputs import CompletionOutput, RequestOutput
 from engine.request.sequence import TokenLogprob
 from server.common import bad_request, check_model, off_loop, parse_request, ready_engine, request_body
 from server.protocol import ChatCompletionRequest, UnsupportedError
-from server.relay import Job, check_queue_bound, prepare, respond, sampling_params
+from server.relay import Job, prepare, respond, sampling_params
 from server.state import ServerState
 from server.tokens import TokenTexts
 
@@ -38,7 +38,6 @@ def add_chat_routes(app: FastAPI, state: ServerState) -> None:
         if max_tokens is None:  # as long as the context allows
             max_tokens = max(1, eng.max_model_len - len(prompt_ids))
         params = sampling_params(state, req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-        check_queue_bound(state, 1)
         ids = await prepare(eng, [prompt_ids], params)
         job = Job.admit(state, eng, request, "chatcmpl", ids, params, req.n, req.stream, req.include_usage)
         return await respond(job, ChatFormat(req.logprobs, state.token_texts))

@@ -39,6 +39,7 @@ class CompletionFormat:
     prompts: list[str | list[int]]
     texts: TokenTexts
     echoed: set[int] = dataclasses.field(default_factory=set)  # streamed choices whose prompt was sent
+    prompt_lps: dict[int, dict] = dataclasses.field(default_factory=dict)  # prompt i's echoed logprobs, built once
 
     chunk_object = "text_completion"
     object = "text_completion"
@@ -71,9 +72,12 @@ class CompletionFormat:
     def choice(self, idx: int, text: str, logprobs: list, reason: str | None, prompt_out: RequestOutput | None) -> dict:
         lp = self._logprobs(logprobs, 0) if self.req.logprobs is not None else None
         if self.req.echo:
-            prompt = self._prompt_text(idx // self.req.n)
+            i = idx // self.req.n
+            prompt = self._prompt_text(i)
             if lp is not None:
-                lp = _joined(self._prompt_logprobs(prompt_out) if prompt_out else None, len(prompt), lp)
+                if prompt_out is not None and i not in self.prompt_lps:  # shared by the prompt's n choices
+                    self.prompt_lps[i] = self._prompt_logprobs(prompt_out)
+                lp = _joined(self.prompt_lps.get(i), len(prompt), lp)
             text = prompt + text
         return {"index": idx, "text": text, "logprobs": lp, "finish_reason": reason}
 
