@@ -29,7 +29,8 @@ from conftest import build_model_dir
 from engine.core.llm_engine import InvalidRequestError
 from engine.decoding.contrastive import contrastive_logits
 from engine.request.sampling_params import SamplingParams
-from engine.sampling.no_repeat import NgramIndex, banned_in
+from engine.request.state import NgramIndex
+from engine.sampling.no_repeat import banned_in
 from server.app import ServerSettings, create_app
 from servers import Served, engine_factory, serve, wait_until
 

@@ -19,13 +19,13 @@ from engine.config import EngineConfig
 from engine.core.output_processor import OutputProcessor
 from engine.core.scheduler import Scheduler
 from engine.core.step import Step
-from engine.decoding.beam import BeamSearch, BeamState
-from engine.decoding.contrastive_search import SearchState
+from engine.decoding.beam import BeamSearch
 from engine.kv import BlockManager
 from engine.request.checks import InvalidRequestError, check_request
 from engine.request.outputs import RequestOutput
 from engine.request.sampling_params import SamplingParams
-from engine.request.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus, TokenLogprob
+from engine.request.sequence import BeamState, FinishReason, Sequence, SequenceGroup, SequenceStatus, TokenLogprob
+from engine.request.state import SearchState
 from engine.runner.loader import eos_token_ids, load_config, load_model, load_tokenizer, resolve_model_path
 from engine.runner.model_runner import ModelRunner, kv_pool_blocks
 from engine.speculative.controller import SpecController, profile_costs

@@ -27,30 +27,14 @@ proposer here does losslessly.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from engine.request.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
+from engine.request.sequence import FinishReason, Hypothesis, Sequence, SequenceGroup, SequenceStatus
 from engine.sampling.sampler import apply_logits_processors
 
 _LOST = -1.0e9  # transformers' score for a candidate that may not be chosen
-
-
-@dataclass
-class Hypothesis:
-    score: float  # sum of log-probabilities / generated_tokens ** length_penalty
-    seq: Sequence  # a finished sequence holding no KV: the beam's tokens, text and finish reason
-
-
-@dataclass
-class BeamState:
-    """One beam request's search (``SequenceGroup.beam``); its running beams are ``group.seqs``."""
-
-    scores: list[float] = field(default_factory=lambda: [0.0])  # per running beam, as group.seqs
-    finished: list[Hypothesis] = field(default_factory=list)  # best first, at most width
-    improvable: bool = True  # a running beam may still beat the worst kept hypothesis
-    rows: dict[int, torch.Tensor] = field(default_factory=dict)  # seq_id → [V] step scores, until all arrive
 
 
 @dataclass

@@ -24,20 +24,11 @@ from dataclasses import dataclass
 import torch
 
 from engine.request.sequence import Sequence
+from engine.request.state import SearchState
 from engine.runner.model_runner import ForwardChunk
 from engine.sampling.batch import Sample
 from engine.sampling.sampler import apply_logits_processors
 from engine.sampling.tree import DraftTree
-
-
-@dataclass
-class SearchState:
-    """One request's search (``Sequence.search``)."""
-
-    context: torch.Tensor | None = None  # [capacity, H] float32 unit-norm final hidden states; rows < length
-    length: int = 0
-    next_logits: torch.Tensor | None = None  # [V] raw logits of the next token, once it is to be chosen
-    probs: torch.Tensor | None = None  # [k] the candidates' probabilities, while they are fed
 
 
 @dataclass

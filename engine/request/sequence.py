@@ -12,15 +12,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.request.sampling_params import NoiseKey, SamplingParams
+from engine.request.state import AcceptanceEstimate, NgramIndex, SearchState
 
-if TYPE_CHECKING:  # the state strategies above this floor keep on a sequence (for annotations only)
+if TYPE_CHECKING:
     import torch
 
-    from engine.decoding.beam import BeamState
-    from engine.decoding.contrastive_search import SearchState
     from engine.request.detokenizer import IncrementalDetokenizer
-    from engine.sampling.no_repeat import NgramIndex
-    from engine.speculative.controller import AcceptanceEstimate
 
 
 class SequenceStatus(enum.Enum):
@@ -137,6 +134,22 @@ class Sequence:
             f"Sequence(id={self.seq_id}, req={self.group.request_id}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, status={self.status.value})"
         )
+
+
+@dataclass
+class Hypothesis:
+    score: float  # sum of log-probabilities / generated_tokens ** length_penalty
+    seq: Sequence  # a finished sequence holding no KV: the beam's tokens, text and finish reason
+
+
+@dataclass
+class BeamState:
+    """One beam request's search (``SequenceGroup.beam``); its running beams are ``group.seqs``."""
+
+    scores: list[float] = field(default_factory=lambda: [0.0])  # per running beam, as group.seqs
+    finished: list[Hypothesis] = field(default_factory=list)  # best first, at most width
+    improvable: bool = True  # a running beam may still beat the worst kept hypothesis
+    rows: dict[int, torch.Tensor] = field(default_factory=dict)  # seq_id → [V] step scores, until all arrive
 
 
 class SequenceGroup:

@@ -15,41 +15,13 @@ from __future__ import annotations
 from collections.abc import Sequence as Tokens
 from typing import TYPE_CHECKING
 
+from engine.request.state import NgramIndex
+
 if TYPE_CHECKING:
     from engine.request.sequence import Sequence
 
 
 _NOTHING: frozenset[int] = frozenset()
-
-
-class NgramIndex:
-    """Every n-gram of one token history, keyed by its first ``n - 1`` tokens."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.following: dict[tuple[int, ...], set[int]] = {}
-        self.indexed = 0  # tokens of the history already indexed
-
-    def sync(self, tokens: Tokens[int]) -> None:
-        """Index the n-grams ending in tokens the history gained since the last call."""
-        n = self.n
-        for j in range(max(self.indexed, n - 1), len(tokens)):
-            self.following.setdefault(tuple(tokens[j - n + 1 : j]), set()).add(tokens[j])
-        self.indexed = len(tokens)
-
-    def banned(self, tokens: Tokens[int], path: Tokens[int] = ()) -> set[int]:
-        """Tokens that may not follow ``tokens + path`` (``tokens`` already synced; ``path`` a draft
-        path above a tree node, not part of the history)."""
-        k = self.n - 1
-        tail = list(tokens[max(len(tokens) - k, 0) :] if k else ()) + list(path)  # the history's last k, then the path
-        if len(tokens) + len(path) < k:
-            return set()
-        key = tuple(tail[len(tail) - k :])
-        out = set(self.following.get(key, ()))
-        for j in range(max(len(tail) - len(path), k), len(tail)):  # n-grams ending inside the path
-            if tuple(tail[j - k : j]) == key:
-                out.add(tail[j])
-        return out
 
 
 def banned_tokens(seq: Sequence, path: Tokens[int] = ()) -> frozenset[int] | set[int]:

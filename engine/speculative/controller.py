@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.request.sequence import Sequence
+from engine.request.state import AcceptanceEstimate
 from engine.runner.model_runner import ForwardChunk
 
 
@@ -137,32 +138,6 @@ class CostModel:
 
     def ready(self, kinds: tuple[str, ...]) -> bool:
         return all(any(k == kind for k, _, _ in self.cells) for kind in kinds)
-
-
-@dataclass
-class AcceptanceEstimate:
-    alpha: list[float]  # per draft position, P(accepted | previous accepted)
-    ema: float = 0.25
-    updates: int = 0  # verified drafts seen
-
-    def expected_tokens(self, k: int) -> float:
-        return 1.0 + sum(self.gains(k))
-
-    def gains(self, k: int) -> list[float]:
-        """Expected extra tokens from each of the first k draft positions."""
-        out, run = [], 1.0
-        for j in range(k):
-            run *= self.alpha[j]
-            out.append(run)
-        return out
-
-    def update(self, drafted: int, accepted: int) -> None:
-        self.updates += 1
-        for j in range(min(drafted, len(self.alpha))):
-            hit = 1.0 if j < accepted else 0.0
-            self.alpha[j] = (1 - self.ema) * self.alpha[j] + self.ema * hit
-            if not hit:
-                break  # positions after the first rejection were never tested
 
 
 class _Bucket:
