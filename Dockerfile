@@ -51,17 +51,21 @@ RUN useradd --create-home --uid "${AUGUR_UID}" --shell /usr/sbin/nologin augur \
     && mkdir -p /models /cache/augur /cache/huggingface \
     && chown -R augur:augur /models /cache
 
-# The demo pair is built into $AUGUR_HOME on first start; hub ids are looked up in $HF_HOME/hub.
+# The demo pair ships in the image (engine/assets/demo); `augur demo build` writes into $AUGUR_HOME. Hub ids
+# are looked up in $HF_HOME/hub. The compilers' caches live in the volume too, so a restarted container
+# swaps its compiled forwards in within seconds instead of compiling them again.
 ENV AUGUR_HOME=/cache/augur \
-    HF_HOME=/cache/huggingface
+    HF_HOME=/cache/huggingface \
+    TORCHINDUCTOR_CACHE_DIR=/cache/torchinductor \
+    TORCH_EXTENSIONS_DIR=/cache/torch_extensions
 VOLUME ["/models", "/cache"]
 
 USER augur
 EXPOSE 8000
 
-# /health is 200 once the model is loaded. The first start of the demo builds the pair before the server
-# listens (minutes), and a large checkpoint takes a while to load: failures in the start period do not count.
-HEALTHCHECK --interval=30s --timeout=5s --start-period=20m --retries=3 \
+# /health is 200 once the model is loaded (the forwards compile in the background after that). A large
+# checkpoint takes a while to load: failures in the start period do not count.
+HEALTHCHECK --interval=30s --timeout=5s --start-period=10m --retries=3 \
     CMD ["python", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4).status != 200)"]
 
 ENTRYPOINT ["augur", "serve"]

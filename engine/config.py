@@ -37,6 +37,11 @@ class EngineConfig:
     # variable (on/off) if set, else on for CPUs (measured 1.06-1.27x per target forward, 1.2-1.9x per
     # draft forward: docs/benchmarks.md), off on GPUs, where decode and verify run as CUDA graphs instead.
     compile: str = "auto"
+    # With compile: answer at once with the eager forwards, compile in a background thread and swap the
+    # compiled ones in between two steps when they are ready (a server's default: a cold start
+    # answers within seconds of loading instead of after the compile). Off: compile before the first
+    # step (benchmarks, which time the compiled forwards).
+    compile_background: bool = False
     # GPUs: run every forward eagerly, without capturing CUDA graphs (engine/runner/cuda_graphs.py).
     enforce_eager: bool = False
     # Attention backend: auto | sdpa | triton (engine/attention). auto: triton on CUDA where Triton imports,

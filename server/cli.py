@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from engine.attention import BACKENDS as ATTENTION_BACKENDS
 from engine.config import EngineConfig
@@ -47,7 +48,8 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
         "--compile",
         default="auto",
         choices=["auto", "on", "off"],
-        help="torch.compile the forwards (auto: $AUGUR_COMPILE, else on for CPU; compiling takes ~1 min at start)",
+        help="torch.compile the forwards (auto: $AUGUR_COMPILE, else on for CPU; augur generate: off unless asked). "
+        "augur serve answers eagerly at once and swaps the compiled forwards in when ready (see --compile-wait)",
     )
     g.add_argument(
         "--attention-backend",
@@ -125,13 +127,17 @@ def engine_argv(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> list[st
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """EngineConfig from the flags; no --model means the embedded demo target (built on first use)."""
+    """EngineConfig from the flags; no --model means the shipped demo pair (engine/assets/demo)."""
     fields = EngineConfig.field_names()
     values = {k: v for k, v in vars(args).items() if k in fields}
     if not values.get("model"):
-        from engine.offline.demo import ensure_demo
+        from engine.assets import shipped_demo
 
-        demo = ensure_demo()
+        demo = shipped_demo()
+        if demo is None:  # a checkout without the shipped pair: build it from the recipe
+            from engine.offline.demo import ensure_demo
+
+            demo = ensure_demo()
         values["model"] = str(demo / "target")
         # The demo pair speculates with its own draft by default.
         if values.get("speculative_method") in (None, "draft") and not values.get("draft_model"):
@@ -140,10 +146,16 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    import dataclasses
+    import os
+
     from engine.core.llm_engine import LLMEngine
     from engine.request.sampling_params import SamplingParams
 
-    engine = LLMEngine(engine_config_from_args(args))
+    config = engine_config_from_args(args)
+    if args.compile == "auto" and not os.environ.get("AUGUR_COMPILE"):  # one prompt: not worth a compile
+        config = dataclasses.replace(config, compile="off")
+    engine = LLMEngine(config)
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -329,11 +341,26 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     import json
 
-    from engine.offline.demo import DemoRecipe, build_demo, demo_dir, format_report
+    from engine.offline.demo import DemoRecipe, build_demo, check_build, demo_dir, ensure_demo, format_report
 
     if args.demo_command == "path":
-        print(demo_dir())
+        print(ensure_demo())
         return 0
+    if args.check:
+        from engine.assets import shipped_demo
+
+        reference = Path(args.reference) if args.reference else shipped_demo()
+        if reference is None:
+            raise ValueError("no shipped demo pair to check against: name one with --reference DIR")
+        out, misses, notes = check_build(reference, device=args.device, force=args.force)
+        print(format_report(json.loads((out / "report.json").read_text())))
+        for note in notes:
+            print(f"note: {note}")
+        for miss in misses:
+            print(f"MISMATCH {miss}")
+        verdict = "does not match" if misses else "matches"
+        print(f"{out}: the rebuild {verdict} {reference}")
+        return 1 if misses else 0
     recipe = DemoRecipe.tiny() if args.tiny else DemoRecipe()
     out = build_demo(demo_dir(), recipe, device=args.device, force=args.force)
     print(format_report(json.loads((out / "report.json").read_text())))
@@ -361,6 +388,13 @@ def _serve_parser(sub, common: argparse.ArgumentParser) -> None:
     """``augur serve``: the engine flags and the HTTP server's."""
     serve = sub.add_parser("serve", parents=[common], help="the OpenAI-compatible HTTP server")
     add_engine_args(serve)
+    serve.add_argument(
+        "--compile-wait",
+        dest="compile_background",
+        action="store_false",
+        help="compile the forwards before answering anything (default: answer at once with the eager forwards, "
+        "compile in the background, swap the compiled ones in between two steps)",
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require this bearer key (or set AUGUR_API_KEY)")
@@ -586,11 +620,21 @@ def _demo_parser(sub, common: argparse.ArgumentParser) -> None:
     """``augur demo build | path``: the embedded demo pair."""
     demo = sub.add_parser("demo", parents=[common], help="the embedded demo target/draft pair")
     demo_sub = demo.add_subparsers(dest="demo_command", required=True)
-    build = demo_sub.add_parser("build", help="train the pair (cached: a second run is instant)")
+    build = demo_sub.add_parser(
+        "build", help="train the pair from its recipe into $AUGUR_HOME/demo (cached: a second run is instant)"
+    )
     build.add_argument("--force", action="store_true", help="rebuild even if a matching build exists")
     build.add_argument("--device", default="auto", help="auto | cpu | cuda")
     build.add_argument("--tiny", action="store_true", help="a small variant through the same code path (tests)")
-    demo_sub.add_parser("path", help="print the demo directory")
+    build.add_argument(
+        "--check",
+        action="store_true",
+        help="rebuild the shipped pair from its recorded recipe and report whether the numbers match (exit 1 if not)",
+    )
+    build.add_argument(
+        "--reference", default=None, help="with --check: the pair to check against (default: the shipped one)"
+    )
+    demo_sub.add_parser("path", help="print the directory of the demo pair augur serve uses")
     demo.set_defaults(func=cmd_demo)
 
 

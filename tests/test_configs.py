@@ -6,9 +6,9 @@ serve`` then sat at 503 forever (issue 34). Here:
 
 - each file under configs/ must be claimed by a check (this module's, or test_deploy's and
   test_kubernetes' for the presets and deployment files), so a new file cannot slip in unchecked;
-- the configs written for the demo pair are loaded into an engine at the demo recipe's shapes (the
-  shipped pair's layers, widths and heads, with random weights) and serve a request: a preset or a
-  skip set that no longer fits the shipped model fails here, not on a user's machine;
+- the configs written for the demo pair are loaded into an engine with the shipped pair and serve a
+  request: a preset or a skip set that no longer fits the shipped model fails here, not on a user's
+  machine;
 - ``augur serve`` whose engine fails to load logs why and exits 1 (a real process).
 """
 
@@ -21,15 +21,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-import transformers
 import yaml
-from transformers import AutoTokenizer
 
+from engine.assets import DEMO_DIR
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.models.layer_skip import LayerSkip
-from engine.offline.demo import DemoRecipe, ModelShape, llama_config
+from engine.offline.demo import DemoRecipe
 from engine.request.sampling_params import SamplingParams
 from server.cli import apply_config_file, build_parser
 
@@ -65,28 +63,15 @@ def test_the_claim_can_fail(tmp_path):
     assert claimed_by(CONFIGS / "layer-skip-other-model.txt") is None
 
 
-# -- the demo pair's shapes ------------------------------------------------------------------------------
-def shaped_model(path: Path, tokenizer_dir: Path, shape: ModelShape, seed: int) -> Path:
-    """A random-weight model at the demo recipe's ``shape`` (what `augur demo build` trains), saved with
-    the test tokenizer: what matters to a config is the layers, widths and heads, not the weights."""
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(llama_config(shape, tok, RECIPE), dtype=torch.float32)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
-
+# -- the shipped demo pair ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def demo_shapes(tmp_path_factory, tokenizer_dir) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("demo-shapes")
-    target = shaped_model(root / "target", tokenizer_dir, RECIPE.target, seed=0)
-    draft = shaped_model(root / "draft", tokenizer_dir, RECIPE.draft, seed=1)
-    return target, draft
+def demo_shapes() -> tuple[Path, Path]:
+    """The shipped demo pair (engine/assets/demo), which these configs are written for."""
+    return DEMO_DIR / "target", DEMO_DIR / "draft"
 
 
 def engine_for(args, target: Path, draft: Path | None, **overrides) -> LLMEngine:
-    """The engine ``augur serve`` would build from ``args``, on the demo-shaped pair, with a small KV
+    """The engine ``augur serve`` would build from ``args``, on the shipped demo pair, with a small KV
     pool (the preset's memory fraction would size it from this machine's RAM)."""
     fields = set(EngineConfig.field_names())
     values = {k: v for k, v in vars(args).items() if k in fields}
@@ -114,7 +99,7 @@ def test_layer_skip_config_fits_the_demo_target(path, demo_shapes):
     args = apply_config_file(
         build_parser(), ["serve", "--speculative-method", "layer-skip", "--layer-skip-config", str(path)]
     )
-    # Random weights would make the controller stop drafting: a fixed depth, no early stop.
+    # A fixed depth, no early stop: every request drafts, whatever its acceptance.
     engine = engine_for(args, target, draft, spec_early_stop=0.0)
     plain = greedy_ids(engine, PROMPTS, speculative=False)
     assert greedy_ids(engine, PROMPTS, num_draft_tokens=4) == plain

@@ -11,6 +11,7 @@ so the KV blocks come back within one engine step.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import queue
 import threading
@@ -112,8 +113,19 @@ class AsyncEngine:
     # -- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="augur-engine", daemon=True)
+            # The step runs in a copy of this thread's context (where the engine was built, as a rule):
+            # torch keeps its compile settings in context variables, and compiled forwards are guarded
+            # under them.
+            context = contextvars.copy_context()
+            self._thread = threading.Thread(target=context.run, args=(self._run,), name="augur-engine", daemon=True)
             self._thread.start()
+            self.engine.compile_in_background()
+
+    @property
+    def compile_state(self) -> str:
+        """off, pending (serving eagerly while the forwards compile), on, or failed (serving eagerly)."""
+        state = self.engine.compile_state
+        return "pending" if state == "ready" else state
 
     def shutdown(self) -> None:
         self._stopping = True
@@ -267,6 +279,7 @@ class AsyncEngine:
             self._drain_commands()
             self._publish_load()
             if not self.engine.has_unfinished_requests():
+                self.engine.swap_in_compiled()  # (a step does it too, when busy)
                 self._wakeup.wait(timeout=1.0)
                 self._wakeup.clear()
                 continue

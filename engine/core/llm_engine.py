@@ -8,8 +8,10 @@ skeleton: the step itself (plan → schedule → propose → forward → accept 
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Iterable
 
@@ -103,7 +105,18 @@ class LLMEngine:
         self.step_runner = Step(
             self.runner, self.scheduler, self.proposer, self.controller, self._fork, beams, self.eos_token_ids, max_len
         )
-        self.runner.warmup(self.step_runner.hidden_layers)
+        # Compiled forwards: warmed up now, or served eagerly until a background thread has warmed
+        # them up over scratch pools (compile_in_background); CUDA graphs capture what is served now.
+        self.compile_state = "off"  # off | pending | ready (to swap in) | on | failed
+        if compiled:
+            if config.compile_background and self.runner.graphs is None:
+                for runner in self._runners():
+                    runner.serve_eager()
+                self.compile_state = "pending"
+            else:
+                self._warm_compiled(lambda runner: runner)
+                self.compile_state = "on"
+        self.runner.capture_graphs(self.step_runner.hidden_layers)
         if self.proposer is not None:
             self.proposer.warmup()
         if self.controller is not None:  # seed the cost model with timings of the shapes the step runs
@@ -114,6 +127,59 @@ class LLMEngine:
             c = config
             limits = (c.block_size, c.max_num_seqs, c.max_num_batched_tokens, self.block_manager.num_free_blocks)
             profile_costs(self.controller.cost, probes, self.runner.synchronize, *limits)
+
+    # -- compiled forwards -------------------------------------------------------------------------
+    def _runners(self) -> list[ModelRunner]:
+        """The target's runner and the proposer's, each once."""
+        runners = [self.runner]
+        for r in self.proposer.runners() if self.proposer is not None else ():
+            if all(r is not have for have in runners):
+                runners.append(r)
+        return runners
+
+    def _warm_compiled(self, view) -> None:
+        """Run every compiled forward once as the step calls it, through ``view(runner)``."""
+        view(self.runner).warm_compiled(self.step_runner.hidden_layers)
+        if self.proposer is not None:
+            self.proposer.warm_compiled(view)
+
+    def compile_in_background(self) -> threading.Thread | None:
+        """Start compiling the forwards on a thread of their own while the engine serves eagerly
+        (``compile_background``); :meth:`step` swaps them in once they are ready. Warm-up runs
+        through each runner's compile view, whose scratch pool no request uses. A failed compile
+        leaves the engine eager, logged."""
+        if self.compile_state != "pending":
+            return None
+        # In a copy of this thread's context: torch's compile settings are context variables.
+        context = contextvars.copy_context()
+        thread = threading.Thread(target=context.run, args=(self._compile_forwards,), name="augur-compile", daemon=True)
+        thread.start()
+        return thread
+
+    def _compile_forwards(self) -> None:
+        t0 = time.perf_counter()
+        views: dict[int, ModelRunner] = {}
+
+        def view(runner: ModelRunner) -> ModelRunner:
+            if id(runner) not in views:
+                views[id(runner)] = runner.compile_view()
+            return views[id(runner)]
+
+        try:
+            self._warm_compiled(view)
+        except Exception:
+            logger.exception("compiling the forwards failed: serving with the eager ones")
+            self.compile_state = "failed"
+            return
+        logger.info("compiled forwards ready after %.1fs: swapping them in", time.perf_counter() - t0)
+        self.compile_state = "ready"
+
+    def swap_in_compiled(self) -> None:
+        """Between two steps: serve the compiled forwards once the background compile has them ready."""
+        if self.compile_state == "ready":
+            for runner in self._runners():
+                runner.use_compiled()
+            self.compile_state = "on"
 
     @property
     def spec_method(self) -> str:
@@ -227,6 +293,7 @@ class LLMEngine:
         """Run one engine step. A failure is confined to the requests it concerns: an exception while
         finishing one request's tokens fails that request; one in the batched forward fails the
         requests of that batch. The engine keeps serving the rest."""
+        self.swap_in_compiled()
         try:
             emits, prompt_seqs = self.step_runner.run()
         except Exception as e:

@@ -41,7 +41,9 @@ from pathlib import Path
 
 import torch
 
+from engine.assets import shipped_demo
 from engine.offline.muon import optimizers
+from engine.platform import CpuThreads
 
 logger = logging.getLogger(__name__)
 
@@ -69,19 +71,19 @@ class DemoRecipe:
     seed: int = 0
     vocab_size: int = 4096
     heldout_every: int = 20  # one file in N (by a stable hash of its path) is held out
-    max_train_chars: int = 12_000_000  # of the train split, in stable-hash order; bounds tokenization time
+    max_train_chars: int = 32_000_000  # of the train split, in stable-hash order; bounds tokenization time
     # Generated files, not written code: codec tables (thousands of near-identical table lines) and
     # pydoc's topic strings. Left out of both splits.
     exclude: tuple[str, ...] = ("encodings/", "pydoc_data/")
     tokenizer_train_chars: int = 3_000_000
-    seq_len: int = 256
+    seq_len: int = 512
     batch_size: int = 8
-    target: ModelShape = ModelShape(hidden=256, layers=6, heads=4, kv_heads=2, ffn=704)
-    draft: ModelShape = ModelShape(hidden=96, layers=2, heads=3, kv_heads=1, ffn=256)
-    target_steps: int = 600
+    target: ModelShape = ModelShape(hidden=320, layers=6, heads=5, kv_heads=1, ffn=864)
+    draft: ModelShape = ModelShape(hidden=128, layers=2, heads=2, kv_heads=1, ffn=384)
+    target_steps: int = 2200
     target_lr: float = 3e-3  # AdamW: embeddings (tied with the output head) and norm gains
     target_muon_lr: float = 0.04  # Muon: the blocks' weight matrices (engine/offline/muon.py)
-    draft_steps: int = 400
+    draft_steps: int = 800
     draft_lr: float = 3e-3
     draft_muon_lr: float = 0.03
     warmup_frac: float = 0.06
@@ -114,13 +116,23 @@ class DemoRecipe:
             max_position_embeddings=512,
         )
 
+    @classmethod
+    def from_dict(cls, d: dict) -> DemoRecipe:
+        """The recipe a build's ``recipe.json`` records (its ``recipe`` object)."""
+        d = dict(d)
+        for shape in ("target", "draft"):
+            d[shape] = ModelShape(**d[shape])
+        for pair in ("exclude", "prompt_chars"):
+            d[pair] = tuple(d[pair])
+        return cls(**d)
+
     def cache_key(self) -> str:
         """Hash of the recipe, the Python version (whose stdlib is the corpus) and the torch version."""
         d = dataclasses.asdict(self)
         d.pop("notes")
         d["python"] = platform.python_version()
         d["torch"] = torch.__version__.split("+")[0]
-        d["format"] = 1
+        d["format"] = 2
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -231,6 +243,17 @@ def llama_config(shape: ModelShape, tokenizer, recipe: DemoRecipe):
     )
 
 
+SHIPPED_DTYPE = torch.bfloat16  # the pair is saved (and shipped in the repository) in bf16
+
+
+@torch.no_grad()
+def round_to(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Round a model's weights to ``dtype``'s precision in place (kept in their own dtype), so what is
+    measured is what is saved."""
+    for p in model.parameters():
+        p.copy_(p.to(dtype))
+
+
 def num_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -270,7 +293,10 @@ def _train(
     opts = optimizers(model, *lrs, ns_dtype=torch.bfloat16 if autocast else torch.float32)
     losses = []
     model.train()
+    cpu_threads = CpuThreads() if device.type == "cpu" else None  # threads follow the CPUs left free
     for step, batch in enumerate(batches):
+        if cpu_threads is not None and (threads := cpu_threads.poll()) is not None:
+            torch.set_num_threads(threads)
         for opt, peak in opts:
             for group in opt.param_groups:
                 group["lr"] = _lr_at(step, len(batches), peak, recipe.warmup_frac)
@@ -470,6 +496,7 @@ def _build_into(out: Path, recipe: DemoRecipe, device_name: str) -> None:
     )
     t1 = time.perf_counter()
     target.requires_grad_(False)
+    round_to(target, SHIPPED_DTYPE)  # the draft distils from, and the report measures, the weights shipped
     draft_losses = _train(
         draft,
         _batches(train_stream, recipe, recipe.draft_steps, recipe.seed + 3),
@@ -481,6 +508,7 @@ def _build_into(out: Path, recipe: DemoRecipe, device_name: str) -> None:
         progress,
     )
     t2 = time.perf_counter()
+    round_to(draft, SHIPPED_DTYPE)
     progress.set_postfix_str("evaluating")
     windows = _batches(heldout_stream, dataclasses.replace(recipe, batch_size=recipe.eval_seqs), 1, recipe.seed + 4)[0]
     metrics = evaluate(target, draft, windows, dev)
@@ -490,7 +518,7 @@ def _build_into(out: Path, recipe: DemoRecipe, device_name: str) -> None:
 
     for name, model in (("target", target), ("draft", draft)):
         d = out / name
-        model.to(torch.float32).cpu().save_pretrained(d)
+        model.to(SHIPPED_DTYPE).cpu().save_pretrained(d)
         tokenizer.save_pretrained(d)
         transformers.GenerationConfig(
             bos_token_id=tokenizer.bos_token_id,
@@ -516,6 +544,7 @@ def _build_into(out: Path, recipe: DemoRecipe, device_name: str) -> None:
         "tokens_seen_by_target": recipe.target_steps * recipe.batch_size * recipe.seq_len,
         "device": str(dev),
         "bf16_autocast": _bf16_autocast_ok(dev),
+        "weights_dtype": str(SHIPPED_DTYPE).removeprefix("torch."),
         "seconds": {
             "data_and_tokenizer": round(t0 - t_start, 1),
             "target": round(t1 - t0, 1),
@@ -546,14 +575,61 @@ def format_report(report: dict) -> str:
 
 
 def ensure_demo(recipe: DemoRecipe | None = None) -> Path:
-    """The demo pair's directory, building it first (with a progress bar) if needed."""
+    """The demo pair's directory: the pair shipped in the package (engine/assets/demo), or where a
+    checkout lacks it, a build of ``recipe`` (with a progress bar; cached)."""
+    shipped = shipped_demo()
+    if shipped is not None and recipe is None:
+        return shipped
     out = demo_dir()
     recipe = recipe or DemoRecipe()
     if not is_built(out, recipe):
-        print(
-            "Building Augur's embedded demo model pair (first use only; ~10 minutes on a 2-core CPU)...",
-            file=sys.stderr,
-        )
+        print("The shipped demo pair is missing: building it (about an hour on a 2-core CPU)...", file=sys.stderr)
         build_demo(out, recipe)
         print(format_report(json.loads((out / "report.json").read_text())), file=sys.stderr)
     return out
+
+
+# -- does a build reproduce the shipped pair? -------------------------------------------------------------
+# How far a rebuild's numbers may be from the reference's and still match it. A rebuild on another CPU
+# (another thread count, bf16 units or not, another Python's standard library as corpus) is not
+# bit-identical; these bounds are wider than that noise, and far narrower than a broken recipe's miss.
+CHECK_TOLERANCES: dict[str, tuple[str, float]] = {
+    "target_params": ("exact", 0),
+    "draft_params": ("exact", 0),
+    "target_perplexity": ("relative", 0.05),
+    "draft_perplexity": ("relative", 0.05),
+    "draft_target_top1_agreement": ("absolute", 0.03),
+    "greedy_degenerate_rate": ("absolute", 0.1875),  # 3 of the 16 held-out prompts
+}
+
+
+def compare_reports(reference: dict, built: dict) -> list[str]:
+    """Each of :data:`CHECK_TOLERANCES`' numbers on which ``built`` misses ``reference``, as a line
+    naming both values; empty when the build reproduces the reference."""
+    misses = []
+    for key, (kind, tol) in CHECK_TOLERANCES.items():
+        want, got = reference[key], built[key]
+        off = abs(got - want) / abs(want) if kind == "relative" else abs(got - want)
+        if off > tol:
+            bound = (
+                "must be equal" if kind == "exact" else f"allowed {tol:g}{' relative' if kind == 'relative' else ''}"
+            )
+            misses.append(f"{key}: built {got:.4g}, reference {want:.4g} ({bound})")
+    return misses
+
+
+def check_build(reference: Path, device: str = "auto", force: bool = False) -> tuple[Path, list[str], list[str]]:
+    """Rebuild the pair in ``reference`` from its own ``recipe.json`` (into the cache, under
+    :func:`demo_dir`'s parent as ``demo-check``) and compare the two reports: (the build's
+    directory, the misses, notes on what differs about the machine)."""
+    recorded = json.loads((reference / "recipe.json").read_text())
+    recipe = DemoRecipe.from_dict(recorded["recipe"])
+    out = build_demo(demo_dir().parent / "demo-check", recipe, device=device, force=force)
+    ref_report = json.loads((reference / "report.json").read_text())
+    built_report = json.loads((out / "report.json").read_text())
+    notes = [
+        f"{key}: built with {built_report.get(key)}, reference with {ref_report.get(key)}"
+        for key in ("python", "torch", "device", "bf16_autocast")
+        if built_report.get(key) != ref_report.get(key)
+    ]
+    return out, compare_reports(ref_report, built_report), notes

@@ -6,6 +6,7 @@ It decides no policy: what runs, and what is accepted, is the engine's business.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -124,6 +125,21 @@ def compile_forward(fn: torch.nn.Module, device: torch.device, freeze: bool = Tr
     proposer's draft levels) is compiled unfrozen. The graph's wrapper is C++ there (``cpp_wrapper``):
     the Python one cost about 0.5 ms per forward of the demo target in kernel launches alone.
     """
+    compile_settings(device)
+    # Dynamo keeps compiled graphs, and checks their guards, per code object: this forward gets a
+    # code object of its own, so that a call never walks past the guards of another model's graphs.
+    method = type(fn).forward
+    own = types.FunctionType(method.__code__.replace(), method.__globals__, method.__name__, method.__defaults__)
+    fn.forward = types.MethodType(own, fn)
+    cpu = device.type == "cpu"
+    options = {"freezing": freeze and cpu, "cpp_wrapper": cpu, "guard_filter_fn": _module_guards}
+    return torch.compile(fn, dynamic=True, options=options)
+
+
+def compile_settings(device: torch.device) -> None:
+    """The dynamo and inductor settings :func:`compile_forward`'s graphs are made and guarded with.
+    torch keeps its settings in context variables, one value per thread: a thread that compiles or
+    runs compiled forwards sets them first (or runs in a copy of the context that did)."""
     import torch._dynamo
     import torch._inductor.config
     import torch.fx.experimental._config as fx_config
@@ -135,14 +151,6 @@ def compile_forward(fn: torch.nn.Module, device: torch.device, freeze: bool = Tr
         # Dynamo reads the global flag when it traces (whether a graph may be frozen at all); each
         # compile's option then says whether its graph is.
         torch._inductor.config.freezing = True
-    # Dynamo keeps compiled graphs, and checks their guards, per code object: this forward gets a
-    # code object of its own, so that a call never walks past the guards of another model's graphs.
-    method = type(fn).forward
-    own = types.FunctionType(method.__code__.replace(), method.__globals__, method.__name__, method.__defaults__)
-    fn.forward = types.MethodType(own, fn)
-    cpu = device.type == "cpu"
-    options = {"freezing": freeze and cpu, "cpp_wrapper": cpu, "guard_filter_fn": _module_guards}
-    return torch.compile(fn, dynamic=True, options=options)
 
 
 def _module_guards(entries) -> list[bool]:
@@ -220,14 +228,46 @@ class ModelRunner:
         self.graphs: CudaGraphs | None = None
         if num_blocks is not None:
             self.allocate_kv(num_blocks)
-        self.compiled = compile
+        self.compiled = compile  # compiled forwards asked for (served from construction, or see serve_eager)
         self.frozen = compile and freeze and device.type == "cpu"
-        self._run = LogitsForward(model)
-        self._chain = ChainForward(model)
+        self._eager = (LogitsForward(model), ChainForward(model))
+        self._compiled = self._eager
         if compile:
-            self._run = compile_forward(self._run, device, freeze)
-            if not self.frozen:  # a frozen graph would take a second copy of the weights
-                self._chain = compile_forward(self._chain, device, freeze)
+            run, chain = self._eager
+            # A frozen graph of the chain would take a second copy of the weights: it stays eager.
+            self._compiled = (
+                compile_forward(run, device, freeze),
+                chain if self.frozen else compile_forward(chain, device, freeze),
+            )
+        self._run, self._chain = self._compiled
+
+    # -- compiled or eager ------------------------------------------------------------------------
+    def serve_eager(self) -> None:
+        """Run the eager forwards until :meth:`use_compiled`: a server answers at once while its
+        compiled forwards are warmed up through a :meth:`compile_view` in the background."""
+        self._run, self._chain = self._eager
+
+    def use_compiled(self) -> None:
+        """Run the compiled forwards (those of a runner built with ``compile``; the eager ones else).
+        Called between steps: a forward already running finishes with the function it started with."""
+        self._run, self._chain = self._compiled
+
+    def compile_view(self, scratch_tokens: int = 256) -> ModelRunner:
+        """This runner for compiling in the background: the same model and compiled forwards, over a
+        scratch KV pool of its own (blocks for ``scratch_tokens`` tokens: warm-up's longest chain) and
+        without CUDA graphs, so that warming it up (:meth:`warm_compiled`) never reads or writes the
+        live pool a step is using."""
+        num_blocks = -(-scratch_tokens // self.block_size)
+        view = copy.copy(self)
+        view._run, view._chain = self._compiled
+        view.graphs = None
+        view.num_blocks = num_blocks
+        view.kv_cache = torch.zeros(
+            (self.kv_cache.shape[0], 2, num_blocks * self.block_size, *self.kv_cache.shape[3:]),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        return view
 
     def allocate_kv(self, num_blocks: int) -> None:
         """Allocate the KV pool, once its size is known (it is shared out with any proposer's cache).
@@ -430,14 +470,25 @@ class ModelRunner:
         return self.execute(self.prepare(chunks), skip=skip, hidden_layers=hidden_layers)
 
     def warmup(self, hidden_layers: tuple[int, ...] = (), skip: LayerSkip | None = None, chain_levels: int = 0) -> None:
-        """Run the forward once for each graph a compiled model needs (one new token, several; with
-        the hidden layers the step captures; greedy and sampled chains of 1 .. ``chain_levels`` levels), so that
-        no request waits for a compilation. Writes only the first blocks' slots, which every later
-        forward overwrites before reading (a token's K/V is written before attention reads it).
-        With graphs, then captures them (:meth:`capture_graphs`)."""
+        """:meth:`warm_compiled`, then capture the CUDA graphs (:meth:`capture_graphs`), so that no
+        request waits for either."""
+        self.warm_compiled(hidden_layers, skip, chain_levels)
+        self.capture_graphs(hidden_layers, skip)
+
+    def warm_compiled(
+        self, hidden_layers: tuple[int, ...] = (), skip: LayerSkip | None = None, chain_levels: int = 0
+    ) -> None:
+        """Run the compiled forward once for each graph the step needs (one new token, several; with
+        the hidden layers the step captures; greedy and sampled chains of 1 .. ``chain_levels``
+        levels), so that they are compiled before a request calls them. Writes only the first blocks'
+        slots, which every later forward overwrites before reading (a token's K/V is written before
+        attention reads it); through a :meth:`compile_view`, only its scratch pool."""
+        if not self.compiled:
+            return
+        compile_settings(self.device)  # this thread may not be the one that built the runner
         t0 = time.perf_counter()
-        # Compiled: the graph of several tokens, then a lone token's (see compile_forward).
-        for n in (2, 1) if self.compiled else ():
+        # The graph of several tokens, then a lone token's (see compile_forward).
+        for n in (2, 1):
             blocks = list(range(-(-n // self.block_size)))
             self.forward([ForwardChunk([0] * n, 0, blocks, n)], skip=skip, hidden_layers=hidden_layers)
             for levels in range(1, chain_levels + 1):  # n sequences of one token per level
@@ -448,9 +499,7 @@ class ModelRunner:
                 temperature = torch.ones(n, device=self.device)
                 noise = torch.ones(levels, n, self.vocab_size, device=self.device)
                 self.chain(batches, ids, temperature, noise, skip)
-        if self.compiled:
-            logger.info("compiled %s forward in %.1fs", type(self.model).__name__, time.perf_counter() - t0)
-        self.capture_graphs(hidden_layers, skip)
+        logger.info("compiled %s forward in %.1fs", type(self.model).__name__, time.perf_counter() - t0)
 
     def capture_graphs(
         self, hidden_layers: tuple[int, ...] = (), skip: LayerSkip | None = None, features: int | None = None

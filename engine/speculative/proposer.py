@@ -117,7 +117,16 @@ class Proposer(ABC):
 
     # Every hook below is deliberately a no-op unless a method overrides it (hence the B027 waivers).
     def warmup(self) -> None:  # noqa: B027
-        """One-off work before the first request (compiling the proposer's forwards)."""
+        """One-off work before the first request (capturing the proposer's CUDA graphs)."""
+
+    def runners(self) -> list[ModelRunner]:
+        """The model runners whose forwards the proposer runs (its own, or the target's)."""
+        return []
+
+    def warm_compiled(self, view: Callable[[ModelRunner], ModelRunner]) -> None:  # noqa: B027
+        """Run each of the proposer's compiled forwards once, as the step calls them, through
+        ``view(runner)`` for each of :meth:`runners` (the runner itself, or a
+        :meth:`~engine.runner.model_runner.ModelRunner.compile_view` of it in the background)."""
 
     # -- its own cache --------------------------------------------------------------------------
     def allocate_kv(self, num_blocks: int) -> None:  # noqa: B027

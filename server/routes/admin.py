@@ -18,7 +18,7 @@ def add_admin_routes(app: FastAPI, state: ServerState, version: str) -> None:
             return JSONResponse({"status": "loading"}, 503)
         if not state.engine.is_running:
             return JSONResponse({"status": "dead", "error": state.engine.dead_error}, 503)
-        return {"status": "ok"}
+        return {"status": "ok", "compile": state.engine.compile_state}
 
     @app.get("/version")
     async def get_version():

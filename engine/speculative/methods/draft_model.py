@@ -92,7 +92,15 @@ class DraftModelProposer(LevelDrafter):
         self.runner.allocate_kv(num_blocks)
 
     def warmup(self) -> None:
-        self.runner.warmup(chain_levels=max(self.max_depth - 1, 0) if self.fuses_chains and not self.tree else 0)
+        self.runner.capture_graphs()
+
+    def runners(self) -> list[ModelRunner]:
+        return [self.runner]
+
+    def warm_compiled(self, view) -> None:
+        view(self.runner).warm_compiled(
+            chain_levels=max(self.max_depth - 1, 0) if self.fuses_chains and not self.tree else 0
+        )
 
     def cost_probe(self):
         return self.runner.forward

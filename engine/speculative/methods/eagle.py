@@ -420,16 +420,20 @@ class EagleProposer(DraftModelProposer):
         return super()._forward(batch, chunks, input_ids, hidden_in)
 
     def warmup(self) -> None:
+        """With graphs, capture the head's forward as the step calls it (with features)."""
+        self.runner.capture_graphs(self.state_layers, features=self.head.config.hidden_size)
+
+    def warm_compiled(self, view) -> None:
         """Compile the head's forward as the step calls it: with features, its tokens from the batch
-        (catch-up) or still on the device (draft levels); with graphs, capture it so."""
+        (catch-up) or still on the device (draft levels)."""
+        runner = view(self.runner)
         h = self.head.config.hidden_size
-        self.runner.capture_graphs(self.state_layers, features=h)
-        for n in (1, 2) if self.runner.compiled else ():
-            chunks = [ForwardChunk([0] * n, 0, list(range(-(-n // self.runner.block_size))), n)]
-            batch = self.runner.prepare(chunks)
-            feats = torch.zeros(n, h, dtype=self.runner.dtype, device=self.runner.device)
-            self.runner.execute(batch, hidden_layers=self.state_layers, hidden_in=feats)
-            self.runner.execute(batch, input_ids=batch.input_ids, hidden_layers=self.state_layers, hidden_in=feats)
+        for n in (1, 2) if runner.compiled else ():
+            chunks = [ForwardChunk([0] * n, 0, list(range(-(-n // runner.block_size))), n)]
+            batch = runner.prepare(chunks)
+            feats = torch.zeros(n, h, dtype=runner.dtype, device=runner.device)
+            runner.execute(batch, hidden_layers=self.state_layers, hidden_in=feats)
+            runner.execute(batch, input_ids=batch.input_ids, hidden_layers=self.state_layers, hidden_in=feats)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def on_verified(self, seq: Sequence, tree: DraftTree, accepted: list[int]) -> None:

@@ -76,7 +76,10 @@ class LayerSkipProposer(DraftModelProposer):
         pass
 
     def warmup(self) -> None:
-        self.runner.warmup(skip=self.skip)
+        self.runner.capture_graphs(skip=self.skip)
+
+    def warm_compiled(self, view) -> None:
+        view(self.runner).warm_compiled(skip=self.skip)
 
     def cost_probe(self):
         return lambda chunks: self.runner.forward(chunks, skip=self.skip)
