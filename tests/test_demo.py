@@ -143,7 +143,10 @@ def test_chat_template_renders(demo):
     assert tok.convert_tokens_to_ids("<|user|>") in ids
 
 
-def test_cli_demo_path_and_default_model(demo, tmp_path):
+def test_cli_demo_path_is_the_shipped_pair_whatever_was_built(demo, tmp_path):
+    """`augur demo path` names the pair augur serve uses: the shipped one, not a build in $AUGUR_HOME."""
+    from engine.assets import DEMO_DIR
+
     env = {"AUGUR_HOME": str(demo.parent), "PATH": "/usr/bin:/bin"}
     proc = subprocess.run([sys.executable, "-m", "server.cli", "demo", "path"], capture_output=True, text=True, env=env)
-    assert proc.returncode == 0 and proc.stdout.strip() == str(demo)
+    assert proc.returncode == 0 and proc.stdout.strip() == str(DEMO_DIR) != str(demo)

@@ -607,7 +607,7 @@ def test_models_health_version(client, http):
     assert [m.id for m in models.data] == [MODEL]
     card = http.get("/v1/models").json()["data"][0]
     assert card["object"] == "model" and card["owned_by"] == "augur" and card["max_model_len"] == MAX_LEN
-    assert http.get("/health").status_code == 200 and http.get("/health").json() == {"status": "ok"}
+    assert http.get("/health").status_code == 200 and http.get("/health").json() == {"status": "ok", "compile": "off"}
     v = http.get("/version")
     assert v.status_code == 200 and isinstance(v.json()["version"], str) and v.json()["version"]
 
@@ -985,7 +985,7 @@ def test_health_is_503_while_loading(llama_dir):
 
             release.set()
             wait_until(lambda: c.get("/health").status_code == 200, "/health to turn 200 after loading")
-            assert c.get("/health").json() == {"status": "ok"}
+            assert c.get("/health").json() == {"status": "ok", "compile": "off"}
             resp = c.post("/v1/completions", json=body)
             assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] >= 1
     finally:
