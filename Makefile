@@ -18,9 +18,22 @@ PY := $(VENV)/bin/python
 BIN := $(VENV)/bin/
 endif
 
-.PHONY: install test serve lint bench
+.PHONY: install install-now test serve lint bench
 
-install:
+# In a virtualenv, the install runs again only when pyproject.toml or this file changed, or for other
+# extras (the install is editable: code changes need none), so `make serve` restarts in seconds.
+comma := ,
+ifeq ($(VENV),none)
+install: install-now
+else
+STAMP := $(VENV)/.augur-installed-$(subst $(comma),_,$(EXTRAS))
+install: $(STAMP)
+$(STAMP): pyproject.toml Makefile
+	@$(MAKE) --no-print-directory install-now
+	@touch $@
+endif
+
+install-now:
 ifneq ($(VENV),none)
 	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 endif

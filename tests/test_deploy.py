@@ -167,7 +167,10 @@ def test_docker_installs_with_the_makefile_install_target():
     assert argv[:2] == ["make", "install"] and "VENV=none" in argv
     # No second way in: the image installs nothing with pip itself (the base image's torch stays).
     assert not [a for w, a in DOCKERFILE if w == "RUN" and "pip install" in a]
-    assert "install" in MAKE_RULES and any("pip install" in line for line in MAKE_RULES["install"][1])
+    # `make install` runs `install-now` (always in the image, VENV=none; in a virtualenv when its stamp is stale).
+    assert "install" in MAKE_RULES and any("pip install" in line for line in MAKE_RULES["install-now"][1])
+    dry = subprocess.run(["make", "-n", "install", "VENV=none"], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert "pip install" in dry.stdout
 
 
 def test_readme_commands_depend_on_the_same_install_target():
@@ -207,7 +210,7 @@ def test_docker_image_torch_is_the_one_the_tests_run():
     assert re.fullmatch(r"\d+\.\d+\.\d+", make_variable("TORCH_VERSION"))
     run = shlex.split(install_runs(DOCKERFILE)[0])
     assert "TORCH_INDEX_URL=${TORCH_INDEX_URL}" in run
-    install = " ".join(MAKE_RULES["install"][1])
+    install = " ".join(MAKE_RULES["install-now"][1])
     assert '"torch==$(TORCH_VERSION)"' in install and "--index-url $(TORCH_INDEX_URL)" in install
 
 
