@@ -95,11 +95,10 @@ class CpuThreads:
             self._cpus = {f"cpu{c}" for c in os.sched_getaffinity(0)}
         except (AttributeError, OSError):
             self._cpus = set()
-        self.adaptive = self.usable > 1 and bool(self._cpus) and cgroup_cpu_quota() is None
         self.threads = self.usable
-        self._last = self._sample() if self.adaptive else None
-        if self._last is None:
-            self.adaptive = False
+        worth_it = self.usable > 1 and bool(self._cpus) and cgroup_cpu_quota() is None
+        self._last = self._sample() if worth_it else None
+        self.adaptive = self._last is not None
 
     def _sample(self) -> tuple[float, float, float] | None:
         """(monotonic seconds, busy seconds of this process's CPUs, this process's CPU seconds)."""

@@ -43,7 +43,7 @@ import torch
 
 from engine.assets import shipped_demo
 from engine.offline.muon import optimizers
-from engine.platform import CpuThreads
+from engine.platform import CpuThreads, cpu_has_bf16_units
 
 logger = logging.getLogger(__name__)
 
@@ -262,11 +262,7 @@ def _bf16_autocast_ok(device: torch.device) -> bool:
     """bf16 autocast pays on GPUs and on CPUs with bf16 matrix units; elsewhere it is slower."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+    return cpu_has_bf16_units()
 
 
 def _batches(stream: torch.Tensor, recipe: DemoRecipe, steps: int, seed: int) -> list[torch.Tensor]:
