@@ -67,6 +67,10 @@ class EngineConfig:
     # adapts so that this fraction of the drafted tokens is accepted (Draft & Verify). 0: off; None: the
     # method's default (on, 0.7, for layer-skip; off for a draft model).
     spec_early_stop: float | None = None
+    # Structured outputs: emit the tokens a request's grammar allows alone without a forward for them
+    # (jump-forward; exact: such a token has probability 1 under the masked distribution).
+    grammar_jump_forward: bool = True
+    grammar_cache_size: int = 256  # compiled grammars kept (by spec), least recently used out first
 
     def __post_init__(self) -> None:
         def check(ok: bool, msg: str) -> None:

@@ -99,6 +99,14 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
     sp.add_argument(
         "--suffix-cache-tokens", type=int, default=100_000, help="suffix: tokens of finished outputs to draft from"
     )
+    so = p.add_argument_group("structured outputs")
+    so.add_argument(
+        "--no-grammar-jump-forward",
+        dest="grammar_jump_forward",
+        action="store_false",
+        help="feed every token a grammar forces through a forward (default: emit it at once; exact either way)",
+    )
+    so.add_argument("--grammar-cache-size", type=int, default=256, help="compiled grammars kept, by spec (LRU)")
     if engine_seed:  # `generate` uses --seed for its one request instead
         g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
 

@@ -128,6 +128,25 @@ class Metrics:
             ["method"],
             registry=r,
         )
+        # Structured outputs: requests by kind, the host time each spent in its grammar, and what the
+        # grammar did to drafts (cut) and to forwards (tokens it forced, emitted without one).
+        self.grammar_requests = Counter(
+            "augur_structured_requests", "Requests constrained by a grammar", ["model_name", "kind"], registry=r
+        )
+        self.grammar_seconds = Histogram(
+            "augur_structured_grammar_seconds",
+            "Host time a constrained request spent in its grammar (masks, advancing, forced tokens)",
+            ["model_name"],
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+            registry=r,
+        )
+        self.grammar_tokens = Counter(
+            "augur_structured_tokens",
+            "Tokens of constrained requests: drafted, cut from drafts by the grammar, forced (no forward)",
+            ["model_name", "what"],
+            registry=r,
+        )
+        self._grammar_seen = (0, 0, 0)
         self._spec_window: deque[tuple[float, int, int, int]] = deque()  # (t, drafts, drafted, accepted)
         self._spec_lock = threading.Lock()
         self._spec_seen = (0, 0, 0, [])
@@ -187,6 +206,10 @@ class Metrics:
         if self.vllm is not None:
             self.vllm.request_finished(reason, e2e, tpot, prompt_tokens, generation_tokens)
 
+    def grammar_request(self, kind: str, seconds: float) -> None:
+        self.grammar_requests.labels(**self.labels, kind=kind).inc()
+        self.grammar_seconds.labels(**self.labels).observe(seconds)
+
     def request_failed(self, reason: str) -> None:
         self.request_failure.labels(**self.labels, reason=reason).inc()
         if self.vllm is not None:
@@ -197,6 +220,11 @@ class Metrics:
         self.token_rate.add(sum(len(c.delta_token_ids) for o in outputs for c in o.outputs))
         if self._engine is None:
             return
+        grammar = self._engine.grammar_stats
+        for what, now, before in zip(("drafted", "cut", "forced"), grammar, self._grammar_seen):
+            if now > before:
+                self.grammar_tokens.labels(**self.labels, what=what).inc(now - before)
+        self._grammar_seen = grammar
         st = self._engine.spec_stats
         drafts, drafted, accepted, per_pos = self._spec_seen
         d_drafts, d_drafted, d_acc = (

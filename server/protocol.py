@@ -14,6 +14,15 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 from engine.request.sampling_params import SamplingParams
+from engine.request.structured import StructuredOutput
+
+
+class FieldError(ValueError):
+    """A field's value is wrong in a way its type does not say (400 naming ``param``)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class UnsupportedError(ValueError):
@@ -87,6 +96,84 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's shape (what ``chat.completions.parse`` sends)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | StrictBool | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema object")
+        return self
+
+    def structured(self) -> StructuredOutput | None:
+        if self.type == "json_object":
+            return StructuredOutput.json_schema({"type": "object"}, "response_format")
+        if self.type == "json_schema":
+            schema = self.json_schema.schema_
+            return StructuredOutput.json_schema({} if schema is None else schema, "response_format")
+        return None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one of ``json`` (a schema), ``regex``, ``choice``,
+    ``grammar`` (Lark or GBNF) or ``json_object``."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict[str, Any] | StrictBool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, max_length=4096)
+    grammar: str | None = None
+    json_object: StrictBool | None = None
+    whitespace_pattern: str | None = None
+
+    @model_validator(mode="after")
+    def _one(self):
+        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            names = ", ".join(k.rstrip("_") for k in given) or "none"
+            raise ValueError(
+                f"structured_outputs takes exactly one of json, regex, choice, grammar, json_object (got {names})"
+            )
+        if self.whitespace_pattern is not None and self.json_ is None and not self.json_object:
+            raise ValueError("structured_outputs.whitespace_pattern applies to json and json_object only")
+        return self
+
+    def structured(self) -> StructuredOutput:
+        param = "structured_outputs"
+        if self.json_object:
+            return StructuredOutput.json_schema({"type": "object"}, param, self.whitespace_pattern)
+        if self.json_ is not None:
+            schema = self.json_
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError:
+                    raise FieldError("structured_outputs.json is not valid JSON", param) from None
+                if not isinstance(schema, dict | bool):
+                    raise FieldError("structured_outputs.json must be a JSON schema (an object or a boolean)", param)
+            return StructuredOutput.json_schema(schema, param, self.whitespace_pattern)
+        if self.regex is not None:
+            return StructuredOutput("regex", self.regex, None, param)
+        if self.choice is not None:
+            if not self.choice or any(not c for c in self.choice):
+                raise FieldError("structured_outputs.choice must be a non-empty list of non-empty strings", param)
+            return StructuredOutput.choice(self.choice, param)
+        return StructuredOutput("grammar", self.grammar, None, param)
+
+
 class _Sampling(BaseModel):
     """Fields shared by both endpoints; Augur's extensions come through the SDK's ``extra_body``."""
 
@@ -121,6 +208,9 @@ class _Sampling(BaseModel):
     include_stop_str_in_output: StrictBool = False
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=64)
     speculative: SpeculativeOptions | None = None
+    # Structured outputs: OpenAI's response_format, or vLLM's structured_outputs (not both).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("stop")
     @classmethod
@@ -155,7 +245,19 @@ class _Sampling(BaseModel):
             raise UnsupportedError("beam search does not stream: its beams are not its answers until it ends", "stream")
         if not self.use_beam_search and self.best_of is not None and self.best_of != self.n:
             raise UnsupportedError("best_of other than n needs use_beam_search (sampling returns all n)", "best_of")
+        if (
+            self.structured_outputs is not None
+            and self.response_format is not None
+            and self.response_format.type != "text"
+        ):
+            raise ValueError("give response_format or structured_outputs, not both")
         return self
+
+    def structured(self) -> StructuredOutput | None:
+        """What the output must match, if the request constrains it."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.structured()
+        return self.response_format.structured() if self.response_format is not None else None
 
     def typical(self) -> tuple[float, float] | None:
         """The typical acceptance the request itself asked for (None: not asked for, or refused)."""
@@ -204,6 +306,7 @@ class _Sampling(BaseModel):
             early_stopping=self.early_stopping,
             contrastive=(self.contrastive.alpha, self.contrastive.beta) if self.contrastive is not None else None,
             penalty_alpha=self.penalty_alpha,
+            structured=self.structured(),
         )
         unsaid = self.speculative is None or self.speculative.typical_acceptance is None
         plain = not (params.use_beam_search or params.contrastive or params.contrastive_search)
@@ -323,7 +426,6 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: StrictBool = True
 
     @model_validator(mode="after")
@@ -332,11 +434,6 @@ class ChatCompletionRequest(_Sampling):
         for name in ("tools", "tool_choice", "functions", "function_call"):
             if getattr(self, name) is not None:
                 raise UnsupportedError(f"{name} is not supported: Augur does not do tool calling", name)
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise UnsupportedError(
-                f"response_format {self.response_format.get('type')!r} is not supported (only 'text')",
-                "response_format",
-            )
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         return self

@@ -37,7 +37,7 @@ def sampling_params(state: ServerState, req, max_tokens, logprobs, prompt_logpro
     try:
         return req.sampling_params(max_tokens, logprobs, prompt_logprobs, state.settings.typical_acceptance)
     except ValueError as e:
-        raise bad_request(str(e)) from None
+        raise bad_request(str(e), getattr(e, "param", None)) from None
 
 
 def check_queue_bound(state: ServerState, num_prompts: int) -> None:
@@ -47,11 +47,15 @@ def check_queue_bound(state: ServerState, num_prompts: int) -> None:
 
 
 async def prepare(eng: AsyncEngine, prompts: list[str | list[int]], params: SamplingParams) -> list[list[int]]:
-    """Each prompt tokenized and checked against the engine's limits (off the event loop when big)."""
+    """Each prompt tokenized and checked against the engine's limits (off the event loop when big),
+    and the request's grammar compiled (off the event loop, with a deadline), if it has one."""
     try:
-        return await off_loop(lambda: eng.prepare(prompts, params), sum(len(p) for p in prompts))
+        ids = await off_loop(lambda: eng.prepare(prompts, params), sum(len(p) for p in prompts))
+        if params.structured is not None:
+            await eng.compile_grammar(params.structured)
+        return ids
     except InvalidRequestError as e:
-        raise bad_request(str(e), "prompt") from None
+        raise bad_request(str(e), e.param or "prompt") from None
 
 
 @dataclass
@@ -87,6 +91,7 @@ class Job:
         prompt_tokens = sum(len(p) for p in self.prompt_ids)
         steps = sum(o.stats.num_decode_steps for o in outputs)
         drafted = sum(o.stats.num_draft_tokens for o in outputs)
+        forced = sum(o.stats.num_forced_tokens for o in outputs)
         lossy = self.params.typical_acceptance is not None
         return {
             "prompt_tokens": prompt_tokens,
@@ -97,7 +102,9 @@ class Job:
                 "draft_tokens": drafted,
                 "accepted_tokens": sum(o.stats.num_accepted_tokens for o in outputs),
                 "verify_steps": steps,
-                "mean_acceptance_length": completion_tokens / steps if steps else 0.0,
+                # Tokens per target forward; a grammar's forced tokens had none and are not counted.
+                "mean_acceptance_length": (completion_tokens - forced) / steps if steps else 0.0,
+                "forced_tokens": forced,
                 # Typical acceptance trades exactness for acceptance: said wherever it was used.
                 "acceptance": "typical (lossy)" if lossy else "exact",
                 "lossy": lossy,
@@ -284,6 +291,8 @@ async def _run(job: Job, request_id: str, prompt_ids: list[int]) -> AsyncIterato
                     tpot = (now - first) / (tokens - 1) if first is not None and tokens > 1 else None
                     lossy = job.params.typical_acceptance is not None
                     m.request_finished(reason or "stop", now - start, tpot, len(prompt_ids), tokens, lossy)
+                    if job.params.structured is not None:
+                        m.grammar_request(job.params.structured.kind, out.stats.grammar_seconds)
             yield out
     finally:
         if not finished:  # the client went away (stream closed or request cancelled): aborted

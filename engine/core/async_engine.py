@@ -11,6 +11,7 @@ so the KV blocks come back within one engine step.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextvars
 import logging
 import queue
@@ -23,6 +24,10 @@ from dataclasses import dataclass
 from engine.core.llm_engine import LLMEngine
 from engine.request.outputs import CompletionOutput, RequestOutput, RequestStats
 from engine.request.sampling_params import SamplingParams
+from engine.request.structured import StructuredOutput
+from engine.structured import GrammarError
+
+GRAMMAR_COMPILE_SECONDS = 10.0  # a structured-output spec that takes longer to compile is refused
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +89,8 @@ class AsyncEngine:
         ] = {}  # admitted, no output yet (→ admission time): what --max-queue-len bounds
         self._consecutive_failures = 0
         self.load = EngineLoad()
+        # Grammars compile here, two at a time at most, whatever the requests ask.
+        self._grammar_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="augur-grammar")
 
     @property
     def num_unstarted(self) -> int:
@@ -129,6 +136,7 @@ class AsyncEngine:
 
     def shutdown(self) -> None:
         self._stopping = True
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
         self._commands.put(None)
         self._wakeup.set()
         if self._thread is not None:
@@ -162,6 +170,13 @@ class AsyncEngine:
         return self.engine.spec_method
 
     @property
+    def grammar_stats(self) -> tuple[int, int, int]:
+        """Cumulative (drafted, cut by the grammar, forced) tokens of constrained requests; read on the
+        engine thread (a step hook)."""
+        c = self.engine.step_runner.constraints
+        return c.drafted_tokens, c.cut_tokens, c.forced_tokens
+
+    @property
     def spec_stats(self):
         """Cumulative drafting statistics (:class:`~engine.speculative.stats.SpecStats`); read them on
         the engine thread (a step hook), where they change."""
@@ -182,6 +197,17 @@ class AsyncEngine:
             self.engine.validate(tokens, params)
             ids.append(tokens)
         return ids
+
+    async def compile_grammar(self, so: StructuredOutput, timeout: float = GRAMMAR_COMPILE_SECONDS) -> None:
+        """Compile a request's structured-output spec into the engine's grammar cache, on a worker
+        thread (llguidance drops the GIL while it builds), so that the engine thread only copies it.
+        Raises GrammarError (an invalid spec, or one that takes longer than ``timeout`` to compile:
+        its build is bounded by llguidance's limits and finishes on its thread, into the cache)."""
+        future = asyncio.get_running_loop().run_in_executor(self._grammar_pool, self.engine.grammars.compile, so)
+        try:
+            await asyncio.wait_for(asyncio.shield(future), timeout)
+        except TimeoutError:
+            raise GrammarError(f"the {so.kind} took longer than {timeout:g} s to compile", so.param) from None
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         """Chat messages through the model's chat template, as token ids; a text that cannot fit the

@@ -32,6 +32,7 @@ from engine.runner.loader import eos_token_ids, load_config, load_model, load_to
 from engine.runner.model_runner import ModelRunner, kv_pool_blocks
 from engine.speculative.controller import SpecController, profile_costs
 from engine.speculative.methods import proposer_class, resolve_method
+from engine.structured import Grammars
 
 logger = logging.getLogger(__name__)
 
@@ -103,8 +104,10 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, max_len, self._finish_seq)
         beams = BeamSearch(self.eos_token_ids, max_len, self._fork_one, self._finish_seq)
         self.step_runner = Step(
-            self.runner, self.scheduler, self.proposer, self.controller, self._fork, beams, self.eos_token_ids, max_len
-        )
+            self.runner, self.scheduler, self.proposer, self.controller, self._fork, beams, self.eos_token_ids, max_len,
+            jump_forward=config.grammar_jump_forward,
+        )  # fmt: skip
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids, config.grammar_cache_size)
         # Compiled forwards: warmed up now, or served eagerly until a background thread has warmed
         # them up over scratch pools (compile_in_background); CUDA graphs capture what is served now.
         self.compile_state = "off"  # off | pending | ready (to swap in) | on | failed
@@ -251,6 +254,8 @@ class LLMEngine:
         seq = group.seqs[0]
         if params.contrastive_search:
             seq.search = SearchState()
+        if params.structured is not None:
+            seq.grammar = self.grammars.start(params.structured)  # GrammarError: an invalid spec
         self._init_seq(seq, seed_offset=0)
         self.groups[request_id] = group
         self.scheduler.add(seq)
@@ -380,6 +385,8 @@ class LLMEngine:
             child.num_computed_tokens = parent.num_computed_tokens
             self._init_seq(child, seed_offset=child.index)
             child.detok = parent.detok.fork()
+            if parent.grammar is not None:
+                child.grammar = parent.grammar.copy()
             if parent.token_counts is not None:
                 child.token_counts, child.prompt_mask = parent.token_counts.clone(), parent.prompt_mask
             if self.proposer is not None:

@@ -60,6 +60,10 @@ class OutputProcessor:
                 reason = FinishReason.LENGTH
             if reason is None and seq.num_tokens >= self.max_model_len:
                 reason = FinishReason.LENGTH
+            if reason is None and j == len(tokens) - 1 and seq.grammar is not None and seq.grammar.terminated:
+                # Its grammar is complete (the step cut the emit there): nothing may follow, even with
+                # ignore_eos.
+                reason = FinishReason.STOP
             if reason is not None:
                 seq.finish_reason = reason
                 self.finish(seq)
@@ -100,6 +104,8 @@ class OutputProcessor:
             num_decode_steps=group.num_decode_steps,
             num_draft_tokens=group.num_draft_tokens,
             num_accepted_tokens=group.num_accepted_tokens,
+            num_forced_tokens=group.num_forced_tokens,
+            grammar_seconds=sum(s.grammar.seconds for s in group.seqs if s.grammar is not None),
         )
         prompt_logprobs = None
         if (

@@ -26,6 +26,7 @@ from engine.request.sequence import Sequence
 from engine.runner.model_runner import ForwardChunk, ModelRunner
 from engine.sampling.accept import ACCEPT, RowsMetadata, acceptance_kind, count_tokens
 from engine.sampling.batch import Batch, Emit, Sample
+from engine.sampling.constrain import Constraints
 from engine.sampling.logprobs import record_prompt_logprobs, token_logprobs, wants_prompt_logprobs
 from engine.sampling.tree import DraftTree, tree_layout
 from engine.speculative.proposer import ProposeContext, Proposer
@@ -45,6 +46,7 @@ class Step:
         beams: BeamSearch,
         eos_token_ids: list[int],
         max_model_len: int,
+        jump_forward: bool = True,
     ) -> None:
         self.runner, self.scheduler, self.proposer, self.controller = runner, scheduler, proposer, controller
         self.fork = fork
@@ -54,6 +56,8 @@ class Step:
         self.hidden_layers = proposer.hidden_layers if proposer else ()
         self._hidden: dict[int, dict[int, torch.Tensor]] = {}  # seq_id → last forward's final rows
         self.rows = RowsMetadata(runner.vocab_size, runner.device, eos_token_ids)
+        self.constraints = Constraints(jump_forward)  # structured outputs: cuts, grammar advance, jump-forward
+        self._cuts: dict[int, Sample] = {}  # seq_id → its draft cut by its grammar, this step
         self.decoding = Strategies(beams, proposer, self.rows)  # beyond sampling: engine/decoding/
         self.scheduled: list[Sequence] = []  # this step's sequences (the engine fails them if it raises)
         self.forward_seconds = 0.0  # this step's target and proposer forwards (the rest is host work)
@@ -116,6 +120,7 @@ class Step:
             if d > 0:
                 seqs.append(seq)
                 depths.append(d)
+        self._cuts = {}
         if not seqs:
             return {}
         ctx = ProposeContext({s.seq_id: self._hidden[s.seq_id] for s in seqs if s.seq_id in self._hidden})
@@ -123,6 +128,7 @@ class Step:
         for kind, num_seqs, tokens, seconds in self.proposer.timings():
             self.controller.cost.observe(kind, num_seqs, tokens, seconds)
             self.forward_seconds += seconds
+        self._cuts = {s.seq_id: self.constraints.cut(s, t) for s, t in zip(seqs, trees) if len(t) and s.grammar}
         return {s.seq_id: t for s, t in zip(seqs, trees) if len(t)}
 
     # 3. build the one forward: prefill chunks, plain decodes and draft trees side by side
@@ -133,12 +139,14 @@ class Step:
         for seq, n in [(seq, n) for seq, n in sched.scheduled if seq.seq_id not in searching]:
             start = seq.num_computed_tokens
             if seq.seq_id in trees:
-                tree = trees[seq.seq_id]
+                sample = self._cuts.get(seq.seq_id) or Sample(seq, trees[seq.seq_id], 0, 0)
+                tree = sample.tree  # what the grammar left of it, if any
                 lay = tree_layout(tree)
                 ids = [seq.token_ids[start]] + tree.tokens
                 positions = [start + d for d in lay.depths]
                 b.chunks.append(ForwardChunk(ids, start, seq.block_table, len(ids), positions, lay.mask))
-                b.samples.append(Sample(seq, tree, row, tok, max(lay.depths)))
+                sample.row, sample.tok, sample.depth = row, tok, sample.drafted.depth
+                b.samples.append(sample)
                 row, tok = row + len(tree) + 1, tok + len(tree) + 1
                 continue
             done, group, wants_prompt = start + n == seq.num_tokens, seq.group, wants_prompt_logprobs(seq, start)
@@ -196,6 +204,7 @@ class Step:
         requests = [([s.row] + [s.row + 1 + i for i in s.accepted], e.tokens, s.seq.params.logprobs) for s, e in asked]
         for (_, e), lps in zip(asked, token_logprobs(logits, requests)):
             e.logprobs = lps
+        self.constraints.advance(emits, self.max_model_len)
         return emits
 
     # 6. commit: accepted K/V into place, rejected slots released, everyone told what happened
@@ -205,7 +214,8 @@ class Step:
         src, dst = self.decoding.place(b, self.scheduler.bm, slot, self.runner.vocab_size)
         for s, e in zip(b.samples, emits[len(b.searches) :]):
             count_tokens(s.seq, e.tokens, self.runner.vocab_size)
-            if not len(s.tree):
+            drafted = s.drafted
+            if not len(drafted):
                 continue
             seq, c, a = s.seq, s.seq.num_computed_tokens, len(s.accepted)
             for i, node in enumerate(s.accepted):  # node i of the path belongs at position c + 1 + i
@@ -214,11 +224,12 @@ class Step:
                     dst.append(slot(seq, c + 1 + i))
             seq.num_computed_tokens = c + 1 + a
             self.scheduler.bm.release_tail(seq.block_table, seq.block_hashes, seq.num_computed_tokens)
-            self.proposer.on_verified(seq, s.tree, s.accepted)
+            # The proposer hears of its own tree: a grammar's cut maps the kept nodes back to it.
+            self.proposer.on_verified(seq, drafted, s.accepted if s.kept is None else [s.kept[i] for i in s.accepted])
             self._computed(seq, c, hidden, [s.tok] + [s.tok + 1 + i for i in s.accepted])
             self.controller.update(seq, s.depth, a)
-            self.stats.record(len(s.tree), a)
-            seq.group.num_draft_tokens += len(s.tree)
+            self.stats.record(len(drafted), a)
+            seq.group.num_draft_tokens += len(drafted)
             seq.group.num_accepted_tokens += a
         self.runner.move_slots(src, dst)
 

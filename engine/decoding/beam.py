@@ -171,6 +171,8 @@ class BeamSearch:
                 self.finish(b)
         for seq, c in zip(seqs, running):
             seq.token_ids.append(c.token)
+            if seq.grammar is not None:  # structured outputs: each beam's grammar follows its tokens
+                seq.grammar.advance([c.token])
             if c.detok is not None:
                 seq.detok = c.detok
             else:

@@ -84,7 +84,9 @@ class ContrastiveSearch:
             k = len(f.tokens)
             h = torch.nn.functional.normalize(final[f.tok : f.tok + k].float(), dim=-1)  # [k, H]
             penalty = (h @ st.context[: st.length].T).amax(dim=-1)  # [k] closest earlier token, by cosine
-            picks.append(((1.0 - alpha) * st.probs - alpha * penalty).argmax())
+            score = (1.0 - alpha) * st.probs - alpha * penalty
+            # A candidate of probability 0 (fewer allowed tokens than top_k: a grammar, a ban) is never picked.
+            picks.append(score.masked_fill(st.probs <= 0, float("-inf")).argmax())
         for f, best in zip(fed, torch.stack(picks).tolist()):
             st = f.seq.search
             f.chosen = best

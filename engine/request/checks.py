@@ -6,7 +6,11 @@ from engine.request.sampling_params import SamplingParams
 
 
 class InvalidRequestError(ValueError):
-    """The request itself is wrong (the server answers 400)."""
+    """The request itself is wrong (the server answers 400, naming ``param`` when it is known)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def check_request(

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.request.structured import StructuredOutput
+
 _GREEDY_EPS = 1e-5
 
 
@@ -57,6 +59,9 @@ class SamplingParams:
     # Contrastive search (engine.decoding.contrastive_search): > 0 picks among the top_k candidates by
     # (1 - penalty_alpha) * probability - penalty_alpha * degeneration penalty; deterministic, unspeculated.
     penalty_alpha: float = 0.0
+    # Structured outputs: the output must match this JSON schema, regex, choice or grammar; every row the
+    # request samples or verifies is masked by it (engine/structured), speculation stays exact.
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

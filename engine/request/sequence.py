@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import torch
 
     from engine.request.detokenizer import IncrementalDetokenizer
+    from engine.structured import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -74,6 +75,7 @@ class Sequence:
         self.token_counts: torch.Tensor | None = None
         self.prompt_mask: torch.Tensor | None = None
         self.ngrams: NgramIndex | None = None  # no_repeat_ngram_size only
+        self.grammar: GrammarState | None = None  # structured outputs only: where its grammar stands
         # Speculative decoding state.
         self.draft_num_computed = 0  # leading tokens whose draft-model KV is valid (draft-model proposer)
         self.spec_estimate: AcceptanceEstimate | None = None  # the depth controller's, per sequence
@@ -179,6 +181,7 @@ class SequenceGroup:
         self.num_decode_steps = 0  # target forwards that produced tokens, summed over choices
         self.num_draft_tokens = 0  # draft tokens proposed for this request
         self.num_accepted_tokens = 0  # of which the target accepted
+        self.num_forced_tokens = 0  # emitted without a forward: the only tokens its grammar allowed
         self.beam: BeamState | None = None  # a beam-search request's
 
     @property

@@ -18,6 +18,7 @@ from engine.request.sequence import Sequence
 from engine.sampling.no_repeat import banned_tokens
 from engine.sampling.sampler import SamplingMetadata, apply_logits_processors, compute_probs, exponential_noise
 from engine.sampling.verify import build_verify_input, greedy_accept, verify
+from engine.structured import unpack
 
 
 class RowsMetadata:
@@ -27,8 +28,11 @@ class RowsMetadata:
     def __call__(self, samples: list) -> tuple[list[int], SamplingMetadata]:
         """Logits rows of every sample's root and nodes, and their sampling metadata."""
         rows, params, num_out, counts, masks, gens, extra, banned = [], [], [], [], [], [], [], []
+        grammar_rows: list[tuple[int, torch.Tensor]] = []  # (first row, [rows, words] bitmask)
         for s in samples:
             seq = s.seq
+            if seq.grammar is not None:
+                grammar_rows.append((len(rows), s.grammar_masks(seq)))
             st = penalty_state(seq, self.vocab_size, self.device)
             paths: list[list[int]] = [[]]
             for t, par in zip(s.tree.tokens, s.tree.parents):
@@ -44,7 +48,18 @@ class RowsMetadata:
                 banned.append(banned_tokens(seq, path))
         extra = extra if any(p.needs_penalties for p in params) else []
         V, dev, eos = self.vocab_size, self.device, self.eos_token_ids
-        return rows, SamplingMetadata.from_state(params, num_out, counts, masks, gens, eos, V, dev, extra, banned)
+        forbidden = self._forbidden(len(rows), grammar_rows) if grammar_rows else None
+        return rows, SamplingMetadata.from_state(
+            params, num_out, counts, masks, gens, eos, V, dev, extra, banned, forbidden
+        )
+
+    def _forbidden(self, num_rows: int, grammar_rows: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        """``[rows, V]`` bool: True where a grammar forbids the token (rows without one: nothing)."""
+        words = grammar_rows[0][1].shape[1]
+        packed = torch.full((num_rows, words), -1, dtype=torch.int32)  # all allowed
+        for first, m in grammar_rows:
+            packed[first : first + m.shape[0]] = m
+        return ~unpack(packed.to(self.device, non_blocking=True), self.vocab_size)
 
 
 def accept_greedy(samples: list, logits: torch.Tensor, rows_md: RowsMetadata) -> list[tuple[list[int], int]]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.request.sequence import Sequence, TokenLogprob
 from engine.runner.model_runner import ForwardChunk
 from engine.sampling.tree import DraftTree
@@ -29,6 +31,24 @@ class Sample:
     depth: int = 0  # levels its draft really reached (the controller learns from those positions only)
     fork: bool = False  # its prompt just finished and its request has n > 1: the other choices fork here
     accepted: list[int] = field(default_factory=list)  # node indices the target kept, root to leaf
+    # Structured outputs: [len(tree) + 1, words] int32 grammar bitmask of its rows (the tree already
+    # cut to what the grammar allows), computed when the step cut the tree or on first use.
+    masks: torch.Tensor | None = None
+    proposed: DraftTree | None = None  # the tree as drafted, when a grammar cut it to ``tree``
+    kept: list[int] | None = None  # then: the drafted tree's index of each node of ``tree``
+
+    @property
+    def drafted(self) -> DraftTree:
+        """The tree its proposer drafted (before any grammar cut)."""
+        return self.tree if self.proposed is None else self.proposed
+
+    def grammar_masks(self, seq: Sequence) -> torch.Tensor:
+        if self.masks is None:
+            walk = seq.grammar.walk(self.tree.tokens, self.tree.parents)
+            if len(walk.kept) != len(self.tree):
+                raise RuntimeError("a draft tree reached verification with nodes its grammar forbids")
+            self.masks = walk.masks
+        return self.masks
 
 
 @dataclass

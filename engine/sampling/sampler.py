@@ -70,7 +70,8 @@ class SamplingMetadata:
     output_counts: torch.Tensor | None
     logit_bias: torch.Tensor | None  # [B, V] float32 additive; None if no row has a bias
     # [B, V] bool: tokens forbidden this step (EOS and stop ids while the row has fewer than
-    # min_tokens outputs, tokens that would repeat an n-gram); None if no row has any.
+    # min_tokens outputs, tokens that would repeat an n-gram, tokens a grammar forbids); None if no
+    # row has any.
     suppress_mask: torch.Tensor | None
     # Per row; a row with a generator draws its randomness only from it (on the logits' device).
     generators: list[torch.Generator | None]
@@ -175,6 +176,7 @@ class SamplingMetadata:
         device: torch.device | str,
         extra_tokens: Sequence[tuple[int, int]] = (),  # (row, token): one more occurrence in that row
         banned: Sequence[Iterable[int]] = (),  # per row (or none): tokens no_repeat_ngram_size forbids
+        forbidden: torch.Tensor | None = None,  # [B, V] bool: tokens a grammar forbids (structured outputs)
     ) -> SamplingMetadata:
         """Like :meth:`build`, from token statistics each sequence keeps up to date instead of its
         whole history: the cost is O(rows × vocab), never O(context). ``extra_tokens`` adds tokens a
@@ -192,7 +194,9 @@ class SamplingMetadata:
                 none = torch.zeros(vocab_size, dtype=torch.bool, device=device)
                 prompt_mask = torch.stack([m if m is not None else none for m in prompt_masks])
         penalties = (repetition, presence, frequency, prompt_mask, output_counts)
-        return cls._assemble(params, num_outputs, generators, eos_token_ids, vocab_size, device, penalties, banned)
+        return cls._assemble(
+            params, num_outputs, generators, eos_token_ids, vocab_size, device, penalties, banned, forbidden
+        )
 
     @classmethod
     def _assemble(
@@ -205,6 +209,7 @@ class SamplingMetadata:
         device: torch.device,
         penalties: tuple[torch.Tensor | None, ...],  # repetition, presence, frequency, prompt_mask, output_counts
         banned: Sequence[Iterable[int]] = (),  # per row: tokens set to -inf (no-repeat n-grams)
+        forbidden: torch.Tensor | None = None,  # [B, V] bool: also set to -inf (a grammar's mask)
     ) -> SamplingMetadata:
         repetition, presence, frequency, prompt_mask, output_counts = penalties
         batch = len(params)
@@ -251,6 +256,8 @@ class SamplingMetadata:
             suppress_mask = torch.zeros(batch, vocab_size, dtype=torch.bool, device=device)
             index = _host_to_device([sup_rows, sup_tokens], device, torch.int64)  # [2, N]
             suppress_mask[index[0], index[1]] = True
+        if forbidden is not None:
+            suppress_mask = forbidden if suppress_mask is None else suppress_mask | forbidden
 
         return cls(
             temperature=temperature,

@@ -1,0 +1,294 @@
+"""Structured outputs in the engine: a grammar masks every row a request samples or verifies, so
+greedy output under a grammar is plain constrained decoding's with every proposer, with speculation
+on or off and jump-forward on or off, and sampled output follows the masked target distribution.
+
+The reference is independent of the engine: Hugging Face's model, greedy, with llguidance's own
+matcher masking each step."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import llguidance
+import llguidance.hf
+import numpy as np
+import pytest
+import torch
+from test_eagle import write_eagle
+from test_medusa import write_heads as write_medusa
+from test_mtp import write_heads as write_mtp
+from test_spec import g_statistic, g_test_threshold, noisy_copy
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+from conftest import build_model_dir
+from engine.config import EngineConfig
+from engine.core.llm_engine import LLMEngine
+from engine.request.sampling_params import SamplingParams
+from engine.request.structured import StructuredOutput
+from engine.structured import GrammarError, GrammarState
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 999},
+        "ok": {"type": "boolean"},
+        "tag": {"enum": ["red", "green", "blue"]},
+        "name": {"type": "string", "maxLength": 6},
+    },
+    "required": ["id", "ok", "tag", "name"],
+    "additionalProperties": False,
+}
+EMAIL = r"[a-z]{2,6}@[a-z]{2,5}\.(com|org)"
+CHOICES = ["yes", "no", "maybe so"]
+SPECS = [
+    StructuredOutput.json_schema(SCHEMA, "response_format"),
+    StructuredOutput("regex", EMAIL),
+    StructuredOutput.choice(CHOICES, "structured_outputs"),
+]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory, tokenizer_dir):
+    root = tmp_path_factory.mktemp("structured")
+    return build_model_dir(root / "target", tokenizer_dir, "LlamaForCausalLM", std=0.3, num_hidden_layers=4)
+
+
+def make(target, **kw) -> LLMEngine:
+    kw.setdefault("num_kv_blocks", 256)
+    kw.setdefault("block_size", 8)
+    return LLMEngine(EngineConfig(model=str(target), device="cpu", compile="off", **kw))
+
+
+def reference(target, prompt: list[int], so: StructuredOutput, max_tokens: int) -> list[int]:
+    """Greedy decoding of the Hugging Face model, each step masked by llguidance's matcher."""
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(target)
+    vocab = model.config.vocab_size
+    lt = llguidance.hf.from_tokenizer(tok, n_vocab=vocab)
+    from engine.structured.grammar import grammar_text
+
+    matcher = llguidance.LLMatcher(lt, grammar_text(so))
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    out: list[int] = []
+    with torch.no_grad():
+        while len(out) < max_tokens and not matcher.is_stopped():
+            logits = model(torch.tensor([prompt + out])).logits[0, -1]
+            bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+            allowed = torch.from_numpy(bits[:vocab].astype(bool))
+            token = int(logits.masked_fill(~allowed, float("-inf")).argmax())
+            out.append(token)
+            if token in eos:  # the engine keeps the end-of-text token in its output ids too
+                break
+            assert matcher.consume_token(token)
+    return out
+
+
+def prompts() -> list[list[int]]:
+    return [[1, 20 + i, 40 + 3 * i, 7, 100 + i] for i in range(6)]
+
+
+def run(eng: LLMEngine, max_tokens: int = 40) -> list[list[int]]:
+    ps = prompts()
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=max_tokens, structured=SPECS[i % 3], num_draft_tokens=3)
+        for i in range(len(ps))
+    ]
+    return [o.outputs[0].delta_token_ids for o in eng.generate(ps, params)]
+
+
+def check_matches(eng: LLMEngine, outs: list[list[int]]) -> None:
+    """Finished outputs match their spec (cut ones are prefixes of a match, which the grammar ensured)."""
+    for i, toks in enumerate(outs):
+        text = eng.tokenizer.decode(toks)
+        kind = SPECS[i % 3].kind
+        if kind == "json" and text.endswith("}"):
+            obj = json.loads(text)
+            assert list(obj) == ["id", "ok", "tag", "name"] and obj["tag"] in ("red", "green", "blue")
+        elif kind == "regex" and text.endswith(("com", "org")):
+            assert re.fullmatch(EMAIL, text)
+        elif kind == "choice":
+            assert text in CHOICES
+
+
+METHODS = {
+    "plain": lambda target, tmp: {},
+    "draft": lambda target, tmp: {"draft_model": str(noisy_copy(target, tmp / "draft", 0.5))},
+    "ngram": lambda target, tmp: {"speculative_method": "ngram"},
+    "suffix": lambda target, tmp: {"speculative_method": "suffix"},
+    "layer-skip": lambda target, tmp: {"speculative_method": "layer-skip"},
+    "medusa": lambda target, tmp: {"draft_model": str(write_medusa(target, tmp / "medusa"))},
+    "eagle": lambda target, tmp: {"draft_model": str(write_eagle(target, tmp / "eagle"))},
+    "mtp": lambda target, tmp: {"draft_model": str(write_mtp(target, tmp / "mtp"))},
+}
+
+
+@pytest.fixture(scope="module")
+def expected(target):
+    ps = prompts()
+    return [reference(target, p, SPECS[i % 3], 40) for i, p in enumerate(ps)]
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("topk", [1, 2], ids=["chains", "trees"])
+def test_greedy_under_a_grammar_is_plain_constrained_decoding(target, tmp_path, expected, method, topk):
+    if method == "plain" and topk == 2:
+        pytest.skip("no drafts: nothing to shape")
+    eng = make(target, spec_tree_topk=topk, **METHODS[method](target, tmp_path))
+    assert run(eng) == expected
+    check_matches(eng, expected)
+    if method != "plain":
+        assert eng.spec_stats.num_drafts > 0
+    eng.step_runner.constraints.jump_forward = False  # every token through a forward: the same output
+    assert run(eng) == expected
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def test_drafts_are_cut_where_the_grammar_forbids_and_forced_tokens_need_no_forward(target, tmp_path):
+    eng = make(target, draft_model=str(noisy_copy(target, tmp_path / "draft", 0.5)))
+    run(eng)
+    c = eng.step_runner.constraints
+    assert c.drafted_tokens > 0 and 0 < c.cut_tokens < c.drafted_tokens
+    assert c.forced_tokens > 0  # the schema's keys and punctuation, the choices' tails
+
+
+def test_grammar_end_finishes_with_stop_even_ignoring_eos(target):
+    eng = make(target)
+    so = StructuredOutput.choice(["alpha", "beta"], "structured_outputs")
+    out = eng.generate([[1, 5, 9]], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True, structured=so))[0]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text in ("alpha", "beta")
+
+
+def test_n_choices_and_beams_each_follow_their_grammar(target):
+    eng = make(target)
+    so = StructuredOutput("regex", "[0-9]{3}-[a-z]{2}")
+    outs = eng.generate([[1, 5, 9]], SamplingParams(temperature=1.0, n=4, seed=3, max_tokens=20, structured=so))[0]
+    beams = eng.generate(
+        [[1, 5, 9]], SamplingParams(use_beam_search=True, n=2, best_of=3, max_tokens=20, structured=so)
+    )[0]
+    for c in outs.outputs + beams.outputs:
+        assert re.fullmatch("[0-9]{3}-[a-z]{2}", c.text), c.text
+        assert c.finish_reason == "stop"
+
+
+def test_contrastive_search_never_picks_a_forbidden_candidate(target):
+    eng = make(target)
+    so = StructuredOutput("regex", "[xyz]{4}")
+    out = eng.generate(
+        [[1, 5, 9]], SamplingParams(temperature=0.0, penalty_alpha=0.6, top_k=8, max_tokens=10, structured=so)
+    )[0]
+    assert re.fullmatch("[xyz]{4}", out.outputs[0].text)
+
+
+@pytest.mark.parametrize(
+    "so,match",
+    [
+        (StructuredOutput("json", '{"type": "nope"}', None, "response_format"), "invalid json"),
+        (StructuredOutput("regex", "(ab", None, "structured_outputs"), "invalid regex"),
+        (StructuredOutput("grammar", "start: foo\nfoo: 'a' |", None, "structured_outputs"), "invalid grammar"),
+        (StructuredOutput("grammar", "root ::= (", None, "structured_outputs"), "invalid grammar"),
+        (StructuredOutput("json", "{" * 300_000, None, "response_format"), "at most"),
+    ],
+)
+def test_invalid_specs_are_refused_naming_their_field(target, so, match):
+    eng = make(target)
+    with pytest.raises(GrammarError, match=match) as err:
+        eng.grammars.compile(so)
+    assert err.value.param == so.param
+
+
+def test_compiled_grammars_are_cached_by_spec(target):
+    eng = make(target)
+    a = eng.grammars.compile(SPECS[0])
+    assert eng.grammars.compile(StructuredOutput.json_schema(SCHEMA, "structured_outputs")) is a  # same spec
+    s1, s2 = eng.grammars.start(SPECS[0]), eng.grammars.start(SPECS[0])
+    s1.advance(eng.tokenizer.encode('{"id', add_special_tokens=False))
+    assert s2.walk([], []).masks.equal(GrammarState(a.deep_copy(), s2.words).walk([], []).masks)  # copies apart
+
+
+# -- sampling: the masked target distribution, exactly -----------------------------------------------------
+@pytest.fixture(scope="module")
+def letters_pair(tmp_path_factory):
+    """An 8-token vocabulary of single letters llguidance can read (a byte-level decoder), a tiny
+    Llama over it and a noisy draft of it."""
+    root = tmp_path_factory.mktemp("letters")
+    words = ["<|bos|>", "<|eos|>", "<|pad|>", "a", "b", "c", "d", "e"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<|pad|>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>")
+    fast.save_pretrained(root / "tok")
+    t = build_model_dir(root / "target", root / "tok", "LlamaForCausalLM", vocab_size=8, std=0.5)
+    return t, noisy_copy(t, root / "draft", 0.1)  # close: its drafts reach the third letter's row
+
+
+# After "a" (forced first), the second letter is a, b or c and the third depends on it: every set
+# holds "a", so a rule that masks every row with the root's set still emits only allowed tokens.
+PATHS = "a(a[a-c]|b[a-e]|c[a-d])"
+ALLOWED = {(): "a", ("a",): "abc", ("a", "a"): "abc", ("a", "b"): "abcde", ("a", "c"): "abcd"}
+
+
+def masked_joint(target_dir, prompt: list[int], temperature: float) -> dict[tuple, float]:
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    letters = "abcde"
+    joint: dict[tuple, float] = {}
+
+    def dist(path: tuple[str, ...]) -> dict[str, float]:
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + [3 + letters.index(x) for x in path]])).logits[0, -1] / temperature
+        allowed = [3 + letters.index(x) for x in ALLOWED[path]]
+        p = torch.softmax(logits[allowed], -1)
+        return {x: p[i].item() for i, x in enumerate(ALLOWED[path])}
+
+    for x2, p2 in dist(("a",)).items():
+        for x3, p3 in dist(("a", x2)).items():
+            joint[(3, 3 + letters.index(x2), 3 + letters.index(x3))] = p2 * p3
+    return joint
+
+
+def sampled(target, draft, n: int, prompt: list[int], temperature: float) -> dict:
+    eng = make(target, draft_model=str(draft), num_kv_blocks=4096, max_num_seqs=1024)
+    so = StructuredOutput("regex", PATHS)
+    per = 64
+    for i in range(n // per):
+        # Room for 4: the grammar ends the output at 3, so drafts may run to its end.
+        params = SamplingParams(temperature=temperature, n=per, max_tokens=4, structured=so, num_draft_tokens=3)
+        eng.add_request(f"s{i}", prompt, params)
+    toks: dict = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            for c in o.outputs:
+                toks.setdefault((o.request_id, c.index), []).extend(c.delta_token_ids)
+    assert eng.spec_stats.num_drafts > 0
+    counts: dict = {}
+    for v in toks.values():
+        counts[tuple(v)] = counts.get(tuple(v), 0) + 1
+    return counts
+
+
+def test_sampling_under_a_grammar_follows_the_masked_target_and_wrong_rules_fail(letters_pair, monkeypatch):
+    """Sampled drafts are verified against the masked target; two plausible wrong rules are caught:
+    cutting forbidden tokens out of a sampled draft (the proposal is then q conditioned on the
+    grammar, not the q the rule reads), and masking every row with the root's grammar state."""
+    target, draft = letters_pair
+    prompt, n, temperature = [0, 4, 5], 10_240, 1.0
+    expected = masked_joint(target, prompt, temperature)
+    stat, dof = g_statistic(sampled(target, draft, n, prompt, temperature), expected, n)
+    assert stat < g_test_threshold(dof), f"G={stat:.1f} dof={dof}"
+
+    walk = GrammarState.walk
+    with monkeypatch.context() as m:
+        m.setattr(GrammarState, "walk", lambda self, tokens, parents, cut=True: walk(self, tokens, parents, True))
+        stat, dof = g_statistic(sampled(target, draft, n, prompt, temperature), expected, n)
+        assert stat > g_test_threshold(dof), f"cutting sampled drafts went unnoticed: G={stat:.1f} dof={dof}"
+
+    def path_blind(self, tokens, parents, cut=True):  # every row gets the root's mask
+        w = walk(self, tokens, parents, cut)
+        w.masks[1:] = w.masks[0]
+        return w
+
+    monkeypatch.setattr(GrammarState, "walk", path_blind)
+    stat, dof = g_statistic(sampled(target, draft, n, prompt, temperature), expected, n)
+    assert stat > g_test_threshold(dof), f"the path-blind rule went unnoticed: G={stat:.1f} dof={dof}"
