@@ -28,6 +28,7 @@ from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    FieldError,
     TokenizeRequest,
     UnsupportedError,
     error_body,
@@ -128,7 +129,7 @@ def add_error_handlers(app: FastAPI, state: ServerState) -> None:
         if first.get("type") == "json_invalid":
             msg, loc = "the request body is not valid JSON", []
         ctx_err = (first.get("ctx") or {}).get("error")
-        if isinstance(ctx_err, UnsupportedError):
+        if isinstance(ctx_err, UnsupportedError | FieldError):  # they name their field themselves
             return JSONResponse(error_body(str(ctx_err), "invalid_request_error", ctx_err.param), 400)
         param = ".".join(loc) or None
         return JSONResponse(error_body(f"{param + ': ' if param else ''}{msg}", "invalid_request_error", param), 400)

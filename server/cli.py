@@ -203,6 +203,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         body_timeout_s=args.body_timeout,
         typical_acceptance=tuple(args.typical_acceptance) if args.typical_acceptance else None,
+        tool_call_parser=args.tool_call_parser,
         metrics_compat=args.metrics_compat,
     )
     server: uvicorn.Server | None = None
@@ -434,6 +435,12 @@ def _serve_parser(sub, common: argparse.ArgumentParser) -> None:
         default="vllm",
         help="also export /metrics under vLLM's names (vllm:*), which Kubernetes LLM routers and vLLM "
         "dashboards read (default); none: only augur_*",
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        choices=["auto", "hermes", "llama3_json", "mistral"],
+        default="auto",
+        help="how the model writes tool calls (auto: from its chat template; Hermes-style where it says nothing)",
     )
     serve.add_argument("--config", default=None, help="YAML file of flags (the command line overrides it)")
     serve.set_defaults(func=cmd_serve)

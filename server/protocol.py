@@ -380,11 +380,26 @@ class CompletionRequest(_Sampling):
         return list(p)
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str = "{}"  # JSON text, as OpenAI sends it back
+
+
+class MessageToolCall(BaseModel):
+    """An assistant message's ``tool_calls`` entry, replayed in the history."""
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this result answers
 
     def text(self) -> str:
         if self.content is None:
@@ -405,15 +420,66 @@ def check_messages(messages: list[ChatMessage]) -> None:
     if not messages:
         raise ValueError("messages must not be empty")
     for i, m in enumerate(messages):
-        if m.role not in ("system", "developer", "user", "assistant"):
-            if m.role in ("tool", "function"):
-                raise UnsupportedError(f"messages[{i}]: role {m.role!r} is not supported (no tool calling)", "messages")
+        if m.role not in ("system", "developer", "user", "assistant", "tool"):
+            if m.role == "function":
+                raise UnsupportedError(
+                    f"messages[{i}]: role 'function' (the legacy function calling) is not supported; use tools",
+                    "messages",
+                )
             raise ValueError(f"messages[{i}]: unknown role {m.role!r}")
+        if m.tool_calls and m.role != "assistant":
+            raise ValueError(f"messages[{i}]: only assistant messages carry tool_calls")
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the chat template expects; 'developer' is OpenAI's newer name for 'system'."""
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+def template_messages(messages: list[ChatMessage]) -> list[dict]:
+    """Messages as chat templates expect them: 'developer' is OpenAI's newer name for 'system'; an
+    assistant's tool calls carry their arguments as an object (what templates serialise), a tool
+    result its call id and name."""
+    out = []
+    for m in messages:
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.tool_calls:
+            d["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _args(c)}}
+                for c in m.tool_calls
+            ]
+        if m.role == "tool":
+            d["tool_call_id"] = m.tool_call_id or ""
+            if m.name:
+                d["name"] = m.name
+        out.append(d)
+    return out
+
+
+def _args(call: MessageToolCall) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        return call.function.arguments
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None  # the arguments are always enforced under required / a named choice
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Sampling):
@@ -422,8 +488,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[ToolDef] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
     functions: Any = None
     function_call: Any = None
     add_generation_prompt: StrictBool = True
@@ -431,15 +498,50 @@ class ChatCompletionRequest(_Sampling):
     @model_validator(mode="after")
     def _check(self):
         check_messages(self.messages)
-        for name in ("tools", "tool_choice", "functions", "function_call"):
+        for name in ("functions", "function_call"):
             if getattr(self, name) is not None:
-                raise UnsupportedError(f"{name} is not supported: Augur does not do tool calling", name)
+                raise UnsupportedError(f"{name} (the legacy function calling) is not supported: use tools", name)
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise FieldError("tools must have distinct function names", "tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            name = self.tool_choice.function.name
+            raise FieldError(f"tool_choice names {name!r}, which is not among tools", "tool_choice")
+        if self.tool_choice == "required" and not names:
+            raise FieldError("tool_choice 'required' needs tools", "tool_choice")
+        if self.forces_tool_call and self.structured() is not None:
+            raise FieldError("a forced tool call and a response_format / structured_outputs: not both", "tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
 
-    def chat_messages(self) -> list[dict[str, str]]:
+    def chat_messages(self) -> list[dict]:
         return template_messages(self.messages)
+
+    @property
+    def tool_functions(self) -> list[dict]:
+        """The offered functions (OpenAI function objects), unless ``tool_choice`` is none; a named
+        choice offers that one."""
+        if not self.tools or self.tool_choice == "none":
+            return []
+        fns = [t.function.model_dump(exclude_none=True) for t in self.tools]
+        if isinstance(self.tool_choice, NamedToolChoice):
+            fns = [f for f in fns if f["name"] == self.tool_choice.function.name]
+        return fns
+
+    @property
+    def forces_tool_call(self) -> bool:
+        """``required`` or a named function: the output is calls, by grammar."""
+        return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice))
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def parallel(self) -> bool:
+        """Several calls in one turn: allowed unless asked otherwise; a named choice makes one."""
+        return self.parallel_tool_calls is not False and not isinstance(self.tool_choice, NamedToolChoice)
 
     @property
     def completion_limit(self) -> int | None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from engine.core.async_engine import AsyncEngine
 from server.metrics import Metrics
 from server.tokens import TokenTexts
+from server.tools import FORMATS, ToolFormat, detect_format
 
 
 @dataclass
@@ -22,6 +23,8 @@ class ServerSettings:
     # otherwise (unseeded, temperature > 0); None: every request is verified exactly.
     typical_acceptance: tuple[float, float] | None = None
     metrics_compat: str = "vllm"  # also export vLLM's metric names ("none": only augur_*)
+    # How the model writes tool calls: auto (from its chat template) | hermes | llama3_json | mistral.
+    tool_call_parser: str = "auto"
 
 
 @dataclass
@@ -35,6 +38,11 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.settings.served_model_name, self.settings.metrics_compat)
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        name = self.settings.tool_call_parser
+        return detect_format(self.engine.chat_template) if name == "auto" else FORMATS[name]
 
     def attach(self, engine: AsyncEngine) -> None:
         self.metrics.bind_engine(engine)

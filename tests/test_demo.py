@@ -14,7 +14,15 @@ import transformers
 
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
-from engine.offline.demo import DemoRecipe, build_demo, is_built, is_degenerate, loop_coverage, split_corpus
+from engine.offline.demo import (
+    DemoRecipe,
+    build_demo,
+    is_built,
+    is_degenerate,
+    loop_coverage,
+    repeated_ngrams,
+    split_corpus,
+)
 from engine.request.sampling_params import SamplingParams
 
 
@@ -90,13 +98,27 @@ def test_second_build_is_cached(demo):
     assert not is_built(demo, DemoRecipe())  # another recipe has another key
 
 
-def test_build_is_deterministic(demo, tmp_path):
+def test_build_is_deterministic_and_a_reused_pretraining_changes_nothing(demo, tmp_path):
+    """A second build of the recipe starts from the pretrained target the first left in the cache; a
+    third pretrains again (as ``--check`` does). All three write the same bytes."""
     again = build_demo(tmp_path / "demo", DemoRecipe.tiny(), device="cpu")
-    for name in ("target", "draft"):
-        a = (demo / name / "model.safetensors").read_bytes()
-        b = (again / name / "model.safetensors").read_bytes()
-        assert a == b, name
-    assert (demo / "prompts.jsonl").read_text() == (again / "prompts.jsonl").read_text()
+    fresh = build_demo(tmp_path / "fresh", DemoRecipe.tiny(), device="cpu", reuse_pretraining=False)
+    assert json.loads((again / "report.json").read_text())["seconds"]["target_pretraining_cached"]
+    assert not json.loads((fresh / "report.json").read_text())["seconds"]["target_pretraining_cached"]
+    for other in (again, fresh):
+        for name in ("target", "draft"):
+            a = (demo / name / "model.safetensors").read_bytes()
+            b = (other / name / "model.safetensors").read_bytes()
+            assert a == b, name
+        assert (demo / "prompts.jsonl").read_text() == (other / "prompts.jsonl").read_text()
+
+
+def test_unlikelihood_marks_the_tokens_of_repeated_ngrams_after_the_prefix():
+    rows = [[1, 2, 3, 4, 9, 1, 2, 3, 4, 5], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]]
+    mask = repeated_ngrams(rows, start=5, n=4).tolist()
+    assert mask[0] == [False] * 5 + [True] * 4 + [False]  # 1 2 3 4 again, from the prefix
+    assert mask[1] == [False] * 5 + [True] * 5  # the prefix's tokens themselves are never marked
+    assert not any(repeated_ngrams([list(range(10))], start=2).flatten().tolist())
 
 
 @pytest.mark.parametrize("name", ["target", "draft"])

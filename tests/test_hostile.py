@@ -127,7 +127,12 @@ CASES = [
     ("empty-body", "/v1/completions", {"content": ""}, 400),
     ("invalid-utf8", "/v1/completions", {"content": b'{"prompt": "\xff\xfe"}'}, 400),
     ("messages-empty", "/v1/chat/completions", {"json": {"messages": []}}, 400),
-    ("messages-tool-role", "/v1/chat/completions", {"json": {"messages": [{"role": "tool", "content": "x"}]}}, 400),
+    (
+        "messages-function-role",
+        "/v1/chat/completions",
+        {"json": {"messages": [{"role": "function", "content": "x"}]}},
+        400,
+    ),
     (
         "messages-image",
         "/v1/chat/completions",

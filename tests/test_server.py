@@ -537,10 +537,10 @@ def test_chat_logprob_bytes_of_part_of_a_character(client, tok):
 @pytest.mark.parametrize(
     "extra",
     [
-        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
-        {"tool_choice": "auto"},
+        {"functions": [{"name": "f", "parameters": {"type": "object"}}]},
+        {"function_call": "auto"},
     ],
-    ids=["tools", "tool_choice"],
+    ids=["functions", "function_call"],
 )
 def test_chat_unsupported_features_are_400(client, extra):
     with pytest.raises(openai.BadRequestError) as e:
@@ -559,7 +559,7 @@ def test_chat_bad_messages_are_400(http):
     assert err["param"] == "messages"
     assert_error(post([]), 400, contains="empty")
     assert_error(post([{"role": "wizard", "content": "hi"}]), 400, contains="role")
-    assert_error(post([{"role": "tool", "content": "42"}]), 400, contains="not supported")
+    assert_error(post([{"role": "function", "name": "f", "content": "42"}]), 400, contains="not supported")
     assert_error(http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2}), 400, param="messages")
 
 

@@ -292,3 +292,25 @@ def test_sampling_under_a_grammar_follows_the_masked_target_and_wrong_rules_fail
     monkeypatch.setattr(GrammarState, "walk", path_blind)
     stat, dof = g_statistic(sampled(target, draft, n, prompt, temperature), expected, n)
     assert stat > g_test_threshold(dof), f"the path-blind rule went unnoticed: G={stat:.1f} dof={dof}"
+
+
+def test_a_grammar_that_fails_mid_output_fails_its_request_alone(target, monkeypatch):
+    """llguidance puts a matcher in an error state when a step goes over its limits; the engine then
+    fails that request (finish_reason "error") and every other request goes on."""
+    eng = make(target)
+    advance, steps = GrammarState.advance, []
+
+    def failing(self, tokens):  # the third step's advance trips the limit
+        steps.append(len(tokens))
+        if len(steps) == 3:
+            self.error = "the grammar failed: over a step limit (simulated)"
+        return advance(self, tokens)
+
+    doomed = StructuredOutput("regex", "[0-9]{40}")  # 40 digits: it cannot end before the failure
+    monkeypatch.setattr(GrammarState, "advance", failing)
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=40, structured=doomed)
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    bad, good = eng.generate([[1, 5, 9], [1, 6, 7]], [params, plain])
+    assert bad.outputs[0].finish_reason == "error" and "step limit" in bad.error
+    assert good.outputs[0].finish_reason == "length" and len(good.outputs[0].delta_token_ids) == 12
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks

@@ -209,11 +209,24 @@ class AsyncEngine:
         except TimeoutError:
             raise GrammarError(f"the {so.kind} took longer than {timeout:g} s to compile", so.param) from None
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        """Chat messages through the model's chat template, as token ids; a text that cannot fit the
-        context is refused before it is tokenized (InvalidRequestError)."""
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self.engine.tokenizer, "chat_template", None)
+
+    @property
+    def chat_template_takes_tools(self) -> bool:
+        """The template renders a ``tools`` list (and tool calls and results in the history)."""
+        return "tools" in (self.chat_template or "")
+
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
+    ) -> list[int]:
+        """Chat messages (and the offered ``tools``, for a template that takes them) through the
+        model's chat template, as token ids; a text that cannot fit the context is refused before it
+        is tokenized (InvalidRequestError)."""
         tok = self.engine.tokenizer
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        kw = {"tools": tools} if tools else {}
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kw)
         self.engine.check_text_fits(text)
         return tok.encode(text, add_special_tokens=False)
 

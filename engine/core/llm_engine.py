@@ -32,7 +32,7 @@ from engine.runner.loader import eos_token_ids, load_config, load_model, load_to
 from engine.runner.model_runner import ModelRunner, kv_pool_blocks
 from engine.speculative.controller import SpecController, profile_costs
 from engine.speculative.methods import proposer_class, resolve_method
-from engine.structured import Grammars
+from engine.structured import GrammarError, Grammars
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +108,10 @@ class LLMEngine:
             jump_forward=config.grammar_jump_forward,
         )  # fmt: skip
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids, config.grammar_cache_size)
+        try:
+            self.grammars.tokenizer()
+        except GrammarError as e:  # the server still serves; constrained requests get this as a 400
+            logger.warning("%s", e)
         # Compiled forwards: warmed up now, or served eagerly until a background thread has warmed
         # them up over scratch pools (compile_in_background); CUDA graphs capture what is served now.
         self.compile_state = "off"  # off | pending | ready (to swap in) | on | failed

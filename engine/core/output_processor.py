@@ -41,7 +41,10 @@ class OutputProcessor:
         )
 
     def append(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None) -> None:
-        """Append accepted tokens one by one, stopping at the first stop condition."""
+        """Append accepted tokens one by one, stopping at the first stop condition. A sequence whose
+        grammar failed raises (the engine fails its request alone)."""
+        if seq.grammar is not None and seq.grammar.error is not None:
+            raise RuntimeError(seq.grammar.error)
         p = seq.params
         for j, tok in enumerate(tokens):
             seq.token_ids.append(tok)

@@ -10,7 +10,9 @@ Recipe (one :class:`DemoRecipe`; its hash keys the cache, so a second build is i
    relative path) into train and held-out sets, so held-out numbers are on code the models never saw.
 2. *Tokenizer*: byte-level BPE (``tokenizers``), with bos/eos/pad and chat-role special tokens and a
    chat template, saved in Hugging Face format.
-3. *Target*: a Llama-architecture model pretrained on the train split (next-token cross-entropy).
+3. *Target*: a Llama-architecture model pretrained on the train split (next-token cross-entropy),
+   optionally fine-tuned against repeating itself (``unlikelihood_steps``). Its pretraining is cached
+   (:func:`pretrain_cache`): a recipe that changes only later phases starts from it.
 4. *Draft*: a Llama model with at least 8x fewer parameters, distilled from the target: trained to
    minimize KL(target || draft) on the train split, so its predictions follow the target's (which is
    what the acceptance rate of speculative decoding measures), not just the data.
@@ -23,6 +25,7 @@ Everything is saved as standard Hugging Face directories under ``$AUGUR_HOME/dem
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import fcntl
 import hashlib
@@ -83,6 +86,14 @@ class DemoRecipe:
     target_steps: int = 2200
     target_lr: float = 3e-3  # AdamW: embeddings (tied with the output head) and norm gains
     target_muon_lr: float = 0.04  # Muon: the blocks' weight matrices (engine/offline/muon.py)
+    # Unlikelihood fine-tune of the target (Welleck et al., 2019, at the sequence level): it continues
+    # train-text prefixes greedily, and tokens of 4-grams the continuation repeats have their
+    # probability pushed down (loss -log(1 - p)), beside the usual next-token loss; fewer greedy loops.
+    unlikelihood_steps: int = 0  # off in the shipped recipe: docs/demo.md has what 150 steps did
+    unlikelihood_alpha: float = 1.0  # weight of the unlikelihood term against next-token cross-entropy
+    unlikelihood_lr_scale: float = 0.1  # of the target's peak learning rates, decayed linearly to 0
+    unlikelihood_prefix: int = 96  # tokens of train text each continuation starts from
+    unlikelihood_tokens: int = 64  # tokens continued greedily
     draft_steps: int = 800
     draft_lr: float = 3e-3
     draft_muon_lr: float = 0.03
@@ -107,6 +118,9 @@ class DemoRecipe:
             target=ModelShape(hidden=128, layers=2, heads=4, kv_heads=2, ffn=256),
             draft=ModelShape(hidden=32, layers=1, heads=2, kv_heads=1, ffn=64),
             target_steps=30,
+            unlikelihood_steps=4,
+            unlikelihood_prefix=16,
+            unlikelihood_tokens=8,
             draft_steps=30,
             eval_seqs=8,
             quality_prompts=4,
@@ -142,6 +156,34 @@ def augur_home() -> Path:
 
 def demo_dir() -> Path:
     return augur_home() / "demo"
+
+
+PRETRAIN_FIELDS = ("seed", "vocab_size", "heldout_every", "max_train_chars", "exclude", "tokenizer_train_chars",
+                   "seq_len", "batch_size", "target", "target_steps", "target_lr", "target_muon_lr", "warmup_frac",
+                   "max_position_embeddings")  # fmt: skip
+
+
+def pretrain_cache(recipe: DemoRecipe) -> Path:
+    """Where the target's pretraining (its first and longest phase, bf16-rounded) is kept, keyed by
+    the recipe fields that determine it: a recipe that changes only later phases starts from it."""
+    d = dataclasses.asdict(recipe)
+    d = {k: d[k] for k in PRETRAIN_FIELDS}
+    d["python"] = platform.python_version()
+    d["torch"] = torch.__version__.split("+")[0]
+    key = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+    return augur_home() / "demo-pretrained" / key
+
+
+def save_pretrained_phase(target, path: Path, phase: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    # A bf16 copy is saved: rounding the model itself would round its float32 buffers too (RoPE's
+    # inverse frequencies), which a model loaded from the cache does not have.
+    copy.deepcopy(target).to(SHIPPED_DTYPE).save_pretrained(tmp)
+    (tmp / "phase.json").write_text(json.dumps(phase) + "\n")
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
 
 
 def is_built(out: Path, recipe: DemoRecipe) -> bool:
@@ -327,6 +369,48 @@ def _distill_loss(target):
     return loss
 
 
+UNLIKELIHOOD_NGRAM = 4  # a continuation's token is penalised where it completes a 4-gram seen before it
+
+
+def repeated_ngrams(rows: list[list[int]], start: int, n: int = UNLIKELIHOOD_NGRAM) -> torch.Tensor:
+    """``[B, L]`` bool: the positions from ``start`` on that belong to an ``n``-gram which occurred
+    earlier in the same row (the prefix included)."""
+    mask = torch.zeros(len(rows), len(rows[0]), dtype=torch.bool)
+    for b, row in enumerate(rows):
+        seen: set[tuple[int, ...]] = set()
+        for i in range(n - 1, len(row)):
+            gram = tuple(row[i - n + 1 : i + 1])
+            if i >= start and gram in seen:
+                mask[b, max(start, i - n + 1) : i + 1] = True
+            seen.add(gram)
+    return mask
+
+
+def _unlikelihood_loss(stream: torch.Tensor, recipe: DemoRecipe, pad_token_id: int, seed: int):
+    """Next-token cross-entropy on the train batch plus ``alpha`` times the unlikelihood of the tokens
+    the model's own greedy continuations of 8 train prefixes repeat."""
+    g = torch.Generator().manual_seed(seed)
+    P, T = recipe.unlikelihood_prefix, recipe.unlikelihood_tokens
+
+    def loss(model, batch: torch.Tensor) -> torch.Tensor:
+        starts = torch.randint(0, stream.numel() - P - 1, (8,), generator=g)
+        prefix = torch.stack([stream[int(s) : int(s) + P] for s in starts]).to(batch.device)
+        model.eval()
+        with torch.no_grad():
+            out = model.generate(
+                prefix, attention_mask=torch.ones_like(prefix), max_new_tokens=T, min_new_tokens=T,
+                do_sample=False, pad_token_id=pad_token_id,
+            )  # fmt: skip
+        model.train()
+        repeated = repeated_ngrams(out.tolist(), P)[:, 1:].to(batch.device)
+        logp = torch.log_softmax(model(input_ids=out[:, :-1]).logits.float(), -1)
+        p = logp.gather(-1, out[:, 1:, None])[..., 0].exp().clamp(max=1 - 1e-5)
+        unlikely = -(torch.log1p(-p) * repeated).sum() / repeated.sum().clamp(min=1)
+        return _lm_loss(model, batch) + recipe.unlikelihood_alpha * unlikely
+
+    return loss
+
+
 @torch.no_grad()
 def evaluate(target, draft, windows: torch.Tensor, device) -> dict:
     """Held-out perplexities and the draft's greedy top-1 agreement with the target."""
@@ -427,8 +511,16 @@ def make_prompts(heldout: list[tuple[str, str]], recipe: DemoRecipe) -> list[dic
 
 
 # -- the build ------------------------------------------------------------------------------------------
-def build_demo(out: Path | None = None, recipe: DemoRecipe | None = None, device: str = "auto", force: bool = False):
-    """Build (or find cached) the demo pair in ``out``; returns ``out``."""
+def build_demo(
+    out: Path | None = None,
+    recipe: DemoRecipe | None = None,
+    device: str = "auto",
+    force: bool = False,
+    reuse_pretraining: bool = True,
+):
+    """Build (or find cached) the demo pair in ``out``; returns ``out``. ``reuse_pretraining``: start
+    from this recipe's pretrained target if an earlier build on this machine left it
+    (:func:`pretrain_cache`)."""
     out = Path(out) if out is not None else demo_dir()
     recipe = recipe or DemoRecipe()
     if not force and is_built(out, recipe):
@@ -441,7 +533,7 @@ def build_demo(out: Path | None = None, recipe: DemoRecipe | None = None, device
             return out
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
         try:
-            _build_into(tmp, recipe, device)
+            _build_into(tmp, recipe, device, reuse_pretraining)
             if out.exists():
                 shutil.rmtree(out)
             tmp.rename(out)
@@ -451,13 +543,13 @@ def build_demo(out: Path | None = None, recipe: DemoRecipe | None = None, device
     return out
 
 
-def _build_into(out: Path, recipe: DemoRecipe, device_name: str) -> None:
+def _build_into(out: Path, recipe: DemoRecipe, device_name: str, reuse_pretraining: bool = True) -> None:
     import transformers
     from tqdm import tqdm
 
     t_start = time.perf_counter()
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device_name == "auto" else device_name)
-    total = recipe.target_steps + recipe.draft_steps
+    total = recipe.target_steps + recipe.unlikelihood_steps + recipe.draft_steps
     progress = tqdm(total=total, desc="augur demo build", unit="step", file=sys.stderr, dynamic_ncols=True)
     progress.set_postfix_str("tokenizer")
 
@@ -480,16 +572,40 @@ def _build_into(out: Path, recipe: DemoRecipe, device_name: str) -> None:
         raise ValueError("the recipe's draft must have at least 8x fewer parameters than its target")
 
     t0 = time.perf_counter()
-    target_losses = _train(
-        target,
-        _batches(train_stream, recipe, recipe.target_steps, recipe.seed + 2),
-        (recipe.target_lr, recipe.target_muon_lr),
-        recipe,
-        dev,
-        _lm_loss,
-        "target",
-        progress,
-    )
+    pretrained = pretrain_cache(recipe)
+    if reuse_pretraining and (pretrained / "phase.json").is_file():  # done before on this machine
+        phase = json.loads((pretrained / "phase.json").read_text())
+        state = transformers.LlamaForCausalLM.from_pretrained(pretrained, dtype=torch.float32).state_dict()
+        target.load_state_dict(state)
+        progress.update(recipe.target_steps)
+    else:
+        losses = _train(
+            target,
+            _batches(train_stream, recipe, recipe.target_steps, recipe.seed + 2),
+            (recipe.target_lr, recipe.target_muon_lr),
+            recipe,
+            dev,
+            _lm_loss,
+            "target",
+            progress,
+        )
+        round_to(target, SHIPPED_DTYPE)
+        phase = {"final_train_loss": sum(losses[-5:]) / len(losses[-5:]), "seconds": time.perf_counter() - t0}
+        save_pretrained_phase(target, pretrained, phase)
+    target_pretrain_seconds = time.perf_counter() - t0
+    if recipe.unlikelihood_steps:  # from the rounded weights, with fresh optimizers
+        ul = recipe.unlikelihood_lr_scale
+        mle = dataclasses.replace(recipe, batch_size=4)  # the next-token half of each step: 4 windows
+        _train(
+            target,
+            _batches(train_stream, mle, recipe.unlikelihood_steps, recipe.seed + 5),
+            (recipe.target_lr * ul, recipe.target_muon_lr * ul),
+            recipe,
+            dev,
+            _unlikelihood_loss(train_stream, recipe, tokenizer.pad_token_id, recipe.seed + 6),
+            "unlikelihood",
+            progress,
+        )
     t1 = time.perf_counter()
     target.requires_grad_(False)
     round_to(target, SHIPPED_DTYPE)  # the draft distils from, and the report measures, the weights shipped
@@ -532,7 +648,7 @@ def _build_into(out: Path, recipe: DemoRecipe, device_name: str) -> None:
         "param_ratio": num_params(target) / num_params(draft),
         **metrics,
         **quality,
-        "target_final_train_loss": sum(target_losses[-5:]) / len(target_losses[-5:]),
+        "target_final_train_loss": phase["final_train_loss"],
         "draft_final_distill_kl": sum(draft_losses[-5:]) / len(draft_losses[-5:]),
         "train_files": len(train),
         "heldout_files": len(heldout),
@@ -543,6 +659,9 @@ def _build_into(out: Path, recipe: DemoRecipe, device_name: str) -> None:
         "weights_dtype": str(SHIPPED_DTYPE).removeprefix("torch."),
         "seconds": {
             "data_and_tokenizer": round(t0 - t_start, 1),
+            # Pretraining as it ran when it was done (this build may have found it done: cached).
+            "target_pretraining": round(phase["seconds"], 1),
+            "target_pretraining_cached": target_pretrain_seconds < 0.5 * phase["seconds"],
             "target": round(t1 - t0, 1),
             "draft": round(t2 - t1, 1),
             "evaluation": round(time.perf_counter() - t2, 1),
@@ -620,7 +739,8 @@ def check_build(reference: Path, device: str = "auto", force: bool = False) -> t
     directory, the misses, notes on what differs about the machine)."""
     recorded = json.loads((reference / "recipe.json").read_text())
     recipe = DemoRecipe.from_dict(recorded["recipe"])
-    out = build_demo(demo_dir().parent / "demo-check", recipe, device=device, force=force)
+    # Every phase runs again: the check is of the whole recipe, pretraining included.
+    out = build_demo(demo_dir().parent / "demo-check", recipe, device=device, force=force, reuse_pretraining=False)
     ref_report = json.loads((reference / "report.json").read_text())
     built_report = json.loads((out / "report.json").read_text())
     notes = [

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -10,11 +11,23 @@ from fastapi import FastAPI, Request
 from engine.request.checks import InvalidRequestError
 from engine.request.outputs import CompletionOutput, RequestOutput
 from engine.request.sequence import TokenLogprob
+from engine.request.structured import StructuredOutput
 from server.common import bad_request, check_model, off_loop, parse_request, ready_engine, request_body
 from server.protocol import ChatCompletionRequest, UnsupportedError
 from server.relay import Job, prepare, respond, sampling_params
 from server.state import ServerState
 from server.tokens import TokenTexts
+from server.tools import ToolFormat, fallback_messages
+
+ARGUMENT_PIECE = 16  # characters of a call's arguments per streamed delta
+
+
+def _safe_length(text: str, marker: str) -> int:
+    """How much of ``text`` cannot be the start of ``marker`` (its tail might be)."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-k:]):
+            return len(text) - k
+    return len(text)
 
 
 def add_chat_routes(app: FastAPI, state: ServerState) -> None:
@@ -29,8 +42,12 @@ def add_chat_routes(app: FastAPI, state: ServerState) -> None:
             messages = req.chat_messages()
         except UnsupportedError as e:
             raise bad_request(str(e), e.param) from None
+        functions = req.tool_functions
+        tools = [{"type": "function", "function": f} for f in functions] or None
+        if not eng.chat_template_takes_tools:  # described in a system message, history in the Hermes style
+            messages, tools = fallback_messages(messages, functions), None
         try:
-            render = lambda: eng.render_chat(messages, req.add_generation_prompt)  # noqa: E731
+            render = lambda: eng.render_chat(messages, req.add_generation_prompt, tools)  # noqa: E731
             prompt_ids = await off_loop(render, sum(len(m["content"]) for m in messages))
         except InvalidRequestError as e:
             raise bad_request(str(e), "messages") from None
@@ -38,16 +55,24 @@ def add_chat_routes(app: FastAPI, state: ServerState) -> None:
         if max_tokens is None:  # as long as the context allows
             max_tokens = max(1, eng.max_model_len - len(prompt_ids))
         params = sampling_params(state, req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        fmt = state.tool_format
+        if req.forces_tool_call:  # required / a named function: the calls are the output, by grammar
+            grammar = StructuredOutput("grammar", fmt.grammar(functions, req.parallel), None, "tool_choice")
+            params = dataclasses.replace(params, structured=grammar)
         ids = await prepare(eng, [prompt_ids], params)
         job = Job.admit(state, eng, request, "chatcmpl", ids, params, req.n, req.stream, req.include_usage)
-        return await respond(job, ChatFormat(req.logprobs, state.token_texts))
+        return await respond(job, ChatFormat(req.logprobs, state.token_texts, fmt if req.parses_tool_calls else None))
 
 
 @dataclass
 class ChatFormat:
     logprobs: bool
     texts: TokenTexts
+    tools: ToolFormat | None = None  # tool calls are parsed out of the text (tool_choice not none)
     started: set[int] = field(default_factory=set)  # streamed choices whose role chunk was sent
+    # Streams with tools: each choice's text so far, and how much of it went out as content.
+    text: dict[int, str] = field(default_factory=dict)
+    sent: dict[int, int] = field(default_factory=dict)
 
     chunk_object = "chat.completion.chunk"
     object = "chat.completion"
@@ -64,14 +89,49 @@ class ChatFormat:
         if not c.delta_text and not c.finished and not c.delta_token_ids:
             return choices
         lp = {"content": self._logprobs(c.delta_logprobs or [])} if self.logprobs else None
+        if self.tools is not None:
+            return choices + self._tool_stream(idx, c, lp)
         delta = {"content": c.delta_text} if (c.delta_text or not c.finished) else {}
         choices.append({"index": idx, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason})
         return choices
 
+    def _tool_stream(self, idx: int, c: CompletionOutput, lp: dict | None) -> list[dict]:
+        """Content as it comes, held back from where calls may begin; at the end, each call: its id,
+        type and name in one delta, then its arguments in pieces (every delta with its ``index``)."""
+        text = self.text[idx] = self.text.get(idx, "") + c.delta_text
+        sent = self.sent.get(idx, 0)
+        out = []
+        if not c.finished:
+            start = self.tools.start_of_calls(text)
+            safe = start if start >= 0 else _safe_length(text, self.tools.marker)
+            if safe > sent:
+                out.append({"index": idx, "delta": {"content": text[sent:safe]}, "logprobs": lp, "finish_reason": None})
+                self.sent[idx] = safe
+            return out
+        content, calls = self.tools.parse(text)
+        rest = (text if not calls else (content or ""))[sent:]
+        if rest:
+            out.append({"index": idx, "delta": {"content": rest}, "logprobs": lp, "finish_reason": None})
+        for k, call in enumerate(calls):
+            head = {"index": k, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+            out.append({"index": idx, "delta": {"tool_calls": [head]}, "logprobs": None, "finish_reason": None})
+            for j in range(0, len(call.arguments), ARGUMENT_PIECE):
+                piece = {"index": k, "function": {"arguments": call.arguments[j : j + ARGUMENT_PIECE]}}
+                out.append({"index": idx, "delta": {"tool_calls": [piece]}, "logprobs": None, "finish_reason": None})
+        reason = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+        out.append({"index": idx, "delta": {}, "logprobs": None, "finish_reason": reason})
+        return out
+
     def choice(self, idx: int, text: str, logprobs: list, reason: str | None, prompt_out: RequestOutput | None) -> dict:
+        message: dict = {"role": "assistant", "content": text}
+        if self.tools is not None:
+            content, calls = self.tools.parse(text)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": [c.openai() for c in calls]}
+                reason = "tool_calls" if reason == "stop" else reason
         return {
             "index": idx,
-            "message": {"role": "assistant", "content": text},
+            "message": message,
             "logprobs": {"content": self._logprobs(logprobs)} if self.logprobs else None,
             "finish_reason": reason,
         }

@@ -1,0 +1,238 @@
+"""Tool calling: how a model family writes its calls, the grammar that makes it write them, and the
+parser that reads them back.
+
+A :class:`ToolFormat` is one family's call syntax (Hermes-style ``<tool_call>{json}</tool_call>``,
+Llama-3's bare JSON, Mistral's ``[TOOL_CALLS][...]``). With ``tool_choice`` ``required`` or a named
+function the output is constrained by :meth:`ToolFormat.grammar` (a Lark grammar whose calls are
+JSON-schema-checked by llguidance), so the arguments always parse and match the schema; with
+``auto`` the model writes what it likes and :meth:`ToolFormat.parse` finds calls in it. Models whose
+chat template takes no ``tools`` get them described in a system message, their history rendered in
+the Hermes style (:func:`fallback_messages`); docs/structured.md has the text.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI's ``function.arguments``
+    id: str
+
+    def openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    name: str
+    open: str  # before the first call
+    call_open: str  # before each call
+    call_close: str  # after each call
+    sep: str  # between two calls
+    close: str  # after the last call
+    args_key: str  # the key the arguments object goes under
+    at_start_only: bool = False  # calls only as the whole output (Llama-3's bare JSON)
+
+    @property
+    def marker(self) -> str:
+        """The text that starts the calls: a stream holds text back while it may be starting."""
+        return (self.open + self.call_open) or "{"
+
+    # -- writing --------------------------------------------------------------------------------------
+    def grammar(self, tools: list[dict], parallel: bool) -> str:
+        """A Lark grammar (llguidance's dialect) for one call, or several with ``parallel``, of the
+        given tools (``tools``: OpenAI function objects), with nothing before or after them."""
+        defs: dict[str, Any] = {}
+        alternatives = []
+        for i, fn in enumerate(tools):
+            params = _hoist_defs(fn.get("parameters") or {"type": "object"}, f"t{i}_", defs)
+            alternatives.append(
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": fn["name"]}, self.args_key: params},
+                    "required": ["name", self.args_key],
+                    "additionalProperties": False,
+                }
+            )
+        schema: dict[str, Any] = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
+        schema = {**schema, "x-guidance": JSON_LAYOUT}
+        if defs:
+            schema["$defs"] = defs
+        call = " ".join(x for x in (_lit(self.call_open), "%json " + json.dumps(schema), _lit(self.call_close)) if x)
+        body = f"call ({_lit(self.sep)} call)*" if parallel else "call"
+        start = " ".join(x for x in (_lit(self.open), body, _lit(self.close)) if x)
+        return f"start: {start}\ncall: {call}\n"
+
+    def render(self, calls: list[tuple[str, Any]]) -> str:
+        """Calls (name, arguments object) as this format writes them (for history)."""
+        parts = [
+            self.call_open + json.dumps({"name": n, self.args_key: a}, ensure_ascii=False) + self.call_close
+            for n, a in calls
+        ]
+        return self.open + self.sep.join(parts) + self.close
+
+    # -- reading --------------------------------------------------------------------------------------
+    def start_of_calls(self, text: str) -> int:
+        """Where the calls begin in ``text`` (-1: none)."""
+        if self.at_start_only:
+            stripped = text.lstrip()
+            return len(text) - len(stripped) if stripped.startswith(self.marker) else -1
+        return text.find(self.marker)
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a whole output. Text that is not a well-formed run of calls up to the
+        end of the output is content, with no calls (a model that only talks about calling)."""
+        i = self.start_of_calls(text)
+        if i < 0:
+            return text, []
+        calls = self._calls(text[i:].strip())
+        if calls is None:
+            return text, []
+        content = text[:i].strip()
+        return content or None, calls
+
+    def _calls(self, text: str) -> list[ToolCall] | None:
+        dec = json.JSONDecoder()
+        out: list[ToolCall] = []
+        pos = _expect(text, 0, self.open)
+        while pos is not None:
+            pos = _expect(text, pos, self.call_open)
+            if pos is None or not text.startswith("{", _skip_ws(text, pos)):
+                return None
+            try:
+                obj, pos = dec.raw_decode(text, _skip_ws(text, pos))
+            except json.JSONDecodeError:
+                return None
+            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+                return None
+            args = obj.get(self.args_key, obj.get("arguments", obj.get("parameters")))
+            if not isinstance(args, dict):
+                return None
+            out.append(ToolCall(obj["name"], json.dumps(args, ensure_ascii=False), call_id()))
+            pos = _expect(text, pos, self.call_close)
+            if pos is None:
+                return None
+            nxt = _expect(text, pos, self.sep)
+            more = nxt is not None and (after := _expect(text, nxt, self.call_open)) is not None
+            if not (more and text.startswith("{", _skip_ws(text, after))):
+                break
+            pos = nxt
+        end = _expect(text, pos, self.close) if pos is not None else None
+        return out if end is not None and _skip_ws(text, end) == len(text) else None
+
+
+FORMATS = {
+    "hermes": ToolFormat("hermes", "", "<tool_call>\n", "\n</tool_call>", "\n", "", "arguments"),
+    "llama3_json": ToolFormat("llama3_json", "", "", "", "; ", "", "parameters", at_start_only=True),
+    "mistral": ToolFormat("mistral", "[TOOL_CALLS][", "", "", ", ", "]", "arguments"),
+}
+
+
+def detect_format(chat_template: str | None) -> ToolFormat:
+    """The call syntax a chat template teaches its model; Hermes-style where it says nothing (the
+    fallback template writes that style)."""
+    t = chat_template or ""
+    if "[TOOL_CALLS]" in t:
+        return FORMATS["mistral"]
+    if "<tool_call>" in t:
+        return FORMATS["hermes"]
+    if "<|python_tag|>" in t or "ipython" in t:
+        return FORMATS["llama3_json"]
+    return FORMATS["hermes"]
+
+
+# -- models whose chat template takes no tools ---------------------------------------------------------------
+FALLBACK_SYSTEM = (
+    "You may call functions to answer. To call one, write exactly\n"
+    "<tool_call>\n"
+    '{{"name": <function name>, "arguments": <arguments as a JSON object>}}\n'
+    "</tool_call>\n"
+    "once per call, and nothing after the calls. Results come back in <tool_response> tags.\n"
+    "The functions, as JSON schemas:\n"
+    "<tools>\n{tools}\n</tools>"
+)
+
+
+def fallback_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """Messages for a template that knows only system/user/assistant: the tools described in the
+    system message, assistant calls written in the Hermes style, tool results as user turns."""
+    fmt = FORMATS["hermes"]
+    out: list[dict] = []
+    if tools:
+        text = FALLBACK_SYSTEM.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+        if messages and messages[0]["role"] == "system":
+            out.append({"role": "system", "content": messages[0]["content"] + "\n\n" + text})
+            messages = messages[1:]
+        else:
+            out.append({"role": "system", "content": text})
+    for m in messages:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = [(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
+            content = ((m.get("content") or "") + "\n" + fmt.render(calls)).strip()
+            out.append({"role": "assistant", "content": content})
+        elif m["role"] == "tool":
+            out.append({"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"})
+        else:
+            out.append({"role": m["role"], "content": m.get("content") or ""})
+    return out
+
+
+# -- helpers -----------------------------------------------------------------------------------------------
+def _lit(s: str) -> str:
+    return json.dumps(s) if s else ""  # a Lark string literal (JSON escapes are Lark's)
+
+
+def _skip_ws(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    return pos
+
+
+def _expect(text: str, pos: int, lit: str) -> int | None:
+    """Past ``lit`` at ``pos`` (whitespace around it is free), or None if it is not there."""
+    if not lit.strip():
+        return pos
+    pos = _skip_ws(text, pos)
+    want = lit.strip()
+    return pos + len(want) if text.startswith(want, pos) else None
+
+
+_REF = re.compile(r"^#/(\$defs|definitions)/(.+)$")
+
+
+def _hoist_defs(schema: Any, prefix: str, defs: dict) -> Any:
+    """``schema`` with its ``$defs`` / ``definitions`` moved into ``defs`` under prefixed names and its
+    ``$ref``s rewritten to them: a tool's parameters keep their references once nested in the call's
+    schema (pydantic writes nested models as ``$defs``)."""
+    schema = copy.deepcopy(schema)
+    if not isinstance(schema, dict):
+        return schema
+    own = {**schema.pop("definitions", {}), **schema.pop("$defs", {})}
+
+    def rewrite(node):
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and (m := _REF.match(ref)) and m.group(2) in own:
+                node = {**node, "$ref": f"#/$defs/{prefix}{m.group(2)}"}
+            return {k: rewrite(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        return node
+
+    for name, d in own.items():
+        defs[prefix + name] = rewrite(d)
+    return rewrite(schema)

@@ -1,0 +1,263 @@
+"""Tool calling through a real server, with the official openai SDK: tool_choice required, named and
+auto (calls parsed out of the text), parallel calls, streamed deltas that the SDK's stream helper
+assembles into the non-streamed calls, history with tool results, templates with and without tools,
+the three call syntaxes, and bad requests refused naming the field."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from typing import Literal
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from conftest import build_model_dir
+from server.app import ServerSettings, create_app
+from server.tools import FORMATS, detect_format, fallback_messages
+from servers import Served, engine_factory, serve
+
+MODEL = "tiny-llama"
+PINNED = {"speculative": {"num_draft_tokens": 3}}
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+class Weather(BaseModel):
+    city: str = Field(max_length=10)
+    unit: Literal["c", "f"]
+
+
+class Lookup(BaseModel):
+    query: str = Field(max_length=12)
+    limit: int = Field(ge=1, le=9)
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather now", "parameters": Weather.model_json_schema()},
+    },
+    {"type": "function", "function": {"name": "lookup", "parameters": Lookup.model_json_schema()}},
+]
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+MODELS = {"get_weather": Weather, "lookup": Lookup}
+
+# A Hermes-style template that takes tools (as Qwen's and Hermes' do).
+TOOL_TEMPLATE = (
+    "{% if tools %}<|system|>\nTools:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "Call with <tool_call>{json}</tool_call>.{{ eos_token }}\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] or '' }}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>{{ c['function'] | tojson }}</tool_call>{% endfor %}"
+    "{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory, tokenizer_dir):
+    """A tiny Llama with room for tool descriptions in its prompt (2,048 positions)."""
+    root = tmp_path_factory.mktemp("tools")
+    return build_model_dir(root / "m", tokenizer_dir, "LlamaForCausalLM", max_position_embeddings=2048)
+
+
+@pytest.fixture(scope="module")
+def srv(llama_dir) -> Iterator[Served]:
+    factory = engine_factory(llama_dir, draft_model=str(llama_dir), num_speculative_tokens=4, max_model_len=2048)
+    with serve(create_app(ServerSettings(served_model_name=MODEL), factory)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(srv) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def http(srv) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=srv.base, timeout=120) as c:
+        yield c
+
+
+def check_calls(message, names: set[str]) -> list[tuple[str, dict]]:
+    assert message.tool_calls, message
+    out = []
+    for call in message.tool_calls:
+        assert call.type == "function" and isinstance(call.id, str) and call.id
+        assert call.function.name in names
+        args = json.loads(call.function.arguments)
+        MODELS[call.function.name].model_validate(args)  # the schema holds
+        out.append((call.function.name, args))
+    return out
+
+
+def create(client, **kw):
+    kw.setdefault("temperature", 0)
+    kw.setdefault("max_tokens", 200)
+    kw.setdefault("messages", ASK)
+    return client.chat.completions.create(model=MODEL, extra_body=PINNED, **kw)
+
+
+def test_required_makes_valid_calls_and_one_when_parallel_calls_are_off(client):
+    r = create(client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert len(check_calls(r.choices[0].message, {"get_weather", "lookup"})) == 1
+    assert r.usage.speculative["draft_tokens"] > 0 and r.usage.speculative["forced_tokens"] > 0
+    r = create(client, tools=TOOLS, tool_choice="required", temperature=1.0, seed=4, n=3)
+    for c in r.choices:
+        if c.finish_reason != "length":
+            check_calls(c.message, {"get_weather", "lookup"})
+
+
+def test_a_named_choice_calls_that_function(client):
+    r = create(client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "lookup"}})
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert [n for n, _ in check_calls(r.choices[0].message, {"lookup"})] == ["lookup"]
+
+
+def test_streamed_calls_assemble_to_the_non_streamed_ones(client):
+    kw = dict(tools=TOOLS, tool_choice="required")
+    whole = create(client, **kw).choices[0].message
+    with client.chat.completions.stream(
+        model=MODEL, messages=ASK, max_tokens=200, temperature=0, extra_body=PINNED, **kw
+    ) as s:
+        final = s.get_final_completion()
+    streamed = final.choices[0].message
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in streamed.tool_calls] == [
+        (c.function.name, c.function.arguments) for c in whole.tool_calls
+    ]
+    # Raw deltas: the first of each call has its id, type and name; every one has its index.
+    raw = client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=200, temperature=0, stream=True, extra_body=PINNED, **kw
+    )
+    deltas = [d for chunk in raw for ch in chunk.choices for d in (ch.delta.tool_calls or [])]
+    assert deltas and all(d.index is not None for d in deltas)
+    firsts = [d for d in deltas if d.id]
+    assert len(firsts) == len(whole.tool_calls) and all(d.function.name and d.type == "function" for d in firsts)
+    assert all(d.function.name is None for d in deltas if not d.id)
+
+
+CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_parses_calls_out_of_the_text(client, stream):
+    """Under auto the model writes freely; here a regex makes it write a call, which the parser reads."""
+    forced = {
+        "structured_outputs": {
+            "regex": "Checking\\.\\n" + json.dumps(CALL_TEXT)[1:-1].replace("{", "\\{").replace("}", "\\}")
+        }
+    }
+    kw = dict(
+        model=MODEL, messages=ASK, max_tokens=200, temperature=0, tools=TOOLS, tool_choice="auto", extra_body=forced
+    )
+    if not stream:
+        msg = client.chat.completions.create(**kw).choices[0]
+    else:
+        with client.chat.completions.stream(**kw) as s:
+            msg = s.get_final_completion().choices[0]
+    assert msg.finish_reason == "tool_calls"
+    assert msg.message.content == "Checking."
+    assert check_calls(msg.message, {"get_weather"}) == [("get_weather", {"city": "Paris", "unit": "c"})]
+
+
+def test_auto_without_a_call_is_content_and_none_parses_nothing(client):
+    r = create(client, tools=TOOLS, tool_choice="auto", max_tokens=8)
+    assert not r.choices[0].message.tool_calls and r.choices[0].finish_reason in ("stop", "length")
+    forced = {"structured_outputs": {"regex": json.dumps(CALL_TEXT)[1:-1].replace("{", "\\{").replace("}", "\\}")}}
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=200, temperature=0, tools=TOOLS,
+                                       tool_choice="none", extra_body=forced)  # fmt: skip
+    assert not r.choices[0].message.tool_calls and r.choices[0].message.content == CALL_TEXT
+
+
+def test_history_with_tool_calls_and_results(client):
+    history = ASK + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'},
+                }
+            ],
+        },  # fmt: skip
+        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "21 C, sunny"},
+    ]
+    r = create(client, messages=history, tools=TOOLS, max_tokens=6)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS + TOOLS[:1]}, "tools"),
+        ({"tools": [{"type": "retrieval"}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+                "tool_choice": "required",
+            },
+            "tool_choice",
+        ),
+    ],
+)
+def test_bad_tool_requests_are_400(http, body, param):
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert param in (err["param"] or "") or param in err["message"], err
+
+
+def test_a_template_that_takes_tools_renders_them(tmp_path, llama_dir):
+    d = tmp_path / "tool-model"
+    shutil.copytree(llama_dir, d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = TOOL_TEMPLATE
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    for f in d.glob("chat_template.*"):
+        f.unlink()
+    with serve(create_app(ServerSettings(served_model_name=MODEL), engine_factory(d, max_model_len=2048))) as s:
+        eng = s.async_engine
+        assert eng.chat_template_takes_tools and detect_format(eng.chat_template).name == "hermes"
+        text = eng.engine.tokenizer.decode(eng.render_chat(ASK, True, TOOLS))
+        assert "get_weather" in text and "Call with <tool_call>" in text
+        with openai.OpenAI(base_url=s.base + "/v1", api_key="unused", max_retries=0) as c:
+            r = create(c, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+            check_calls(r.choices[0].message, {"get_weather"})
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_each_syntax_reads_what_it_writes_and_its_grammar_compiles(name, srv):
+    fmt = FORMATS[name]
+    calls = [("get_weather", {"city": "Oslo", "unit": "c"}), ("lookup", {"query": "x", "limit": 2})]
+    content, parsed = fmt.parse(fmt.render(calls))
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in parsed] == calls
+    assert fmt.parse("plain words") == ("plain words", [])
+    assert fmt.parse(fmt.render(calls)[:-3])[1] == []  # cut short: content, not calls
+    from engine.request.structured import StructuredOutput
+
+    grammar = fmt.grammar([t["function"] for t in TOOLS], parallel=True)
+    srv.engine.grammars.compile(StructuredOutput("grammar", grammar, None, "tool_choice"))
+
+
+def test_fallback_history_is_hermes_style():
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]},
+        {"role": "tool", "content": "ok", "tool_call_id": "c"},
+    ]
+    out = fallback_messages(msgs, [t["function"] for t in TOOLS])
+    assert out[0]["role"] == "system" and "Be brief." in out[0]["content"] and "get_weather" in out[0]["content"]
+    assert out[1] == {"role": "assistant", "content": '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'}
+    assert out[2] == {"role": "user", "content": "<tool_response>\nok\n</tool_response>"}
