@@ -50,7 +50,7 @@ class ToolFormat:
     @property
     def marker(self) -> str:
         """The text that starts the calls: a stream holds text back while it may be starting."""
-        return (self.open + self.call_open) or "{"
+        return (self.open + self.call_open).strip() or "{"
 
     # -- writing --------------------------------------------------------------------------------------
     def grammar(self, tools: list[dict], parallel: bool) -> str:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 import torch
 import transformers
@@ -180,3 +183,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# -- clients of a module's live server (a module that uses them defines its own ``srv``) ------------------
+@pytest.fixture(scope="module")
+def client(srv) -> Iterator[openai.OpenAI]:
+    """The official SDK against the module's server."""
+    with openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def http(srv) -> Iterator[httpx.Client]:
+    """Raw HTTP against the module's server."""
+    with httpx.Client(base_url=srv.base, timeout=120) as c:
+        yield c

@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 import torch
 import transformers
@@ -547,18 +546,6 @@ def srv(rep_dir, amateur_dir) -> Iterator[Served]:
 def plain_srv(rep_dir) -> Iterator[Served]:
     with serve(create_app(ServerSettings(served_model_name=MODEL), engine_factory(rep_dir))) as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def client(srv) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def http(srv) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=srv.base, timeout=120) as c:
-        yield c
 
 
 def wait_idle(s: Served) -> None:

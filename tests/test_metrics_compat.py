@@ -4,10 +4,8 @@ values Augur's own series carry, after real traffic to a live speculating server
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import httpx
-import openai
 import pytest
 from test_server import grown, metric, parse_metrics, scrape
 
@@ -65,18 +63,6 @@ def spec_server(tiny_demo, compat: str):
 def srv(tiny_demo):
     with spec_server(tiny_demo, "vllm") as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def client(srv) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def http(srv) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=srv.base, timeout=120) as c:
-        yield c
 
 
 def idle(srv) -> None:

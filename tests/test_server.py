@@ -42,18 +42,6 @@ def srv(llama_dir) -> Iterator[Served]:
 
 
 @pytest.fixture(scope="module")
-def client(srv) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def http(srv) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=srv.base, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def tok(llama_dir):
     return AutoTokenizer.from_pretrained(llama_dir)
 

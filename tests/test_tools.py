@@ -10,7 +10,6 @@ import shutil
 from collections.abc import Iterator
 from typing import Literal
 
-import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
@@ -68,18 +67,6 @@ def srv(llama_dir) -> Iterator[Served]:
     factory = engine_factory(llama_dir, draft_model=str(llama_dir), num_speculative_tokens=4, max_model_len=2048)
     with serve(create_app(ServerSettings(served_model_name=MODEL), factory)) as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def client(srv) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def http(srv) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=srv.base, timeout=120) as c:
-        yield c
 
 
 def check_calls(message, names: set[str]) -> list[tuple[str, dict]]:
