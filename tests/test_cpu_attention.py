@@ -114,3 +114,21 @@ def test_a_wrong_mask_changes_the_kernel_output():
     _, (got, _) = both(meta, pool, q, k, v, None, 0.0)
     assert (got[0] - ref[0]).abs().max() > 1e-4
     torch.testing.assert_close(got[1:], ref[1:], atol=2e-5, rtol=2e-5)
+
+
+def test_a_stale_build_lock_is_cleared_and_a_live_one_kept(tmp_path, monkeypatch):
+    """A process killed while building leaves torch's build lock behind, and every later load would
+    wait for it forever; a lock older than any build is removed, a recent one is left to its builder."""
+    import os
+    import time
+
+    from engine.attention import cpu_kernel
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    for name, age, kept in (("old", 3600, False), ("live", 5, True)):
+        (tmp_path / name).mkdir()
+        lock = tmp_path / name / "lock"
+        lock.touch()
+        os.utime(lock, (time.time() - age, time.time() - age))
+        cpu_kernel._clear_stale_lock(name)
+        assert lock.exists() == kept, name

@@ -18,7 +18,11 @@ import hashlib
 import logging
 import os
 import shutil
+import sys
+import time
 from pathlib import Path
+
+import torch
 
 from engine.platform import cpu_flags
 
@@ -37,10 +41,14 @@ def load_cpu_kernel() -> bool:
 
         _put_ninja_on_path()
         source = SOURCE.read_text()
-        # -march=native: the build is for this CPU, so its cache entry is named after the CPU too.
-        tag = hashlib.sha1((source + " ".join(cpu_flags())).encode()).hexdigest()[:12]
+        # -march=native: the build is for this CPU, so its cache entry is named after the CPU too, and
+        # after the Python environment (its include paths are in the build: two virtualenvs sharing
+        # one entry would rebuild it in turn, each under the other's lock).
+        key = " ".join([source, *cpu_flags(), sys.prefix, torch.__version__])
+        name = f"augur_paged_attention_cpu_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+        _clear_stale_lock(name)
         load_inline(
-            name=f"augur_paged_attention_cpu_{tag}",
+            name=name,
             cpp_sources=source,
             extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
             is_python_module=False,
@@ -50,6 +58,24 @@ def load_cpu_kernel() -> bool:
         logger.warning("the C++ CPU attention kernel is unavailable (%s); using the Python implementation", exc)
         return False
     return True
+
+
+STALE_LOCK_SECONDS = 600  # a build takes ~30 s; a lock this old was left by a process that was killed
+
+
+def _clear_stale_lock(name: str) -> None:
+    """``torch.utils.cpp_extension`` waits for its build lock forever; a process killed while
+    building (a container stopped mid-start) leaves it behind, and every later start would hang."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory  # where load_inline builds
+
+        lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+        age = time.time() - lock.stat().st_mtime
+    except Exception:  # no lock (the rule), or a torch without that helper: nothing to clear
+        return
+    if age > STALE_LOCK_SECONDS:
+        logger.warning("removing a stale build lock (%.0f s old): %s", age, lock)
+        lock.unlink(missing_ok=True)
 
 
 def _put_ninja_on_path() -> None:
