@@ -65,17 +65,25 @@ STALE_LOCK_SECONDS = 600  # a build takes ~30 s; a lock this old was left by a p
 
 def _clear_stale_lock(name: str) -> None:
     """``torch.utils.cpp_extension`` waits for its build lock forever; a process killed while
-    building (a container stopped mid-start) leaves it behind, and every later start would hang."""
+    building (a container stopped mid-start) leaves it behind, and every later start would hang.
+    Wait while another process may really be building (its lock is younger than any build takes),
+    then remove a lock that outlived that."""
     try:
         from torch.utils.cpp_extension import _get_build_directory  # where load_inline builds
 
         lock = Path(_get_build_directory(name, verbose=False)) / "lock"
-        age = time.time() - lock.stat().st_mtime
-    except Exception:  # no lock (the rule), or a torch without that helper: nothing to clear
+    except Exception:  # a torch without that helper: nothing to check
         return
-    if age > STALE_LOCK_SECONDS:
-        logger.warning("removing a stale build lock (%.0f s old): %s", age, lock)
-        lock.unlink(missing_ok=True)
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return  # no lock (the rule), or its builder finished
+        if age > STALE_LOCK_SECONDS:
+            logger.warning("removing a stale build lock (%.0f s old): %s", age, lock)
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(1.0)
 
 
 def _put_ninja_on_path() -> None:
