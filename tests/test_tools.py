@@ -47,6 +47,7 @@ MODELS = {"get_weather": Weather, "lookup": Lookup}
 
 # A Hermes-style template that takes tools (as Qwen's and Hermes' do).
 TOOL_TEMPLATE = (
+    "{% if messages[0]['role'] == 'tool' %}{{ raise_exception('a tool result needs a call before it') }}{% endif %}"
     "{% if tools %}<|system|>\nTools:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
     "Call with <tool_call>{json}</tool_call>.{{ eos_token }}\n{% endif %}"
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] or '' }}"
@@ -222,6 +223,9 @@ def test_a_template_that_takes_tools_renders_them(tmp_path, llama_dir):
         with openai.OpenAI(base_url=s.base + "/v1", api_key="unused", max_retries=0) as c:
             r = create(c, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})
             check_calls(r.choices[0].message, {"get_weather"})
+            with pytest.raises(openai.BadRequestError) as e:  # the template's own check: a 400, not a 500
+                create(c, messages=[{"role": "tool", "tool_call_id": "x", "content": "1"}], tools=TOOLS)
+            assert "a tool result needs a call before it" in e.value.response.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("name", list(FORMATS))

@@ -21,7 +21,10 @@ import traceback
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import jinja2
+
 from engine.core.llm_engine import LLMEngine
+from engine.request.checks import InvalidRequestError
 from engine.request.outputs import CompletionOutput, RequestOutput, RequestStats
 from engine.request.sampling_params import SamplingParams
 from engine.request.structured import StructuredOutput
@@ -226,7 +229,10 @@ class AsyncEngine:
         is tokenized (InvalidRequestError)."""
         tok = self.engine.tokenizer
         kw = {"tools": tools} if tools else {}
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kw)
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kw)
+        except jinja2.TemplateError as e:  # the template's own checks (roles that must alternate, ...)
+            raise InvalidRequestError(f"the model's chat template refused these messages: {e}", "messages") from None
         self.engine.check_text_fits(text)
         return tok.encode(text, add_special_tokens=False)
 
