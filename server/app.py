@@ -3,12 +3,14 @@
 It loads the engine off the event loop (``/health`` answers 503 meanwhile), maps every error to
 OpenAI's error shape, puts auth and the body limits in front, and mounts the routes:
 ``routes/completions.py`` and ``routes/chat.py`` (generation, relayed by ``relay.py``),
-``routes/tokenize.py`` and ``routes/admin.py``. Nothing here touches a tensor; the routes reach the
+``routes/responses.py`` (the Responses API, on chat's path), ``routes/tokenize.py`` and
+``routes/admin.py``. Nothing here touches a tensor; the routes reach the
 engine only through :class:`~engine.core.async_engine.AsyncEngine`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import threading
@@ -33,11 +35,13 @@ from server.protocol import (
     UnsupportedError,
     error_body,
 )
+from server.responses.protocol import ResponsesRequest
 from server.routes.admin import add_admin_routes
 from server.routes.chat import add_chat_routes
 from server.routes.completions import add_completion_routes
+from server.routes.responses import add_response_routes
 from server.routes.tokenize import add_tokenizer_routes
-from server.state import ServerSettings, ServerState
+from server.state import API_KEY_SCOPE, ServerSettings, ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -48,23 +52,27 @@ except PackageNotFoundError:  # running from a source tree that was not installe
 
 
 class BearerAuth:
-    """Require ``Authorization: Bearer KEY`` (compared in constant time) except on open paths.
+    """Require ``Authorization: Bearer KEY`` (one of the keys, compared in constant time) except on
+    open paths; the scope's :data:`API_KEY_SCOPE` names the key a request came with (a digest), for
+    what belongs to one key (stored responses).
 
     A plain ASGI middleware rather than ``@app.middleware("http")``: Starlette's BaseHTTPMiddleware
     wraps ``receive`` so that ``Request.is_disconnected()`` never sees the client leave, and a
     non-streaming request would then run to completion for nobody."""
 
-    def __init__(self, app, key: str, open_paths: set[str]) -> None:
-        self.app, self.key, self.open_paths = app, key.encode(), open_paths
+    def __init__(self, app, keys: list[str], open_paths: set[str]) -> None:
+        self.app, self.keys, self.open_paths = app, [k.encode() for k in keys], open_paths
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"] not in self.open_paths:
             given = dict(scope["headers"]).get(b"authorization", b"")
             token = given[7:] if given[:7].lower() == b"bearer " else b""
-            if not hmac.compare_digest(token, self.key):
+            matched = [hmac.compare_digest(token, k) for k in self.keys]  # every key compared: no early exit
+            if not any(matched):
                 body = error_body("invalid or missing API key", "authentication_error", code="invalid_api_key")
                 await JSONResponse(body, 401)(scope, receive, send)
                 return
+            scope[API_KEY_SCOPE] = hashlib.sha256(token).hexdigest()
         await self.app(scope, receive, send)
 
 
@@ -103,13 +111,15 @@ def create_app(
     add_error_handlers(app, state)
     # Limits and auth (the last added runs first: auth, then the body limits).
     app.add_middleware(BodyLimits, max_bytes=settings.max_request_bytes, timeout_s=settings.body_timeout_s)
-    if settings.api_key:
-        app.add_middleware(BearerAuth, key=settings.api_key, open_paths={"/health", "/metrics"})
+    if settings.api_keys:
+        app.add_middleware(BearerAuth, keys=settings.api_keys, open_paths={"/health", "/metrics"})
     add_admin_routes(app, state, AUGUR_VERSION)
     add_completion_routes(app, state)
     add_chat_routes(app, state)
+    add_response_routes(app, state)
     add_tokenizer_routes(app, state)
-    publish_request_schemas(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
+    models = [CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest]
+    publish_request_schemas(app, models)
     return app
 
 

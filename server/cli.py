@@ -195,7 +195,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     demo = not args.model
     config = engine_config_from_args(args)  # builds the demo pair first when no model is given
     name = args.served_model_name or ("augur-demo" if demo else os.path.basename(os.path.normpath(config.model)))
-    api_key = args.api_key or os.environ.get("AUGUR_API_KEY") or None
+    # Several keys: --api-key given more than once, or AUGUR_API_KEY with commas between them.
+    api_key = args.api_key or [k.strip() for k in os.environ.get("AUGUR_API_KEY", "").split(",") if k.strip()]
     settings = ServerSettings(
         served_model_name=name,
         api_key=api_key,
@@ -205,6 +206,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         typical_acceptance=tuple(args.typical_acceptance) if args.typical_acceptance else None,
         tool_call_parser=args.tool_call_parser,
         metrics_compat=args.metrics_compat,
+        responses_store_max=args.responses_store_max,
+        responses_store_bytes=int(args.responses_store_mb * 2**20),
     )
     server: uvicorn.Server | None = None
 
@@ -406,7 +409,16 @@ def _serve_parser(sub, common: argparse.ArgumentParser) -> None:
     )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require this bearer key (or set AUGUR_API_KEY)")
+    serve.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="require this bearer key (repeat for several; or AUGUR_API_KEY, comma-separated)",
+    )
+    serve.add_argument("--responses-store-max", type=int, default=1024,
+                       help="Responses API: the most stored responses kept (oldest out first)")  # fmt: skip
+    serve.add_argument("--responses-store-mb", type=float, default=128,
+                       help="Responses API: the most MiB of stored responses kept (oldest out first)")  # fmt: skip
     serve.add_argument("--served-model-name", default=None, help="default: augur-demo, or the model directory's name")
     serve.add_argument("--max-queue-len", type=int, default=256, help="requests waiting beyond this get 429")
     serve.add_argument(

@@ -146,6 +146,14 @@ class Metrics:
             ["model_name", "what"],
             registry=r,
         )
+        # The HTTP APIs: generation requests admitted, by endpoint; the Responses API's store.
+        self.api_requests = Counter(
+            "augur_api_requests", "Generation requests admitted, by endpoint", ["model_name", "endpoint"], registry=r
+        )
+        self.responses_stored = Gauge(
+            "augur_responses_stored", "Responses kept for previous_response_id (what: count, bytes)",
+            ["model_name", "what"], registry=r,
+        )  # fmt: skip
         self._grammar_seen = (0, 0, 0)
         self._spec_window: deque[tuple[float, int, int, int]] = deque()  # (t, drafts, drafted, accepted)
         self._spec_lock = threading.Lock()
@@ -209,6 +217,14 @@ class Metrics:
     def grammar_request(self, kind: str, seconds: float) -> None:
         self.grammar_requests.labels(**self.labels, kind=kind).inc()
         self.grammar_seconds.labels(**self.labels).observe(seconds)
+
+    def bind_store(self, store) -> None:
+        """``store``: the Responses API's :class:`~server.responses.store.ResponseStore`."""
+        self.responses_stored.labels(**self.labels, what="count").set_function(lambda: len(store))
+        self.responses_stored.labels(**self.labels, what="bytes").set_function(lambda: store.bytes)
+
+    def api_request(self, endpoint: str) -> None:
+        self.api_requests.labels(**self.labels, endpoint=endpoint).inc()
 
     def request_failed(self, reason: str) -> None:
         self.request_failure.labels(**self.labels, reason=reason).inc()

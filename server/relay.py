@@ -58,6 +58,9 @@ async def prepare(eng: AsyncEngine, prompts: list[str | list[int]], params: Samp
         raise bad_request(str(e), e.param or "prompt") from None
 
 
+ENDPOINTS = {"cmpl": "completions", "chatcmpl": "chat_completions", "resp": "responses"}  # by id prefix
+
+
 @dataclass
 class Job:
     state: ServerState
@@ -77,6 +80,7 @@ class Job:
         """Reserve the request's queue places now (429 if full), before any await lets another in."""
         job = cls(state, eng, request, f"{prefix}-{uuid.uuid4().hex}", prompt_ids, params, n, stream, include_usage)
         check_queue_bound(state, len(prompt_ids))
+        state.metrics.api_request(ENDPOINTS.get(prefix, prefix))
         limit = state.settings.max_queue_len
         if not eng.reserve([f"{job.id}-{i}" for i in range(len(prompt_ids))], limit):
             raise APIError(
@@ -97,6 +101,7 @@ class Job:
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(o.stats.num_cached_prompt_tokens for o in outputs)},
             "speculative": {
                 "method": self.eng.spec_method if drafted else "none",
                 "draft_tokens": drafted,
@@ -131,7 +136,7 @@ class Format(Protocol):
 async def respond(job: Job, fmt: Format):
     if job.stream:
         return StreamingResponse(_stream(job, fmt), media_type="text/event-stream")
-    return JSONResponse(await _until_disconnect(job, _collect(job, fmt)))
+    return JSONResponse(await until_disconnect(job, _collect(job, fmt)))
 
 
 # -- relaying ---------------------------------------------------------------------------------------------
@@ -158,7 +163,7 @@ async def _stream(job: Job, fmt: Format) -> AsyncIterator[str]:
     tokens = 0
     ended: set[int] = set()  # choices whose finish_reason was sent: nothing more for them
     try:
-        async for i, out in _merged(job):
+        async for i, out in outputs(job):
             if out.error:
                 yield sse(_engine_failure(out).body())
                 break
@@ -189,7 +194,7 @@ async def _collect(job: Job, fmt: Format) -> dict:
     prompt_outs: dict[int, RequestOutput] = {}  # an output of prompt i that carries its prompt logprobs
     finals: dict[int, RequestOutput] = {}
     tokens = 0
-    async for i, out in _merged(job):
+    async for i, out in outputs(job):
         if out.error:
             raise _engine_failure(out)
         if out.prompt_logprobs is not None:
@@ -214,7 +219,7 @@ async def _collect(job: Job, fmt: Format) -> dict:
     }
 
 
-async def _until_disconnect(job: Job, work):
+async def until_disconnect(job: Job, work):
     """Run ``work`` (a coroutine) but abort it if the client goes away first."""
     task = asyncio.ensure_future(work)
     try:
@@ -229,7 +234,7 @@ async def _until_disconnect(job: Job, work):
             task.cancel()
 
 
-async def _merged(job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def outputs(job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of one engine request per prompt, interleaved as they come: (prompt index, output)."""
     if len(job.prompt_ids) == 1:
         async for out in _run(job, f"{job.id}-0", job.prompt_ids[0]):

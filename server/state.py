@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.core.async_engine import AsyncEngine
 from server.metrics import Metrics
+from server.responses.store import ResponseStore
 from server.tokens import TokenTexts
 from server.tools import FORMATS, ToolFormat, detect_format
 
@@ -14,7 +15,8 @@ from server.tools import FORMATS, ToolFormat, detect_format
 @dataclass
 class ServerSettings:
     served_model_name: str
-    api_key: str | None = None
+    # Bearer keys the server takes (one, or several: a stored response is readable only with its own).
+    api_key: str | list[str] | None = None
     max_queue_len: int = 256
     disconnect_poll_s: float = 0.2
     max_request_bytes: int = 16 * 2**20  # larger bodies get 413
@@ -25,6 +27,17 @@ class ServerSettings:
     metrics_compat: str = "vllm"  # also export vLLM's metric names ("none": only augur_*)
     # How the model writes tool calls: auto (from its chat template) | hermes | llama3_json | mistral.
     tool_call_parser: str = "auto"
+    # The Responses API's store (store: true): oldest out first past either bound.
+    responses_store_max: int = 1024
+    responses_store_bytes: int = 128 * 2**20
+
+    @property
+    def api_keys(self) -> list[str]:
+        keys = [self.api_key] if isinstance(self.api_key, str) else list(self.api_key or [])
+        return [k for k in keys if k]
+
+
+API_KEY_SCOPE = "augur.api_key"  # the ASGI scope's entry naming the key a request came with (a digest)
 
 
 @dataclass
@@ -35,9 +48,12 @@ class ServerState:
     token_texts: TokenTexts | None = None  # the served tokenizer's token texts, for logprobs
     metrics: Metrics = field(init=False)
     created: int = field(default_factory=lambda: int(time.time()))
+    responses: ResponseStore = field(init=False)
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.settings.served_model_name, self.settings.metrics_compat)
+        self.responses = ResponseStore(self.settings.responses_store_max, self.settings.responses_store_bytes)
+        self.metrics.bind_store(self.responses)
 
     @property
     def tool_format(self) -> ToolFormat:

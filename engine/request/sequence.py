@@ -58,6 +58,7 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_ids)
         self.num_prompt_tokens = len(prompt_ids)
         self.num_computed_tokens = 0
+        self.num_cached_prompt_tokens: int | None = None  # prompt tokens the prefix cache held at admission
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full, final blocks
         self.status = SequenceStatus.WAITING

@@ -30,38 +30,64 @@ def _safe_length(text: str, marker: str) -> int:
     return len(text)
 
 
+@dataclass
+class ChatTurn:
+    """What a chat-shaped request asks of the engine, whichever API it came through (chat completions
+    or the Responses API): the messages, the offered functions and how calls are chosen, the limits."""
+
+    messages: list[dict]  # as chat templates take them (server.protocol.template_messages)
+    functions: list[dict]  # OpenAI function objects offered to the model ([]: none)
+    forces_call: bool  # tool_choice required or a named function: the output is calls, by grammar
+    parallel: bool  # several calls allowed in one turn
+    completion_limit: int | None  # max tokens to generate (None: what the context leaves)
+    logprobs: int | None = None  # top logprobs per token (None: no logprobs)
+    add_generation_prompt: bool = True
+
+
+async def chat_job(state: ServerState, request: Request, req, turn: ChatTurn, prefix: str) -> Job:
+    """The one path from a chat-shaped request to an admitted :class:`Job`: the messages rendered
+    with the chat template (tools through it, or the fallback), the sampling parameters, a forced
+    call's grammar, the prompt checked and the grammar compiled, queue places reserved. ``req`` is the
+    request model (its sampling fields, ``n``, ``stream``)."""
+    eng = ready_engine(state)
+    if not eng.has_chat_template:
+        raise bad_request("this model has no chat template; use /v1/completions", "messages")
+    messages = turn.messages
+    tools = [{"type": "function", "function": f} for f in turn.functions] or None
+    if not eng.chat_template_takes_tools:  # described in a system message, history in the Hermes style
+        messages, tools = fallback_messages(messages, turn.functions), None
+    try:
+        render = lambda: eng.render_chat(messages, turn.add_generation_prompt, tools)  # noqa: E731
+        prompt_ids = await off_loop(render, sum(len(m["content"]) for m in messages))
+    except InvalidRequestError as e:
+        raise bad_request(str(e), "messages") from None
+    max_tokens = turn.completion_limit
+    if max_tokens is None:  # as long as the context allows
+        max_tokens = max(1, eng.max_model_len - len(prompt_ids))
+    params = sampling_params(state, req, max_tokens, turn.logprobs)
+    if turn.forces_call:  # required / a named function: the calls are the output, by grammar
+        grammar = StructuredOutput("grammar", state.tool_format.grammar(turn.functions, turn.parallel), None,
+                                   "tool_choice")  # fmt: skip
+        params = dataclasses.replace(params, structured=grammar)
+    ids = await prepare(eng, [prompt_ids], params)
+    return Job.admit(state, eng, request, prefix, ids, params, req.n, req.stream, req.include_usage)
+
+
 def add_chat_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
         req: ChatCompletionRequest = await parse_request(request, ChatCompletionRequest)
         check_model(state, req.model)
-        eng = ready_engine(state)
-        if not eng.has_chat_template:
-            raise bad_request("this model has no chat template; use /v1/completions", "messages")
         try:
             messages = req.chat_messages()
         except UnsupportedError as e:
             raise bad_request(str(e), e.param) from None
-        functions = req.tool_functions
-        tools = [{"type": "function", "function": f} for f in functions] or None
-        if not eng.chat_template_takes_tools:  # described in a system message, history in the Hermes style
-            messages, tools = fallback_messages(messages, functions), None
-        try:
-            render = lambda: eng.render_chat(messages, req.add_generation_prompt, tools)  # noqa: E731
-            prompt_ids = await off_loop(render, sum(len(m["content"]) for m in messages))
-        except InvalidRequestError as e:
-            raise bad_request(str(e), "messages") from None
-        max_tokens = req.completion_limit
-        if max_tokens is None:  # as long as the context allows
-            max_tokens = max(1, eng.max_model_len - len(prompt_ids))
-        params = sampling_params(state, req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-        fmt = state.tool_format
-        if req.forces_tool_call:  # required / a named function: the calls are the output, by grammar
-            grammar = StructuredOutput("grammar", fmt.grammar(functions, req.parallel), None, "tool_choice")
-            params = dataclasses.replace(params, structured=grammar)
-        ids = await prepare(eng, [prompt_ids], params)
-        job = Job.admit(state, eng, request, "chatcmpl", ids, params, req.n, req.stream, req.include_usage)
-        return await respond(job, ChatFormat(req.logprobs, state.token_texts, fmt if req.parses_tool_calls else None))
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        turn = ChatTurn(messages, req.tool_functions, req.forces_tool_call, req.parallel, req.completion_limit,
+                        logprobs, req.add_generation_prompt)  # fmt: skip
+        job = await chat_job(state, request, req, turn, "chatcmpl")
+        tools = state.tool_format if req.parses_tool_calls else None
+        return await respond(job, ChatFormat(req.logprobs, state.token_texts, tools))
 
 
 @dataclass

@@ -1,0 +1,228 @@
+"""One generation's text, as it grows, made into the Responses API's output items and the events
+that announce them.
+
+:class:`OutputBuilder` is fed the text's deltas and its end; it returns the events to send (without
+their ``sequence_number``, which the stream adds) and keeps the items. A streamed response and a
+collected one run the same builder, so their items are equal by construction.
+
+- **Text** goes out as it comes: a ``message`` item with one ``output_text`` part.
+- **Tool calls under** ``auto`` are parsed out of the text (the model's own syntax): text is held back
+  from where a call may begin, and the calls are sent when the output ends, since only then is it
+  known that the text was a well-formed run of calls (as on chat completions).
+- **Forced calls** (``required`` or a named function) are written by a grammar in a known layout:
+  each ``function_call`` item is announced once its name is written, and its arguments go out as
+  they are written (:class:`CallScanner`). A call cut short by ``max_output_tokens`` ends
+  ``incomplete``, its arguments a prefix of valid JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from server.responses.protocol import new_id
+from server.tools import ToolFormat
+
+ARGUMENT_PIECE = 16  # characters of a parsed call's arguments per delta event
+
+
+def safe_length(text: str, marker: str) -> int:
+    """How much of ``text`` cannot be the start of ``marker`` (its tail might be)."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-k:]):
+            return len(text) - k
+    return len(text)
+
+
+class CallScanner:
+    """Forced calls read as they are written: ``feed`` returns ``("call", name)`` once a call's name
+    is complete, ``("args", text)`` for each new piece of its arguments (the exact text written), and
+    ``("end",)`` when its arguments value closes. The grammar guarantees the layout
+    (``{"name": ..., "<args_key>": <value>}`` in the format's wrapping), so no text is held back."""
+
+    def __init__(self, fmt: ToolFormat) -> None:
+        key = re.escape(fmt.args_key)
+        self.header = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"' + key + r'"\s*:\s*(?=\S)')
+        self.text = ""
+        self.pos = 0  # where the next call's header is looked for
+        self.open = False  # inside a call's arguments
+        self.scanned = 0  # how far its arguments were scanned
+        self.sent = 0  # how far its arguments went out
+        self.depth, self.in_string, self.escaped, self.started = 0, False, False, False
+
+    def feed(self, delta: str) -> list[tuple]:
+        self.text += delta
+        events: list[tuple] = []
+        while True:
+            if not self.open:
+                m = self.header.search(self.text, self.pos)
+                if m is None:
+                    return events
+                events.append(("call", json.loads(f'"{m.group(1)}"')))
+                self.open, self.scanned, self.sent = True, m.end(), m.end()
+                self.depth, self.in_string, self.escaped, self.started = 0, False, False, False
+            end = self._scan()
+            upto = len(self.text) if end is None else end
+            if upto > self.sent:
+                events.append(("args", self.text[self.sent : upto]))
+                self.sent = upto
+            if end is None:
+                return events
+            events.append(("end",))
+            self.open, self.pos = False, end
+
+    def _scan(self) -> int | None:
+        """Where the open call's arguments value ends (past its last character), or None if not yet."""
+        text = self.text
+        for i in range(self.scanned, len(text)):
+            ch = text[i]
+            if not self.in_string and self.depth == 0 and self.started and (ch in ",}]" or ch.isspace()):
+                self.scanned = i
+                return i  # a bare scalar (a number, true, false, null) ended
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+                    if self.depth == 0:  # a string value
+                        self.scanned = i + 1
+                        return i + 1
+            elif ch == '"':
+                self.in_string, self.started = True, True
+            elif ch in "{[":
+                self.depth, self.started = self.depth + 1, True
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.scanned = i + 1
+                    return i + 1
+            elif not ch.isspace():
+                self.started = True
+        self.scanned = len(text)
+        return None
+
+
+class OutputBuilder:
+    def __init__(self, tools: ToolFormat | None, forced: bool) -> None:
+        self.tools = tools  # calls are read from the text (None: plain text)
+        self.scanner = CallScanner(tools) if tools is not None and forced else None
+        self.items: list[dict] = []
+        self.index: dict[str, int] = {}  # item id -> output_index
+        self.text = ""  # the whole output so far
+        self.message: dict | None = None  # the open message item
+        self.sent = 0  # how much of the text went out as message content
+        self.call: dict | None = None  # the open function_call item (forced calls)
+
+    # -- feeding ---------------------------------------------------------------------------------------
+    def feed(self, delta: str) -> list[dict]:
+        self.text += delta
+        if self.scanner is not None:
+            return self._forced(self.scanner.feed(delta))
+        if self.tools is None:
+            return self._say(delta)
+        start = self.tools.start_of_calls(self.text)
+        safe = start if start >= 0 else safe_length(self.text, self.tools.marker)
+        safe = len(self.text[:safe].rstrip())  # whitespace before a call is not content
+        events = self._say(self.text[self.sent : safe]) if safe > self.sent else []
+        self.sent = max(self.sent, safe)
+        return events
+
+    def finish(self, reason: str | None) -> list[dict]:
+        """The closing events; ``reason`` is the engine's finish reason."""
+        status = "completed" if reason == "stop" else "incomplete"
+        events: list[dict] = []
+        if self.scanner is not None:
+            # Calls only, by grammar: a call cut short ends incomplete; text before any call is none.
+            return self._end_call(status) if self.call is not None else []
+        if self.tools is not None:
+            content, calls = self.tools.parse(self.text)
+            if calls:
+                start = self.tools.start_of_calls(self.text)
+                events += self._say(self.text[:start].rstrip()[self.sent :])
+                events += self._close_message("completed")
+                for call in calls:
+                    events += self._open_call(call.name, call.id)
+                    for j in range(0, len(call.arguments), ARGUMENT_PIECE):
+                        events += self._args(call.arguments[j : j + ARGUMENT_PIECE])
+                    events += self._end_call("completed")
+                return events
+            events += self._say(self.text[self.sent :])
+        if self.message is None:  # nothing was said: an empty message still answers
+            events += self._open_message()
+        return events + self._close_message(status)
+
+    # -- items -----------------------------------------------------------------------------------------
+    def _say(self, text: str) -> list[dict]:
+        if not text:
+            return []
+        events = self._open_message() if self.message is None else []
+        part = self.message["content"][0]
+        part["text"] += text
+        events.append({"type": "response.output_text.delta", **self._where(), "content_index": 0, "delta": text,
+                       "logprobs": []})  # fmt: skip
+        return events
+
+    def _open_message(self) -> list[dict]:
+        self.message = {"id": new_id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
+                        "content": []}  # fmt: skip
+        self.index[self.message["id"]] = len(self.items)
+        self.items.append(self.message)
+        added = {"type": "response.output_item.added", "output_index": len(self.items) - 1, "item": _copy(self.message)}
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        self.message["content"].append(part)
+        part_added = {"type": "response.content_part.added", **self._where(), "content_index": 0, "part": _copy(part)}
+        return [added, part_added]
+
+    def _close_message(self, status: str) -> list[dict]:
+        if self.message is None:
+            return []
+        self.message["status"] = status
+        part = self.message["content"][0]
+        where = self._where()
+        events = [
+            {"type": "response.output_text.done", **where, "content_index": 0, "text": part["text"], "logprobs": []},
+            {"type": "response.content_part.done", **where, "content_index": 0, "part": _copy(part)},
+            {"type": "response.output_item.done", "output_index": where["output_index"], "item": _copy(self.message)},
+        ]
+        self.message = None
+        return events
+
+    def _forced(self, found: list[tuple]) -> list[dict]:
+        events: list[dict] = []
+        for kind, *value in found:
+            if kind == "call":
+                events += self._open_call(value[0], new_id("call"))
+            elif kind == "args":
+                events += self._args(value[0])
+            else:
+                events += self._end_call("completed")
+        return events
+
+    def _open_call(self, name: str, call_id: str) -> list[dict]:
+        self.call = {"id": new_id("fc"), "type": "function_call", "status": "in_progress", "call_id": call_id,
+                     "name": name, "arguments": ""}  # fmt: skip
+        self.index[self.call["id"]] = len(self.items)
+        self.items.append(self.call)
+        return [{"type": "response.output_item.added", "output_index": len(self.items) - 1, "item": _copy(self.call)}]
+
+    def _args(self, piece: str) -> list[dict]:
+        self.call["arguments"] += piece
+        return [{"type": "response.function_call_arguments.delta", **self._where(self.call), "delta": piece}]
+
+    def _end_call(self, status: str) -> list[dict]:
+        call, self.call = self.call, None
+        call["status"] = status
+        where = self._where(call)
+        done = {"type": "response.function_call_arguments.done", **where, "name": call["name"],
+                "arguments": call["arguments"]}  # fmt: skip
+        return [done, {"type": "response.output_item.done", "output_index": where["output_index"], "item": _copy(call)}]
+
+    def _where(self, item: dict | None = None) -> dict:
+        item = item if item is not None else self.message
+        return {"item_id": item["id"], "output_index": self.index[item["id"]]}
+
+
+def _copy(item: dict) -> dict:
+    return json.loads(json.dumps(item))
