@@ -196,7 +196,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)  # builds the demo pair first when no model is given
     name = args.served_model_name or ("augur-demo" if demo else os.path.basename(os.path.normpath(config.model)))
     # Several keys: --api-key given more than once, or AUGUR_API_KEY with commas between them.
-    api_key = args.api_key or [k.strip() for k in os.environ.get("AUGUR_API_KEY", "").split(",") if k.strip()]
+    env_keys = os.environ.get("AUGUR_API_KEY") or ""
+    api_key = args.api_key or [k.strip() for k in env_keys.split(",") if k.strip()]
     settings = ServerSettings(
         served_model_name=name,
         api_key=api_key,

@@ -3,19 +3,18 @@ openai-agents' default model: text, streamed events in order and equal to the co
 forced function calls whose arguments match their schema, argument deltas that reassemble, a turn
 carrying function_call_output, previous_response_id with retrieve and delete, the store's bounds and
 its keys, text.format and responses.parse, bad requests refused naming the field, greedy identity
-with speculation on and off, and the same output as chat completions for the same conversation."""
+with speculation on and off, and the same output as chat completions for the same conversation.
+openai-agents' default model runs a tool in tests/test_agent_clients.py."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
-from typing import Literal
 
 import httpx
 import openai
 import pytest
-from pydantic import BaseModel, Field
+from test_tools import MODELS, Lookup, Weather
 
 from conftest import build_model_dir
 from server.app import ServerSettings, create_app
@@ -31,16 +30,6 @@ OFF = {"speculative": {"enabled": False}}
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-class Weather(BaseModel):
-    city: str = Field(max_length=10)
-    unit: Literal["c", "f"]
-
-
-class Lookup(BaseModel):
-    query: str = Field(max_length=12)
-    limit: int = Field(ge=1, le=9)
-
-
 TOOLS = [
     {
         "type": "function",
@@ -50,7 +39,6 @@ TOOLS = [
     },
     {"type": "function", "name": "lookup", "parameters": Lookup.model_json_schema()},
 ]
-MODELS = {"get_weather": Weather, "lookup": Lookup}
 
 
 @pytest.fixture(scope="module")
@@ -307,7 +295,7 @@ def test_text_format_json_schema_and_parse(client):
         ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
         ({"input": [{"type": "function_call", "name": "f"}]}, "input"),
         ({"input": []}, "input"),
-        ({"include": ["message.output_text.logprobs"]}, "include"),
+        ({"include": ["reasoning.encrypted_content", "message.output_text.logprobs"]}, "include"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"truncation": "auto"}, "truncation"),
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "response_format"),
@@ -320,6 +308,36 @@ def test_bad_requests_are_400_naming_the_field(http, body, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and param in (err["param"] or "") + err["message"], err
+
+
+def test_a_codex_shaped_request_streams(http):
+    """What Codex CLI sends (docs/responses.md): developer and user message items, non-strict function
+    tools, a reasoning summary, encrypted reasoning asked to be included, cache key and client metadata."""
+    body = {
+        "model": MODEL,
+        "instructions": None,
+        "input": [
+            {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "You are a coder."}]},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Say hello."}]},
+        ],
+        "tools": [{"type": "function", "name": "exec_command", "description": "Run a command.", "strict": False,
+                   "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"],
+                                  "additionalProperties": False}}],
+        "tool_choice": "auto",
+        "parallel_tool_calls": True,
+        "reasoning": {"summary": "auto"},
+        "store": False,
+        "stream": True,
+        "include": ["reasoning.encrypted_content"],
+        "prompt_cache_key": "thread-1",
+        "client_metadata": {"x-codex-turn-metadata": "{}"},
+        "max_output_tokens": 8,
+    }  # fmt: skip
+    with http.stream("POST", "/v1/responses", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line.startswith("event: ")]
+    assert lines[0] == "event: response.created" and lines[-1] in ("event: response.completed",
+                                                                    "event: response.incomplete")  # fmt: skip
 
 
 def test_unknown_ids_and_models_are_404(http):
@@ -372,29 +390,3 @@ def test_auto_holds_back_a_call_and_sends_it_at_the_end():
     s = CallScanner(FORMATS["mistral"])
     found = s.feed('[TOOL_CALLS][{"name": "f", "arguments": 7}, {"name": "g", "arguments": "x"}]')
     assert found == [("call", "f"), ("args", "7"), ("end",), ("call", "g"), ("args", '"x"'), ("end",)]
-
-
-# -- clients -----------------------------------------------------------------------------------------------
-def test_openai_agents_default_model_runs_a_tool(srv):
-    agents = pytest.importorskip("agents")
-    agents.set_tracing_disabled(True)  # the SDK would export traces to OpenAI's servers
-    calls = []
-
-    @agents.function_tool
-    def weather(city: str) -> str:
-        """The weather in a city."""
-        calls.append(city)
-        return "sunny"
-
-    client = openai.AsyncOpenAI(base_url=srv.base + "/v1", api_key="unused")
-    provider = agents.OpenAIProvider(openai_client=client)  # its default: the Responses API
-    model = provider.get_model(MODEL)
-    assert type(model).__name__ == "OpenAIResponsesModel"
-    # required first (a random model would not choose a tool by itself; the SDK resets the choice after
-    # the call). The SDK fails an incomplete response, so the end-of-text token is favoured: the forced
-    # call still ends where its grammar does, and the answer after it ends at once.
-    settings = agents.ModelSettings(tool_choice="required", max_tokens=200, temperature=0,
-                                    extra_body={"logit_bias": {"1": 100}})  # fmt: skip
-    agent = agents.Agent(name="a", instructions="Use the tool.", tools=[weather], model=model, model_settings=settings)
-    result = asyncio.run(agents.Runner.run(agent, "Weather in Oslo?", max_turns=4))
-    assert len(calls) == 1 and isinstance(result.final_output, str)

@@ -94,6 +94,9 @@ class DemoRecipe:
     unlikelihood_lr_scale: float = 0.1  # of the target's peak learning rates, decayed linearly to 0
     unlikelihood_prefix: int = 96  # tokens of train text each continuation starts from
     unlikelihood_tokens: int = 64  # tokens continued greedily
+    # Weight of KL(pretrained target || target) beside the next-token loss: the fine-tune pushes down
+    # what the continuations repeat and keeps the rest of the pretrained distribution (0: no anchor).
+    unlikelihood_kl: float = 0.0
     draft_steps: int = 800
     draft_lr: float = 3e-3
     draft_muon_lr: float = 0.03
@@ -121,6 +124,7 @@ class DemoRecipe:
             unlikelihood_steps=4,
             unlikelihood_prefix=16,
             unlikelihood_tokens=8,
+            unlikelihood_kl=0.5,
             draft_steps=30,
             eval_seqs=8,
             quality_prompts=4,
@@ -386,9 +390,24 @@ def repeated_ngrams(rows: list[list[int]], start: int, n: int = UNLIKELIHOOD_NGR
     return mask
 
 
-def _unlikelihood_loss(stream: torch.Tensor, recipe: DemoRecipe, pad_token_id: int, seed: int):
-    """Next-token cross-entropy on the train batch plus ``alpha`` times the unlikelihood of the tokens
-    the model's own greedy continuations of 8 train prefixes repeat."""
+def _anchored_lm_loss(model, batch: torch.Tensor, reference, weight: float) -> torch.Tensor:
+    """Next-token cross-entropy, plus ``weight`` times KL(reference || model) on the same positions."""
+    inputs = batch[:, :-1]
+    logits = model(input_ids=inputs).logits.float()
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+    if reference is None or not weight:
+        return ce
+    with torch.no_grad():
+        p_log = torch.log_softmax(reference(input_ids=inputs).logits.float(), -1)  # p: the pretrained target
+    q_log = torch.log_softmax(logits, -1)  # q: the target being fine-tuned
+    kl = torch.nn.functional.kl_div(q_log, p_log, log_target=True, reduction="batchmean") / inputs.shape[1]
+    return ce + weight * kl
+
+
+def _unlikelihood_loss(stream: torch.Tensor, recipe: DemoRecipe, pad_token_id: int, seed: int, reference=None):
+    """Next-token cross-entropy on the train batch (anchored to ``reference``, the pretrained target,
+    by ``unlikelihood_kl``) plus ``alpha`` times the unlikelihood of the tokens the model's own greedy
+    continuations of 8 train prefixes repeat."""
     g = torch.Generator().manual_seed(seed)
     P, T = recipe.unlikelihood_prefix, recipe.unlikelihood_tokens
 
@@ -406,7 +425,8 @@ def _unlikelihood_loss(stream: torch.Tensor, recipe: DemoRecipe, pad_token_id: i
         logp = torch.log_softmax(model(input_ids=out[:, :-1]).logits.float(), -1)
         p = logp.gather(-1, out[:, 1:, None])[..., 0].exp().clamp(max=1 - 1e-5)
         unlikely = -(torch.log1p(-p) * repeated).sum() / repeated.sum().clamp(min=1)
-        return _lm_loss(model, batch) + recipe.unlikelihood_alpha * unlikely
+        base = _anchored_lm_loss(model, batch, reference, recipe.unlikelihood_kl)
+        return base + recipe.unlikelihood_alpha * unlikely
 
     return loss
 
@@ -595,6 +615,7 @@ def _build_into(out: Path, recipe: DemoRecipe, device_name: str, reuse_pretraini
     target_pretrain_seconds = time.perf_counter() - t0
     if recipe.unlikelihood_steps:  # from the rounded weights, with fresh optimizers
         ul = recipe.unlikelihood_lr_scale
+        reference = copy.deepcopy(target).requires_grad_(False).eval() if recipe.unlikelihood_kl else None
         mle = dataclasses.replace(recipe, batch_size=4)  # the next-token half of each step: 4 windows
         _train(
             target,
@@ -602,7 +623,7 @@ def _build_into(out: Path, recipe: DemoRecipe, device_name: str, reuse_pretraini
             (recipe.target_lr * ul, recipe.target_muon_lr * ul),
             recipe,
             dev,
-            _unlikelihood_loss(train_stream, recipe, tokenizer.pad_token_id, recipe.seed + 6),
+            _unlikelihood_loss(train_stream, recipe, tokenizer.pad_token_id, recipe.seed + 6, reference),
             "unlikelihood",
             progress,
         )

@@ -37,7 +37,10 @@ RENAMED = {
     "logprobs": None,
 }
 # Hints that change nothing in what is generated here: accepted, echoed where OpenAI echoes them.
-HINTS = {"prompt_cache_key", "prompt_cache_retention", "safety_identifier", "service_tier", "max_tool_calls"}
+HINTS = {"prompt_cache_key", "prompt_cache_retention", "safety_identifier", "service_tier", "max_tool_calls",
+         "client_metadata"}  # fmt: skip
+# ``include`` values about output this server never makes (reasoning items): true of every response.
+VACUOUS_INCLUDES = {"reasoning.encrypted_content"}
 # OpenAI's fields that Augur does not build: refused unless absent, null, or their default.
 UNBUILT = {
     "background": "background responses are not supported: send the request and wait (or stream)",
@@ -112,6 +115,7 @@ class ResponsesRequest(_Sampling):
     safety_identifier: str | None = None
     service_tier: str | None = None
     max_tool_calls: StrictInt | None = Field(default=None, ge=1)
+    client_metadata: dict[str, Any] | None = None  # Codex CLI's description of itself
 
     @model_validator(mode="before")
     @classmethod
@@ -148,15 +152,17 @@ class ResponsesRequest(_Sampling):
             self.response_format = self.text.format.response_format()
         if self.forces_tool_call and self.structured() is not None:
             raise FieldError("a forced tool call and a text.format / structured_outputs: not both", "tool_choice")
-        if self.include:
-            raise UnsupportedError(f"include values are not supported: {', '.join(self.include)}", "include")
+        refused = [v for v in self.include or [] if v not in VACUOUS_INCLUDES]
+        if refused:
+            raise UnsupportedError(f"include values are not supported: {', '.join(refused)}", "include")
         if self.top_logprobs:
             raise UnsupportedError("top_logprobs is not supported on the Responses API", "top_logprobs")
         if self.truncation == "auto":
             raise UnsupportedError("truncation 'auto' is not supported: the input must fit the context", "truncation")
-        effort = (self.reasoning or {}).get("effort")
-        if effort not in (None, "none") or (self.reasoning or {}).get("summary") is not None:
-            raise UnsupportedError("this model does not reason: reasoning is not supported", "reasoning")
+        # A model that does not reason takes no effort, and has no reasoning to summarise (a summary
+        # asked for is empty, as for any response without reasoning items).
+        if (self.reasoning or {}).get("effort") not in (None, "none"):
+            raise UnsupportedError("this model does not reason: reasoning.effort must be none or absent", "reasoning")
         if self.metadata is not None and (
             len(self.metadata) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in self.metadata.items())
         ):
