@@ -17,6 +17,7 @@ from engine.core.llm_engine import LLMEngine
 from engine.offline.demo import (
     DemoRecipe,
     build_demo,
+    file_heads,
     is_built,
     is_degenerate,
     loop_coverage,
@@ -119,6 +120,13 @@ def test_unlikelihood_marks_the_tokens_of_repeated_ngrams_after_the_prefix():
     assert mask[0] == [False] * 5 + [True] * 4 + [False]  # 1 2 3 4 again, from the prefix
     assert mask[1] == [False] * 5 + [True] * 5  # the prefix's tokens themselves are never marked
     assert not any(repeated_ngrams([list(range(10))], start=2).flatten().tolist())
+
+
+def test_file_heads_are_where_files_of_enough_tokens_start():
+    eos = 1
+    stream = torch.tensor([5, 6, 7, eos, 8, eos, 9, 9, 9, 9, eos])  # files of 3, 1 and 4 tokens
+    assert file_heads(stream, eos, min_len=3).tolist() == [0, 6]
+    assert file_heads(stream, eos, min_len=1).tolist() == [0, 4, 6]
 
 
 @pytest.mark.parametrize("name", ["target", "draft"])

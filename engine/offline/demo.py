@@ -89,14 +89,17 @@ class DemoRecipe:
     # Unlikelihood fine-tune of the target (Welleck et al., 2019, at the sequence level): it continues
     # train-text prefixes greedily, and tokens of 4-grams the continuation repeats have their
     # probability pushed down (loss -log(1 - p)), beside the usual next-token loss; fewer greedy loops.
-    unlikelihood_steps: int = 0  # off in the shipped recipe: docs/demo.md has what 150 steps did
+    unlikelihood_steps: int = 0  # off in the shipped recipe; docs/demo.md has what 150 and 300 steps did
     unlikelihood_alpha: float = 1.0  # weight of the unlikelihood term against next-token cross-entropy
-    unlikelihood_lr_scale: float = 0.1  # of the target's peak learning rates, decayed linearly to 0
+    unlikelihood_lr_scale: float = 0.1  # of the target's peak learning rates (warm-up, then cosine decay)
     unlikelihood_prefix: int = 96  # tokens of train text each continuation starts from
     unlikelihood_tokens: int = 64  # tokens continued greedily
     # Weight of KL(pretrained target || target) beside the next-token loss: the fine-tune pushes down
     # what the continuations repeat and keeps the rest of the pretrained distribution (0: no anchor).
-    unlikelihood_kl: float = 0.0
+    unlikelihood_kl: float = 0.3
+    # Every other step continues the first 2-16 tokens of a train file instead of a window from its
+    # middle: file heads (a lone `import os`) are where a small model loops most.
+    unlikelihood_file_heads: bool = True
     draft_steps: int = 800
     draft_lr: float = 3e-3
     draft_muon_lr: float = 0.03
@@ -404,16 +407,39 @@ def _anchored_lm_loss(model, batch: torch.Tensor, reference, weight: float) -> t
     return ce + weight * kl
 
 
-def _unlikelihood_loss(stream: torch.Tensor, recipe: DemoRecipe, pad_token_id: int, seed: int, reference=None):
+HEAD_TOKENS = 16  # the longest file head the unlikelihood phase continues
+
+
+def file_heads(stream: torch.Tensor, eos_token_id: int, min_len: int = HEAD_TOKENS) -> torch.Tensor:
+    """Where each file of ``stream`` (files joined by EOS) starts, for files of at least ``min_len``
+    tokens: [F] int64."""
+    ends = (stream == eos_token_id).nonzero().flatten()
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), ends[:-1] + 1])
+    return starts[ends - starts >= min_len]
+
+
+def _unlikelihood_loss(stream: torch.Tensor, recipe: DemoRecipe, pad_token_id: int, eos_token_id: int, seed: int,
+                       reference=None):  # fmt: skip
     """Next-token cross-entropy on the train batch (anchored to ``reference``, the pretrained target,
     by ``unlikelihood_kl``) plus ``alpha`` times the unlikelihood of the tokens the model's own greedy
-    continuations of 8 train prefixes repeat."""
+    continuations of 8 train prefixes repeat (windows, and with ``unlikelihood_file_heads`` every other
+    step the first tokens of files)."""
     g = torch.Generator().manual_seed(seed)
     P, T = recipe.unlikelihood_prefix, recipe.unlikelihood_tokens
+    file_starts = file_heads(stream, eos_token_id)
+    steps = [0]
 
     def loss(model, batch: torch.Tensor) -> torch.Tensor:
-        starts = torch.randint(0, stream.numel() - P - 1, (8,), generator=g)
-        prefix = torch.stack([stream[int(s) : int(s) + P] for s in starts]).to(batch.device)
+        heads = recipe.unlikelihood_file_heads and steps[0] % 2 == 1 and len(file_starts) > 0
+        steps[0] += 1
+        if heads:  # the first n tokens of 8 files
+            n = int(torch.randint(2, HEAD_TOKENS + 1, (1,), generator=g))
+            starts = file_starts[torch.randint(0, len(file_starts), (8,), generator=g)]
+            prefix = torch.stack([stream[int(s) : int(s) + n] for s in starts]).to(batch.device)
+        else:  # windows from anywhere
+            n = P
+            starts = torch.randint(0, stream.numel() - P - 1, (8,), generator=g)
+            prefix = torch.stack([stream[int(s) : int(s) + P] for s in starts]).to(batch.device)
         model.eval()
         with torch.no_grad():
             out = model.generate(
@@ -421,7 +447,7 @@ def _unlikelihood_loss(stream: torch.Tensor, recipe: DemoRecipe, pad_token_id: i
                 do_sample=False, pad_token_id=pad_token_id,
             )  # fmt: skip
         model.train()
-        repeated = repeated_ngrams(out.tolist(), P)[:, 1:].to(batch.device)
+        repeated = repeated_ngrams(out.tolist(), n)[:, 1:].to(batch.device)
         logp = torch.log_softmax(model(input_ids=out[:, :-1]).logits.float(), -1)
         p = logp.gather(-1, out[:, 1:, None])[..., 0].exp().clamp(max=1 - 1e-5)
         unlikely = -(torch.log1p(-p) * repeated).sum() / repeated.sum().clamp(min=1)
@@ -623,7 +649,9 @@ def _build_into(out: Path, recipe: DemoRecipe, device_name: str, reuse_pretraini
             (recipe.target_lr * ul, recipe.target_muon_lr * ul),
             recipe,
             dev,
-            _unlikelihood_loss(train_stream, recipe, tokenizer.pad_token_id, recipe.seed + 6, reference),
+            _unlikelihood_loss(
+                train_stream, recipe, tokenizer.pad_token_id, tokenizer.eos_token_id, recipe.seed + 6, reference
+            ),  # fmt: skip
             "unlikelihood",
             progress,
         )
