@@ -454,7 +454,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
 def _args(call: MessageToolCall) -> Any:
     try:
         return json.loads(call.function.arguments)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # not JSON, or nested past the parser's depth
         return call.function.arguments
 
 

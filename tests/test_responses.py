@@ -233,15 +233,24 @@ def test_the_store_bounds_count_and_bytes_oldest_out():
     history: list[dict] = []
     for i in range(5):
         history = history + [{"role": "user", "content": f"turn {i}"}]
-        store.put({"id": f"r{i}"}, history, 1, [], None)
+        store.put({"id": f"r{i}"}, history, [], None)
     assert [store.get(f"r{i}", None) is not None for i in range(5)] == [False, False, True, True, True]
     assert store.get("r4", "someone else") is None  # another key's response does not exist for it
     big = {"id": "big", "text": "x" * 6000}
-    store.put(big, [], 0, [], None)
-    store.put({"id": "big2", "text": "y" * 6000}, [], 0, [], None)
+    store.put(big, [], [], None)
+    store.put({"id": "big2", "text": "y" * 6000}, [], [], None)
     assert store.get("big", None) is None and store.get("big2", None) is not None and store.bytes <= 10_000
-    store.put({"id": "huge", "text": "z" * 20_000}, [], 0, [], None)  # could never fit: not kept, nothing lost
+    store.put({"id": "huge", "text": "z" * 20_000}, [], [], None)  # could never fit: not kept, nothing lost
     assert store.get("huge", None) is None and store.get("big2", None) is not None
+    # A continuation is counted with the conversation it holds, whether or not its ancestor is kept.
+    store = ResponseStore(max_count=10, max_bytes=100_000)
+    first = [{"role": "user", "content": "x" * 30_000}]
+    store.put({"id": "a"}, first, [], None)
+    store.put({"id": "b"}, first + [{"role": "user", "content": "more"}], [], None)
+    store.delete("a")
+    assert store.bytes > 30_000 and store.get("b", None) is not None
+    store.put({"id": "c"}, [{"role": "user", "content": "y" * 80_000}], [], None)  # b must make room
+    assert store.get("b", None) is None and store.bytes <= 100_000
 
 
 def test_a_stored_response_belongs_to_the_key_that_made_it(model_dir):
@@ -295,6 +304,7 @@ def test_text_format_json_schema_and_parse(client):
         ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
         ({"input": [{"type": "function_call", "name": "f"}]}, "input"),
         ({"input": []}, "input"),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[" * 100_000}]}, "input"),
         ({"include": ["reasoning.encrypted_content", "message.output_text.logprobs"]}, "include"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"truncation": "auto"}, "truncation"),

@@ -102,7 +102,7 @@ class OutputProcessor:
             first_token_time=group.first_token_time,
             finished_time=group.finished_time,
             num_prompt_tokens=group.num_prompt_tokens,
-            num_cached_prompt_tokens=max((s.num_cached_prompt_tokens or 0) for s in group.seqs),
+            num_cached_prompt_tokens=group.num_cached_prompt_tokens or 0,
             num_generated_tokens=sum(s.num_output_tokens for s in group.seqs),
             num_preemptions=sum(s.num_preemptions for s in group.seqs),
             num_decode_steps=group.num_decode_steps,

@@ -214,8 +214,8 @@ class Scheduler:
             self.waiting.remove(seq)
             self.bm.take_prefix(seq.block_table, seq.block_hashes, prefix_blocks, prefix_hashes)
             seq.num_computed_tokens = cached
-            if seq.num_cached_prompt_tokens is None:  # its first admission (not a preempted one's return)
-                seq.num_cached_prompt_tokens = min(cached, seq.num_prompt_tokens)
+            if seq.group.num_cached_prompt_tokens is None:  # the request's first admission (not a return
+                seq.group.num_cached_prompt_tokens = min(cached, seq.num_prompt_tokens)  # after preemption)
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += cached
             copies = self.bm.reserve(seq.block_table, cached, cached + n)

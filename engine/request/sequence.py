@@ -58,7 +58,6 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_ids)
         self.num_prompt_tokens = len(prompt_ids)
         self.num_computed_tokens = 0
-        self.num_cached_prompt_tokens: int | None = None  # prompt tokens the prefix cache held at admission
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full, final blocks
         self.status = SequenceStatus.WAITING
@@ -183,6 +182,8 @@ class SequenceGroup:
         self.num_draft_tokens = 0  # draft tokens proposed for this request
         self.num_accepted_tokens = 0  # of which the target accepted
         self.num_forced_tokens = 0  # emitted without a forward: the only tokens its grammar allowed
+        # Prompt tokens the prefix cache held when the request was first admitted (None: not yet).
+        self.num_cached_prompt_tokens: int | None = None
         self.beam: BeamState | None = None  # a beam-search request's
 
     @property

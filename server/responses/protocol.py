@@ -338,5 +338,5 @@ def _arguments(text: str) -> Any:
     """A call's arguments as chat templates take them (an object), or the text if it is not JSON."""
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # not JSON, or nested past the parser's depth
         return text

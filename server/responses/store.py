@@ -4,8 +4,9 @@
 Bounded by count and by bytes; when either bound is passed, the oldest responses go first (in the
 order they were stored; reading one does not renew it). A response keeps the conversation it ended
 (the messages before it, its input, its output), so continuing it needs no walk back through its
-ancestors, and evicting an ancestor never breaks a descendant. The messages are shared, not copied,
-between a response and those continuing it: each is counted once, with the response that added it.
+ancestors, and evicting an ancestor never breaks a descendant. Each response is counted with its
+whole conversation: the messages are shared between a response and those continuing it, but one that
+outlives the response that added a message keeps it alive, so only this count bounds what is held.
 Under ``--api-key`` a response belongs to the key that made it; any other key is told it does not exist.
 
 Everything here runs on the event loop's thread.
@@ -16,8 +17,6 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from dataclasses import dataclass
-
-POINTER_BYTES = 8  # what one shared message costs a response that continues a conversation
 
 
 @dataclass(frozen=True)
@@ -39,13 +38,10 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, response: dict, history: list[dict], new_messages: int, input_items: list[dict],
-            owner: str | None) -> None:  # fmt: skip
-        """Keep ``response``; ``history``'s last ``new_messages`` messages are this response's own (the
-        rest are shared with the response it continued)."""
-        own = history[len(history) - new_messages :]
-        size = _size(response) + _size(input_items) + sum(_size(m) for m in own) + POINTER_BYTES * len(history)
-        if size > self.max_bytes or self.max_count == 0:
+    def put(self, response: dict, history: list[dict], input_items: list[dict], owner: str | None) -> None:
+        """Keep ``response`` with ``history``, the conversation it ended."""
+        size = _size(response) + _size(input_items) + sum(_size(m) for m in history)
+        if size > self.max_bytes or self.max_count <= 0:
             return  # could never be kept: storing it would only empty the store
         self.delete(response["id"])
         self._items[response["id"]] = Stored(response, tuple(history), tuple(input_items), owner, size)

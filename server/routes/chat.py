@@ -42,6 +42,7 @@ class ChatTurn:
     completion_limit: int | None  # max tokens to generate (None: what the context leaves)
     logprobs: int | None = None  # top logprobs per token (None: no logprobs)
     add_generation_prompt: bool = True
+    param: str = "messages"  # the request field the conversation came in (errors name it)
 
 
 async def chat_job(state: ServerState, request: Request, req, turn: ChatTurn, prefix: str) -> Job:
@@ -51,7 +52,7 @@ async def chat_job(state: ServerState, request: Request, req, turn: ChatTurn, pr
     request model (its sampling fields, ``n``, ``stream``)."""
     eng = ready_engine(state)
     if not eng.has_chat_template:
-        raise bad_request("this model has no chat template; use /v1/completions", "messages")
+        raise bad_request("this model has no chat template; use /v1/completions", turn.param)
     messages = turn.messages
     tools = [{"type": "function", "function": f} for f in turn.functions] or None
     if not eng.chat_template_takes_tools:  # described in a system message, history in the Hermes style
@@ -60,7 +61,7 @@ async def chat_job(state: ServerState, request: Request, req, turn: ChatTurn, pr
         render = lambda: eng.render_chat(messages, turn.add_generation_prompt, tools)  # noqa: E731
         prompt_ids = await off_loop(render, sum(len(m["content"]) for m in messages))
     except InvalidRequestError as e:
-        raise bad_request(str(e), "messages") from None
+        raise bad_request(str(e), turn.param) from None
     max_tokens = turn.completion_limit
     if max_tokens is None:  # as long as the context allows
         max_tokens = max(1, eng.max_model_len - len(prompt_ids))

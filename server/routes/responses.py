@@ -38,9 +38,9 @@ def add_response_routes(app: FastAPI, state: ServerState) -> None:
         new = req.messages
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         turn = ChatTurn(system + history + new, req.tool_functions, req.forces_tool_call, req.parallel,
-                        req.max_output_tokens)  # fmt: skip
+                        req.max_output_tokens, param="input")  # fmt: skip
         job = await chat_job(state, request, req, turn, "resp")
-        run = ResponseRun(state, req, job, history + new, len(new), owner)
+        run = ResponseRun(state, req, job, history + new, owner)
         if req.stream:
             return StreamingResponse(run.stream(), media_type="text/event-stream")
         return JSONResponse(await until_disconnect(job, run.collect()))
@@ -82,10 +82,10 @@ def _stored(state: ServerState, response_id: str, owner: str | None, param: str 
 class ResponseRun:
     """One response: the engine's outputs made into items and events, the final object, the store."""
 
-    def __init__(self, state: ServerState, req: ResponsesRequest, job: Job, history: list[dict], new: int,
+    def __init__(self, state: ServerState, req: ResponsesRequest, job: Job, history: list[dict],
                  owner: str | None) -> None:  # fmt: skip
         self.state, self.req, self.job = state, req, job
-        self.history, self.new, self.owner = history, new, owner
+        self.history, self.owner = history, owner
         self.id = "resp_" + job.id.rsplit("-", 1)[-1]
         self.created = time.time()
         self.builder = OutputBuilder(state.tool_format if req.parses_tool_calls else None, req.forces_tool_call)
@@ -145,8 +145,7 @@ class ResponseRun:
         final = self.body(status)
         if status != "failed" and self.req.store:
             output = _output_messages(self.builder.items)
-            self.state.responses.put(final, self.history + output, self.new + len(output), self.req.input_items,
-                                     self.owner)  # fmt: skip
+            self.state.responses.put(final, self.history + output, self.req.input_items, self.owner)
         return final
 
     async def collect(self) -> dict:
@@ -198,5 +197,5 @@ def _output_messages(items: list[dict]) -> list[dict]:
 def _arguments(item: dict):
     try:
         return json.loads(item["arguments"])
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return item["arguments"]
