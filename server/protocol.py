@@ -482,7 +482,35 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-class ChatCompletionRequest(_Sampling):
+class ToolChoiceRules:
+    """What ``tools``, ``tool_choice`` and ``parallel_tool_calls`` decide, for the chat and the
+    Responses API alike (they write a named function differently: a model, where the others are
+    strings)."""
+
+    tools: list | None
+    tool_choice: Any
+    parallel_tool_calls: bool | None
+
+    @property
+    def names_a_function(self) -> bool:
+        return isinstance(self.tool_choice, BaseModel)
+
+    @property
+    def forces_tool_call(self) -> bool:
+        """``required`` or a named function: the output is calls, by grammar."""
+        return bool(self.tools) and (self.tool_choice == "required" or self.names_a_function)
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def parallel(self) -> bool:
+        """Several calls in one turn: allowed unless asked otherwise; a named choice makes one."""
+        return self.parallel_tool_calls is not False and not self.names_a_function
+
+
+class ChatCompletionRequest(_Sampling, ToolChoiceRules):
     messages: list[ChatMessage]
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
@@ -528,20 +556,6 @@ class ChatCompletionRequest(_Sampling):
         if isinstance(self.tool_choice, NamedToolChoice):
             fns = [f for f in fns if f["name"] == self.tool_choice.function.name]
         return fns
-
-    @property
-    def forces_tool_call(self) -> bool:
-        """``required`` or a named function: the output is calls, by grammar."""
-        return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice))
-
-    @property
-    def parses_tool_calls(self) -> bool:
-        return bool(self.tools) and self.tool_choice != "none"
-
-    @property
-    def parallel(self) -> bool:
-        """Several calls in one turn: allowed unless asked otherwise; a named choice makes one."""
-        return self.parallel_tool_calls is not False and not isinstance(self.tool_choice, NamedToolChoice)
 
     @property
     def completion_limit(self) -> int | None:

@@ -20,6 +20,7 @@ from server.protocol import (
     FunctionDef,
     JsonSchemaFormat,
     ResponseFormat,
+    ToolChoiceRules,
     UnsupportedError,
     _Sampling,
 )
@@ -91,7 +92,7 @@ class TextConfig(BaseModel):
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
-class ResponsesRequest(_Sampling):
+class ResponsesRequest(_Sampling, ToolChoiceRules):
     """``POST /v1/responses``. Augur's sampling extensions (``top_k``, ``speculative``,
     ``structured_outputs``, ...) are taken as on chat completions."""
 
@@ -199,20 +200,6 @@ class ResponsesRequest(_Sampling):
         if isinstance(self.tool_choice, NamedFunctionChoice):
             fns = [f for f in fns if f["name"] == self.tool_choice.name]
         return fns
-
-    @property
-    def forces_tool_call(self) -> bool:
-        return bool(self.tools) and (
-            self.tool_choice == "required" or isinstance(self.tool_choice, NamedFunctionChoice)
-        )
-
-    @property
-    def parses_tool_calls(self) -> bool:
-        return bool(self.tools) and self.tool_choice != "none"
-
-    @property
-    def parallel(self) -> bool:
-        return self.parallel_tool_calls is not False and not isinstance(self.tool_choice, NamedFunctionChoice)
 
     @property
     def messages(self) -> list[dict]:
