@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_
 
 from engine.request.sampling_params import SamplingParams
 from engine.request.structured import StructuredOutput
+from server.tools import template_call
 
 
 class FieldError(ValueError):
@@ -439,23 +440,13 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
     for m in messages:
         d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
         if m.tool_calls:
-            d["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _args(c)}}
-                for c in m.tool_calls
-            ]
+            d["tool_calls"] = [template_call(c.id, c.function.name, c.function.arguments) for c in m.tool_calls]
         if m.role == "tool":
             d["tool_call_id"] = m.tool_call_id or ""
             if m.name:
                 d["name"] = m.name
         out.append(d)
     return out
-
-
-def _args(call: MessageToolCall) -> Any:
-    try:
-        return json.loads(call.function.arguments)
-    except (json.JSONDecodeError, RecursionError):  # not JSON, or nested past the parser's depth
-        return call.function.arguments
 
 
 class FunctionDef(BaseModel):

@@ -20,6 +20,22 @@ from dataclasses import dataclass
 from typing import Any
 
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+ARGUMENT_PIECE = 16  # characters of a parsed call's arguments per streamed delta
+
+
+def argument_pieces(arguments: str) -> list[str]:
+    """A call's arguments text in the pieces a stream sends them in."""
+    return [arguments[j : j + ARGUMENT_PIECE] for j in range(0, len(arguments), ARGUMENT_PIECE)]
+
+
+def template_call(call_id: str, name: str, arguments: str) -> dict:
+    """A call in a history message, as chat templates take it: its arguments text as an object (the
+    text itself if it is not JSON, or is nested past the parser's depth)."""
+    try:
+        value = json.loads(arguments)
+    except (json.JSONDecodeError, RecursionError):
+        value = arguments
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": value}}
 
 
 @dataclass(frozen=True)
@@ -86,6 +102,17 @@ class ToolFormat:
         return self.open + self.sep.join(parts) + self.close
 
     # -- reading --------------------------------------------------------------------------------------
+    def content_end(self, text: str) -> int:
+        """How much of a growing ``text`` is surely content: up to where calls begin, or may begin
+        (its tail might be the start of :attr:`marker`)."""
+        start = self.start_of_calls(text)
+        if start >= 0:
+            return start
+        for k in range(min(len(self.marker) - 1, len(text)), 0, -1):
+            if self.marker.startswith(text[-k:]):
+                return len(text) - k
+        return len(text)
+
     def start_of_calls(self, text: str) -> int:
         """Where the calls begin in ``text`` (-1: none)."""
         if self.at_start_only:

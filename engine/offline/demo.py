@@ -435,11 +435,10 @@ def _unlikelihood_loss(stream: torch.Tensor, recipe: DemoRecipe, pad_token_id: i
         if heads:  # the first n tokens of 8 files
             n = int(torch.randint(2, HEAD_TOKENS + 1, (1,), generator=g))
             starts = file_starts[torch.randint(0, len(file_starts), (8,), generator=g)]
-            prefix = torch.stack([stream[int(s) : int(s) + n] for s in starts]).to(batch.device)
         else:  # windows from anywhere
             n = P
             starts = torch.randint(0, stream.numel() - P - 1, (8,), generator=g)
-            prefix = torch.stack([stream[int(s) : int(s) + P] for s in starts]).to(batch.device)
+        prefix = torch.stack([stream[int(s) : int(s) + n] for s in starts]).to(batch.device)
         model.eval()
         with torch.no_grad():
             out = model.generate(

@@ -21,17 +21,7 @@ import json
 import re
 
 from server.responses.protocol import new_id
-from server.tools import ToolFormat
-
-ARGUMENT_PIECE = 16  # characters of a parsed call's arguments per delta event
-
-
-def safe_length(text: str, marker: str) -> int:
-    """How much of ``text`` cannot be the start of ``marker`` (its tail might be)."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-k:]):
-            return len(text) - k
-    return len(text)
+from server.tools import ToolFormat, argument_pieces
 
 
 class CallScanner:
@@ -122,9 +112,7 @@ class OutputBuilder:
             return self._forced(self.scanner.feed(delta))
         if self.tools is None:
             return self._say(delta)
-        start = self.tools.start_of_calls(self.text)
-        safe = start if start >= 0 else safe_length(self.text, self.tools.marker)
-        safe = len(self.text[:safe].rstrip())  # whitespace before a call is not content
+        safe = len(self.text[: self.tools.content_end(self.text)].rstrip())  # whitespace before a call is not
         events = self._say(self.text[self.sent : safe]) if safe > self.sent else []
         self.sent = max(self.sent, safe)
         return events
@@ -137,15 +125,15 @@ class OutputBuilder:
             # Calls only, by grammar: a call cut short ends incomplete; text before any call is none.
             return self._end_call(status) if self.call is not None else []
         if self.tools is not None:
-            content, calls = self.tools.parse(self.text)
+            _, calls = self.tools.parse(self.text)
             if calls:
                 start = self.tools.start_of_calls(self.text)
                 events += self._say(self.text[:start].rstrip()[self.sent :])
                 events += self._close_message("completed")
                 for call in calls:
                     events += self._open_call(call.name, call.id)
-                    for j in range(0, len(call.arguments), ARGUMENT_PIECE):
-                        events += self._args(call.arguments[j : j + ARGUMENT_PIECE])
+                    for piece in argument_pieces(call.arguments):
+                        events += self._args(piece)
                     events += self._end_call("completed")
                 return events
             events += self._say(self.text[self.sent :])

@@ -9,11 +9,10 @@ is either served or refused with a 400 that names it: nothing is silently ignore
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, model_validator
 
 from server.protocol import (
     FieldError,
@@ -24,6 +23,7 @@ from server.protocol import (
     UnsupportedError,
     _Sampling,
 )
+from server.tools import template_call
 
 # Fields of the chat and completions APIs that the Responses API names otherwise (or not at all).
 RENAMED = {
@@ -117,6 +117,9 @@ class ResponsesRequest(_Sampling, ToolChoiceRules):
     service_tier: str | None = None
     max_tool_calls: StrictInt | None = Field(default=None, ge=1)
     client_metadata: dict[str, Any] | None = None  # Codex CLI's description of itself
+    # Validated once, by _check: the tools as function tools, the input as chat messages.
+    _function_tools: list[FunctionTool] = PrivateAttr(default_factory=list)
+    _messages: list[dict] = PrivateAttr(default_factory=list)
 
     @model_validator(mode="before")
     @classmethod
@@ -137,8 +140,8 @@ class ResponsesRequest(_Sampling, ToolChoiceRules):
 
     @model_validator(mode="after")
     def _check(self):
-        self.function_tools  # tools of other types: refused here  # noqa: B018
-        names = [t.name for t in self.function_tools]
+        self._function_tools = _function_tools(self.tools or [])
+        names = [t.name for t in self._function_tools]
         if len(set(names)) != len(names):
             raise FieldError("tools must have distinct function names", "tools")
         if isinstance(self.tool_choice, NamedFunctionChoice) and self.tool_choice.name not in names:
@@ -169,34 +172,17 @@ class ResponsesRequest(_Sampling, ToolChoiceRules):
         ):
             raise FieldError("metadata holds at most 16 pairs, keys up to 64 and values up to 512 characters",
                              "metadata")  # fmt: skip
-        self.messages  # the input items: refused here if malformed  # noqa: B018
+        self._messages = input_messages(self.input)
         return self
 
     # -- what the chat path needs --------------------------------------------------------------------
-    @property
-    def function_tools(self) -> list[FunctionTool]:
-        out = []
-        for i, tool in enumerate(self.tools or []):
-            kind = tool.get("type")
-            if kind != "function":
-                raise UnsupportedError(f"tools[{i}]: tools of type {kind!r} are not supported (only function)",
-                                       "tools")  # fmt: skip
-            if "function" in tool and "name" not in tool:
-                raise FieldError(f"tools[{i}]: the Responses API takes function tools flat: "
-                                 '{"type": "function", "name", "parameters"}', "tools")  # fmt: skip
-            try:
-                out.append(FunctionTool.model_validate(tool))
-            except ValueError as e:
-                raise FieldError(f"tools[{i}]: {e}", "tools") from None
-        return out
-
     @property
     def tool_functions(self) -> list[dict]:
         """The offered functions as chat's function objects (none under ``tool_choice`` none; a named
         choice offers that one)."""
         if self.tool_choice == "none":
             return []
-        fns = [t.model_dump(exclude_none=True, exclude={"type"}) for t in self.function_tools]
+        fns = [t.model_dump(exclude_none=True, exclude={"type"}) for t in self._function_tools]
         if isinstance(self.tool_choice, NamedFunctionChoice):
             fns = [f for f in fns if f["name"] == self.tool_choice.name]
         return fns
@@ -204,7 +190,11 @@ class ResponsesRequest(_Sampling, ToolChoiceRules):
     @property
     def messages(self) -> list[dict]:
         """The input as chat-template messages (server.protocol.template_messages' shape)."""
-        return input_messages(self.input)
+        return self._messages
+
+    @property
+    def completion_limit(self) -> int | None:
+        return self.max_output_tokens
 
     @property
     def input_items(self) -> list[dict]:
@@ -234,7 +224,7 @@ class ResponsesRequest(_Sampling, ToolChoiceRules):
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "text": {"format": fmt, "verbosity": "medium"},
             "tool_choice": choice if isinstance(choice, str) else choice.model_dump(),
-            "tools": [t.model_dump(exclude_none=True) for t in self.function_tools],
+            "tools": [t.model_dump(exclude_none=True) for t in self._function_tools],
             "top_p": 1.0 if self.top_p is None else self.top_p,
             "truncation": "disabled",
             "user": self.user,
@@ -247,6 +237,22 @@ class ResponsesRequest(_Sampling, ToolChoiceRules):
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _function_tools(tools: list[dict]) -> list[FunctionTool]:
+    out = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type")
+        if kind != "function":
+            raise UnsupportedError(f"tools[{i}]: tools of type {kind!r} are not supported (only function)", "tools")
+        if "function" in tool and "name" not in tool:
+            raise FieldError(f"tools[{i}]: the Responses API takes function tools flat: "
+                             '{"type": "function", "name", "parameters"}', "tools")  # fmt: skip
+        try:
+            out.append(FunctionTool.model_validate(tool))
+        except ValueError as e:
+            raise FieldError(f"tools[{i}]: {e}", "tools") from None
+    return out
 
 
 # -- input items -> chat messages --------------------------------------------------------------------------
@@ -277,7 +283,7 @@ def input_messages(input_: str | list[dict]) -> list[dict]:
         elif kind == "function_call":
             call_id, name, args = (_string(item, k, where) for k in ("call_id", "name", "arguments"))
             names[call_id] = name
-            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": _arguments(args)}}
+            call = template_call(call_id, name, args)
             if not (out and out[-1]["role"] == "assistant" and last_kind in ("message", "function_call")):
                 out.append({"role": "assistant", "content": ""})
             out[-1].setdefault("tool_calls", []).append(call)
@@ -319,11 +325,3 @@ def _string(item: dict, key: str, where: str) -> str:
     if not isinstance(value, str):
         raise FieldError(f"{where}: {key} must be a string", "input")
     return value
-
-
-def _arguments(text: str) -> Any:
-    """A call's arguments as chat templates take them (an object), or the text if it is not JSON."""
-    try:
-        return json.loads(text)
-    except (json.JSONDecodeError, RecursionError):  # not JSON, or nested past the parser's depth
-        return text

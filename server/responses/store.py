@@ -55,13 +55,11 @@ class ResponseStore:
         item = self._items.get(response_id)
         return item if item is not None and item.owner == owner else None
 
-    def delete(self, response_id: str, owner: str | None = None, *, any_owner: bool = True) -> bool:
-        item = self._items.get(response_id)
-        if item is None or (not any_owner and item.owner != owner):
-            return False
-        del self._items[response_id]
-        self.bytes -= item.size
-        return True
+    def delete(self, response_id: str) -> None:
+        """Remove it if kept (whoever owns it: callers check with :meth:`get` first)."""
+        item = self._items.pop(response_id, None)
+        if item is not None:
+            self.bytes -= item.size
 
 
 def _size(obj) -> int:

@@ -17,29 +17,15 @@ from server.protocol import ChatCompletionRequest, UnsupportedError
 from server.relay import Job, prepare, respond, sampling_params
 from server.state import ServerState
 from server.tokens import TokenTexts
-from server.tools import ToolFormat, fallback_messages
-
-ARGUMENT_PIECE = 16  # characters of a call's arguments per streamed delta
-
-
-def _safe_length(text: str, marker: str) -> int:
-    """How much of ``text`` cannot be the start of ``marker`` (its tail might be)."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-k:]):
-            return len(text) - k
-    return len(text)
+from server.tools import ToolFormat, argument_pieces, fallback_messages
 
 
 @dataclass
 class ChatTurn:
-    """What a chat-shaped request asks of the engine, whichever API it came through (chat completions
-    or the Responses API): the messages, the offered functions and how calls are chosen, the limits."""
+    """The conversation of a chat-shaped request, whichever API it came through (chat completions or
+    the Responses API); the request model itself says the rest (its tools and limits)."""
 
     messages: list[dict]  # as chat templates take them (server.protocol.template_messages)
-    functions: list[dict]  # OpenAI function objects offered to the model ([]: none)
-    forces_call: bool  # tool_choice required or a named function: the output is calls, by grammar
-    parallel: bool  # several calls allowed in one turn
-    completion_limit: int | None  # max tokens to generate (None: what the context leaves)
     logprobs: int | None = None  # top logprobs per token (None: no logprobs)
     add_generation_prompt: bool = True
     param: str = "messages"  # the request field the conversation came in (errors name it)
@@ -49,26 +35,27 @@ async def chat_job(state: ServerState, request: Request, req, turn: ChatTurn, pr
     """The one path from a chat-shaped request to an admitted :class:`Job`: the messages rendered
     with the chat template (tools through it, or the fallback), the sampling parameters, a forced
     call's grammar, the prompt checked and the grammar compiled, queue places reserved. ``req`` is the
-    request model (its sampling fields, ``n``, ``stream``)."""
+    request model: its sampling fields, ``n``, ``stream``, ``completion_limit``, its offered
+    ``tool_functions`` and its :class:`~server.protocol.ToolChoiceRules`."""
     eng = ready_engine(state)
     if not eng.has_chat_template:
         raise bad_request("this model has no chat template; use /v1/completions", turn.param)
     messages = turn.messages
-    tools = [{"type": "function", "function": f} for f in turn.functions] or None
+    functions = req.tool_functions
+    tools = [{"type": "function", "function": f} for f in functions] or None
     if not eng.chat_template_takes_tools:  # described in a system message, history in the Hermes style
-        messages, tools = fallback_messages(messages, turn.functions), None
+        messages, tools = fallback_messages(messages, functions), None
     try:
         render = lambda: eng.render_chat(messages, turn.add_generation_prompt, tools)  # noqa: E731
         prompt_ids = await off_loop(render, sum(len(m["content"]) for m in messages))
     except InvalidRequestError as e:
         raise bad_request(str(e), turn.param) from None
-    max_tokens = turn.completion_limit
+    max_tokens = req.completion_limit
     if max_tokens is None:  # as long as the context allows
         max_tokens = max(1, eng.max_model_len - len(prompt_ids))
     params = sampling_params(state, req, max_tokens, turn.logprobs)
-    if turn.forces_call:  # required / a named function: the calls are the output, by grammar
-        grammar = StructuredOutput("grammar", state.tool_format.grammar(turn.functions, turn.parallel), None,
-                                   "tool_choice")  # fmt: skip
+    if req.forces_tool_call:  # required / a named function: the calls are the output, by grammar
+        grammar = StructuredOutput("grammar", state.tool_format.grammar(functions, req.parallel), None, "tool_choice")
         params = dataclasses.replace(params, structured=grammar)
     ids = await prepare(eng, [prompt_ids], params)
     return Job.admit(state, eng, request, prefix, ids, params, req.n, req.stream, req.include_usage)
@@ -84,9 +71,7 @@ def add_chat_routes(app: FastAPI, state: ServerState) -> None:
         except UnsupportedError as e:
             raise bad_request(str(e), e.param) from None
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        turn = ChatTurn(messages, req.tool_functions, req.forces_tool_call, req.parallel, req.completion_limit,
-                        logprobs, req.add_generation_prompt)  # fmt: skip
-        job = await chat_job(state, request, req, turn, "chatcmpl")
+        job = await chat_job(state, request, req, ChatTurn(messages, logprobs, req.add_generation_prompt), "chatcmpl")
         tools = state.tool_format if req.parses_tool_calls else None
         return await respond(job, ChatFormat(req.logprobs, state.token_texts, tools))
 
@@ -129,8 +114,7 @@ class ChatFormat:
         sent = self.sent.get(idx, 0)
         out = []
         if not c.finished:
-            start = self.tools.start_of_calls(text)
-            safe = start if start >= 0 else _safe_length(text, self.tools.marker)
+            safe = self.tools.content_end(text)
             if safe > sent:
                 out.append({"index": idx, "delta": {"content": text[sent:safe]}, "logprobs": lp, "finish_reason": None})
                 self.sent[idx] = safe
@@ -142,8 +126,8 @@ class ChatFormat:
         for k, call in enumerate(calls):
             head = {"index": k, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
             out.append({"index": idx, "delta": {"tool_calls": [head]}, "logprobs": None, "finish_reason": None})
-            for j in range(0, len(call.arguments), ARGUMENT_PIECE):
-                piece = {"index": k, "function": {"arguments": call.arguments[j : j + ARGUMENT_PIECE]}}
+            for args in argument_pieces(call.arguments):
+                piece = {"index": k, "function": {"arguments": args}}
                 out.append({"index": idx, "delta": {"tool_calls": [piece]}, "logprobs": None, "finish_reason": None})
         reason = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
         out.append({"index": idx, "delta": {}, "logprobs": None, "finish_reason": reason})

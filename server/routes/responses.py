@@ -24,6 +24,7 @@ from server.responses.output import OutputBuilder
 from server.responses.protocol import ResponsesRequest
 from server.routes.chat import ChatTurn, chat_job
 from server.state import API_KEY_SCOPE, ServerState
+from server.tools import template_call
 
 
 def add_response_routes(app: FastAPI, state: ServerState) -> None:
@@ -37,9 +38,7 @@ def add_response_routes(app: FastAPI, state: ServerState) -> None:
             history = list(_stored(state, req.previous_response_id, owner, "previous_response_id").history)
         new = req.messages
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-        turn = ChatTurn(system + history + new, req.tool_functions, req.forces_tool_call, req.parallel,
-                        req.max_output_tokens, param="input")  # fmt: skip
-        job = await chat_job(state, request, req, turn, "resp")
+        job = await chat_job(state, request, req, ChatTurn(system + history + new, param="input"), "resp")
         run = ResponseRun(state, req, job, history + new, owner)
         if req.stream:
             return StreamingResponse(run.stream(), media_type="text/event-stream")
@@ -183,19 +182,8 @@ class _EngineFailure(Exception):
 def _output_messages(items: list[dict]) -> list[dict]:
     """A response's output items as the assistant turn they are in the conversation."""
     text = "".join(p["text"] for i in items if i["type"] == "message" for p in i["content"])
-    calls = [
-        {"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": _arguments(i)}}
-        for i in items
-        if i["type"] == "function_call"
-    ]
+    calls = [template_call(i["call_id"], i["name"], i["arguments"]) for i in items if i["type"] == "function_call"]
     message: dict = {"role": "assistant", "content": text}
     if calls:
         message["tool_calls"] = calls
     return [message]
-
-
-def _arguments(item: dict):
-    try:
-        return json.loads(item["arguments"])
-    except (json.JSONDecodeError, RecursionError):
-        return item["arguments"]
