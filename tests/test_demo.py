@@ -15,6 +15,7 @@ import transformers
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.offline.demo import (
+    MIN_PARAM_RATIO,
     DemoRecipe,
     build_demo,
     file_heads,
@@ -44,7 +45,7 @@ def test_layout_and_report(demo):
         ):
             assert (d / f).is_file(), f"{name}/{f}"
     report = json.loads((demo / "report.json").read_text())
-    assert report["target_params"] >= 8 * report["draft_params"]
+    assert report["target_params"] >= MIN_PARAM_RATIO * report["draft_params"]
     for key in ("target_perplexity", "draft_perplexity", "draft_target_top1_agreement"):
         assert report[key] > 0
     assert 0.0 <= report["draft_target_top1_agreement"] <= 1.0
