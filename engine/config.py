@@ -48,8 +48,8 @@ class EngineConfig:
     # else sdpa (the CPU path and the reference).
     attention_backend: str = "auto"
     # Speculative decoding.
-    # none | draft | ngram | suffix | layer-skip | medusa | eagle | mtp (engine/speculative/methods). None:
-    # the method whose layout the --draft-model directory has (medusa for Medusa heads, ..., else draft)
+    # none | draft | ngram | suffix | lookahead | layer-skip | medusa | eagle | mtp (engine/speculative/methods).
+    # None: the method whose layout the --draft-model directory has (medusa for Medusa heads, ..., else draft)
     # or none; resolved and checked when the engine is built (LLMEngine), as it may read the directory.
     speculative_method: str | None = None
     draft_model: str | None = None
@@ -62,6 +62,12 @@ class EngineConfig:
     ngram_max: int = 4  # ... and the longest, tried first
     suffix_order: int = 8  # suffix: the longest context whose continuations are counted
     suffix_cache_tokens: int = 100_000  # suffix: tokens of finished outputs kept (~2 KB each at worst)
+    # lookahead (engine/speculative/methods/lookahead.py): the Jacobi window's width W and n-gram size N
+    # (N - 1 levels), and the most pooled n-grams G verified a step; shared: one pool per prompt family
+    lookahead_window: int = 4
+    lookahead_ngram: int = 4
+    lookahead_guesses: int = 4
+    lookahead_shared: bool = False
     layer_skip_config: str | None = None  # layer-skip: JSON of skipped sublayers (default: the middle half)
     # Model-based drafters stop a draft early where their top-1 probability falls below a threshold that
     # adapts so that this fraction of the drafted tokens is accepted (Draft & Verify). 0: off; None: the
@@ -112,6 +118,9 @@ class EngineConfig:
         check(1 <= self.ngram_min <= self.ngram_max, "need 1 <= ngram_min <= ngram_max")
         check(self.suffix_order >= 1, "suffix_order must be at least 1")
         check(self.suffix_cache_tokens >= 0, "suffix_cache_tokens must be non-negative")
+        check(self.lookahead_window >= 1, "lookahead_window must be at least 1")
+        check(self.lookahead_ngram >= 3, "lookahead_ngram must be at least 3")
+        check(self.lookahead_guesses >= 1, "lookahead_guesses must be at least 1")
         check(
             self.spec_early_stop is None or 0.0 <= self.spec_early_stop < 1.0,
             "spec_early_stop must be in [0, 1) (0 turns it off)",

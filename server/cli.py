@@ -68,6 +68,7 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
         default=None,
         choices=["none", *known_methods()],
         help="draft: a separate draft model; ngram: prompt lookup; suffix: suffix-tree trees; "
+        "lookahead: Jacobi window and n-gram pool, no draft model; "
         "layer-skip: the target with sublayers skipped; medusa, eagle, mtp: heads on the target's hidden states "
         "(--draft-model DIR); none: plain "
         "decoding (default: what the --draft-model directory is, else none)",
@@ -85,6 +86,14 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
     sp.add_argument("--ngram-min", type=int, default=1, help="ngram: shortest suffix to look up")
     sp.add_argument("--ngram-max", type=int, default=4, help="ngram: longest suffix to look up (tried first)")
     sp.add_argument("--suffix-order", type=int, default=8, help="suffix: longest context counted")
+    sp.add_argument("--lookahead-window", type=int, default=4, help="lookahead: the Jacobi window's width W")
+    sp.add_argument("--lookahead-ngram", type=int, default=4, help="lookahead: n-gram size N (N-1 levels)")
+    sp.add_argument("--lookahead-guesses", type=int, default=4, help="lookahead: most pooled n-grams G verified a step")
+    sp.add_argument(
+        "--lookahead-shared",
+        action="store_true",
+        help="lookahead: one n-gram pool per prompt family (prompts sharing their first 16 tokens)",
+    )
     sp.add_argument(
         "--layer-skip-config", default=None, help="layer-skip: JSON of skipped sublayers (default: the middle half)"
     )

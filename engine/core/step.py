@@ -29,7 +29,7 @@ from engine.sampling.batch import Batch, Emit, Sample
 from engine.sampling.constrain import Constraints
 from engine.sampling.logprobs import record_prompt_logprobs, token_logprobs, wants_prompt_logprobs
 from engine.sampling.tree import DraftTree, tree_layout
-from engine.speculative.proposer import ProposeContext, Proposer
+from engine.speculative.proposer import ExtraRows, ProposeContext, Proposer
 from engine.speculative.stats import SpecStats
 
 _EMPTY = DraftTree()
@@ -58,6 +58,7 @@ class Step:
         self.rows = RowsMetadata(runner.vocab_size, runner.device, eos_token_ids)
         self.constraints = Constraints(jump_forward)  # structured outputs: cuts, grammar advance, jump-forward
         self._cuts: dict[int, Sample] = {}  # seq_id → its draft cut by its grammar, this step
+        self._extra: dict[int, ExtraRows] = {}  # seq_id → the proposer's own rows in this step's forward
         self.decoding = Strategies(beams, proposer, self.rows)  # beyond sampling: engine/decoding/
         self.scheduled: list[Sequence] = []  # this step's sequences (the engine fails them if it raises)
         self.forward_seconds = 0.0  # this step's target and proposer forwards (the rest is host work)
@@ -78,6 +79,7 @@ class Step:
         self.advance(batch, out)
         emits = self.accept(batch, out.logits, out.final_hidden)
         self.commit(batch, emits, out.hidden_states)
+        self.feedback(batch, out.logits)
         record_prompt_logprobs(out.logits, batch.prompt_spans)
         if self.controller is not None:
             tokens, seconds = sum(len(e.tokens) for e in emits), time.perf_counter() - t0
@@ -120,7 +122,7 @@ class Step:
             if d > 0:
                 seqs.append(seq)
                 depths.append(d)
-        self._cuts = {}
+        self._cuts, self._extra = {}, {}
         if not seqs:
             return {}
         ctx = ProposeContext({s.seq_id: self._hidden[s.seq_id] for s in seqs if s.seq_id in self._hidden})
@@ -129,7 +131,13 @@ class Step:
             self.controller.cost.observe(kind, num_seqs, tokens, seconds)
             self.forward_seconds += seconds
         self._cuts = {s.seq_id: self.constraints.cut(s, t) for s, t in zip(seqs, trees) if len(t) and s.grammar}
-        return {s.seq_id: t for s, t in zip(seqs, trees) if len(t)}
+        for s, t in zip(seqs, trees):  # rows of the proposer's own, in the slots the tree left
+            kept = self._cuts[s.seq_id].tree if s.seq_id in self._cuts else t
+            room = self.max_model_len - s.num_tokens - len(kept)  # its slots stay within the context
+            extra = self.proposer.extra_rows(s, kept, min(sched.lookahead.get(s.seq_id, 0) - len(kept), room))
+            if extra is not None and len(extra):
+                self._extra[s.seq_id] = extra
+        return {s.seq_id: t for s, t in zip(seqs, trees) if len(t) or s.seq_id in self._extra}
 
     # 3. build the one forward: prefill chunks, plain decodes and draft trees side by side
     def build(self, sched: SchedulerOutput, trees: dict[int, DraftTree]) -> Batch:
@@ -144,10 +152,16 @@ class Step:
                 lay = tree_layout(tree)
                 ids = [seq.token_ids[start]] + tree.tokens
                 positions = [start + d for d in lay.depths]
-                b.chunks.append(ForwardChunk(ids, start, seq.block_table, len(ids), positions, lay.mask))
+                mask = lay.mask
+                if (extra := self._extra.get(seq.seq_id)) is not None:  # after the tree: slots released after
+                    ids += extra.tokens
+                    positions += [start + o for o in extra.offsets]
+                    mask = extra.beside(mask, len(tree) + 1)
+                    sample.extra = len(extra)
+                b.chunks.append(ForwardChunk(ids, start, seq.block_table, len(ids), positions, mask))
                 sample.row, sample.tok, sample.depth = row, tok, sample.drafted.depth
                 b.samples.append(sample)
-                row, tok = row + len(tree) + 1, tok + len(tree) + 1
+                row, tok = row + len(ids), tok + len(ids)
                 continue
             done, group, wants_prompt = start + n == seq.num_tokens, seq.group, wants_prompt_logprobs(seq, start)
             num_logits = n if wants_prompt else int(done)
@@ -215,7 +229,7 @@ class Step:
         for s, e in zip(b.samples, emits[len(b.searches) :]):
             count_tokens(s.seq, e.tokens, self.runner.vocab_size)
             drafted = s.drafted
-            if not len(drafted):
+            if not len(drafted) and not s.extra:  # a plain decode: final as fed (advance)
                 continue
             seq, c, a = s.seq, s.seq.num_computed_tokens, len(s.accepted)
             for i, node in enumerate(s.accepted):  # node i of the path belongs at position c + 1 + i
@@ -223,15 +237,25 @@ class Step:
                     src.append(slot(seq, c + 1 + node))
                     dst.append(slot(seq, c + 1 + i))
             seq.num_computed_tokens = c + 1 + a
+            # Rejected nodes' and extra rows' slots go back.
             self.scheduler.bm.release_tail(seq.block_table, seq.block_hashes, seq.num_computed_tokens)
-            # The proposer hears of its own tree: a grammar's cut maps the kept nodes back to it.
-            self.proposer.on_verified(seq, drafted, s.accepted if s.kept is None else [s.kept[i] for i in s.accepted])
+            if len(drafted):  # the proposer hears of its own tree: a grammar's cut maps the kept nodes back
+                kept = s.accepted if s.kept is None else [s.kept[i] for i in s.accepted]
+                self.proposer.on_verified(seq, drafted, kept)
             self._computed(seq, c, hidden, [s.tok] + [s.tok + 1 + i for i in s.accepted])
+            if not len(drafted):  # only extra rows: nothing was drafted to learn from
+                continue
             self.controller.update(seq, s.depth, a)
             self.stats.record(len(drafted), a)
             seq.group.num_draft_tokens += len(drafted)
             seq.group.num_accepted_tokens += a
         self.runner.move_slots(src, dst)
+
+    def feedback(self, b: Batch, logits: torch.Tensor) -> None:
+        """The proposer's own rows' logits, in one call (a sample's extra rows follow its tree's)."""
+        if self._extra:
+            rows = [(s.seq, self._extra[s.seq.seq_id], s.row + 1 + len(s.tree)) for s in b.samples if s.extra]
+            self.proposer.on_extra_logits(rows, logits)
 
     def _computed(self, seq: Sequence, start: int, hidden: dict[int, torch.Tensor], toks: list[int]) -> None:
         if self.proposer is None:

@@ -130,6 +130,7 @@ class DemoRecipe:
             unlikelihood_prefix=16,
             unlikelihood_tokens=8,
             unlikelihood_kl=0.5,
+            unlikelihood_file_heads=True,  # off in the shipped recipe: tested here
             draft_steps=30,
             eval_seqs=8,
             quality_prompts=4,

@@ -36,6 +36,7 @@ class Sample:
     masks: torch.Tensor | None = None
     proposed: DraftTree | None = None  # the tree as drafted, when a grammar cut it to ``tree``
     kept: list[int] | None = None  # then: the drafted tree's index of each node of ``tree``
+    extra: int = 0  # rows of the proposer's own after the tree's (engine.speculative.proposer.ExtraRows)
 
     @property
     def drafted(self) -> DraftTree:

@@ -16,6 +16,10 @@ method; what differs between methods lives behind these hooks:
   forward and handed over (:meth:`Proposer.on_computed`, and ``ProposeContext.hidden_states``).
 - ``cost``: the shape of the proposer's own cost (:class:`CostShape`), so the one controller tunes
   every method: a draft model's forwards, or nothing for a lookup.
+- rows of its own in the target's forward (:meth:`Proposer.extra_rows`): tokens at positions past the
+  root, attending to the context, the root and each other, never to the tree (nor the tree to them),
+  whose KV slots come after the tree's and are released after the step; their logits come back in
+  one call (:meth:`Proposer.on_extra_logits`). Lookahead decoding's Jacobi window rides there.
 - lifecycle: ``on_computed`` (tokens whose target KV became final, with their hidden states),
   ``on_verified`` (which nodes of its tree the target kept), ``on_fork``, ``on_preempt``,
   ``on_free``, ``copy_blocks`` (copy-on-write in its own cache).
@@ -59,6 +63,29 @@ class ProposeContext:
     # seq_id → {layer: [n, hidden]} target hidden states of the tokens that became final in the
     # sequence's last target forward (the rows handed to on_computed), for proposers that read them
     hidden_states: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass
+class ExtraRows:
+    """Rows a proposer adds to a sequence's verify forward, after its tree's rows. Each row sees the
+    cached context, the root and the rows ``mask`` allows; never a tree node, and no tree node sees it."""
+
+    tokens: list[int]  # [m]
+    offsets: list[int]  # [m] each row's position minus the root's (>= 1)
+    mask: torch.Tensor  # [m, m] bool: row r attends to row c (r attends to itself)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def beside(self, tree_mask: torch.Tensor | None, tree_rows: int) -> torch.Tensor:
+        """The forward's mask over ``[root, tree nodes…, these rows]``, from the tree's (None: a chain)."""
+        q = tree_rows + len(self.tokens)
+        mask = torch.zeros(q, q, dtype=torch.bool)
+        causal = torch.ones(tree_rows, tree_rows, dtype=torch.bool).tril()
+        mask[:tree_rows, :tree_rows] = causal if tree_mask is None else tree_mask
+        mask[tree_rows:, 0] = True
+        mask[tree_rows:, tree_rows:] = self.mask
+        return mask
 
 
 class Proposer(ABC):
@@ -105,6 +132,17 @@ class Proposer(ABC):
     @abstractmethod
     def propose(self, seqs: list[Sequence], depths: list[int], ctx: ProposeContext) -> list[DraftTree]:
         """Draft a tree of at most ``depths[i]`` levels for each sequence (its last token is the root)."""
+
+    def extra_rows(self, seq: Sequence, tree: DraftTree, slots: int) -> ExtraRows | None:
+        """Rows of its own for ``seq``'s verify forward beside ``tree`` (already cut by any grammar),
+        in at most ``slots`` KV slots, at offsets past the root of at most ``slots``
+        (both stay within the context); None: none. Asked of every drafting sequence, even when its
+        tree is empty; their slots must be counted in :meth:`slots_needed`."""
+        return None
+
+    def on_extra_logits(self, rows: list[tuple[Sequence, ExtraRows, int]], logits: torch.Tensor) -> None:  # noqa: B027
+        """Once a step, after acceptance: each sequence given extra rows, its rows and the logits row
+        of the first of them in ``logits`` (the forward's, raw)."""
 
     def timings(self) -> list[tuple[str, int, int, float]]:
         """(cost kind, sequences, tokens, seconds) of the proposer's forwards since the last call."""

@@ -18,6 +18,7 @@ BUILTIN: dict[str, str] = {
     "draft": "draft_model:DraftModelProposer",  # a smaller model of the same family
     "eagle": "eagle:EagleProposer",  # an EAGLE-3 head on the target's hidden states, dynamic trees
     "layer-skip": "layer_skip:LayerSkipProposer",  # the target itself with sublayers skipped
+    "lookahead": "lookahead:LookaheadProposer",  # a Jacobi window in the verify forward, an n-gram pool
     "medusa": "medusa:MedusaProposer",  # Medusa heads on the last hidden state
     "mtp": "mtp:ChainedHeadsProposer",  # chained multi-token-prediction heads
     "ngram": "ngram:NgramProposer",  # prompt lookup
