@@ -63,10 +63,12 @@ class EngineConfig:
     suffix_order: int = 8  # suffix: the longest context whose continuations are counted
     suffix_cache_tokens: int = 100_000  # suffix: tokens of finished outputs kept (~2 KB each at worst)
     # lookahead (engine/speculative/methods/lookahead.py): the Jacobi window's width W and n-gram size N
-    # (N - 1 levels), and the most pooled n-grams G verified a step; shared: one pool per prompt family
-    lookahead_window: int = 4
+    # (N - 1 levels), and the most pooled n-grams G verified a step; shared: one pool per prompt family.
+    # None: W = G = 2 on CPU (every row of a forward costs matmul time there: the narrowest window
+    # measured fastest, docs/benchmarks.md), 4 on GPU (rows ride nearly free up to a graph's width).
+    lookahead_window: int | None = None
     lookahead_ngram: int = 4
-    lookahead_guesses: int = 4
+    lookahead_guesses: int | None = None
     lookahead_shared: bool = False
     layer_skip_config: str | None = None  # layer-skip: JSON of skipped sublayers (default: the middle half)
     # Model-based drafters stop a draft early where their top-1 probability falls below a threshold that
@@ -118,6 +120,9 @@ class EngineConfig:
         check(1 <= self.ngram_min <= self.ngram_max, "need 1 <= ngram_min <= ngram_max")
         check(self.suffix_order >= 1, "suffix_order must be at least 1")
         check(self.suffix_cache_tokens >= 0, "suffix_cache_tokens must be non-negative")
+        wide = 4 if self.torch_device.type == "cuda" else 2
+        self.lookahead_window = wide if self.lookahead_window is None else self.lookahead_window
+        self.lookahead_guesses = wide if self.lookahead_guesses is None else self.lookahead_guesses
         check(self.lookahead_window >= 1, "lookahead_window must be at least 1")
         check(self.lookahead_ngram >= 3, "lookahead_ngram must be at least 3")
         check(self.lookahead_guesses >= 1, "lookahead_guesses must be at least 1")

@@ -86,9 +86,13 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
     sp.add_argument("--ngram-min", type=int, default=1, help="ngram: shortest suffix to look up")
     sp.add_argument("--ngram-max", type=int, default=4, help="ngram: longest suffix to look up (tried first)")
     sp.add_argument("--suffix-order", type=int, default=8, help="suffix: longest context counted")
-    sp.add_argument("--lookahead-window", type=int, default=4, help="lookahead: the Jacobi window's width W")
+    sp.add_argument(
+        "--lookahead-window", type=int, default=None, help="lookahead: the Jacobi window's width W (2 CPU, 4 GPU)"
+    )
     sp.add_argument("--lookahead-ngram", type=int, default=4, help="lookahead: n-gram size N (N-1 levels)")
-    sp.add_argument("--lookahead-guesses", type=int, default=4, help="lookahead: most pooled n-grams G verified a step")
+    sp.add_argument(
+        "--lookahead-guesses", type=int, default=None, help="lookahead: most n-grams G verified a step (2 CPU, 4 GPU)"
+    )
     sp.add_argument(
         "--lookahead-shared",
         action="store_true",
