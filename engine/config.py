@@ -120,12 +120,9 @@ class EngineConfig:
         check(1 <= self.ngram_min <= self.ngram_max, "need 1 <= ngram_min <= ngram_max")
         check(self.suffix_order >= 1, "suffix_order must be at least 1")
         check(self.suffix_cache_tokens >= 0, "suffix_cache_tokens must be non-negative")
-        wide = 4 if self.torch_device.type == "cuda" else 2
-        self.lookahead_window = wide if self.lookahead_window is None else self.lookahead_window
-        self.lookahead_guesses = wide if self.lookahead_guesses is None else self.lookahead_guesses
-        check(self.lookahead_window >= 1, "lookahead_window must be at least 1")
+        check(self.lookahead_window is None or self.lookahead_window >= 1, "lookahead_window must be at least 1")
         check(self.lookahead_ngram >= 3, "lookahead_ngram must be at least 3")
-        check(self.lookahead_guesses >= 1, "lookahead_guesses must be at least 1")
+        check(self.lookahead_guesses is None or self.lookahead_guesses >= 1, "lookahead_guesses must be at least 1")
         check(
             self.spec_early_stop is None or 0.0 <= self.spec_early_stop < 1.0,
             "spec_early_stop must be in [0, 1) (0 turns it off)",

@@ -97,6 +97,7 @@ def test_greedy_output_is_the_plain_decoders(target, shared):  # noqa: F811
     st = eng.spec_stats
     assert st.num_drafts > 0 and st.num_accepted_tokens > 0, "repetitive text: the pool must be right sometimes"
     assert eng.proposer.num_window_grams > 0, "the window's trajectories went into the pool"
+    assert eng.controller.max_depth == eng.proposer.D == 3, "the controller plans no deeper than an n-gram reaches"
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks, "the window's slots came back"
     assert not eng.proposer._windows and not eng.proposer._pools, "finished sequences leave no state behind"
 

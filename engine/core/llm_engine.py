@@ -100,7 +100,11 @@ class LLMEngine:
         self.groups: dict[str, SequenceGroup] = {}
         self.num_steps = 0
         self._max_token_chars: int | None = None
-        self.controller = SpecController(config.num_speculative_tokens, self.proposer) if self.proposer else None
+        self.controller = (
+            SpecController(self.proposer.deepest(config.num_speculative_tokens), self.proposer)
+            if self.proposer
+            else None
+        )
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, max_len, self._finish_seq)
         beams = BeamSearch(self.eos_token_ids, max_len, self._fork_one, self._finish_seq)
         self.step_runner = Step(

@@ -59,6 +59,7 @@ class Step:
         self.constraints = Constraints(jump_forward)  # structured outputs: cuts, grammar advance, jump-forward
         self._cuts: dict[int, Sample] = {}  # seq_id → its draft cut by its grammar, this step
         self._extra: dict[int, ExtraRows] = {}  # seq_id → the proposer's own rows in this step's forward
+        self._planned: dict[int, int] = {}  # seq_id → the depth its draft was granted, this step
         self.decoding = Strategies(beams, proposer, self.rows)  # beyond sampling: engine/decoding/
         self.scheduled: list[Sequence] = []  # this step's sequences (the engine fails them if it raises)
         self.forward_seconds = 0.0  # this step's target and proposer forwards (the rest is host work)
@@ -123,6 +124,7 @@ class Step:
                 seqs.append(seq)
                 depths.append(d)
         self._cuts, self._extra = {}, {}
+        self._planned = {s.seq_id: d for s, d in zip(seqs, depths)}
         if not seqs:
             return {}
         ctx = ProposeContext({s.seq_id: self._hidden[s.seq_id] for s in seqs if s.seq_id in self._hidden})
@@ -134,8 +136,13 @@ class Step:
         for s, t in zip(seqs, trees):  # rows of the proposer's own, in the slots the tree left
             kept = self._cuts[s.seq_id].tree if s.seq_id in self._cuts else t
             room = self.max_model_len - s.num_tokens - len(kept)  # its slots stay within the context
-            extra = self.proposer.extra_rows(s, kept, min(sched.lookahead.get(s.seq_id, 0) - len(kept), room))
+            slots = min(sched.lookahead.get(s.seq_id, 0) - len(kept), room)
+            extra = self.proposer.extra_rows(s, kept, slots)
             if extra is not None and len(extra):
+                # Its rows write KV slot by slot after the tree's: past the grant they would overwrite
+                # another sequence's.
+                if len(extra) > slots or min(extra.offsets) < 1 or max(extra.offsets) > slots:
+                    raise RuntimeError(f"the {self.proposer.method} proposer's rows exceed their {slots} slots")
                 self._extra[s.seq_id] = extra
         return {s.seq_id: t for s, t in zip(seqs, trees) if len(t) or s.seq_id in self._extra}
 
@@ -159,7 +166,11 @@ class Step:
                     mask = extra.beside(mask, len(tree) + 1)
                     sample.extra = len(extra)
                 b.chunks.append(ForwardChunk(ids, start, seq.block_table, len(ids), positions, mask))
-                sample.row, sample.tok, sample.depth = row, tok, sample.drafted.depth
+                # A proposer with rows of its own is judged at the depth it was granted (what its rows
+                # and slots were priced at), however short its tree came out: positions it did not
+                # draft count as misses.
+                depth = max(sample.drafted.depth, self._planned[seq.seq_id]) if sample.extra else sample.drafted.depth
+                sample.row, sample.tok, sample.depth = row, tok, depth
                 b.samples.append(sample)
                 row, tok = row + len(ids), tok + len(ids)
                 continue
@@ -243,9 +254,9 @@ class Step:
                 kept = s.accepted if s.kept is None else [s.kept[i] for i in s.accepted]
                 self.proposer.on_verified(seq, drafted, kept)
             self._computed(seq, c, hidden, [s.tok] + [s.tok + 1 + i for i in s.accepted])
-            if not len(drafted):  # only extra rows: nothing was drafted to learn from
-                continue
             self.controller.update(seq, s.depth, a)
+            if not len(drafted):  # only extra rows: no draft to count
+                continue
             self.stats.record(len(drafted), a)
             seq.group.num_draft_tokens += len(drafted)
             seq.group.num_accepted_tokens += a

@@ -123,6 +123,10 @@ class Proposer(ABC):
         """KV slots past the root a draft of this depth may take (verify nodes and draft-side
         writes), for a greedy or a sampling request (a method may draft them in different shapes)."""
 
+    def deepest(self, configured: int) -> int:
+        """The deepest draft it makes when ``configured`` is asked for (the controller plans no deeper)."""
+        return configured
+
     def depth_for_slots(self, slots: int, depth: int, greedy: bool) -> int:
         """The deepest draft no deeper than ``depth`` that fits in ``slots`` granted KV slots."""
         while depth > 0 and self.slots_needed(depth, greedy) > slots:

@@ -23,7 +23,7 @@ asks for ``G * d`` tree slots and a window ``ceil(W * d / D)`` columns wide, so 
 narrows with the depth and at depth 0 there is none. The pool also takes every n-gram of the
 sequence's own text (prompt and output) as it becomes final. It is bounded (``G`` n-grams a key,
 ``max_keys`` keys, least recently touched out) and freed with the sequence; ``--lookahead-shared``
-keeps one pool per prompt family (requests whose prompts share their first block of tokens), so a
+keeps one pool per prompt family (requests whose prompts share their first 16 tokens), so a
 second request with the same system prompt starts from what the first one found.
 """
 
@@ -122,7 +122,9 @@ class _Window:
 
     def __init__(self, levels: np.ndarray) -> None:
         self.levels = levels  # [N - 1, W] int64 (level 0's column 0 is never fed: it is the root)
-        self.steps = 0  # forwards since it was filled: its columns are trajectories from N - 2 on
+        # consecutive forwards each column was fed in: its column holds a trajectory from N - 2 on
+        self.fed = np.zeros(levels.shape[1], dtype=np.int64)
+        self.depth = 0  # the depth the controller planned for its last draft
         self.pos = 0  # text of the sequence already in the pool (its own n-grams)
         self.root = -1  # the token its last rows were fed after (column 0's key)
 
@@ -156,10 +158,12 @@ class LookaheadProposer(Proposer):
 
     @classmethod
     def build(cls, config, target, *, tokenizer, eos_token_ids) -> LookaheadProposer:
+        # On a CPU every row of the forward costs matmul time: the narrowest window measured fastest.
+        wide = 4 if target.device.type == "cuda" else 2
         return cls(
-            config.lookahead_window,
+            config.lookahead_window or wide,
             config.lookahead_ngram,
-            config.lookahead_guesses,
+            config.lookahead_guesses or wide,
             config.num_speculative_tokens,
             shared=config.lookahead_shared,
         )
@@ -174,6 +178,9 @@ class LookaheadProposer(Proposer):
             return 0
         depth = min(depth, self.D)
         return self.G * depth + window_rows(self.N - 1, self.width(depth))
+
+    def deepest(self, configured: int) -> int:
+        return min(configured, self.D)
 
     def depth_for_slots(self, slots: int, depth: int, greedy: bool) -> int:
         return super().depth_for_slots(slots, min(depth, self.D), greedy)
@@ -217,12 +224,13 @@ class LookaheadProposer(Proposer):
         trees = []
         for seq, depth in zip(seqs, depths):
             self._learn_text(seq)
+            self._windows[seq.seq_id].depth = depth
             trees.append(self._pool(seq).tree(seq.token_ids[-1], min(depth, self.D), self.G))
         return trees
 
     def extra_rows(self, seq: Sequence, tree: DraftTree, slots: int) -> ExtraRows | None:
         win = self._window(seq)
-        width = self.W
+        width = self.width(win.depth)  # what the controller priced, in the slots the tree left
         while width > 0 and window_rows(self.N - 1, width) > slots:
             width -= 1
         if width == 0:
@@ -247,23 +255,23 @@ class LookaheadProposer(Proposer):
             at += width
             if win is None:
                 continue
-            lv = win.levels
-            if win.steps >= self.N - 2:  # each fed column traced a trajectory: its n-gram
-                pool = self._pool(seq)
-                for i in range(width):
-                    key = win.root if i == 0 else int(lv[0, i])
-                    pool.add(key, tuple(int(t) for t in lv[1:, i]) + (new[i],))
-                self.num_window_grams += width
+            lv, fed = win.levels, win.fed
+            pool = self._pool(seq)
+            for i in range(width):
+                if fed[i] >= self.N - 2:  # the column traced a trajectory through every level: its n-gram
+                    pool.add(win.root if i == 0 else int(lv[0, i]), tuple(int(t) for t in lv[1:, i]) + (new[i],))
+                    self.num_window_grams += 1
             lv[:-1] = lv[1:].copy()  # the levels move down one; the outputs are the new top level
             lv[-1, :width] = new
-            win.steps += 1
+            fed[:width] += 1
+            fed[width:] = 0  # a column left out has lost its trajectory
 
     # -- lifecycle ------------------------------------------------------------------------------
     def on_fork(self, parent: Sequence, child: Sequence) -> None:
         win = self._windows.get(parent.seq_id)
         if win is not None:
             twin = self._windows[child.seq_id] = _Window(win.levels.copy())
-            twin.steps, twin.pos = win.steps, win.pos
+            twin.fed, twin.pos = win.fed.copy(), win.pos
         pool = self._pools.get(parent.seq_id)
         if pool is not None:
             self._pools[child.seq_id] = pool if self.shared else pool.copy()
