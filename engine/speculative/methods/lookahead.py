@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import random
 from collections import OrderedDict
+from itertools import islice
 
 import numpy as np
 import torch
@@ -81,7 +82,7 @@ class NgramPool:
         if not known or depth <= 0:
             return DraftTree()
         tokens, parents, nodes = [], [], {}
-        for gram in list(reversed(known))[:limit]:
+        for gram in islice(reversed(known), limit):
             parent = -1
             for t in gram[:depth]:
                 node = nodes.get((parent, t))
@@ -230,10 +231,9 @@ class LookaheadProposer(Proposer):
 
     def extra_rows(self, seq: Sequence, tree: DraftTree, slots: int) -> ExtraRows | None:
         win = self._window(seq)
-        width = self.width(win.depth)  # what the controller priced, in the slots the tree left
-        while width > 0 and window_rows(self.N - 1, width) > slots:
-            width -= 1
-        if width == 0:
+        # What the controller priced, in the slots the tree left ((N - 1) * width - 1 rows).
+        width = min(self.width(win.depth), (slots + 1) // (self.N - 1))
+        if width <= 0:
             return None
         win.root = seq.token_ids[-1]
         cells, offsets, mask = self._layout(width)
@@ -242,15 +242,13 @@ class LookaheadProposer(Proposer):
 
     def on_extra_logits(self, rows: list[tuple[Sequence, ExtraRows, int]], logits: torch.Tensor) -> None:
         # The top level is each window's last ``width`` rows: one gather and one transfer for all.
-        spans = []
-        for _, extra, first in rows:
-            width = (len(extra) + 1) // (self.N - 1)
-            spans.append(torch.arange(first + len(extra) - width, first + len(extra)))
-        guesses = logits[torch.cat(spans).to(logits.device)].argmax(-1).tolist()
+        widths = [(len(extra) + 1) // (self.N - 1) for _, extra, _ in rows]
+        ends = [first + len(extra) for _, extra, first in rows]
+        top = [r for end, w in zip(ends, widths) for r in range(end - w, end)]
+        guesses = logits[torch.tensor(top, device=logits.device)].argmax(-1).tolist()
         at = 0
-        for seq, extra, _ in rows:
+        for (seq, _, _), width in zip(rows, widths):
             win = self._windows.get(seq.seq_id)
-            width = (len(extra) + 1) // (self.N - 1)
             new = guesses[at : at + width]
             at += width
             if win is None:
