@@ -6,7 +6,6 @@ import json
 import random
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -92,9 +91,7 @@ def test_prompts_come_from_heldout_files(demo):
 
 def test_second_build_is_cached(demo):
     before = (demo / "target" / "model.safetensors").stat().st_mtime_ns
-    t = time.perf_counter()
-    assert build_demo(demo, DemoRecipe.tiny()) == demo
-    assert time.perf_counter() - t < 2.0
+    assert build_demo(demo, DemoRecipe.tiny()) == demo  # the weights' mtime below shows nothing was rebuilt
     assert (demo / "target" / "model.safetensors").stat().st_mtime_ns == before
     assert is_built(demo, DemoRecipe.tiny())
     assert not is_built(demo, DemoRecipe())  # another recipe has another key
