@@ -48,7 +48,8 @@ class EngineConfig:
     # else sdpa (the CPU path and the reference).
     attention_backend: str = "auto"
     # Speculative decoding.
-    # none | draft | ngram | suffix | lookahead | layer-skip | medusa | eagle | mtp (engine/speculative/methods).
+    # none | draft | ouroboros | ngram | suffix | lookahead | layer-skip | medusa | eagle | mtp
+    # (engine/speculative/methods).
     # None: the method whose layout the --draft-model directory has (medusa for Medusa heads, ..., else draft)
     # or none; resolved and checked when the engine is built (LLMEngine), as it may read the directory.
     speculative_method: str | None = None
@@ -70,6 +71,10 @@ class EngineConfig:
     lookahead_ngram: int = 4
     lookahead_guesses: int | None = None
     lookahead_shared: bool = False
+    # ouroboros (engine/speculative/methods/ouroboros.py): the longest pooled phrase the draft model tries
+    # a forward, and the most rejected phrase tails verified beside its chain. None: 1 on CPU, 3 on GPU.
+    ouroboros_phrase: int = 4
+    ouroboros_branches: int | None = None
     layer_skip_config: str | None = None  # layer-skip: JSON of skipped sublayers (default: the middle half)
     # Model-based drafters stop a draft early where their top-1 probability falls below a threshold that
     # adapts so that this fraction of the drafted tokens is accepted (Draft & Verify). 0: off; None: the
@@ -110,8 +115,8 @@ class EngineConfig:
         )
         env = os.environ.get("AUGUR_COMPILE", "")
         check(env in ("", "on", "off"), f"AUGUR_COMPILE must be on or off, got {env!r}")
-        if self.speculative_method == "draft":
-            check(bool(self.draft_model), "speculative_method draft needs --draft-model")
+        if self.speculative_method in ("draft", "ouroboros"):
+            check(bool(self.draft_model), f"speculative_method {self.speculative_method} needs --draft-model")
         check(0 <= self.num_speculative_tokens <= 32, "num_speculative_tokens must be in [0, 32]")
         if self.spec_tree_topk is None:
             self.spec_tree_topk = 2 if self.torch_device.type == "cuda" else 1
@@ -123,6 +128,8 @@ class EngineConfig:
         check(self.lookahead_window is None or self.lookahead_window >= 1, "lookahead_window must be at least 1")
         check(self.lookahead_ngram >= 3, "lookahead_ngram must be at least 3")
         check(self.lookahead_guesses is None or self.lookahead_guesses >= 1, "lookahead_guesses must be at least 1")
+        check(self.ouroboros_phrase >= 1, "ouroboros_phrase must be at least 1")
+        check(self.ouroboros_branches is None or self.ouroboros_branches >= 0, "ouroboros_branches must be >= 0")
         check(
             self.spec_early_stop is None or 0.0 <= self.spec_early_stop < 1.0,
             "spec_early_stop must be in [0, 1) (0 turns it off)",

@@ -67,7 +67,8 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
         "--speculative-method",
         default=None,
         choices=["none", *known_methods()],
-        help="draft: a separate draft model; ngram: prompt lookup; suffix: suffix-tree trees; "
+        help="draft: a separate draft model; ouroboros: the draft model drafting by pooled phrases; "
+        "ngram: prompt lookup; suffix: suffix-tree trees; "
         "lookahead: Jacobi window and n-gram pool, no draft model; "
         "layer-skip: the target with sublayers skipped; medusa, eagle, mtp: heads on the target's hidden states "
         "(--draft-model DIR); none: plain "
@@ -97,6 +98,15 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
         "--lookahead-shared",
         action="store_true",
         help="lookahead: one n-gram pool per prompt family (prompts sharing their first 16 tokens)",
+    )
+    sp.add_argument(
+        "--ouroboros-phrase", type=int, default=4, help="ouroboros: the longest pooled phrase tried a draft forward"
+    )
+    sp.add_argument(
+        "--ouroboros-branches",
+        type=int,
+        default=None,
+        help="ouroboros: most rejected phrase tails verified beside the draft (1 CPU, 3 GPU)",
     )
     sp.add_argument(
         "--layer-skip-config", default=None, help="layer-skip: JSON of skipped sublayers (default: the middle half)"
@@ -161,7 +171,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             demo = ensure_demo()
         values["model"] = str(demo / "target")
         # The demo pair speculates with its own draft by default.
-        if values.get("speculative_method") in (None, "draft") and not values.get("draft_model"):
+        if values.get("speculative_method") in (None, "draft", "ouroboros") and not values.get("draft_model"):
             values["draft_model"] = str(demo / "draft")
     return EngineConfig(**values)
 

@@ -12,7 +12,8 @@ from test_step import prompts as repetitive_prompts
 
 import engine.sampling.verify as verify_mod
 from engine.request.sampling_params import SamplingParams
-from engine.speculative.methods.lookahead import LookaheadProposer, NgramPool, window_layout, window_rows
+from engine.speculative.methods.lookahead import LookaheadProposer, window_layout, window_rows
+from engine.speculative.ngram_pool import NgramPool
 
 
 def test_the_window_layout_is_one_trajectory_per_row():
@@ -57,7 +58,7 @@ def test_the_window_guesses_what_the_target_says_after_each_trajectory(target): 
     eng = make(target, "lookahead", lookahead_window=3, lookahead_ngram=4, num_speculative_tokens=3)
     proposer: LookaheadProposer = eng.proposer
     fed, seen = {}, []
-    extra_rows, on_extra_logits = proposer.extra_rows, proposer.on_extra_logits
+    extra_rows, on_verify_logits = proposer.extra_rows, proposer.on_verify_logits
 
     def spy_rows(seq, tree, slots):
         extra = extra_rows(seq, tree, slots)
@@ -65,11 +66,12 @@ def test_the_window_guesses_what_the_target_says_after_each_trajectory(target): 
         return extra
 
     def spy_logits(rows, logits):
-        for seq, extra, first in rows:
-            seen.append((fed[seq.seq_id], extra, logits[first : first + len(extra)].argmax(-1).tolist()))
-        on_extra_logits(rows, logits)
+        for r in rows:
+            first, extra = r.extra_row, r.extra
+            seen.append((fed[r.seq.seq_id], extra, logits[first : first + len(extra)].argmax(-1).tolist()))
+        on_verify_logits(rows, logits)
 
-    proposer.extra_rows, proposer.on_extra_logits = spy_rows, spy_logits
+    proposer.extra_rows, proposer.on_verify_logits = spy_rows, spy_logits
     prompt = [5, 6, 7, 8, 9, 10, 11, 12]
     eng.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, num_draft_tokens=3))
     assert len(seen) >= 3, "the window rode in the verify forwards"

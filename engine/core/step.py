@@ -29,7 +29,7 @@ from engine.sampling.batch import Batch, Emit, Sample
 from engine.sampling.constrain import Constraints
 from engine.sampling.logprobs import record_prompt_logprobs, token_logprobs, wants_prompt_logprobs
 from engine.sampling.tree import DraftTree, tree_layout
-from engine.speculative.proposer import ExtraRows, ProposeContext, Proposer
+from engine.speculative.proposer import ExtraRows, ProposeContext, Proposer, VerifyRows
 from engine.speculative.stats import SpecStats
 
 _EMPTY = DraftTree()
@@ -263,10 +263,16 @@ class Step:
         self.runner.move_slots(src, dst)
 
     def feedback(self, b: Batch, logits: torch.Tensor) -> None:
-        """The proposer's own rows' logits, in one call (a sample's extra rows follow its tree's)."""
-        if self._extra:
-            rows = [(s.seq, self._extra[s.seq.seq_id], s.row + 1 + len(s.tree)) for s in b.samples if s.extra]
-            self.proposer.on_extra_logits(rows, logits)
+        """What the target said over the proposer's rows and, if it reads them, its trees', in one call."""
+        trees = self.proposer is not None and self.proposer.reads_verify_logits
+        if self._extra or trees:
+            rows = [
+                VerifyRows(s.seq, s.tree, s.accepted, s.row, self._extra.get(s.seq.seq_id))
+                for s in b.samples
+                if s.extra or (trees and len(s.tree))
+            ]
+            if rows:
+                self.proposer.on_verify_logits(rows, logits)
 
     def _computed(self, seq: Sequence, start: int, hidden: dict[int, torch.Tensor], toks: list[int]) -> None:
         if self.proposer is None:

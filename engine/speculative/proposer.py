@@ -19,7 +19,9 @@ method; what differs between methods lives behind these hooks:
 - rows of its own in the target's forward (:meth:`Proposer.extra_rows`): tokens at positions past the
   root, attending to the context, the root and each other, never to the tree (nor the tree to them),
   whose KV slots come after the tree's and are released after the step; their logits come back in
-  one call (:meth:`Proposer.on_extra_logits`). Lookahead decoding's Jacobi window rides there.
+  one call (:meth:`Proposer.on_verify_logits`). Lookahead decoding's Jacobi window rides there.
+- the verify forward's logits over its tree's rows, for a method that learns from what the target
+  said there (``reads_verify_logits``, the same call): Ouroboros's phrase pool.
 - lifecycle: ``on_computed`` (tokens whose target KV became final, with their hidden states),
   ``on_verified`` (which nodes of its tree the target kept), ``on_fork``, ``on_preempt``,
   ``on_free``, ``copy_blocks`` (copy-on-write in its own cache).
@@ -88,6 +90,22 @@ class ExtraRows:
         return mask
 
 
+@dataclass
+class VerifyRows:
+    """One sequence's rows in a verify forward, after acceptance: the root's row ``row``, its tree's
+    nodes at ``row + 1 + i``, then its extra rows (if any)."""
+
+    seq: Sequence
+    tree: DraftTree  # the tree the forward verified (what a grammar left of the draft)
+    accepted: list[int]  # the nodes kept, root to leaf
+    row: int
+    extra: ExtraRows | None = None
+
+    @property
+    def extra_row(self) -> int:
+        return self.row + 1 + len(self.tree)
+
+
 class Proposer(ABC):
     """Base class: a method must say how to build it, what a draft costs in KV slots and how to
     draft; the other hooks do nothing by default, so it overrides only what it needs."""
@@ -99,6 +117,8 @@ class Proposer(ABC):
     # It runs a language model of its own over the sequence: contrastive decoding's amateur, through
     # :meth:`next_token_logits`.
     has_language_model: ClassVar[bool] = False
+    # It hears the target's logits over its trees' rows (:meth:`on_verify_logits`), not only its extra rows'.
+    reads_verify_logits: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
@@ -144,9 +164,9 @@ class Proposer(ABC):
         tree is empty; their slots must be counted in :meth:`slots_needed`."""
         return None
 
-    def on_extra_logits(self, rows: list[tuple[Sequence, ExtraRows, int]], logits: torch.Tensor) -> None:  # noqa: B027
-        """Once a step, after acceptance: each sequence given extra rows, its rows and the logits row
-        of the first of them in ``logits`` (the forward's, raw)."""
+    def on_verify_logits(self, rows: list[VerifyRows], logits: torch.Tensor) -> None:  # noqa: B027
+        """Once a step, after acceptance, with the forward's raw ``logits``: the rows of each sequence
+        given extra rows and, with ``reads_verify_logits``, of each sequence that drafted a tree."""
 
     def timings(self) -> list[tuple[str, int, int, float]]:
         """(cost kind, sequences, tokens, seconds) of the proposer's forwards since the last call."""

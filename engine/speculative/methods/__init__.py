@@ -22,6 +22,7 @@ BUILTIN: dict[str, str] = {
     "medusa": "medusa:MedusaProposer",  # Medusa heads on the last hidden state
     "mtp": "mtp:ChainedHeadsProposer",  # chained multi-token-prediction heads
     "ngram": "ngram:NgramProposer",  # prompt lookup
+    "ouroboros": "ouroboros:OuroborosProposer",  # a draft model drafting by pooled phrases
     "suffix": "suffix:SuffixProposer",  # suffix trees over the context and earlier outputs
 }
 

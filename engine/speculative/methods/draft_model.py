@@ -68,19 +68,7 @@ class DraftModelProposer(LevelDrafter):
 
     @classmethod
     def build(cls, config, target: ModelRunner, *, tokenizer, eos_token_ids: list[int]) -> DraftModelProposer:
-        if not config.draft_model:
-            raise ValueError("speculative method 'draft' needs --draft-model")
-        path = resolve_model_path(config.draft_model)
-        draft_config = load_config(path)
-        check_same_vocabulary(tokenizer, load_tokenizer(path), draft_config, target.hf_config, path)
-        max_positions = target.model.rope_cos.shape[0]
-        dtype = draft_dtype(target, draft_config, max_positions)
-        model = load_model(path, draft_config, dtype, target.device, max_positions, pack=not target.compiled)
-        runner = ModelRunner(
-            model, draft_config, target.device, dtype, config.block_size, compile=target.compiled,
-            attention_backend=target.attention_backend, freeze=False,  # its levels run a row or two each
-            cuda_graph_max_seqs=target.cuda_graph_max_seqs,
-        )  # fmt: skip
+        runner = load_draft_runner(config, target, tokenizer, cls.method)
         tree = config.spec_tree_topk > 1
         budget, catch_up = config.spec_tree_budget, config.max_num_batched_tokens
         stop = early_stop_for(config, default=None)
@@ -251,6 +239,23 @@ class DraftModelProposer(LevelDrafter):
         for i in range(self._marked.get(seq.seq_id, 0), end):
             self._valid[seq.block_table[i]] = seq.block_hashes[i]
         self._marked[seq.seq_id] = max(end, self._marked.get(seq.seq_id, 0))
+
+
+def load_draft_runner(config, target: ModelRunner, tokenizer, method: str) -> ModelRunner:
+    """The runner of ``--draft-model``, beside the target's (same device, block size and backend)."""
+    if not config.draft_model:
+        raise ValueError(f"speculative method {method!r} needs --draft-model")
+    path = resolve_model_path(config.draft_model)
+    draft_config = load_config(path)
+    check_same_vocabulary(tokenizer, load_tokenizer(path), draft_config, target.hf_config, path)
+    max_positions = target.model.rope_cos.shape[0]
+    dtype = draft_dtype(target, draft_config, max_positions)
+    model = load_model(path, draft_config, dtype, target.device, max_positions, pack=not target.compiled)
+    return ModelRunner(
+        model, draft_config, target.device, dtype, config.block_size, compile=target.compiled,
+        attention_backend=target.attention_backend, freeze=False,  # its levels run a row or two each
+        cuda_graph_max_seqs=target.cuda_graph_max_seqs,
+    )  # fmt: skip
 
 
 def draft_dtype(target: ModelRunner, draft_config, max_positions: int) -> torch.dtype:

@@ -32,71 +32,16 @@ from __future__ import annotations
 import math
 import random
 from collections import OrderedDict
-from itertools import islice
 
 import numpy as np
 import torch
 
 from engine.request.sequence import Sequence
 from engine.sampling.tree import DraftTree
-from engine.speculative.proposer import CostShape, ExtraRows, ProposeContext, Proposer
+from engine.speculative.ngram_pool import NgramPool
+from engine.speculative.proposer import CostShape, ExtraRows, ProposeContext, Proposer, VerifyRows
 
 PROMPT_SEED_TOKENS = 1024  # the pool takes the n-grams of at most the prompt's last this many tokens
-
-
-class NgramPool:
-    """N-grams by their first token: for each key the ``per_key`` most recently seen continuations
-    (the ``n - 1`` tokens after it), for at most ``max_keys`` keys (the least recently touched go first)."""
-
-    def __init__(self, n: int, per_key: int, max_keys: int) -> None:
-        self.n, self.per_key, self.max_keys = n, per_key, max_keys
-        self.grams: OrderedDict[int, OrderedDict[tuple[int, ...], None]] = OrderedDict()
-
-    def add(self, key: int, gram: tuple[int, ...]) -> None:
-        known = self.grams.get(key)
-        if known is None:
-            if len(self.grams) >= self.max_keys:
-                self.grams.popitem(last=False)
-            known = self.grams[key] = OrderedDict()
-        else:
-            self.grams.move_to_end(key)
-        if gram in known:
-            known.move_to_end(gram)  # seen again: the newest
-            return
-        if len(known) >= self.per_key:
-            known.popitem(last=False)
-        known[gram] = None
-
-    def add_text(self, tokens: list[int], start: int) -> int:
-        """Every n-gram of ``tokens`` whose first token is at ``start`` or later; returns the first
-        start not taken yet (its n-gram needs tokens still to come)."""
-        end = len(tokens) - self.n + 1
-        for i in range(start, end):
-            self.add(tokens[i], tuple(tokens[i + 1 : i + self.n]))
-        return max(start, end)
-
-    def tree(self, key: int, depth: int, limit: int) -> DraftTree:
-        """The trie of the ``limit`` newest n-grams under ``key``, cut to ``depth`` levels; siblings
-        newest first (the order verification tries them in)."""
-        known = self.grams.get(key)
-        if not known or depth <= 0:
-            return DraftTree()
-        tokens, parents, nodes = [], [], {}
-        for gram in islice(reversed(known), limit):
-            parent = -1
-            for t in gram[:depth]:
-                node = nodes.get((parent, t))
-                if node is None:
-                    node = nodes[(parent, t)] = len(tokens)
-                    tokens.append(t)
-                    parents.append(parent)
-                parent = node
-        return DraftTree(tokens, parents)
-
-    def copy(self) -> NgramPool:
-        other = NgramPool(self.n, self.per_key, self.max_keys)
-        other.grams = OrderedDict((k, OrderedDict(v)) for k, v in self.grams.items())
-        return other
 
 
 def window_rows(levels: int, width: int) -> int:
@@ -240,14 +185,15 @@ class LookaheadProposer(Proposer):
         tokens = [int(win.levels[lv, i]) for lv, i in cells]
         return ExtraRows(tokens, offsets, mask)
 
-    def on_extra_logits(self, rows: list[tuple[Sequence, ExtraRows, int]], logits: torch.Tensor) -> None:
+    def on_verify_logits(self, rows: list[VerifyRows], logits: torch.Tensor) -> None:
         # The top level is each window's last ``width`` rows: one gather and one transfer for all.
-        widths = [(len(extra) + 1) // (self.N - 1) for _, extra, _ in rows]
-        ends = [first + len(extra) for _, extra, first in rows]
+        widths = [(len(r.extra) + 1) // (self.N - 1) for r in rows]
+        ends = [r.extra_row + len(r.extra) for r in rows]
         top = [r for end, w in zip(ends, widths) for r in range(end - w, end)]
         guesses = logits[torch.tensor(top, device=logits.device)].argmax(-1).tolist()
         at = 0
-        for (seq, _, _), width in zip(rows, widths):
+        for r, width in zip(rows, widths):
+            seq = r.seq
             win = self._windows.get(seq.seq_id)
             new = guesses[at : at + width]
             at += width
