@@ -122,10 +122,12 @@ class DraftModelProposer(LevelDrafter):
         self._marked.pop(seq.seq_id, None)
 
     # -- drafting -------------------------------------------------------------------------------
-    def _root_logits(self, seqs: list[Sequence], ctx: ProposeContext):
+    def _root_logits(self, seqs: list[Sequence], ctx: ProposeContext, after_root: list[list[int]] | None = None):
         """Catch up (feed the draft what it has not seen, chunked under the budget): the indices of
         the sequences whose root was reached, the draft's logits there ``[len(ready), V]`` and their
-        states (see :meth:`_forward`)."""
+        states (see :meth:`_forward`). With ``after_root``, a sequence that reaches its root also feeds
+        those tokens after it (draft slots ``root + 1 …``, not counted as computed) and gets a logits
+        row for each: ``1 + len(after_root[i])`` rows per ready sequence, in order."""
         ready, chunks, states, budget = [], [], [], self.catch_up_budget
         for i, s in enumerate(seqs):
             self._skip_cached_prefix(s)
@@ -134,14 +136,15 @@ class DraftModelProposer(LevelDrafter):
             take = min(n, max(budget, 1))
             budget -= take
             tokens = s.token_ids[start + self.shift : start + self.shift + take]
-            chunks.append(ForwardChunk(tokens, start, s.block_table, int(take == n)))
+            more = after_root[i] if after_root is not None and take == n else []
+            chunks.append(ForwardChunk(tokens + more, start, s.block_table, (1 + len(more)) * int(take == n)))
             states.append(self._catch_up_state(s, start, take))
             if take == n:
                 ready.append(i)
         hidden_in = torch.cat(states) if states[0] is not None else None
         logits, state = self._forward(self.runner.prepare(chunks), chunks, hidden_in=hidden_in)
         for s, c in zip(seqs, chunks):
-            s.draft_num_computed += len(c.token_ids)
+            s.draft_num_computed = min(s.draft_num_computed + len(c.token_ids), s.num_tokens - self.shift)
             self._mark_valid(s)
         return ready, logits, state
 

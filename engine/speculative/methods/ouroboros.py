@@ -2,9 +2,10 @@
 model drafts phrase by phrase, and what verification throws away becomes its next phrases.
 
 *Phrase drafting.* A draft forward feeds the pending draft token and, after it, the newest pooled
-phrase that followed it (keyed by the two tokens before the phrase, else by one): one forward checks
-the whole phrase, the draft keeping the phrase's tokens up to the first it would not have drawn
-itself (its argmax, or for a sampled request its draw from ``q`` with the noise of that output
+phrase that followed it (keyed by the two tokens before the phrase, else by one); the step's
+catch-up forward, which ends at the root, feeds the phrase after the root the same way. One forward
+checks the whole phrase, the draft keeping the phrase's tokens up to the first it would not have
+drawn itself (its argmax, or for a sampled request its draw from ``q`` with the noise of that output
 position, as every drafter's) and drawing the next token there. So the chain is exactly the chain
 token-by-token drafting gives, in fewer forwards wherever the pool guesses what the draft would say;
 each forward writes the draft KV of what it keeps at its final slots.
@@ -80,10 +81,10 @@ class _Draft:
     """One sequence's draft this step: its chain (the last token pending, not yet fed to the draft),
     each chain token's ``q`` row (sampled requests), and the phrase tails it turned down."""
 
-    def __init__(self, token: int, q: torch.Tensor | None) -> None:
-        self.tokens = [token]
-        self.q = [q]
-        self.branches: list[tuple[int, list[int]]] = []  # (chain node it hangs under, tokens)
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.q: list[torch.Tensor | None] = []
+        self.branches: list[tuple[int, list[int]]] = []  # (chain node it hangs under, -1: the root; tokens)
         self.fed = 0  # chain tokens fed at their final slots
 
 
@@ -126,7 +127,7 @@ class OuroborosProposer(DraftModelProposer):
 
     # -- shape ----------------------------------------------------------------------------------
     def slots_needed(self, depth: int, greedy: bool = True) -> int:
-        # The chain, and branches at depth 2 or more (a phrase follows a drafted token).
+        # The chain and its branches; the draft writes no further than the chain's last slot but one.
         return max(depth, 0) + self.branches * min(self.phrase, max(depth - 1, 0))
 
     # -- the pool -------------------------------------------------------------------------------
@@ -166,51 +167,65 @@ class OuroborosProposer(DraftModelProposer):
 
     # -- drafting -------------------------------------------------------------------------------
     def propose(self, seqs: list[Sequence], depths: list[int], ctx: ProposeContext) -> list[DraftTree]:
-        ready, logits, _ = self._root_logits(seqs, ctx)
+        phrases = []
+        for s, depth in zip(seqs, depths):
+            pool = self._pool(s)
+            pool.add_text(s.token_ids)
+            phrases.append(self._phrase(pool, s.token_ids[-2] if s.num_tokens > 1 else -1, s.token_ids[-1], depth - 1))
+        # The catch-up forward already feeds the phrase after the root: the first draft tokens need no forward more.
+        ready, logits, _ = self._root_logits(seqs, ctx, after_root=phrases)
         trees = [DraftTree() for _ in seqs]
         if not ready:
             return trees
         group, want = [seqs[i] for i in ready], [depths[i] for i in ready]
-        for s in group:
-            self._pool(s).add_text(s.token_ids)
-        tokens, q = self._pick(group, logits, list(range(len(group))), [0] * len(group))
-        drafts = [_Draft(t, None if q is None else q[a]) for a, t in enumerate(tokens)]
-        active = [a for a in range(len(group)) if want[a] > 1]
-        while active:
-            active = self._phrase_forward(group, want, drafts, active)
+        drafts = [_Draft() for _ in group]
+        self._take(group, drafts, list(range(len(group))), [phrases[i] for i in ready], logits)
+        active = [a for a in range(len(group)) if len(drafts[a].tokens) < want[a]]
+        while active:  # one draft forward each: the pending token, then the phrase the pool has after it
+            chunks, fed_phrases = [], []
+            for a in active:
+                s, d = group[a], drafts[a]
+                offset = len(d.tokens)  # the pending token's place past the root
+                prev = d.tokens[-2] if offset > 1 else s.token_ids[-1]
+                phrase = self._phrase(self._pool(s), prev, d.tokens[-1], want[a] - 1 - offset)
+                chunks.append(
+                    ForwardChunk([d.tokens[-1], *phrase], s.num_tokens - 1 + offset, s.block_table, 1 + len(phrase))
+                )
+                fed_phrases.append(phrase)
+            logits, _ = self._forward(self.runner.prepare(chunks), chunks)
+            self._take(group, drafts, active, fed_phrases, logits)
+            active = [a for a in active if len(drafts[a].tokens) < want[a]]
         for i, s, d, depth in zip(ready, group, drafts, want):
             trees[i] = self._tree(s, d, depth)
         return trees
 
-    def _phrase_forward(self, seqs, want: list[int], drafts: list[_Draft], active: list[int]) -> list[int]:
-        """One draft forward: each active sequence's pending token and the phrase the pool has after it."""
-        chunks, phrases, row_of, ahead = [], [], [], []
-        for a in active:
-            s, d = seqs[a], drafts[a]
-            offset = len(d.tokens)  # the pending token's place past the root
-            prev = d.tokens[-2] if len(d.tokens) > 1 else s.token_ids[-1]
-            phrase = list(self._pool(s).lookup(prev, d.tokens[-1])[: max(want[a] - 1 - offset, 0)])
-            fed = [d.tokens[-1], *phrase]
-            chunks.append(ForwardChunk(fed, s.num_tokens - 1 + offset, s.block_table, len(fed)))
-            phrases.append(phrase)
-            row_of += [a] * len(fed)
-            ahead += range(offset, offset + len(fed))  # row j draws the token offset + 1 + j past the root
-        logits, _ = self._forward(self.runner.prepare(chunks), chunks)
+    def _phrase(self, pool: PhrasePool, prev: int, key: int, room: int) -> list[int]:
+        return list(pool.lookup(prev, key)[: max(room, 0)])
+
+    def _take(self, seqs, drafts: list[_Draft], members: list[int], phrases: list[list[int]], logits) -> None:
+        """Extend each member's draft from its rows of ``logits``: those of its last fed token (the
+        pending one, or the root) and of each phrase token after it. The draft keeps the phrase up to
+        the first token it would not have drawn itself, and the token it draws there is the new pending
+        one; the phrase's rest is kept as a branch."""
+        row_of, ahead = [], []
+        for a, phrase in zip(members, phrases):
+            base = len(drafts[a].tokens)  # the fed token's place past the root (0: the root)
+            row_of += [a] * (1 + len(phrase))
+            ahead += range(base, base + 1 + len(phrase))  # row j draws the token base + 1 + j past the root
         picks, q = self._pick(seqs, logits, row_of, ahead)
         r = 0
-        for a, phrase in zip(active, phrases):
+        for a, phrase in zip(members, phrases):
             d = drafts[a]
             k = 0
             while k < len(phrase) and picks[r + k] == phrase[k]:
                 k += 1
-            d.fed = len(d.tokens) + k  # the pending token and the phrase's tokens the draft agreed with
+            d.fed = len(d.tokens) + k  # the pending token (if any) and the phrase's tokens the draft agreed with
             d.tokens += [*phrase[:k], picks[r + k]]
             d.q += [None] * (k + 1) if q is None else list(q[r : r + k + 1])
             self.num_phrase_tokens += k
             if k < len(phrase) and len(d.branches) < self.branches:
-                d.branches.append((d.fed - 1, phrase[k:]))
+                d.branches.append((d.fed - 1, phrase[k:]))  # beside the new pending token (-1: under the root)
             r += len(phrase) + 1
-        return [a for a in active if len(drafts[a].tokens) < want[a]]
 
     def _pick(self, seqs: list[Sequence], logits: torch.Tensor, row_of: list[int], ahead: list[int]):
         """Each row's draft token (host ints) and, if any row samples, each row's ``q`` ``[R, V]``: the
