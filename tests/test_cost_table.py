@@ -1,0 +1,106 @@
+"""The cost table's sorting of py-spy samples into stages (loadtest/cost_table.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadtest.cost_table import API_STAGES, ENGINE_STAGES, classify_raw, per_token_ms
+
+ENGINE = (
+    'process 11:"python augur serve";thread (12): augur-engine;Thread._bootstrap (threading.py:1002);'
+    "Thread.run (threading.py:982);AsyncEngine._run (engine/core/async_engine.py:333)"
+)
+STEP = ENGINE + ";LLMEngine.step (engine/core/llm_engine.py:311);Step.run (engine/core/step.py:79)"
+API = (
+    "thread (11): MainThread;<module> (augur:8);Server.run (uvicorn/server.py:86);"
+    "BaseEventLoop.run_forever (asyncio/base_events.py:607);BaseEventLoop._run_once (asyncio/base_events.py:1884)"
+)
+RUNNER = "ModelRunner.execute (engine/runner/model_runner.py:421);Module._call_impl (torch/nn/modules/module.py:1784)"
+
+
+@pytest.mark.parametrize(
+    "stack,stage",
+    [
+        (
+            STEP
+            + ";Step.target_forward (engine/core/step.py:192);ModelRunner.forward (engine/runner/model_runner.py:470);"
+            + RUNNER,
+            "target forward",
+        ),
+        (
+            STEP
+            + ";Step.target_forward (engine/core/step.py:192);ModelRunner.forward (engine/runner/model_runner.py:466);"
+            "ModelRunner.prepare (engine/runner/model_runner.py:300)",
+            "batch metadata",
+        ),
+        (
+            STEP
+            + ";Step.propose (engine/core/step.py:131);LevelDrafter.propose (engine/speculative/levels.py:140);"
+            + RUNNER,
+            "drafting: draft forwards",
+        ),
+        (
+            STEP + ";Step.propose (engine/core/step.py:131);LevelDrafter.propose (engine/speculative/levels.py:150);"
+            "DraftModelProposer._root_logits (engine/speculative/methods/draft_model.py:140);"
+            "ModelRunner.prepare (engine/runner/model_runner.py:300)",
+            "batch metadata",
+        ),
+        (
+            STEP + ";Step.propose (engine/core/step.py:140);Constraints.cut (engine/sampling/constrain.py:50)",
+            "drafting: host work",
+        ),
+        (
+            STEP + ";Step.plan (engine/core/step.py:100);SpecController.plan (engine/speculative/controller.py:300)",
+            "controller (planning depths)",
+        ),
+        (STEP + ";Scheduler.schedule (engine/core/scheduler.py:90)", "scheduling"),
+        (
+            STEP + ";Step.accept (engine/core/step.py:222);verify (engine/sampling/verify.py:67)",
+            "sampling and verification",
+        ),
+        (STEP + ";Step.commit (engine/core/step.py:250)", "bookkeeping (commit, KV moves, hooks)"),
+        (ENGINE + ";Event.wait (threading.py:629);Condition.wait (threading.py:331)", "idle"),
+        (ENGINE + ";AsyncEngine._deliver (engine/core/async_engine.py:347)", "queue (requests in, outputs out)"),
+        (
+            ENGINE + ";LLMEngine.step (engine/core/llm_engine.py:320);OutputProcessor.process "
+            "(engine/core/output_processor.py:60)",
+            "output processing (detokenize, stops)",
+        ),
+    ],
+)
+def test_engine_samples_land_in_their_stage(stack, stage):
+    assert stage in ENGINE_STAGES
+    assert classify_raw(f"{stack} 7\n")["engine"] == {stage: 7}
+
+
+@pytest.mark.parametrize(
+    "stack,stage",
+    [
+        (API + ";EpollSelector.select (selectors.py:468)", "idle"),
+        (API + ";H11Protocol.data_received (uvicorn/protocols/http/h11_impl.py:200)", "HTTP and SSE"),
+        (
+            "thread (11): MainThread;completions (server/routes.py:80);_tokenize (server/tokens.py:40);"
+            "PreTrainedTokenizerFast._batch_encode_plus (transformers/tokenization_utils_fast.py:500)",
+            "tokenize",
+        ),
+        (
+            "thread (11): MainThread;chunk (server/responses.py:120);BaseModel.model_dump_json (pydantic/main.py:470)",
+            "JSON",
+        ),
+        ("thread (11): MainThread;AsyncEngine.generate (engine/core/async_engine.py:220)", "hand-off to the engine"),
+    ],
+)
+def test_api_samples_land_in_their_stage(stack, stage):
+    assert stage in API_STAGES
+    assert classify_raw(f"{stack} 3\n")["api"] == {stage: 3}
+
+
+def test_stages_per_token_sum_to_the_wall_time():
+    samples = classify_raw(
+        f"{STEP};Step.commit (engine/core/step.py:250) 30\n{ENGINE};Event.wait (threading.py:629) 70\n"
+    )
+    # 100 samples over 2 s recorded; the load ran 1 s for 100 tokens: 10 ms a token, 6 of them busy.
+    ms = per_token_ms(samples["engine"], ENGINE_STAGES, recorded_s=2.0, load_s=1.0, tokens=100)
+    assert ms["bookkeeping (commit, KV moves, hooks)"] == pytest.approx(6.0)
+    assert ms["idle"] == pytest.approx(4.0) and sum(ms.values()) == pytest.approx(10.0)
+    assert classify_raw("thread (9): augur-grammar_0;work (x.py:1) 5\n")["other"] == {"augur-grammar_0": 5}
