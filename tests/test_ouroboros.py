@@ -13,7 +13,7 @@ import engine.sampling.verify as verify_mod
 from conftest import build_model_dir
 from engine.request.sampling_params import SamplingParams
 from engine.sampling.tree import DraftTree
-from engine.speculative.methods.ouroboros import OuroborosProposer, PhrasePool
+from engine.speculative.methods.ouroboros import OuroborosProposer, PhrasePool, _chain_length
 from engine.speculative.proposer import VerifyRows
 
 
@@ -49,9 +49,9 @@ def test_the_phrase_pool_keys_by_two_tokens_then_one():
 
 
 def test_verification_leftovers_become_phrases_after_the_correction(pair):
-    """A chain [10, 11, 12, 13] (under root 5) whose node 1 the target turned down for 20: the draft's
-    tokens after the rejected one, and the target's own outputs over those rows while the draft agreed
-    with them, become phrases after 20."""
+    """A chain [10, 11, 12, 13] (under root 5) whose node 1 the step turned down for 21 (sampled: the
+    target's argmax there was 20): the draft's tokens after the rejected one, and the target's own
+    outputs over those rows while the draft agreed with them, become phrases after what was emitted."""
     eng = make(pair, ouroboros_phrase=4)
     proposer: OuroborosProposer = eng.proposer
     eng.add_request("r", [3, 4, 5], SamplingParams(max_tokens=8))
@@ -62,14 +62,14 @@ def test_verification_leftovers_become_phrases_after_the_correction(pair):
     said = [10, 20, 12, 30, 40]  # the target's argmax after the root, node 0, 1, 2 and 3
     logits = torch.zeros(len(said), vocab)
     logits[torch.arange(len(said)), torch.tensor(said)] = 1.0
-    proposer.on_verify_logits([VerifyRows(seq, tree, [0], 0)], logits)
+    proposer.on_verify_logits([VerifyRows(seq, tree, [0], [10, 21], 0)], logits)
     pool = proposer._pools[seq.seq_id]
     # The newest: the target's after the rejected 11 (12), and 30 after it since the draft also said 12.
-    assert pool.lookup(10, 20) == (12, 30)
-    assert list(pool.phrases.grams[(10, 20)]) == [(12, 13), (12, 30)], "the draft's tail first, then the target's"
-    all_kept = VerifyRows(seq, tree, [0, 1, 2, 3], 0)
+    assert pool.lookup(10, 21) == (12, 30) and (10, 20) not in pool.phrases.grams
+    assert list(pool.phrases.grams[(10, 21)]) == [(12, 13), (12, 30)], "the draft's tail first, then the target's"
+    all_kept = VerifyRows(seq, tree, [0, 1, 2, 3], [10, 11, 12, 13, 40], 0)
     proposer.on_verify_logits([all_kept], logits)  # nothing was turned down: nothing to learn
-    assert list(pool.phrases.grams[(10, 20)]) == [(12, 13), (12, 30)]
+    assert list(pool.phrases.grams[(10, 21)]) == [(12, 13), (12, 30)]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.3], ids=["greedy", "seeded"])
@@ -139,7 +139,7 @@ def test_branches_are_verified_beside_the_chain(pair):
     assert all(t.depth <= d and len(t) <= eng.proposer.slots_needed(d) for t, d in seen)
 
 
-def test_n_choices_fork_the_pool(pair):
+def test_n_choices_stay_exact(pair):
     prompt = repetitive_prompts(1, seed=7)[0]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, n=3)
     plain = make_pair_engine(pair["target"]).generate([prompt], params)[0]
@@ -170,7 +170,19 @@ def test_sampled_output_keeps_the_targets_distribution_and_a_wrong_rule_fails(sm
     stat, dof = g_statistic(samples(target_dir, params, prompt, n, "ouroboros", **kw), expected, n)
     assert stat < g_test_threshold(dof), f"G={stat:.1f} dof={dof}"
     assert shapes["branched"] > shapes["trees"] // 10, "sampled drafts with branches were verified"
-    # The draft's own nodes are rejected against their q, the branches' against a one-hot q: both wrong here.
+
+    # A wrong rule for the branches alone: their nodes claim to be drawn from a uniform q, not one-hot.
+    def uniform_branches(self, seq, d, depth):
+        tree = counted(self, seq, d, depth)
+        if tree.q is not None:
+            tree.q[_chain_length(tree) :] = 1.0 / tree.q.shape[1]
+        return tree
+
+    monkeypatch.setattr(OuroborosProposer, "_tree", uniform_branches)
+    stat, dof = g_statistic(samples(target_dir, params, prompt, n, "ouroboros", **kw), expected, n)
+    assert stat > g_test_threshold(dof), f"a wrong rule for branches went unnoticed: G={stat:.1f} dof={dof}"
+    # And a wrong residual after the draft's own nodes.
+    monkeypatch.setattr(OuroborosProposer, "_tree", counted)
     monkeypatch.setattr(verify_mod, "reject_residual", lambda P_, q_: P_)
     stat, dof = g_statistic(samples(target_dir, params, prompt, n, "ouroboros", **kw), expected, n)
     assert stat > g_test_threshold(dof), f"the wrong rule went unnoticed: G={stat:.1f} dof={dof}"

@@ -116,6 +116,11 @@ def check_matches(eng: LLMEngine, outs: list[list[int]]) -> None:
 METHODS = {
     "plain": lambda target, tmp: {},
     "draft": lambda target, tmp: {"draft_model": str(noisy_copy(target, tmp / "draft", 0.5))},
+    "ouroboros": lambda target, tmp: {
+        "speculative_method": "ouroboros",
+        "draft_model": str(noisy_copy(target, tmp / "draft", 0.5)),
+        "ouroboros_branches": 2,
+    },
     "ngram": lambda target, tmp: {"speculative_method": "ngram"},
     "suffix": lambda target, tmp: {"speculative_method": "suffix"},
     "layer-skip": lambda target, tmp: {"speculative_method": "layer-skip"},

@@ -80,7 +80,7 @@ class Step:
         self.advance(batch, out)
         emits = self.accept(batch, out.logits, out.final_hidden)
         self.commit(batch, emits, out.hidden_states)
-        self.feedback(batch, out.logits)
+        self.feedback(batch, emits, out.logits)
         record_prompt_logprobs(out.logits, batch.prompt_spans)
         if self.controller is not None:
             tokens, seconds = sum(len(e.tokens) for e in emits), time.perf_counter() - t0
@@ -262,13 +262,13 @@ class Step:
             seq.group.num_accepted_tokens += a
         self.runner.move_slots(src, dst)
 
-    def feedback(self, b: Batch, logits: torch.Tensor) -> None:
+    def feedback(self, b: Batch, emits: list[Emit], logits: torch.Tensor) -> None:
         """What the target said over the proposer's rows and, if it reads them, its trees', in one call."""
         trees = self.proposer is not None and self.proposer.reads_verify_logits
         if self._extra or trees:
             rows = [
-                VerifyRows(s.seq, s.tree, s.accepted, s.row, self._extra.get(s.seq.seq_id))
-                for s in b.samples
+                VerifyRows(s.seq, s.tree, s.accepted, e.tokens, s.row, self._extra.get(s.seq.seq_id))
+                for s, e in zip(b.samples, emits[len(b.searches) :])
                 if s.extra or (trees and len(s.tree))
             ]
             if rows:

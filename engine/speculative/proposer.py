@@ -98,6 +98,7 @@ class VerifyRows:
     seq: Sequence
     tree: DraftTree  # the tree the forward verified (what a grammar left of the draft)
     accepted: list[int]  # the nodes kept, root to leaf
+    emitted: list[int]  # the tokens the step emitted: the kept nodes' and the one sampled after them
     row: int
     extra: ExtraRows | None = None
 

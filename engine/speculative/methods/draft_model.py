@@ -137,6 +137,7 @@ class DraftModelProposer(LevelDrafter):
             budget -= take
             tokens = s.token_ids[start + self.shift : start + self.shift + take]
             more = after_root[i] if after_root is not None and take == n else []
+            budget -= len(more)
             chunks.append(ForwardChunk(tokens + more, start, s.block_table, (1 + len(more)) * int(take == n)))
             states.append(self._catch_up_state(s, start, take))
             if take == n:

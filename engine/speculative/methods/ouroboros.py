@@ -21,8 +21,9 @@ drawn from).
 touched out; freed with the request, copied on a fork) takes the request's own text as it becomes
 final (the prompt's last ``PROMPT_SEED_TOKENS`` tokens on), and after each verification what the
 step would otherwise discard, keyed by the token the target put in place of the draft's first
-rejected one: the draft's tokens after it, and the target's own outputs over those rows (each
-output holds while the draft's next token agreed with it). Text is added last, so it is tried first.
+rejected one (what the step emitted there): the draft's tokens after it, and the target's own outputs
+over those rows (argmax; each kept while the draft's next token agreed with it). Text is added last,
+so it is tried first.
 
 The controller plans this method's depth like the draft model's (the verified tree is never deeper
 than the planned depth); its cost model times the draft forwards as they run, phrases and all.
@@ -148,21 +149,23 @@ class OuroborosProposer(DraftModelProposer):
                 todo.append((r, a, chain))
         if not todo:
             return
-        index = [r.row + a + i for r, a, chain in todo for i in range(chain - a + 1)]
+        index = [r.row + 1 + a + i for r, a, chain in todo for i in range(chain - a)]
         said = logits[torch.tensor(index, device=logits.device)].argmax(-1).tolist()
         at = 0
         for r, a, chain in todo:
-            out = said[at : at + chain - a + 1]  # the target's outputs after node a - 1, a, ... chain - 1
+            out = said[at : at + chain - a]  # the target's argmax after nodes a, a + 1, ... chain - 1
             at += len(out)
             pool = self._pool(r.seq)
-            tree, correction = r.tree.tokens, out[0]
+            tree, correction = r.tree.tokens, r.emitted[a]  # what the step put where node a was turned down
             prev = tree[a - 1] if a > 0 else r.seq.token_ids[r.seq.num_computed_tokens - len(r.accepted) - 1]
             pool.add(prev, correction, tree[a + 1 : chain])  # the draft's tokens after the rejected one
-            said_after = [out[1]]  # the target's, conditioned on the draft's token: kept while the draft agreed
+            # The target's, after the draft's rejected token (a guess that one token's change leaves
+            # what follows as it was), kept while the draft's next token agreed with it.
+            said_after = [out[0]]
             for i in range(a + 1, chain):
                 if tree[i] != said_after[-1]:
                     break
-                said_after.append(out[i - a + 1])
+                said_after.append(out[i - a])
             pool.add(prev, correction, said_after)
 
     # -- drafting -------------------------------------------------------------------------------
@@ -262,15 +265,15 @@ class OuroborosProposer(DraftModelProposer):
                 qrows.append(None)
                 parent = len(tokens) - 1
         self._written[seq.seq_id] = list(range(min(d.fed, len(chain))))
-        if seq.params.greedy or qrows[0] is None:
+        # Greedy and seeded verification never read q (a seeded request's draws are keyed).
+        if seq.params.greedy or seq.seed is not None or qrows[0] is None:
             return DraftTree(tokens, parents)
-        one_hot = torch.zeros(len(tokens), self.vocab_size, device=qrows[0].device)
-        for i, t in enumerate(tokens):  # a branch's nodes are certain: q is one-hot at its token
-            if qrows[i] is None:
-                one_hot[i, t] = 1.0
-            else:
-                one_hot[i] = qrows[i]
-        return DraftTree(tokens, parents, one_hot)
+        q = torch.zeros(len(tokens), self.vocab_size, device=qrows[0].device)
+        q[: len(chain)] = torch.stack(qrows[: len(chain)])
+        if len(tokens) > len(chain):  # a branch's nodes are certain: q is one-hot at its token
+            branch = torch.tensor(tokens[len(chain) :], device=q.device)
+            q[len(chain) :].scatter_(1, branch[:, None], 1.0)
+        return DraftTree(tokens, parents, q)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def on_fork(self, parent: Sequence, child: Sequence) -> None:
