@@ -80,7 +80,7 @@ def _has(frames, func: str | None = None, file: str | None = None) -> int:
 def engine_stage(frames: list[tuple[str, str]]) -> str:
     leaf = frames[-1][0] if frames else ""
     if _has(frames, "Step.run") < 0:
-        if _has(frames, "_drain_commands") >= 0 or _has(frames, "_deliver") >= 0 or _has(frames, "_publish_load") >= 0:
+        if any(_has(frames, f) >= 0 for f in ("_drain_commands", "_deliver", "_deliver_all", "_publish_load")):
             return "queue (requests in, outputs out)"
         if leaf.endswith(".wait") or _has(frames, "Event.wait") >= 0 or _has(frames, "Condition.wait") >= 0:
             return "idle"

@@ -108,7 +108,8 @@ def parse_server(text: str) -> ServerSpec:
 
 def parse_preset(name: str) -> ServerSpec:
     if name in AUGUR_PRESETS:
-        return ServerSpec(name, f"{shlex.quote(AUGUR_EXE)} serve --port {{port}}{AUGUR_PRESETS[name]}")
+        # --compile-wait: ready means compiled, so no run measures the server while it compiles beside it.
+        return ServerSpec(name, f"{shlex.quote(AUGUR_EXE)} serve --compile-wait --port {{port}}{AUGUR_PRESETS[name]}")
     if name in PEER_PRESETS:
         return peer_spec(name)
     raise argparse.ArgumentTypeError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")

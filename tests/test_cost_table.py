@@ -62,6 +62,11 @@ RUNNER = "ModelRunner.execute (engine/runner/model_runner.py:421);Module._call_i
         (ENGINE + ";Event.wait (threading.py:629);Condition.wait (threading.py:331)", "idle"),
         (ENGINE + ";AsyncEngine._deliver (engine/core/async_engine.py:347)", "queue (requests in, outputs out)"),
         (
+            ENGINE + ";AsyncEngine._deliver_all (engine/core/async_engine.py:298);"
+            "BaseEventLoop.call_soon_threadsafe (asyncio/base_events.py:812)",
+            "queue (requests in, outputs out)",
+        ),
+        (
             ENGINE + ";LLMEngine.step (engine/core/llm_engine.py:320);OutputProcessor.process "
             "(engine/core/output_processor.py:60)",
             "output processing (detokenize, stops)",
