@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from test_ngram import samples, target  # noqa: F401
 from test_spec import exact_joint, g_statistic, g_test_threshold, small_vocab_pair  # noqa: F401
-from test_step import make
+from test_step import check_n_choices, make
 from test_step import prompts as repetitive_prompts
 
 import engine.sampling.verify as verify_mod
@@ -104,13 +104,7 @@ def test_greedy_output_is_the_plain_decoders(target, shared):  # noqa: F811
 
 
 def test_n_choices_fork_the_window(target):  # noqa: F811
-    prompt = repetitive_prompts(1, seed=7)[0]
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, n=3)
-    plain = make(target).generate([prompt], params)[0]
-    eng = make(target, "lookahead")
-    out = eng.generate([prompt], SamplingParams(**{**params.__dict__, "num_draft_tokens": 3}))[0]
-    assert [c.delta_token_ids for c in out.outputs] == [c.delta_token_ids for c in plain.outputs]
-    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    check_n_choices(make(target), make(target, "lookahead"))
 
 
 def test_sampled_output_keeps_the_targets_distribution_and_a_wrong_rule_fails(small_vocab_pair, monkeypatch):  # noqa: F811

@@ -7,6 +7,7 @@ import torch
 from test_ngram import samples
 from test_spec import exact_joint, g_statistic, g_test_threshold, noisy_copy, small_vocab_pair, staggered  # noqa: F401
 from test_spec import make as make_pair_engine
+from test_step import check_n_choices
 from test_step import prompts as repetitive_prompts
 
 import engine.sampling.verify as verify_mod
@@ -140,13 +141,7 @@ def test_branches_are_verified_beside_the_chain(pair):
 
 
 def test_n_choices_stay_exact(pair):
-    prompt = repetitive_prompts(1, seed=7)[0]
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, n=3)
-    plain = make_pair_engine(pair["target"]).generate([prompt], params)[0]
-    eng = make(pair)
-    out = eng.generate([prompt], SamplingParams(**{**params.__dict__, "num_draft_tokens": 3}))[0]
-    assert [c.delta_token_ids for c in out.outputs] == [c.delta_token_ids for c in plain.outputs]
-    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    check_n_choices(make_pair_engine(pair["target"]), make(pair))
 
 
 def test_sampled_output_keeps_the_targets_distribution_and_a_wrong_rule_fails(small_vocab_pair, monkeypatch):  # noqa: F811

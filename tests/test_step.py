@@ -106,6 +106,17 @@ def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> 
     return [o.outputs[0].delta_token_ids for o in engine.generate(prompts, params)]
 
 
+def check_n_choices(plain: LLMEngine, eng: LLMEngine, seed: int = 7) -> None:
+    """An n = 3 greedy request through ``eng``, speculating at depth 3, gives the plain engine's
+    choices, and every KV block comes back."""
+    prompt = prompts(1, seed)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, n=3)
+    want = [c.delta_token_ids for c in plain.generate([prompt], params)[0].outputs]
+    out = eng.generate([prompt], SamplingParams(**{**params.__dict__, "num_draft_tokens": 3}))[0]
+    assert [c.delta_token_ids for c in out.outputs] == want
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
 def prompts(n: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     # Repetitive prompts so that lookup finds something to copy.

@@ -104,12 +104,13 @@ class OuroborosProposer(DraftModelProposer):
         catch_up_budget: int = 2048,
         max_depth: int = 0,
     ) -> None:
-        super().__init__(runner, target_vocab_size, eos_token_ids, tree=False, catch_up_budget=catch_up_budget)
+        super().__init__(
+            runner, target_vocab_size, eos_token_ids, tree=False, catch_up_budget=catch_up_budget, max_depth=max_depth
+        )
         if phrase < 1 or branches < 0:
             raise ValueError(
                 f"ouroboros needs a phrase of at least 1 token and branches >= 0, got {phrase}, {branches}"
             )
-        self.max_depth = max_depth
         self.phrase, self.branches = phrase, branches
         self._pools: dict[int, PhrasePool] = {}
         self.num_phrase_tokens = 0  # draft tokens a phrase gave (drawn by the draft in a forward it shared)
