@@ -6,14 +6,16 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from loadtest import bench_gpu
 
 
 def test_step_benchmark_runs_and_reports(tmp_path):
     out = tmp_path / "steps.json"
-    argv = ["--shapes", "tiny", "--device", "cpu", "--dtype", "float32", "--context", "40", "--repeats", "2"]
-    argv += ["--attention-backends", "sdpa", "triton"]  # triton: interpreted on CPU (TRITON_INTERPRET=1)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # triton: interpreted on CPU (TRITON_INTERPRET=1)
+    argv = ["--shapes", "tiny", "--device", device, "--dtype", "float32", "--context", "40", "--repeats", "2"]
+    argv += ["--attention-backends", "sdpa", "triton"]
     assert bench_gpu.main(argv + ["--depths", "2", "4", "--alphas", "0.5", "0.9", "--output", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["device"] and report["copy_bandwidth_gb_s"] > 0
@@ -34,8 +36,6 @@ def test_step_benchmark_runs_and_reports(tmp_path):
 
 def test_real_shapes_build_as_published():
     """The shapes are the published ones: parameter counts from the configs, built on the meta device."""
-    import torch
-
     from engine.models import model_class_for
 
     counts = {}

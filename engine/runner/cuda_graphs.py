@@ -30,6 +30,7 @@ static buffers runs directly, which is how the tests check everything but the ca
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass, field
 
@@ -146,6 +147,8 @@ class CudaGraphs:
         if not set(hidden_layers) <= set(self.hidden_layers):
             self.hidden_layers = tuple(sorted({*self.hidden_layers, *hidden_layers}))
             self.graphs.clear()
+            if self.capture:  # the old graphs' memory pool is released with them: record into a new one
+                self.pool = torch.cuda.graph_pool_handle()
         sig = None if hidden_in is None else (tuple(hidden_in.shape[1:]), hidden_in.dtype)
         key = (shape.num_seqs, shape.width, skip, sig)
         args = self._load(batch, input_ids, hidden_in, sig)
@@ -213,8 +216,16 @@ class CudaGraphs:
             self._call(fn, static_args)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = self._call(fn, static_args)
+        # No garbage collection mid-capture: an unreachable graph of an earlier runner (engines hold
+        # reference cycles), freed there, would reset on the capturing stream, which CUDA refuses.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                outputs = self._call(fn, static_args)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
         graph.replay()  # the capture ran nothing: this is the batch's result
         logger.info("captured a CUDA graph: %d sequences x %d tokens", key[0], key[1])
         return _Graph(outputs, graph)
