@@ -52,6 +52,8 @@ AUGUR_PRESETS = {
     "augur-suffix": " --speculative-method suffix",
     "augur-trees": " --spec-tree-topk 2",
     "augur-bf16": " --dtype bfloat16",
+    "augur-default-process": " --engine-process on",
+    "augur-plain-process": " --speculative-method none --engine-process on",
 }
 PEER_PRESETS = {f"{peer}-{mode}": (peer, mode) for peer in ("vllm", "llamacpp") for mode in ("draft", "plain", "ngram")}
 PRESETS = [*AUGUR_PRESETS, *PEER_PRESETS]

@@ -5,7 +5,7 @@ OpenAI's error shape, puts auth and the body limits in front, and mounts the rou
 ``routes/completions.py`` and ``routes/chat.py`` (generation, relayed by ``relay.py``),
 ``routes/responses.py`` (the Responses API, on chat's path), ``routes/tokenize.py`` and
 ``routes/admin.py``. Nothing here touches a tensor; the routes reach the
-engine only through :class:`~engine.core.async_engine.AsyncEngine`.
+engine only through a front (:class:`~engine.core.async_engine.EngineFront`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.core.async_engine import AsyncEngine
+from engine.core.async_engine import EngineFront
 from server.common import APIError
 from server.limits import BodyLimits
 from server.protocol import (
@@ -78,7 +78,7 @@ class BearerAuth:
 
 def create_app(
     settings: ServerSettings,
-    engine_factory: Callable[[], AsyncEngine],
+    engine_factory: Callable[[], EngineFront],
     on_load_failure: Callable[[str], None] | None = None,
 ) -> FastAPI:
     """The app. ``engine_factory`` runs on a background thread at start-up, so /health can answer

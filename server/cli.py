@@ -239,7 +239,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(settings, lambda: AsyncEngine(LLMEngine(config)), on_load_failure=give_up)
+    def build_engine():
+        if args.engine_process == "on":
+            from engine.core.engine_core import ProcessEngine
+
+            return ProcessEngine(config)
+        return AsyncEngine(LLMEngine(config))
+
+    app = create_app(settings, build_engine, on_load_failure=give_up)
     print(f"Augur serving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     server_config = uvicorn_config(
         app,
@@ -430,6 +437,13 @@ def _serve_parser(sub, common: argparse.ArgumentParser) -> None:
         action="store_false",
         help="compile the forwards before answering anything (default: answer at once with the eager forwards, "
         "compile in the background, swap the compiled ones in between two steps)",
+    )
+    serve.add_argument(
+        "--engine-process",
+        choices=["on", "off"],
+        default="off",
+        help="on: the engine steps in a process of its own, the API process tokenizes, streams and serves HTTP "
+        "(engine/core/engine_core.py); off: on a thread of the API process",
     )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)

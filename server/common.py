@@ -9,7 +9,7 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from engine.core.async_engine import AsyncEngine
+from engine.core.async_engine import EngineFront
 from server.protocol import BadBodyError, UnsupportedError, error_body, parse_json_body
 from server.state import ServerState
 
@@ -28,7 +28,7 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param)
 
 
-def ready_engine(state: ServerState) -> AsyncEngine:
+def ready_engine(state: ServerState) -> EngineFront:
     """The engine, or a 503 while it loads or after it died."""
     eng = state.engine
     if eng is None or not eng.is_running:

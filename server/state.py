@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine.core.async_engine import AsyncEngine
+from engine.core.async_engine import EngineFront
 from server.metrics import Metrics
 from server.responses.store import ResponseStore
 from server.tokens import TokenTexts
@@ -43,7 +43,7 @@ API_KEY_SCOPE = "augur.api_key"  # the ASGI scope's entry naming the key a reque
 @dataclass
 class ServerState:
     settings: ServerSettings
-    engine: AsyncEngine | None = None
+    engine: EngineFront | None = None
     load_error: str | None = None
     token_texts: TokenTexts | None = None  # the served tokenizer's token texts, for logprobs
     metrics: Metrics = field(init=False)
@@ -60,7 +60,7 @@ class ServerState:
         name = self.settings.tool_call_parser
         return detect_format(self.engine.chat_template) if name == "auto" else FORMATS[name]
 
-    def attach(self, engine: AsyncEngine) -> None:
+    def attach(self, engine: EngineFront) -> None:
         self.metrics.bind_engine(engine)
         engine.step_hooks.append(self.metrics.on_step)
         engine.start()

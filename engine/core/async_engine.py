@@ -1,11 +1,14 @@
 """An asyncio front for :class:`LLMEngine`.
 
-The step loop runs on its own thread, off the event loop, so handlers stay responsive while the
-model computes. Handlers talk to it only through this class: read-only views and checks (the
-tokenizer, the limits, :meth:`AsyncEngine.prepare`, :meth:`AsyncEngine.render_chat`) and a command
-queue (add / abort), and each request gets an async stream of :class:`RequestOutput`. Closing that
-stream early (a client disconnect) aborts the request; the loop applies aborts before its next step,
-so the KV blocks come back within one engine step.
+Handlers talk to the engine only through a front: read-only views and checks (the tokenizer, the
+limits, :meth:`EngineFront.prepare`, :meth:`EngineFront.render_chat`), commands (add / abort) and, per
+request, an async stream of :class:`RequestOutput`. Closing that stream early (a client disconnect)
+aborts the request; the engine applies aborts before its next step, so the KV blocks come back
+within one engine step.
+
+Two fronts share this class's streams and checks: :class:`AsyncEngine` runs the step loop on a
+thread of this process, off the event loop; ``engine.core.engine_core.ProcessEngine`` runs it in a
+process of its own (``--engine-process``).
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from dataclasses import dataclass
 import jinja2
 
 from engine.core.llm_engine import LLMEngine
-from engine.request.checks import InvalidRequestError
-from engine.request.outputs import CompletionOutput, RequestOutput, RequestStats
+from engine.request.checks import InvalidRequestError, RequestLimits, TextFit
+from engine.request.outputs import RequestOutput
 from engine.request.sampling_params import SamplingParams
 from engine.request.structured import StructuredOutput
 from engine.structured import GrammarError
@@ -76,24 +79,31 @@ class CacheInfo:
     prefix_caching: bool
 
 
-class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
-        self._wakeup = threading.Event()
+class EngineFront:
+    """What every front shares: the request streams, the queue bound, the checks a request gets
+    before it is queued, and the engine's death. A subclass sets ``tokenizer``, ``limits`` and
+    ``grammars`` (:meth:`_bind`) and sends the commands (:meth:`_submit`)."""
+
+    def __init__(self) -> None:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()  # guards _streams
-        self._thread: threading.Thread | None = None
-        self._stopping = False
         self.dead_error: str | None = None
-        self.step_hooks: list = []  # callables(outputs, step_seconds), run on the loop thread
+        self.step_hooks: list = []  # callables(outputs, step_seconds), run where the outputs arrive
         self._unstarted: dict[
             str, float
         ] = {}  # admitted, no output yet (→ admission time): what --max-queue-len bounds
-        self._consecutive_failures = 0
         self.load = EngineLoad()
         # Grammars compile here, two at a time at most, whatever the requests ask.
         self._grammar_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="augur-grammar")
+
+    def _bind(self, tokenizer, limits: RequestLimits, grammars) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.grammars = grammars
+        self._text_fit = TextFit(tokenizer, limits.max_model_len)
+
+    def _submit(self, command: _Add | _Abort) -> None:
+        raise NotImplementedError
 
     @property
     def num_unstarted(self) -> int:
@@ -119,6 +129,161 @@ class AsyncEngine:
         stale = [r for r, t in self._unstarted.items() if r not in self._streams and now - t > ttl]
         for r in stale:
             del self._unstarted[r]
+
+    # -- what handlers need of the engine ---------------------------------------------------------------
+    # Read-only views and checks, safe from any thread: the tokenizer and the limits never change.
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    @property
+    def max_model_len(self) -> int:
+        return self.limits.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.limits.vocab_size
+
+    def prepare(self, prompts: list[str | list[int]], params: SamplingParams) -> list[list[int]]:
+        """Each prompt tokenized and checked against the engine's limits: the one check a request gets
+        (InvalidRequestError says why it cannot be served). :meth:`generate` takes what this returns."""
+        ids = []
+        for p in prompts:
+            if isinstance(p, str):
+                self._text_fit.check(p)
+                tokens = self.tokenizer.encode(p)
+            else:
+                tokens = list(p)
+            self.limits.check(tokens, params)
+            ids.append(tokens)
+        return ids
+
+    async def compile_grammar(self, so: StructuredOutput, timeout: float = GRAMMAR_COMPILE_SECONDS) -> None:
+        """Compile a request's structured-output spec into the grammar cache, on a worker thread
+        (llguidance drops the GIL while it builds), so that the engine thread only copies it.
+        Raises GrammarError (an invalid spec, or one that takes longer than ``timeout`` to compile:
+        its build is bounded by llguidance's limits and finishes on its thread, into the cache)."""
+        future = asyncio.get_running_loop().run_in_executor(self._grammar_pool, self.grammars.compile, so)
+        try:
+            await asyncio.wait_for(asyncio.shield(future), timeout)
+        except TimeoutError:
+            raise GrammarError(f"the {so.kind} took longer than {timeout:g} s to compile", so.param) from None
+
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self.tokenizer, "chat_template", None)
+
+    @property
+    def chat_template_takes_tools(self) -> bool:
+        """The template renders a ``tools`` list (and tool calls and results in the history)."""
+        return "tools" in (self.chat_template or "")
+
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
+    ) -> list[int]:
+        """Chat messages (and the offered ``tools``, for a template that takes them) through the
+        model's chat template, as token ids; a text that cannot fit the context is refused before it
+        is tokenized (InvalidRequestError)."""
+        tok = self.tokenizer
+        kw = {"tools": tools} if tools else {}
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kw)
+        except jinja2.TemplateError as e:  # the template's own checks (roles that must alternate, ...)
+            raise InvalidRequestError(f"the model's chat template refused these messages: {e}", "messages") from None
+        self._text_fit.check(text)
+        return tok.encode(text, add_special_tokens=False)
+
+    # -- requests -----------------------------------------------------------------------------------
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs until it finishes; leaving the loop early aborts the request.
+        ``prompt_ids`` come from :meth:`prepare` with these ``params`` (checked there, not again)."""
+        if self.dead_error is not None:
+            raise EngineDeadError(self.dead_error)
+        loop = asyncio.get_running_loop()
+        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        with self._lock:
+            # Checked again under the lock the dying loop thread takes to fail every stream: a
+            # request either sees the death here or is among the streams that get its error.
+            if self.dead_error is not None:
+                raise EngineDeadError(self.dead_error)
+            if request_id in self._streams:
+                raise ValueError(f"duplicate request id {request_id!r}")
+            self._streams[request_id] = (loop, stream)
+            self._unstarted.setdefault(request_id, time.monotonic())
+        self._submit(_Add(request_id, prompt_ids, params, time.monotonic()))
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                self._unstarted.pop(request_id, None)
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+                self._unstarted.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._submit(_Abort(request_id))
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Hand items to their requests' streams with one wake-up per event loop: each wake-up writes to
+        the loop's self-pipe, and after it the engine thread waits for the interpreter lock while the
+        loop runs (a step's outputs one wake-up each cost ~0.2 ms a token at c = 1: docs/benchmarks.md)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        with self._lock:
+            for request_id, item in items:
+                target = self._streams.get(request_id)
+                if target is not None:
+                    loop, stream = target
+                    by_loop.setdefault(loop, []).append((stream, item))
+        for loop, puts in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, puts)
+
+    def _fail_streams(self, reason: str) -> None:
+        """The engine is dead: no new request is taken (``generate`` checks ``dead_error`` under the
+        same lock) and every waiting stream gets the error."""
+        with self._lock:
+            self.dead_error = reason
+            targets = list(self._streams.items())
+        for _, (loop, stream) in targets:
+            loop.call_soon_threadsafe(stream.put_nowait, EngineDeadError(reason))
+
+    def _run_hooks(self, outputs: list[RequestOutput], elapsed: float) -> None:
+        for hook in self.step_hooks:
+            try:
+                hook(outputs, elapsed)
+            except Exception:
+                logger.exception("step hook failed")
+
+
+class AsyncEngine(EngineFront):
+    """The front whose engine steps on a thread of this process."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        super().__init__()
+        self.engine = engine
+        self._bind(engine.tokenizer, engine.limits, engine.grammars)
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._consecutive_failures = 0
+
+    def _submit(self, command: _Add | _Abort) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -150,24 +315,7 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.dead_error is None
 
-    # -- what handlers need of the engine ---------------------------------------------------------------
-    # Read-only views and checks, safe from any thread: the tokenizer and the limits never change.
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
-    def has_chat_template(self) -> bool:
-        return bool(getattr(self.engine.tokenizer, "chat_template", None))
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.vocab_size
-
+    # -- the engine's state, read where it changes --------------------------------------------------------
     @property
     def spec_method(self) -> str:
         return self.engine.spec_method
@@ -187,116 +335,9 @@ class AsyncEngine:
 
     @property
     def cache_info(self) -> CacheInfo:
-        e = self.engine
-        dtype = str(e.dtype).removeprefix("torch.")
-        return CacheInfo(e.config.block_size, e.block_manager.num_blocks, dtype, e.config.enable_prefix_caching)
-
-    def prepare(self, prompts: list[str | list[int]], params: SamplingParams) -> list[list[int]]:
-        """Each prompt tokenized and checked against the engine's limits: the one check a request gets
-        (InvalidRequestError says why it cannot be served). :meth:`generate` takes what this returns."""
-        ids = []
-        for p in prompts:
-            tokens = self.engine.tokenize(p)
-            self.engine.validate(tokens, params)
-            ids.append(tokens)
-        return ids
-
-    async def compile_grammar(self, so: StructuredOutput, timeout: float = GRAMMAR_COMPILE_SECONDS) -> None:
-        """Compile a request's structured-output spec into the engine's grammar cache, on a worker
-        thread (llguidance drops the GIL while it builds), so that the engine thread only copies it.
-        Raises GrammarError (an invalid spec, or one that takes longer than ``timeout`` to compile:
-        its build is bounded by llguidance's limits and finishes on its thread, into the cache)."""
-        future = asyncio.get_running_loop().run_in_executor(self._grammar_pool, self.engine.grammars.compile, so)
-        try:
-            await asyncio.wait_for(asyncio.shield(future), timeout)
-        except TimeoutError:
-            raise GrammarError(f"the {so.kind} took longer than {timeout:g} s to compile", so.param) from None
-
-    @property
-    def chat_template(self) -> str | None:
-        return getattr(self.engine.tokenizer, "chat_template", None)
-
-    @property
-    def chat_template_takes_tools(self) -> bool:
-        """The template renders a ``tools`` list (and tool calls and results in the history)."""
-        return "tools" in (self.chat_template or "")
-
-    def render_chat(
-        self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
-    ) -> list[int]:
-        """Chat messages (and the offered ``tools``, for a template that takes them) through the
-        model's chat template, as token ids; a text that cannot fit the context is refused before it
-        is tokenized (InvalidRequestError)."""
-        tok = self.engine.tokenizer
-        kw = {"tools": tools} if tools else {}
-        try:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kw)
-        except jinja2.TemplateError as e:  # the template's own checks (roles that must alternate, ...)
-            raise InvalidRequestError(f"the model's chat template refused these messages: {e}", "messages") from None
-        self.engine.check_text_fits(text)
-        return tok.encode(text, add_special_tokens=False)
-
-    # -- requests -----------------------------------------------------------------------------------
-    async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs until it finishes; leaving the loop early aborts the request.
-        ``prompt_ids`` come from :meth:`prepare` with these ``params`` (checked there, not again)."""
-        if self.dead_error is not None:
-            raise EngineDeadError(self.dead_error)
-        loop = asyncio.get_running_loop()
-        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        with self._lock:
-            # Checked again under the lock the dying loop thread takes to fail every stream: a
-            # request either sees the death here or is among the streams that get its error.
-            if self.dead_error is not None:
-                raise EngineDeadError(self.dead_error)
-            if request_id in self._streams:
-                raise ValueError(f"duplicate request id {request_id!r}")
-            self._streams[request_id] = (loop, stream)
-            self._unstarted.setdefault(request_id, time.monotonic())
-        self._commands.put(_Add(request_id, prompt_ids, params, time.monotonic()))
-        self._wakeup.set()
-        finished = False
-        try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    raise item
-                self._unstarted.pop(request_id, None)
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            with self._lock:
-                self._streams.pop(request_id, None)
-                self._unstarted.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
-
-    def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
-        self._wakeup.set()
+        return cache_info(self.engine)
 
     # -- the loop thread ----------------------------------------------------------------------------
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        self._deliver_all([(request_id, item)])
-
-    def _deliver_all(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
-        """Hand items to their requests' streams with one wake-up per event loop: each wake-up writes to
-        the loop's self-pipe, and after it the engine thread waits for the interpreter lock while the
-        loop runs (a step's outputs one wake-up each cost ~0.2 ms a token at c = 1: docs/benchmarks.md)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        with self._lock:
-            for request_id, item in items:
-                target = self._streams.get(request_id)
-                if target is not None:
-                    loop, stream = target
-                    by_loop.setdefault(loop, []).append((stream, item))
-        for loop, puts in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, puts)
-
     def _drain_commands(self) -> None:
         while True:
             try:
@@ -318,16 +359,7 @@ class AsyncEngine:
                 self._deliver(cmd.request_id, e)
 
     def _publish_load(self) -> None:
-        e = self.engine
-        s = e.scheduler
-        self.load = EngineLoad(
-            e.num_requests_running,
-            e.num_requests_waiting,
-            e.block_manager.usage,
-            s.prefix_queries,
-            s.prefix_hits,
-            s.num_preemptions,
-        )
+        self.load = engine_load(self.engine)
 
     def _run(self) -> None:
         while not self._stopping:
@@ -354,43 +386,39 @@ class AsyncEngine:
             self._publish_load()
             elapsed = time.perf_counter() - t0
             self._deliver_all([(out.request_id, out) for out in outputs])
-            for hook in self.step_hooks:
-                try:
-                    hook(outputs, elapsed)
-                except Exception:
-                    logger.exception("step hook failed")
+            self._run_hooks(outputs, elapsed)
 
     def _fail_step(self, tb: str) -> None:
         """A step raised outside the engine's own confinement: fail the requests that were in it
         (none if it failed before scheduling anyone), keep serving the rest."""
         logger.error("engine step failed; failing its requests:\n%s", tb)
-        in_step = {seq.group.request_id for seq in self.engine.step_runner.scheduled}
-        self._fail_requests([r for r in self.engine.groups if r in in_step], tb.strip().splitlines()[-1])
+        outs = self.engine.fail_requests(self.engine.requests_in_step(), tb.strip().splitlines()[-1])
+        self._deliver_all([(out.request_id, out) for out in outs])
 
     def _die(self, reason: str) -> None:
-        """Stop serving: every request in the engine fails, every waiting stream gets the error, and
-        no new request is taken (``generate`` checks ``dead_error`` under the same lock)."""
+        """Stop serving: every request in the engine fails, every waiting stream gets the error."""
         logger.error(reason)
-        self._fail_requests(list(self.engine.groups), reason)
-        with self._lock:
-            self.dead_error = reason
-            targets = list(self._streams.items())
-        for _, (loop, stream) in targets:
-            loop.call_soon_threadsafe(stream.put_nowait, EngineDeadError(reason))
+        outs = self.engine.fail_requests(list(self.engine.groups), reason)
+        self._deliver_all([(out.request_id, out) for out in outs])
+        self._fail_streams(reason)
 
-    def _fail_requests(self, request_ids: list[str], error: str) -> None:
-        for request_id in request_ids:
-            group = self.engine.groups[request_id]
-            self.engine.abort(request_id)
-            err = RequestOutput(
-                request_id,
-                group.prompt_ids,
-                [CompletionOutput(s.index, "", "", [], None, s.num_output_tokens, "error") for s in group.seqs],
-                True,
-                RequestStats(arrival_time=group.arrival_time, num_prompt_tokens=group.num_prompt_tokens),
-                error=error,
-            )
-            self._deliver(request_id, err)
+
+def engine_load(engine: LLMEngine) -> EngineLoad:
+    s = engine.scheduler
+    return EngineLoad(
+        engine.num_requests_running,
+        engine.num_requests_waiting,
+        engine.block_manager.usage,
+        s.prefix_queries,
+        s.prefix_hits,
+        s.num_preemptions,
+    )
+
+
+def cache_info(engine: LLMEngine) -> CacheInfo:
+    dtype = str(engine.dtype).removeprefix("torch.")
+    c = engine.config
+    return CacheInfo(c.block_size, engine.block_manager.num_blocks, dtype, c.enable_prefix_caching)
 
 
 def _put_all(puts: list[tuple[asyncio.Queue, object]]) -> None:

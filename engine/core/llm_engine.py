@@ -23,8 +23,8 @@ from engine.core.scheduler import Scheduler
 from engine.core.step import Step
 from engine.decoding.beam import BeamSearch
 from engine.kv import BlockManager
-from engine.request.checks import InvalidRequestError, check_request
-from engine.request.outputs import RequestOutput
+from engine.request.checks import InvalidRequestError, RequestLimits, TextFit
+from engine.request.outputs import CompletionOutput, RequestOutput, RequestStats
 from engine.request.sampling_params import SamplingParams
 from engine.request.sequence import BeamState, FinishReason, Sequence, SequenceGroup, SequenceStatus, TokenLogprob
 from engine.request.state import SearchState
@@ -92,6 +92,7 @@ class LLMEngine:
             logger.warning("max_model_len lowered from %d to the KV pool's %d tokens", max_len, capacity)
             max_len = capacity
         self.max_model_len = max_len
+        self._text_fit = TextFit(self.tokenizer, max_len)
         self.runner.allocate_kv(num_blocks)
         if self.proposer is not None:
             self.proposer.allocate_kv(num_blocks)
@@ -99,7 +100,6 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.groups: dict[str, SequenceGroup] = {}
         self.num_steps = 0
-        self._max_token_chars: int | None = None
         self.controller = (
             SpecController(self.proposer.deepest(config.num_speculative_tokens), self.proposer)
             if self.proposer
@@ -205,6 +205,14 @@ class LLMEngine:
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
 
+    @property
+    def limits(self) -> RequestLimits:
+        amateur = self.proposer is not None and self.proposer.has_language_model
+        c, capacity = self.config, self.block_manager.num_blocks * self.block_manager.block_size
+        return RequestLimits(
+            self.vocab_size, self.max_model_len, c.max_num_seqs, c.max_num_batched_tokens, capacity, amateur
+        )
+
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             self.check_text_fits(prompt)
@@ -212,24 +220,12 @@ class LLMEngine:
         return list(prompt)
 
     def check_text_fits(self, text: str) -> None:
-        """Refuse, before tokenizing it, a text too long for the context whatever its tokens: no token
-        decodes to more characters than its vocabulary entry has (byte-level, SentencePiece and
-        added tokens alike), so it needs at least len(text) / that many tokens."""
-        if len(text) <= self.max_model_len:
-            return
-        if self._max_token_chars is None:
-            self._max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1) or 1
-        if len(text) > self.max_model_len * self._max_token_chars:
-            raise InvalidRequestError(
-                f"the prompt ({len(text)} characters) cannot fit the context of {self.max_model_len} tokens"
-            )
+        """Refuse, before tokenizing it, a text too long for the context (:class:`TextFit`)."""
+        self._text_fit.check(text)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError if this request cannot be served as asked."""
-        amateur = self.proposer is not None and self.proposer.has_language_model
-        c, capacity = self.config, self.block_manager.num_blocks * self.block_manager.block_size
-        limits = (self.vocab_size, self.max_model_len, c.max_num_seqs, c.max_num_batched_tokens, capacity)
-        check_request(prompt_ids, params, *limits, amateur)
+        self.limits.check(prompt_ids, params)
 
     def add_request(
         self,
@@ -357,6 +353,32 @@ class LLMEngine:
             torch.cuda.empty_cache()
         logger.warning("out of memory: preempted the step's %d sequences and halved the step", len(seqs))
         return []
+
+    def fail_requests(self, request_ids: list[str], error: str) -> list[RequestOutput]:
+        """End these requests from outside the step (the front's verdict on a step that raised): each
+        is aborted, its blocks freed, and gets a final output with ``error`` and finish reason error."""
+        outs = []
+        for request_id in request_ids:
+            group = self.groups.get(request_id)
+            if group is None:
+                continue
+            self.abort(request_id)
+            outs.append(
+                RequestOutput(
+                    request_id,
+                    group.prompt_ids,
+                    [CompletionOutput(s.index, "", "", [], None, s.num_output_tokens, "error") for s in group.seqs],
+                    True,
+                    RequestStats(arrival_time=group.arrival_time, num_prompt_tokens=group.num_prompt_tokens),
+                    error=error,
+                )
+            )
+        return outs
+
+    def requests_in_step(self) -> list[str]:
+        """The requests the last step scheduled (those a failure of it concerns)."""
+        in_step = {seq.group.request_id for seq in self.step_runner.scheduled}
+        return [r for r in self.groups if r in in_step]
 
     def _fail_group(self, group: SequenceGroup, error: str, emit: bool = True) -> RequestOutput | None:
         """End a request that failed inside the engine; its blocks are freed at once."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from engine.request.sampling_params import SamplingParams
 
 
@@ -78,4 +80,43 @@ def check_request(
                 f"contrastive search writes its top_k ({params.top_k}) candidates past the context: prompt "
                 f"({len(prompt_ids)} tokens) + max_tokens ({new_tokens}) + top_k - 1 = {need} KV slots, more "
                 f"than the server's KV cache holds ({kv_capacity} tokens); ask for {hint}"
+            )
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What :func:`check_request` checks a request against: an engine's fixed limits, which a front in
+    another process receives once, when the engine is ready (``engine/core/engine_core.py``)."""
+
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv_capacity: int
+    has_amateur: bool
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        check_request(
+            prompt_ids, params, self.vocab_size, self.max_model_len, self.max_num_seqs,
+            self.max_num_batched_tokens, self.kv_capacity, self.has_amateur,
+        )  # fmt: skip
+
+
+class TextFit:
+    """Refuses, before it is tokenized, a text too long for the context whatever its tokens: no token
+    decodes to more characters than its vocabulary entry has (byte-level, SentencePiece and added
+    tokens alike), so a text needs at least ``len(text) / that many`` tokens."""
+
+    def __init__(self, tokenizer, max_model_len: int) -> None:
+        self.tokenizer, self.max_model_len = tokenizer, max_model_len
+        self._max_token_chars: int | None = None
+
+    def check(self, text: str) -> None:
+        if len(text) <= self.max_model_len:
+            return
+        if self._max_token_chars is None:
+            self._max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1) or 1
+        if len(text) > self.max_model_len * self._max_token_chars:
+            raise InvalidRequestError(
+                f"the prompt ({len(text)} characters) cannot fit the context of {self.max_model_len} tokens"
             )
