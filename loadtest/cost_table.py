@@ -41,6 +41,8 @@ from loadtest.prompts import load_prompts
 from loadtest.runner import run_load
 
 ENGINE_THREAD = "augur-engine"
+RECEIVER_THREAD = "augur-engine-outputs"  # --engine-process on: the API process's thread taking outputs in
+RECEIVER_STAGES = ["outputs in (decode, hand-off to streams, hooks)", "idle"]
 # Display order; a stage missing from a run shows as 0.
 API_STAGES = ["HTTP and SSE", "JSON", "tokenize", "hand-off to the engine", "other API work", "idle"]
 ENGINE_STAGES = [
@@ -80,9 +82,13 @@ def _has(frames, func: str | None = None, file: str | None = None) -> int:
 def engine_stage(frames: list[tuple[str, str]]) -> str:
     leaf = frames[-1][0] if frames else ""
     if _has(frames, "Step.run") < 0:
-        if any(_has(frames, f) >= 0 for f in ("_drain_commands", "_deliver", "_deliver_all", "_publish_load")):
+        queue = ("_drain_commands", "_deliver", "_deliver_all", "_publish_load", "EngineCore._drain")
+        queue += ("EngineCore._publish", "EngineCore._admit_compiled", "EngineCore._add")
+        if any(_has(frames, f) >= 0 for f in queue):
             return "queue (requests in, outputs out)"
         if leaf.endswith(".wait") or _has(frames, "Event.wait") >= 0 or _has(frames, "Condition.wait") >= 0:
+            return "idle"
+        if _has(frames, "Poller.poll") >= 0:  # the engine process waiting for commands
             return "idle"
         if _has(frames, file="output_processor.py") >= 0 or _has(frames, file="detokenizer.py") >= 0:
             return "output processing (detokenize, stops)"
@@ -109,6 +115,14 @@ def engine_stage(frames: list[tuple[str, str]]) -> str:
     return stage
 
 
+def receiver_stage(frames: list[tuple[str, str]]) -> str:
+    """The API process's receiver thread (--engine-process on): waiting, or taking a step's outputs in."""
+    leaf = frames[-1][0] if frames else ""
+    if leaf.endswith("poll") or _has(frames, "Poller.poll") >= 0 or _has(frames, "Socket.poll") >= 0:
+        return "idle"
+    return "outputs in (decode, hand-off to streams, hooks)"
+
+
 def api_stage(frames: list[tuple[str, str]]) -> str:
     files = [p for _, p in frames]
     leaf_func = frames[-1][0] if frames else ""
@@ -118,7 +132,7 @@ def api_stage(frames: list[tuple[str, str]]) -> str:
         return "tokenize"
     if any(k in p for p in files[-6:] for k in ("pydantic", "json/", "orjson", "json.py")):
         return "JSON"
-    if any("async_engine.py" in p for p in files):
+    if any("async_engine.py" in p or "engine_core.py" in p for p in files):
         return "hand-off to the engine"
     if any(k in p for p in files for k in ("uvicorn", "h11", "httptools", "starlette", "fastapi", "anyio", "sse")):
         return "HTTP and SSE"
@@ -127,10 +141,14 @@ def api_stage(frames: list[tuple[str, str]]) -> str:
 
 def classify_raw(text: str) -> dict[str, Counter]:
     """py-spy's raw (collapsed) output → samples per stage, per thread kind ("api", "engine", "other")."""
-    out = {"api": Counter(), "engine": Counter(), "other": Counter()}
+    out = {"api": Counter(), "engine": Counter(), "receiver": Counter(), "other": Counter()}
     for line in text.splitlines():
         line = line.strip()
+        engine_process = helper_process = False
         if line.startswith("process "):  # --subprocesses: 'process PID:"COMMAND";thread (...)'
+            command = line[: line.find(";thread (")]
+            engine_process = "spawn_main" in command  # --engine-process on
+            helper_process = "multiprocessing" in command and not engine_process  # its resource tracker
             line = line[line.find(";thread (") + 1 :]
         if not line.startswith("thread ("):
             continue
@@ -138,8 +156,12 @@ def classify_raw(text: str) -> dict[str, Counter]:
         head, _, rest = stack.partition(";")
         frames = _frames(rest) if rest else []
         name = head.split(":", 1)[1].strip() if ":" in head else ""
-        if name == ENGINE_THREAD:
+        if helper_process:
+            out["other"]["multiprocessing helper"] += int(count)
+        elif name == ENGINE_THREAD or (engine_process and name == "MainThread"):
             out["engine"][engine_stage(frames)] += int(count)
+        elif name == RECEIVER_THREAD:
+            out["receiver"][receiver_stage(frames)] += int(count)
         elif name == "MainThread":  # uvicorn's event loop (a coroutine's samples start at its task)
             out["api"][api_stage(frames)] += int(count)
         else:
@@ -199,6 +221,7 @@ def profile(url: str, pid: int, model, prompts, c: int, n: int, max_tokens: int,
         "ms_per_token": seconds * 1000.0 / tokens,
         "api": per_token_ms(classes["api"], API_STAGES, recorded, seconds, tokens),
         "engine": per_token_ms(classes["engine"], ENGINE_STAGES, recorded, seconds, tokens),
+        "receiver": per_token_ms(classes["receiver"], RECEIVER_STAGES, recorded, seconds, tokens),
         "samples": {k: sum(v.values()) for k, v in classes.items()},
     }
 
@@ -214,7 +237,10 @@ def markdown(runs: list[dict], info: dict) -> str:
         "| --- | --- | " + " | ".join("---:" for _ in cs) + " |",
         "| all | wall time per token | " + " | ".join(f"{r['ms_per_token']:.3f}" for r in runs) + " |",
     ]
-    for thread, stages in (("engine", ENGINE_STAGES), ("api", API_STAGES)):
+    threads = [("engine", ENGINE_STAGES), ("api", API_STAGES)]
+    if any(r.get("samples", {}).get("receiver") for r in runs):
+        threads.append(("receiver", RECEIVER_STAGES))
+    for thread, stages in threads:
         keys = list(dict.fromkeys([*stages, *(k for r in runs for k in r[thread])]))
         for k in keys:
             lines.append(f"| {thread} | {k} | " + " | ".join(f"{r[thread].get(k, 0.0):.3f}" for r in runs) + " |")

@@ -109,3 +109,31 @@ def test_stages_per_token_sum_to_the_wall_time():
     assert ms["bookkeeping (commit, KV moves, hooks)"] == pytest.approx(6.0)
     assert ms["idle"] == pytest.approx(4.0) and sum(ms.values()) == pytest.approx(10.0)
     assert classify_raw("thread (9): augur-grammar_0;work (x.py:1) 5\n")["other"] == {"augur-grammar_0": 5}
+
+
+def test_an_engine_process_is_the_engine_and_its_receiver_thread_has_a_row():
+    """--engine-process on: the spawned process's main thread is the engine; the API process's
+    receiver thread is its own row, apart from the event loop."""
+    engine_proc = 'process 21:"python -c from multiprocessing.spawn import spawn_main; spawn_main()"'
+    api_proc = 'process 11:"python augur serve"'
+    raw = (
+        f"{engine_proc};thread (21): MainThread;EngineCore.run (engine/core/engine_core.py:120);"
+        "LLMEngine.step (engine/core/llm_engine.py:320);Step.run (engine/core/step.py:80);"
+        "Step.target_forward (engine/core/step.py:160) 7\n"
+        f"{engine_proc};thread (21): MainThread;EngineCore.run (engine/core/engine_core.py:113);"
+        "Poller.poll (zmq/sugar/poll.py:106) 5\n"
+        f"{engine_proc};thread (21): MainThread;EngineCore.run (engine/core/engine_core.py:140);"
+        "EngineCore._publish (engine/core/engine_core.py:200) 2\n"
+        f"{api_proc};thread (13): augur-engine-outputs;ProcessEngine._receive (engine/core/engine_core.py:390);"
+        "Socket.poll (zmq/sugar/socket.py:1000) 9\n"
+        f"{api_proc};thread (13): augur-engine-outputs;ProcessEngine._receive (engine/core/engine_core.py:400);"
+        "EngineFront._deliver_all (engine/core/async_engine.py:250) 4\n"
+        f"{api_proc};thread (11): MainThread;ProcessEngine._send (engine/core/engine_core.py:370) 1\n"
+        'process 22:"python -c from multiprocessing.resource_tracker import main;main(35)";thread (22): '
+        "MainThread;main (multiprocessing/resource_tracker.py:200) 8\n"
+    )
+    classes = classify_raw(raw)
+    assert classes["engine"] == {"target forward": 7, "idle": 5, "queue (requests in, outputs out)": 2}
+    assert classes["receiver"] == {"idle": 9, "outputs in (decode, hand-off to streams, hooks)": 4}
+    assert classes["api"] == {"hand-off to the engine": 1}
+    assert classes["other"] == {"multiprocessing helper": 8}  # not the API's event loop
