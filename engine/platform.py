@@ -71,6 +71,18 @@ def openmp_defaults() -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(usable_cpus())}
 
 
+def engine_process_threads() -> int:
+    """Torch's CPU threads in a separate engine process (``--engine-process on``): one CPU fewer than
+    the usable ones, at least one, so that the API process (HTTP, SSE, tokenizing, taking the outputs
+    in) has a core that the forward's OpenMP threads do not wait on; ``AUGUR_ENGINE_THREADS`` sets it.
+    On 2 cores the forward of a small model is bound by per-operator cost, not by threads: one thread
+    served as fast as two, and left the other core to the API (docs/benchmarks.md)."""
+    env = os.environ.get("AUGUR_ENGINE_THREADS", "")
+    if env.isdigit() and int(env) >= 1:
+        return int(env)
+    return max(1, usable_cpus() - 1)
+
+
 class CpuThreads:
     """How many threads torch's CPU kernels should run with now: one per usable CPU that other
     processes leave free, at least one.

@@ -54,6 +54,8 @@ AUGUR_PRESETS = {
     "augur-bf16": " --dtype bfloat16",
     "augur-default-process": " --engine-process on",
     "augur-plain-process": " --speculative-method none --engine-process on",
+    "augur-default-thread": " --engine-process off",
+    "augur-plain-thread": " --speculative-method none --engine-process off",
 }
 PEER_PRESETS = {f"{peer}-{mode}": (peer, mode) for peer in ("vllm", "llamacpp") for mode in ("draft", "plain", "ngram")}
 PRESETS = [*AUGUR_PRESETS, *PEER_PRESETS]

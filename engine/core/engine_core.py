@@ -18,6 +18,10 @@ speculative step stops exactly where plain decoding would and frees the blocks i
 outputs carry their text. ``arrival_time`` and every stats time are ``time.monotonic()``, one clock
 for both processes (CLOCK_MONOTONIC).
 
+On a CPU the engine process runs torch on one CPU fewer than the usable ones
+(:func:`engine.platform.engine_process_threads`): the API process's work then runs beside the forward
+instead of stalling one of its OpenMP threads.
+
 Failure paths: an engine that cannot be built answers ``failed`` (the server's load failure); a step
 that raises fails its requests, three in a row kill the engine (``dead``: every stream gets
 :class:`EngineDeadError`); an engine process that dies without a word (killed, a segfault) is seen
@@ -237,8 +241,13 @@ def run_engine_core(config: EngineConfig, commands_addr: str, outputs_addr: str,
     commands = ctx.socket(zmq.PULL)
     commands.connect(commands_addr)
     try:
-        from engine.core.llm_engine import LLMEngine
+        import torch
 
+        from engine.core.llm_engine import LLMEngine
+        from engine.platform import engine_process_threads
+
+        if config.torch_device.type == "cpu":
+            torch.set_num_threads(engine_process_threads())
         engine = LLMEngine(config)
         engine.compile_in_background()
         info = EngineInfo(
