@@ -402,20 +402,32 @@ class ProcessEngine(EngineFront):
                     return
                 continue
             kind, payload = self._outputs.recv_multipart()
-            if kind in (b"step", b"load"):
-                msg = _STEP_DECODER.decode(payload)
-                self.load, self._compile_state, self._grammar = msg.load, msg.compile_state, msg.grammar
-                st = self._spec
-                st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens, st.accepted_per_pos = msg.spec
-                if msg.outputs:
-                    self._deliver_all([(out.request_id, out) for out in msg.outputs])
-                    self._run_hooks(msg.outputs, msg.seconds)
-            elif kind == b"error":
-                request_id, error = pickle.loads(payload)
-                self._deliver(request_id, error)
-            elif kind == b"dead":
-                self._engine_died(pickle.loads(payload))
+            try:
+                if not self._take(kind, payload):
+                    return
+            except Exception as e:  # a message this side cannot read: no stream could be trusted after it
+                logger.exception("reading the engine's outputs failed")
+                self._engine_died(f"the engine's outputs could not be read: {type(e).__name__}: {e}")
+                self.process.kill()  # nobody reads what it computes now
                 return
+
+    def _take(self, kind: bytes, payload: bytes) -> bool:
+        """Handle one engine message; False once the engine is dead."""
+        if kind in (b"step", b"load"):
+            msg = _STEP_DECODER.decode(payload)
+            self.load, self._compile_state, self._grammar = msg.load, msg.compile_state, msg.grammar
+            st = self._spec
+            st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens, st.accepted_per_pos = msg.spec
+            if msg.outputs:
+                self._deliver_all([(out.request_id, out) for out in msg.outputs])
+                self._run_hooks(msg.outputs, msg.seconds)
+        elif kind == b"error":
+            request_id, error = pickle.loads(payload)
+            self._deliver(request_id, error)
+        elif kind == b"dead":
+            self._engine_died(pickle.loads(payload))
+            return False
+        return True
 
     def _engine_died(self, reason: str) -> None:
         logger.error("the engine is dead: %s", reason)
