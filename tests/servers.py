@@ -44,11 +44,17 @@ class Served:
 
 def engine_factory(model_dir, **kw) -> Callable[[], AsyncEngine]:
     """An engine on ``model_dir`` (CPU, float32, a pool of NUM_BLOCKS blocks of 4, MAX_LEN context);
-    ``kw`` sets any other EngineConfig field or overrides these."""
+    ``kw`` sets any other EngineConfig field or overrides these. ``AUGUR_TEST_FRONT=process`` puts the
+    engine in a process of its own (``--engine-process on``) for every server test built on this."""
     defaults = dict(device="cpu", dtype="float32", num_kv_blocks=NUM_BLOCKS, block_size=4, max_model_len=MAX_LEN)
 
     def make() -> AsyncEngine:
-        return AsyncEngine(LLMEngine(EngineConfig(model=str(model_dir), **{**defaults, **kw})))
+        config = EngineConfig(model=str(model_dir), **{**defaults, **kw})
+        if os.environ.get("AUGUR_TEST_FRONT") == "process":  # the server tests against an engine process
+            from engine.core.engine_core import ProcessEngine
+
+            return ProcessEngine(config)
+        return AsyncEngine(LLMEngine(config))
 
     return make
 

@@ -268,6 +268,35 @@ class EngineFront:
                 logger.exception("step hook failed")
 
 
+class GuardedStep:
+    """One engine step under the fronts' failure policy. The engine confines ordinary failures to
+    their requests; a step that raises anyway is a bug in the step itself: the requests it held fail
+    (none if it failed before scheduling anyone) and the rest keep being served, until ``limit``
+    steps in a row have failed and the engine is declared dead (every request in it fails)."""
+
+    def __init__(self, engine: LLMEngine, limit: int = 3) -> None:
+        self.engine, self.limit, self.failures = engine, limit, 0
+
+    def __call__(self) -> tuple[list[RequestOutput], float | None, str | None]:
+        """(outputs, seconds, death): a step's outputs and seconds; or, after a failure, the failed
+        requests' final outputs, None, and why the engine is dead if it now is."""
+        t0 = time.perf_counter()
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            self.failures += 1
+            tb = traceback.format_exc()
+            logger.error("engine step failed; failing its requests:\n%s", tb)
+            failed = self.engine.fail_requests(self.engine.requests_in_step(), tb.strip().splitlines()[-1])
+            if self.failures < self.limit:
+                return failed, None, None
+            death = f"the engine failed {self.limit} steps in a row"
+            logger.error(death)
+            return failed + self.engine.fail_requests(list(self.engine.groups), death), None, death
+        self.failures = 0
+        return outputs, time.perf_counter() - t0, None
+
+
 class AsyncEngine(EngineFront):
     """The front whose engine steps on a thread of this process."""
 
@@ -279,7 +308,7 @@ class AsyncEngine(EngineFront):
         self._wakeup = threading.Event()
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._consecutive_failures = 0
+        self._step = GuardedStep(engine)
 
     def _submit(self, command: _Add | _Abort) -> None:
         self._commands.put(command)
@@ -370,37 +399,14 @@ class AsyncEngine(EngineFront):
                 self._wakeup.wait(timeout=1.0)
                 self._wakeup.clear()
                 continue
-            t0 = time.perf_counter()
-            try:
-                outputs = self.engine.step()
-                self._consecutive_failures = 0
-            except Exception:
-                # The engine confines ordinary failures to their requests; reaching here is a bug in
-                # the step itself. Fail what is in flight; after repeated failures declare it dead.
-                self._consecutive_failures += 1
-                self._fail_step(traceback.format_exc())
-                if self._consecutive_failures >= 3:
-                    self._die("the engine failed 3 steps in a row")
-                    return
-                continue
+            outputs, elapsed, death = self._step()
             self._publish_load()
-            elapsed = time.perf_counter() - t0
             self._deliver_all([(out.request_id, out) for out in outputs])
-            self._run_hooks(outputs, elapsed)
-
-    def _fail_step(self, tb: str) -> None:
-        """A step raised outside the engine's own confinement: fail the requests that were in it
-        (none if it failed before scheduling anyone), keep serving the rest."""
-        logger.error("engine step failed; failing its requests:\n%s", tb)
-        outs = self.engine.fail_requests(self.engine.requests_in_step(), tb.strip().splitlines()[-1])
-        self._deliver_all([(out.request_id, out) for out in outs])
-
-    def _die(self, reason: str) -> None:
-        """Stop serving: every request in the engine fails, every waiting stream gets the error."""
-        logger.error(reason)
-        outs = self.engine.fail_requests(list(self.engine.groups), reason)
-        self._deliver_all([(out.request_id, out) for out in outs])
-        self._fail_streams(reason)
+            if death is not None:
+                self._fail_streams(death)
+                return
+            if elapsed is not None:
+                self._run_hooks(outputs, elapsed)
 
 
 def engine_load(engine: LLMEngine) -> EngineLoad:

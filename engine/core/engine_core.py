@@ -41,7 +41,6 @@ import signal
 import tempfile
 import threading
 import time
-import traceback
 from dataclasses import dataclass
 
 import msgspec
@@ -53,6 +52,7 @@ from engine.core.async_engine import (
     EngineDeadError,
     EngineFront,
     EngineLoad,
+    GuardedStep,
     _Abort,
     _Add,
     cache_info,
@@ -61,7 +61,7 @@ from engine.core.async_engine import (
 from engine.request.checks import RequestLimits
 from engine.request.outputs import RequestOutput
 from engine.speculative.stats import SpecStats
-from engine.structured import Grammars
+from engine.structured import GrammarError, Grammars
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class EngineCore:
         self.grammar_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="augur-grammar")
         self.compiling: list[tuple[_Add, concurrent.futures.Future]] = []  # adds waiting for their grammar
         self.aborted_early: set[str] = set()  # aborted while their grammar compiled
-        self.consecutive_failures = 0
+        self.step = GuardedStep(engine)
         self.stopping = False
         self.last_load: EngineLoad | None = None
 
@@ -132,21 +132,11 @@ class EngineCore:
                 self.engine.swap_in_compiled()
                 self._publish([], 0.0, force=False)
                 continue
-            t0 = time.perf_counter()
-            try:
-                outputs = self.engine.step()
-                self.consecutive_failures = 0
-            except Exception:
-                self.consecutive_failures += 1
-                tb = traceback.format_exc()
-                logger.error("engine step failed; failing its requests:\n%s", tb)
-                failed = self.engine.fail_requests(self.engine.requests_in_step(), tb.strip().splitlines()[-1])
-                if self.consecutive_failures >= 3:
-                    self._die("the engine failed 3 steps in a row", failed)
-                    return
-                self._publish(failed, 0.0)
-                continue
-            self._publish(outputs, time.perf_counter() - t0, force=bool(outputs))
+            outputs, seconds, death = self.step()
+            self._publish(outputs, seconds or 0.0, force=bool(outputs) or seconds is None)
+            if death is not None:
+                self._send_pickled(b"dead", death)
+                return
 
     def _drain(self) -> None:
         while True:
@@ -158,7 +148,8 @@ class EngineCore:
             if kind == "add":
                 self._add(_Add(*msg[1:]))
             elif kind == "abort":
-                if not self.engine.abort(msg[1]):
+                waits = any(cmd.request_id == msg[1] for cmd, _ in self.compiling)
+                if not self.engine.abort(msg[1]) and waits:  # (else it finished already: nothing to do)
                     self.aborted_early.add(msg[1])
             elif kind == "shutdown":
                 self.stopping = True
@@ -191,8 +182,6 @@ class EngineCore:
             else:
                 self._add_now(cmd)
         self.compiling = waiting
-        if not waiting:
-            self.aborted_early.clear()
 
     def _publish(self, outputs: list[RequestOutput], seconds: float, force: bool = True) -> None:
         load = engine_load(self.engine)
@@ -209,12 +198,6 @@ class EngineCore:
             e.compile_state,
         )  # fmt: skip
         self.outputs.send_multipart([b"step" if outputs else b"load", _ENCODER.encode(msg)], copy=False)
-
-    def _die(self, reason: str, failed: list[RequestOutput]) -> None:
-        logger.error(reason)
-        failed += self.engine.fail_requests(list(self.engine.groups), reason)
-        self._publish(failed, 0.0)
-        self._send_pickled(b"dead", reason)
 
     def _send_pickled(self, kind: bytes, payload) -> None:
         self.outputs.send_multipart([kind, pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)])
@@ -313,6 +296,10 @@ class ProcessEngine(EngineFront):
         info = self.info
         grammars = Grammars(tokenizer, info.limits.vocab_size, info.eos_token_ids, info.grammar_cache_size)
         self._bind(tokenizer, info.limits, grammars)
+        try:  # built now, as the engine builds its own: no first structured request waits for it
+            grammars.tokenizer()
+        except GrammarError as e:  # constrained requests get this as a 400
+            logger.warning("%s", e)
 
     def _wait_ready(self, timeout: float) -> EngineInfo:
         deadline = time.monotonic() + timeout
