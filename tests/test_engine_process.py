@@ -22,6 +22,7 @@ import openai
 import pytest
 import zmq
 
+from conftest import build_model_dir
 from engine.config import EngineConfig
 from engine.core.engine_core import _STEP_DECODER, EngineCore, ProcessEngine
 from engine.core.llm_engine import LLMEngine
@@ -36,6 +37,18 @@ MODEL = "tiny"
 def process_factory(model_dir, **kw):
     defaults = dict(device="cpu", dtype="float32", num_kv_blocks=NUM_BLOCKS, block_size=4, max_model_len=512)
     return lambda: ProcessEngine(EngineConfig(model=str(model_dir), **{**defaults, **kw}))
+
+
+@pytest.fixture(scope="module")
+def long_dir(tmp_path_factory, tokenizer_dir):
+    """The tiny Llama with room for 4,000 new tokens (seconds of decoding): a request still running
+    when the test acts on it, whatever the machine's load."""
+    return build_model_dir(
+        tmp_path_factory.mktemp("long"), tokenizer_dir, "LlamaForCausalLM", max_position_embeddings=4096
+    )
+
+
+LONG = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4000, "temperature": 0, "ignore_eos": True, "stream": True}
 
 
 @pytest.fixture(scope="module")
@@ -104,25 +117,25 @@ def test_the_process_engine_answers_as_the_thread_engine(servers):
     wait_until(lambda: metric(process_srv, "augur_num_requests_running") == 0, "the requests to finish")
 
 
-def test_a_client_leaving_frees_its_blocks_in_the_engine_process(servers):
-    _, srv = servers
-    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 400, "temperature": 0, "ignore_eos": True}
-    with httpx.stream("POST", srv.base + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
-        lines = r.iter_lines()
-        assert next(ln for ln in lines if ln.startswith("data:"))
-        wait_until(lambda: metric(srv, "augur_num_requests_running") == 1, "the request to run")
-    wait_until(lambda: metric(srv, "augur_num_requests_running") == 0, "the abort to reach the engine process")
-    wait_until(lambda: metric(srv, "augur_kv_cache_usage_ratio") == 0.0, "the blocks to come back")
-    r = client(srv).completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=4, temperature=0)
-    assert r.choices[0].finish_reason in ("length", "stop")  # still serving
+def test_a_client_leaving_frees_its_blocks_in_the_engine_process(long_dir):
+    app = create_app(ServerSettings(served_model_name=MODEL), process_factory(long_dir, max_model_len=4096))
+    with serve(app) as srv:
+        with httpx.stream("POST", srv.base + "/v1/completions", json=LONG, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(ln for ln in lines if ln.startswith("data:"))
+            wait_until(lambda: metric(srv, "augur_num_requests_running") == 1, "the request to run")
+        wait_until(lambda: metric(srv, "augur_num_requests_running") == 0, "the abort to reach the engine process")
+        wait_until(lambda: metric(srv, "augur_kv_cache_usage_ratio") == 0.0, "the blocks to come back")
+        assert metric(srv, "augur_generation_tokens_total") < 4000  # it was cut short, not finished
+        r = client(srv).completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=4, temperature=0)
+        assert r.choices[0].finish_reason in ("length", "stop")  # still serving
 
 
-def test_a_killed_engine_process_fails_streams_health_and_new_requests(llama_dir):
-    app = create_app(ServerSettings(served_model_name=MODEL), process_factory(llama_dir))
+def test_a_killed_engine_process_fails_streams_health_and_new_requests(long_dir):
+    app = create_app(ServerSettings(served_model_name=MODEL), process_factory(long_dir, max_model_len=4096))
     with serve(app) as srv:
         engine: ProcessEngine = srv.async_engine
-        body = {"model": MODEL, "prompt": [5, 6], "max_tokens": 500, "temperature": 0, "ignore_eos": True}
-        with httpx.stream("POST", srv.base + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        with httpx.stream("POST", srv.base + "/v1/completions", json=LONG, timeout=60) as r:
             lines = r.iter_lines()
             assert next(ln for ln in lines if ln.startswith("data:"))
             os.kill(engine.process.pid, signal.SIGKILL)
@@ -131,7 +144,8 @@ def test_a_killed_engine_process_fails_streams_health_and_new_requests(llama_dir
         assert errors and "engine" in errors[0]["error"]["message"]
         h = httpx.get(srv.base + "/health")
         assert h.status_code == 503 and h.json()["status"] == "dead" and "exit code" in h.json()["error"]
-        r = httpx.post(srv.base + "/v1/completions", json={**body, "max_tokens": 2}, timeout=30)
+        body = {**LONG, "stream": False, "max_tokens": 2}
+        r = httpx.post(srv.base + "/v1/completions", json=body, timeout=30)
         assert r.status_code == 503 and r.json()["error"]["message"]
 
 
@@ -235,3 +249,23 @@ def test_the_engine_process_leaves_a_cpu_to_the_api_process(monkeypatch):
         assert platform.engine_process_threads() == threads
     monkeypatch.setenv("AUGUR_ENGINE_THREADS", "3")
     assert platform.engine_process_threads() == 3
+
+
+def test_the_queue_bound_holds_in_front_of_an_engine_process(long_dir):
+    """One seat, room for one waiting request: A runs, B waits in the engine process, C is refused
+    with 429 before it crosses; A's client leaves, and B runs to its end."""
+    settings = ServerSettings(served_model_name=MODEL, max_queue_len=1)
+    with serve(create_app(settings, process_factory(long_dir, max_model_len=4096, max_num_seqs=1))) as srv:
+        url = srv.base + "/v1/completions"
+        short = {**LONG, "stream": False, "max_tokens": 300}
+        done: dict[str, httpx.Response] = {}
+        b = threading.Thread(target=lambda: done.update(b=httpx.post(url, json=short, timeout=120)))
+        with httpx.stream("POST", url, json=LONG, timeout=120) as a:
+            lines = a.iter_lines()  # (kept: dropping the iterator closes the response)
+            assert next(ln for ln in lines if ln.startswith("data:"))  # A holds the one seat
+            b.start()
+            wait_until(lambda: metric(srv, "augur_num_requests_waiting") == 1, "B to wait in the engine process")
+            c = httpx.post(url, json={**short, "max_tokens": 2}, timeout=30)
+            assert c.status_code == 429 and "queue" in c.json()["error"]["message"] and c.headers["retry-after"]
+        b.join(timeout=120)
+        assert done["b"].status_code == 200 and done["b"].json()["usage"]["completion_tokens"] == 300
