@@ -749,6 +749,8 @@ def apply_config_file(parser: argparse.ArgumentParser, argv: list[str] | None) -
         if dest not in dests:
             parser.error(f"unknown key {key!r} in config file {path}")
         action = dests[dest]
+        if isinstance(value, bool) and action.choices is not None and {"on", "off"} <= set(action.choices):
+            value = "on" if value else "off"  # YAML reads a bare on / off as a boolean
         if value is not None and action.type is not None and not isinstance(value, list):
             try:
                 value = action.type(value)

@@ -100,6 +100,14 @@ def test_command_line_overrides_the_file():
     assert args.port == 9999
 
 
+def test_bare_on_and_off_in_a_file_are_the_flags_values(tmp_path):
+    """YAML reads a bare ``on`` / ``off`` as a boolean; for an on/off flag it means the word."""
+    path = tmp_path / "switches.yaml"
+    path.write_text("engine-process: off\ncompile: on\n")
+    args = serve_args("--config", str(path))
+    assert (args.engine_process, args.compile) == ("off", "on")
+
+
 def test_unknown_key_is_an_error_that_names_it(tmp_path, capsys):
     path = tmp_path / "bad.yaml"
     path.write_text("max-num-seqs: 8\nnum-gpu-blocks: 4\n")
