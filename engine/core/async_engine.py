@@ -13,6 +13,7 @@ process of its own (``--engine-process``).
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import concurrent.futures
 import contextvars
@@ -79,7 +80,7 @@ class CacheInfo:
     prefix_caching: bool
 
 
-class EngineFront:
+class EngineFront(abc.ABC):
     """What every front shares: the request streams, the queue bound, the checks a request gets
     before it is queued, and the engine's death. A subclass sets ``tokenizer``, ``limits`` and
     ``grammars`` (:meth:`_bind`) and sends the commands (:meth:`_submit`)."""
@@ -102,8 +103,9 @@ class EngineFront:
         self.grammars = grammars
         self._text_fit = TextFit(tokenizer, limits.max_model_len)
 
+    @abc.abstractmethod
     def _submit(self, command: _Add | _Abort) -> None:
-        raise NotImplementedError
+        """Hand an add or an abort to the engine (each front its own way)."""
 
     @property
     def num_unstarted(self) -> int:

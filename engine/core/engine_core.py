@@ -281,7 +281,6 @@ class ProcessEngine(EngineFront):
         self.process.start()
         self._receiver: threading.Thread | None = None
         self._stopping = False
-        self._spec = SpecStats(1)
         self._grammar = (0, 0, 0)
         try:
             tokenizer = load_tokenizer(resolve_model_path(config.tokenizer or config.model))

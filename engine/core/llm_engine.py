@@ -97,6 +97,12 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.allocate_kv(num_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # What a request is checked against (fixed from here on; a front in another process gets a copy).
+        amateur = self.proposer is not None and self.proposer.has_language_model
+        self.limits = RequestLimits(
+            self.vocab_size, max_len, config.max_num_seqs, config.max_num_batched_tokens,
+            num_blocks * config.block_size, amateur,
+        )  # fmt: skip
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.groups: dict[str, SequenceGroup] = {}
         self.num_steps = 0
@@ -204,14 +210,6 @@ class LLMEngine:
     @property
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
-
-    @property
-    def limits(self) -> RequestLimits:
-        amateur = self.proposer is not None and self.proposer.has_language_model
-        c, capacity = self.config, self.block_manager.num_blocks * self.block_manager.block_size
-        return RequestLimits(
-            self.vocab_size, self.max_model_len, c.max_num_seqs, c.max_num_batched_tokens, capacity, amateur
-        )
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
