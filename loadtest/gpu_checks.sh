@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The GPU checks in one run, for a machine lent for minutes (docs/benchmarks.md, "GPU step costs"):
 # the step benchmark at the 8B shape (triton and sdpa attention, CUDA graphs on and off), then every
-# GPU-marked test and the test files whose tensors live on CUDA when it exists.
-#   OUT=DIR bash loadtest/gpu_checks.sh [SHAPES...]     (default shape: llama-3.1-8b)
-# Missing Python packages (openai and pydantic for the tests' conftest) install from ./.whl if present.
+# GPU-marked test and the test files whose tensors live on CUDA when it exists; on request, the demo pair
+# served through the engine thread and the engine process (loadtest.peers) and the kernel profile of a
+# decode against chain verifies (loadtest.profile_gpu).
+#   OUT=DIR [STAGES="bench tests served profile"] bash loadtest/gpu_checks.sh [SHAPES...]
+# (default stages: bench tests; default shape: llama-3.1-8b). Missing Python packages (openai, pydantic,
+# FastAPI, uvicorn, pyzmq, msgspec: that machine's image has none of them) install from ./.whl if present.
 set -u
 OUT=${OUT:-/tmp/augur-gpu-checks}
 mkdir -p "$OUT"
@@ -13,14 +16,30 @@ if [ -d .whl ]; then
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 shapes=("${@:-llama-3.1-8b}")
+stages=" ${STAGES:-bench tests} "
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
     python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 } 2>&1 | tee "$OUT/env.txt"
-timeout "${BENCH_TIMEOUT:-200}" python3 -m loadtest.bench_gpu --shapes "${shapes[@]}" --attention-backends triton sdpa \
+[[ $stages == *" bench "* ]] && timeout "${BENCH_TIMEOUT:-200}" python3 -m loadtest.bench_gpu --shapes "${shapes[@]}" --attention-backends triton sdpa \
     --cuda-graphs on off --output "$OUT/steps.json" 2>&1 | tee "$OUT/bench.log"
-timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -o addopts="" -rfE $(python3 -c "import pytest_timeout" 2>/dev/null && echo --timeout 120) \
+[[ $stages == *" tests "* ]] && timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -o addopts="" -rfE $(python3 -c "import pytest_timeout" 2>/dev/null && echo --timeout 120) \
     tests/test_gpu_speculation.py tests/test_attention_backends.py tests/test_cuda_graphs.py tests/test_int4.py \
     tests/test_bench_gpu.py "tests/test_engine.py::test_logits_match_transformers_cuda" \
     tests/test_loading.py::test_cuda_greedy_matches_cpu tests/test_sampler.py::test_cuda_matches_cpu_and_seeds_reproduce \
     2>&1 | tee "$OUT/tests.log"
+if [[ $stages == *" served "* ]]; then
+    # `augur` as the peers tool starts it, without an installed package: python3 -c runs the CLI from the tree.
+    mkdir -p /tmp/augur-bin
+    printf '#!/bin/sh\nexec python3 -c "import sys; from server.launch import main; sys.exit(main())" "$@"\n' \
+        >/tmp/augur-bin/augur
+    chmod +x /tmp/augur-bin/augur
+    PATH=/tmp/augur-bin:$PATH timeout "${SERVED_TIMEOUT:-240}" python3 -m loadtest.peers \
+        --preset augur-plain-thread augur-plain-process augur-default-thread augur-default-process \
+        --num-prompts 16 --max-tokens 128 --concurrency 1 8 --no-progress --startup-timeout 120 \
+        --log-dir "$OUT/logs" --output-md "$OUT/served.md" 2>&1
+fi
+if [[ $stages == *" profile "* ]]; then
+    timeout "${PROFILE_TIMEOUT:-90}" python3 -m loadtest.profile_gpu --shape "${shapes[0]}" --widths 1 4 8 \
+        ${PROFILE_JSON:+--output "$PROFILE_JSON"} 2>&1 | tee "$OUT/profile.log"
+fi

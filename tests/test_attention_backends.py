@@ -152,17 +152,24 @@ def test_triton_sliding_window_and_softcap(window, softcap):
 
 @pytest.mark.parametrize("splits", [2, 3, 8])
 @pytest.mark.parametrize("window,softcap", [(None, 0.0), (9, 0.0), (None, 2.0)])
-def test_triton_split_decode(splits, window, softcap):
-    """Decode batches with each token's keys split into ranges (flash-decoding) and combined: the
-    reference's output, with ranges that end up empty (more splits than key tiles, or before the
-    sliding window) weighing nothing."""
-    lists, positions, pool, q, k, v = random_batch(splits, ["decode"] * 4, 8, 2, 16, 4)
-    lists["ctx_lens"] = [c + 130 * i for i, c in enumerate(lists["ctx_lens"])]  # up to 3 key tiles
-    lists["block_tables"] = [list(range(i * 80, (i + 1) * 80)) for i in range(4)]
-    positions = torch.tensor(lists["ctx_lens"])
-    pool = torch.randn(1, 2, 320 * 4, 2, 16)
+@pytest.mark.parametrize("kinds", [["decode"] * 4, ["tree", "chunk", "decode", "tree"]], ids=["decodes", "verifies"])
+def test_triton_split_keys(splits, window, softcap, kinds):
+    """Batches with each program's keys split into ranges (flash-decoding) and combined, decodes and
+    the verify batches of drafts (trees, chains, short chunks: several rows a program, causal rows
+    whose keys end inside a range): the reference's output, with ranges that end up empty (more splits
+    than key tiles, past a causal row's last key, or before the sliding window) weighing nothing."""
+    lists, positions, pool, q, k, v = random_batch(splits, kinds, 8, 2, 16, 4)
+    # Move sequence i 130 * i tokens further into its context (up to 8 key tiles), on its own blocks.
+    shift = [130 * i for i in range(len(kinds))]
+    seq_of_tok = torch.repeat_interleave(torch.arange(len(kinds)), torch.tensor(lists["q_lens"]))
+    positions = positions + torch.tensor(shift)[seq_of_tok]
+    lists["ctx_lens"] = [c + s for c, s in zip(lists["ctx_lens"], shift)]
+    lists["mask_starts"] = [m + s for m, s in zip(lists["mask_starts"], shift)]
+    lists["block_tables"] = [list(range(i * 150, (i + 1) * 150)) for i in range(len(kinds))]
+    pool = torch.randn(1, 2, 150 * 4 * len(kinds), 2, 16, generator=torch.Generator().manual_seed(splits))
     args = (lists, positions, pool, q * 3, k, v, window, softcap, window is not None)
-    (ref, _), (got, _) = attend_both(*args, num_splits=splits)
+    (ref, ref_pool), (got, got_pool) = attend_both(*args, num_splits=splits)
+    torch.testing.assert_close(got_pool, ref_pool, atol=0, rtol=0)
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
 
 

@@ -12,9 +12,11 @@ gathering any sequence's K/V into a padded copy and without a dense mask:
   causal, or read from the sequence's own tree mask (a ``q x width`` byte matrix, packed with the other
   sequences' into one flat tensor); the sliding window and the soft-cap are compile-time options.
   Tiles past the causal horizon, or before the sliding window, are never loaded.
-- A decode-only batch too small to fill the GPU (one long sequence: ``Hkv`` programs) splits each
-  token's keys into up to ``MAX_SPLITS`` ranges on a third grid axis (flash-decoding); a second
-  kernel rescales the ranges' partial outputs to their common maximum and normalises once.
+- A batch of few programs (a decode or a draft's verify of one long sequence: ``Hkv`` programs) splits
+  each program's keys into up to ``MAX_SPLITS`` ranges on a third grid axis (flash-decoding); a
+  second kernel rescales the ranges' partial outputs to their common maximum and normalises once.
+  Without the split a 4-token verify of an 8B model at 1,024 tokens of context ran its attention on
+  8 of an H200's 132 multiprocessors: 5.6x the decode's attention time (docs/benchmarks.md).
 
 Memory is the output and per-sequence metadata (``O(T * H * D + B * blocks + tree masks)``), whatever
 the context lengths. One assumption the window skip relies on: a key's position never exceeds its
@@ -37,10 +39,10 @@ from engine.attention.common import padded_block_tables, triton_interpreted
 # first token in the flat batch, new tokens, offset of its tree mask in ``masks`` (-1: causal), first key
 # the mask covers (a causal sequence's KV length, so that no key reads a mask), mask width, padding.
 SEQ_FIELDS = 8
-BLOCK_Q_DECODE = 1  # every sequence feeds one token: one program per sequence
-BLOCK_Q_CHUNK = 16  # new tokens per program otherwise
-MAX_SPLITS = 16  # most key ranges one decode token's keys are split into
+BLOCK_Q_CHUNK = 16  # most new tokens of one sequence a program takes (fewer where no sequence feeds as many)
+MAX_SPLITS = 16  # most key ranges one token's keys are split into
 MIN_KEYS_PER_SPLIT = 256
+SPLIT_SCRATCH_TOKENS = 1024  # splits x new tokens at most: bounds the float32 scratch of a split batch
 
 
 @dataclass
@@ -55,7 +57,7 @@ class TritonMetadata:
     block_q: int
     sliding_window: int  # 0: the model has none
     max_kv_len: int
-    num_splits: int  # decode-only batches: key ranges per token (0: chosen from the GPU's size)
+    num_splits: int  # key ranges per program (0: chosen from the GPU's size and the batch's tokens)
     num_seqs: int
 
     def attend(self, q, k, v, kv_pool, layer: int, scale: float, sliding: bool, softcap: float) -> torch.Tensor:
@@ -85,15 +87,17 @@ def build_triton_metadata(
     :func:`engine.attention.sdpa.build_sdpa_metadata`). Everything is built on the host from the lists
     and copied once; nothing here depends on the context lengths but the block tables.
 
-    ``num_splits`` > 0 forces how many key ranges a decode-only batch splits each token's keys
-    into (the tests use it, and captured graphs, whose launch grid is fixed); 0 lets the operator
-    choose from the GPU's size. Padding tokens (a sequence's new tokens past ``write_lens``) write
+    ``num_splits`` > 0 forces how many key ranges each program's keys are split into (the tests use
+    it, and captured graphs, whose launch grid is fixed); 0 lets the operator choose from the GPU's
+    size (:func:`key_splits`). Padding tokens (a sequence's new tokens past ``write_lens``) write
     their K/V to ``scratch_slot`` instead of the block table's slot, which is not theirs."""
     B = len(q_lens)
     kv_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
     table = padded_block_tables(block_tables, kv_lens, block_size)
 
-    block_q = BLOCK_Q_DECODE if max(q_lens) == 1 else BLOCK_Q_CHUNK
+    # A program's rows are block_q tokens x G heads: a short verify (2-16 tokens) gets no more rows than
+    # it fills, so its K/V tiles meet a 16-row product instead of a 64-row one at G = 4.
+    block_q = min(BLOCK_Q_CHUNK, triton.next_power_of_2(max(q_lens)))
     info: list[list[int]] = []
     programs: list[tuple[int, int]] = []
     flat_masks: list[torch.Tensor] = []
@@ -324,14 +328,21 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def decode_splits(programs: int, max_kv_len: int, device: torch.device) -> int:
-    """Key ranges per token for a decode-only batch: enough programs to fill the GPU about twice,
-    at least ``MIN_KEYS_PER_SPLIT`` keys each. A lone long sequence otherwise runs on ``Hkv`` of the
-    GPU's streaming multiprocessors."""
+def programs_per_sequence(q_len: int) -> int:
+    """Kernel programs (per KV head) of a sequence feeding ``q_len`` new tokens in a batch whose
+    longest sequence feeds as many."""
+    return -(-q_len // BLOCK_Q_CHUNK)
+
+
+def key_splits(programs: int, tokens: int, max_kv_len: int, device: torch.device) -> int:
+    """Key ranges per program: enough programs to fill the GPU about twice, at least
+    ``MIN_KEYS_PER_SPLIT`` keys each, at most ``SPLIT_SCRATCH_TOKENS`` tokens' partial outputs in all
+    (a long prefill fills the GPU without splitting). A decode or verify of one long sequence otherwise
+    runs on ``Hkv`` of the GPU's streaming multiprocessors."""
     if device.type != "cuda":
         return 1
     want = -(-2 * _sm_count(device) // programs)
-    return max(1, min(MAX_SPLITS, want, max_kv_len // MIN_KEYS_PER_SPLIT))
+    return max(1, min(MAX_SPLITS, want, max_kv_len // MIN_KEYS_PER_SPLIT, SPLIT_SCRATCH_TOKENS // max(tokens, 1)))
 
 
 def _triton_paged_attention_impl(
@@ -350,9 +361,7 @@ def _triton_paged_attention_impl(
     block_m = max(16, triton.next_power_of_2(block_q * G))
     d_pad = max(16, triton.next_power_of_2(D))
     Hkv = k_cache.shape[1]
-    splits = 1
-    if block_q == BLOCK_Q_DECODE:
-        splits = num_splits or decode_splits(programs.shape[0] * Hkv, max_kv_len, q.device)
+    splits = num_splits or key_splits(programs.shape[0] * Hkv, T, max_kv_len, q.device)
     partial = ml = out  # (unused unless split)
     if splits > 1:
         partial = torch.empty(splits, T, H, D, dtype=torch.float32, device=q.device)
@@ -378,7 +387,7 @@ def _triton_paged_attention_fake(
     q, k, v, kv_pool, layer, slot_mapping, block_tables, seq_info, programs, positions, masks,
     block_size, block_q, window, scale, softcap, max_kv_len, num_splits,
 ):  # fmt: skip
-    # The output; a split decode batch also takes float32 scratch of at most MAX_SPLITS outputs' size.
+    # The output; a split batch also takes float32 scratch of at most SPLIT_SCRATCH_TOKENS tokens' outputs.
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 

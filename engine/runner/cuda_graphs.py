@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention.triton_paged import SEQ_FIELDS, TritonMetadata, decode_splits
+from engine.attention.triton_paged import SEQ_FIELDS, TritonMetadata, key_splits, programs_per_sequence
 
 logger = logging.getLogger(__name__)
 
@@ -134,10 +134,11 @@ class CudaGraphs:
         shapes = [(b, w) for b in self.buckets for w in widths if b * w <= MAX_GRAPH_TOKENS]
         return sorted(shapes, key=lambda s: s[0] * s[1], reverse=True)
 
-    def decode_splits(self, num_seqs: int) -> int:
-        """Key ranges per decode token at ``num_seqs`` sequences: fixed per shape (a graph's launch grid
-        is), chosen for the longest context the pool holds (shorter ones leave ranges empty)."""
-        return decode_splits(num_seqs * self.num_kv_heads, self.max_kv_len, self.device)
+    def key_splits(self, num_seqs: int, width: int) -> int:
+        """Key ranges per kernel program at a (sequences, width) shape: fixed per shape (a graph's
+        launch grid is), chosen for the longest context the pool holds (shorter ones leave ranges empty)."""
+        programs = num_seqs * programs_per_sequence(width) * self.num_kv_heads
+        return key_splits(programs, num_seqs * width, self.max_kv_len, self.device)
 
     def run(self, fn, batch, input_ids, kv_cache, skip, hidden_layers, hidden_in):
         """Load ``batch`` (padded by the runner's prepare) into the static buffers, replay its shape's

@@ -391,7 +391,7 @@ class ModelRunner:
             new_token_masks=masks + [None] * pads if any(m is not None for m in masks) else None,
             sliding_window=self.model.sliding_window,
             device=dev,
-            num_splits=self.graphs.decode_splits(num_seqs),
+            num_splits=self.graphs.key_splits(num_seqs, width),
             write_lens=[len(c.token_ids) for c in chunks] + [0] * pads,
             scratch_slot=self.graphs.scratch_slot,
         )
