@@ -68,7 +68,7 @@ def both(meta, pool, q, k, v, window, softcap):
     return (ref, ref_pool), (got, got_pool)
 
 
-SHAPES = {"mha": (4, 4, 16), "gqa2": (4, 2, 64), "gqa3": (3, 1, 32), "gqa4": (8, 2, 24)}
+SHAPES = {"mha": (4, 4, 16), "gqa2": (4, 2, 64), "gqa3": (3, 1, 32), "gqa4": (8, 2, 24), "gqa4-d128": (8, 2, 128)}
 BATCHES = {
     "decodes": [1, 1, 1, 1],
     "one": [1],

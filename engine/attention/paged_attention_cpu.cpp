@@ -15,8 +15,10 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -44,6 +46,128 @@ void write_rows(const at::Tensor& src, at::Tensor& cache, const int64_t* slots) 
   }
 }
 
+// exp(x) for x <= 0 in float32 arithmetic that vectorizes (the scalar libm call does not): x = k ln2 + r
+// with |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial (relative error ~1e-7, float32's own
+// rounding), 2^k built in the exponent bits. Below -87 (2^-126) it returns 2^-126's neighbourhood
+// instead of smaller numbers: nothing next to the row maximum's exp(0) = 1 in a softmax sum.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float k = std::floor(x * 1.44269504f + 0.5f);
+  const float r = (x - k * 0.693145752f) - k * 1.42860677e-6f;
+  const float p =
+      1.f + r * (1.f + r * (0.5f + r * (0.166666672f + r * (0.0416666679f + r * (0.00833333377f + r * 0.00138888892f)))));
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(k) + 127) << 23;
+  float two_k;
+  std::memcpy(&two_k, &bits, sizeof(float));
+  return p * two_k;
+}
+
+// One work item of fused_attention: token t's G query heads against KV head kvh, over the keys its mask
+// row shows. kD > 0 fixes the head size at compile time (64 and 128 are most models'): the compiler then
+// keeps a head's query and output accumulator in registers and unrolls every loop over the head.
+template <typename scalar_t, int kD>
+void attend_item(const float* qf /* [G, D], scaled */, const scalar_t* kc, const scalar_t* vc, const int64_t* slots,
+                 const int64_t* visible, int64_t n, int64_t Hkv, int64_t kvh, int64_t G, int64_t D_runtime,
+                 int64_t Kmax, float fscale, float fcap, float* scores /* [G, Kmax] */,
+                 float* rows /* [Kmax, D] */, scalar_t* dst /* [G, D] */) {
+  const int64_t D = kD > 0 ? kD : D_runtime;
+  // The visible keys' rows in float32, once for the whole group: the score pass reads them, then
+  // the values overwrite them for the output pass.
+  auto gather = [&](const scalar_t* cache) {
+    for (int64_t jj = 0; jj < n; ++jj) {
+      const scalar_t* src = cache + (slots[visible[jj]] * Hkv + kvh) * D;
+      float* out = rows + jj * D;
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+        const uint16_t* u = reinterpret_cast<const uint16_t*>(src);
+        uint32_t* o = reinterpret_cast<uint32_t*>(out);
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<uint32_t>(u[d]) << 16;  // bfloat16 → float32
+      } else {
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) out[d] = static_cast<float>(src[d]);
+      }
+    }
+  };
+  gather(kc);
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qv = qf + g * D;
+    float* sg = scores + g * Kmax;
+    // Four keys at a time: four independent sums, so that one key's horizontal reduction does not
+    // wait for the last (the loop is bound by those reductions, not by the multiply-adds).
+    int64_t jj = 0;
+    for (; jj + 4 <= n; jj += 4) {
+      const float* k0 = rows + jj * D;
+      float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
+#pragma omp simd reduction(+ : d0, d1, d2, d3)
+      for (int64_t d = 0; d < D; ++d) {
+        d0 += qv[d] * k0[d];
+        d1 += qv[d] * k0[D + d];
+        d2 += qv[d] * k0[2 * D + d];
+        d3 += qv[d] * k0[3 * D + d];
+      }
+      sg[jj] = d0;
+      sg[jj + 1] = d1;
+      sg[jj + 2] = d2;
+      sg[jj + 3] = d3;
+    }
+    for (; jj < n; ++jj) {
+      const float* key = rows + jj * D;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < D; ++d) dot += qv[d] * key[d];
+      sg[jj] = dot;
+    }
+    if (fcap > 0.f) {
+      for (int64_t j = 0; j < n; ++j) sg[j] = fcap * std::tanh(sg[j] * fscale / fcap);
+    }
+    float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
+    for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sg[j]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < n; ++j) {
+      const float e = exp_nonpositive(sg[j] - mx);
+      sg[j] = e;
+      sum += e;
+    }
+    const float inv = 1.f / sum;  // every real query sees at least its own key: the sum is positive
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
+  }
+  gather(vc);
+  for (int64_t g = 0; g < G; ++g) {
+    // Two accumulators over alternate keys: half as long a chain of dependent multiply-adds.
+    const float* pg = scores + g * Kmax;
+    float acc[2 * (kD > 0 ? kD : 1)];
+    float* a = acc;
+    std::vector<float> dyn;
+    if constexpr (kD == 0) {
+      dyn.assign(2 * D, 0.f);
+      a = dyn.data();
+    } else {
+      for (int64_t d = 0; d < 2 * D; ++d) a[d] = 0.f;
+    }
+    float* b = a + D;
+    int64_t jj = 0;
+    for (; jj + 2 <= n; jj += 2) {
+      const float p0 = pg[jj], p1 = pg[jj + 1];
+      const float* v0 = rows + jj * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) {
+        a[d] += p0 * v0[d];
+        b[d] += p1 * v0[D + d];
+      }
+    }
+    for (; jj < n; ++jj) {
+      const float p = pg[jj];
+      const float* val = rows + jj * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) a[d] += p * val[d];
+    }
+    for (int64_t d = 0; d < D; ++d) dst[g * D + d] = static_cast<scalar_t>(a[d] + b[d]);
+  }
+}
+
 template <typename scalar_t>
 void fused_attention(const at::Tensor& q,         // [T, H, D]
                      const at::Tensor& k_cache,   // [S, Hkv, D] (contiguous)
@@ -64,7 +188,8 @@ void fused_attention(const at::Tensor& q,         // [T, H, D]
   const int64_t* qi_all = q_index.data_ptr<int64_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
   const float fscale = static_cast<float>(scale), fcap = static_cast<float>(softcap);
-  const float neg_inf = -std::numeric_limits<float>::infinity();
+  // The queries carry the softmax scale, unless a soft-cap needs the raw score.
+  const float qmul = fcap > 0.f ? 1.f : fscale;
 
   // One work item: a token and a KV head, i.e. the G query heads that share it. Spread over threads
   // only when there is enough of it to pay for waking them.
@@ -72,62 +197,33 @@ void fused_attention(const at::Tensor& q,         // [T, H, D]
   const int64_t per_item = std::max<int64_t>(Kmax * G * D, 1);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / per_item);
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), scores(G * Kmax);
-    std::vector<float> row_max(G), row_sum(G);
+    std::vector<float> qf(G * D), scores(G * Kmax), rows(Kmax * D);
+    std::vector<int64_t> visible(Kmax);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / Hkv, kvh = item % Hkv;
       const int64_t flat = qi_all[t], b = flat / Q, i = flat % Q;
       const bool* m = mask_all + (b * Q + i) * Kmax;
-      const int64_t* slots = slots_all + b * Kmax;
+      int64_t n = 0;  // the visible keys' indices, in order
+      for (int64_t j = 0; j < Kmax; ++j) {
+        visible[n] = j;
+        n += m[j];
+      }
       for (int64_t g = 0; g < G; ++g) {
         const scalar_t* src = qp + t * qs0 + (kvh * G + g) * qs1;
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(src[d * qs2]);
-        row_max[g] = neg_inf;
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(src[d * qs2]) * qmul;
       }
-      // Scores: each visible key row is read once for the whole group.
-      for (int64_t j = 0; j < Kmax; ++j) {
-        if (!m[j]) {
-          for (int64_t g = 0; g < G; ++g) scores[g * Kmax + j] = neg_inf;
-          continue;
-        }
-        const scalar_t* key = kc + (slots[j] * Hkv + kvh) * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qv = qf.data() + g * D;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qv[d] * static_cast<float>(key[d]);
-          float s = dot * fscale;
-          if (fcap > 0.f) s = fcap * std::tanh(s / fcap);
-          scores[g * Kmax + j] = s;
-          row_max[g] = std::max(row_max[g], s);
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        float sum = 0.f;
-        float* sg = scores.data() + g * Kmax;
-        for (int64_t j = 0; j < Kmax; ++j) {
-          const float e = sg[j] == neg_inf ? 0.f : std::exp(sg[j] - row_max[g]);
-          sg[j] = e;
-          sum += e;
-        }
-        row_sum[g] = sum;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < Kmax; ++j) {
-        if (!m[j]) continue;
-        const scalar_t* val = vc + (slots[j] * Hkv + kvh) * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * Kmax + j];
-          float* a = acc.data() + g * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(val[d]);
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        // Every real query sees at least its own key, so the sum is positive.
-        const float inv = 1.f / row_sum[g];
-        scalar_t* dst = op + (t * H + kvh * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[g * D + d] * inv);
+      const int64_t* slots = slots_all + b * Kmax;
+      scalar_t* dst = op + (t * H + kvh * G) * D;
+      auto run = [&](auto kd) {
+        attend_item<scalar_t, decltype(kd)::value>(qf.data(), kc, vc, slots, visible.data(), n, Hkv, kvh, G, D, Kmax,
+                                                   fscale, fcap, scores.data(), rows.data(), dst);
+      };
+      if (D == 64) {
+        run(std::integral_constant<int, 64>{});
+      } else if (D == 128) {
+        run(std::integral_constant<int, 128>{});
+      } else {
+        run(std::integral_constant<int, 0>{});
       }
     }
   });
