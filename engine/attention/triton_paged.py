@@ -97,7 +97,7 @@ def build_triton_metadata(
 
     # A program's rows are block_q tokens x G heads: a short verify (2-16 tokens) gets no more rows than
     # it fills, so its K/V tiles meet a 16-row product instead of a 64-row one at G = 4.
-    block_q = min(BLOCK_Q_CHUNK, triton.next_power_of_2(max(q_lens)))
+    block_q = min(BLOCK_Q_CHUNK, triton.next_power_of_2(max(1, *q_lens)))
     info: list[list[int]] = []
     programs: list[tuple[int, int]] = []
     flat_masks: list[torch.Tensor] = []
