@@ -35,7 +35,8 @@ if [[ $stages == *" served "* ]]; then
         >/tmp/augur-bin/augur
     chmod +x /tmp/augur-bin/augur
     PATH=/tmp/augur-bin:$PATH timeout "${SERVED_TIMEOUT:-240}" python3 -m loadtest.peers \
-        --preset augur-plain-thread augur-plain-process augur-default-thread augur-default-process \
+        --preset augur-plain-thread --preset augur-plain-process --preset augur-default-thread \
+        --preset augur-default-process \
         --num-prompts 16 --max-tokens 128 --concurrency 1 8 --no-progress --startup-timeout 120 \
         --log-dir "$OUT/logs" --output-md "$OUT/served.md" 2>&1
 fi

@@ -4,8 +4,9 @@ The first GPU run (docs/benchmarks.md) found a 3-token chain verify costing 1.34
 the 8B shape, although at batch 1 both should be bound by reading the same weights. This tool builds a
 shape with random weights (``loadtest.bench_gpu.build``), fills ``--context`` tokens of K/V, then runs
 ``--repeats`` forwards of each width (1 = a decode, k + 1 = a depth-k chain verify) under
-``torch.profiler`` and prints each kernel's device time per forward, widest first, side by side: the
-rows that grow with the width are what a verify pays beyond a decode.
+``torch.profiler`` and prints each kernel's device time per forward, one column per width (kernels
+sorted by their time at the widest): the rows that grow with the width are what a verify pays beyond
+a decode. Needs CUDA.
 """
 
 from __future__ import annotations
