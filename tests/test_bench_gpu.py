@@ -48,3 +48,20 @@ def test_real_shapes_build_as_published():
     assert counts["qwen2.5-7b"] == pytest.approx(7.62, abs=0.01)
     assert counts["gemma-2-9b"] == pytest.approx(9.24, abs=0.01)
     assert counts["llama-3.2-1b"] == pytest.approx(1.24, abs=0.01)
+
+
+@pytest.mark.gpu
+def test_kernel_profile_by_width(tmp_path, capsys):
+    """``loadtest.profile_gpu`` (CUDA only): every width gets kernel times, the attention kernel among
+    them, and a wall time per forward."""
+    from loadtest import profile_gpu
+
+    out = tmp_path / "profile.json"
+    args = ["--shape", "tiny", "--widths", "1", "4", "--context", "40", "--repeats", "3", "--output", str(out)]
+    assert profile_gpu.main(args) == 0
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"1", "4"}
+    for r in results.values():
+        assert r["wall_ms"] > 0
+        assert any("paged_attention" in name for name in r["kernels"])
+    assert "| **wall per forward** |" in capsys.readouterr().out
