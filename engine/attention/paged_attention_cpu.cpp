@@ -69,7 +69,8 @@ template <typename scalar_t, int kD>
 void attend_item(const float* qf /* [G, D], scaled */, const scalar_t* kc, const scalar_t* vc, const int64_t* slots,
                  const int64_t* visible, int64_t n, int64_t Hkv, int64_t kvh, int64_t G, int64_t D_runtime,
                  int64_t Kmax, float fscale, float fcap, float* scores /* [G, Kmax] */,
-                 float* rows /* [Kmax, D] */, scalar_t* dst /* [G, D] */) {
+                 float* rows /* [Kmax, D] */, float* spare /* [2 * D]: the accumulators when kD == 0 */,
+                 scalar_t* dst /* [G, D] */) {
   const int64_t D = kD > 0 ? kD : D_runtime;
   // The visible keys' rows in float32, once for the whole group: the score pass reads them, then
   // the values overwrite them for the output pass.
@@ -139,14 +140,8 @@ void attend_item(const float* qf /* [G, D], scaled */, const scalar_t* kc, const
     // Two accumulators over alternate keys: half as long a chain of dependent multiply-adds.
     const float* pg = scores + g * Kmax;
     float acc[2 * (kD > 0 ? kD : 1)];
-    float* a = acc;
-    std::vector<float> dyn;
-    if constexpr (kD == 0) {
-      dyn.assign(2 * D, 0.f);
-      a = dyn.data();
-    } else {
-      for (int64_t d = 0; d < 2 * D; ++d) a[d] = 0.f;
-    }
+    float* a = kD > 0 ? acc : spare;
+    for (int64_t d = 0; d < 2 * D; ++d) a[d] = 0.f;
     float* b = a + D;
     int64_t jj = 0;
     for (; jj + 2 <= n; jj += 2) {
@@ -197,7 +192,7 @@ void fused_attention(const at::Tensor& q,         // [T, H, D]
   const int64_t per_item = std::max<int64_t>(Kmax * G * D, 1);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / per_item);
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), scores(G * Kmax), rows(Kmax * D);
+    std::vector<float> qf(G * D), scores(G * Kmax), rows(Kmax * D), spare(2 * D);
     std::vector<int64_t> visible(Kmax);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / Hkv, kvh = item % Hkv;
@@ -216,7 +211,7 @@ void fused_attention(const at::Tensor& q,         // [T, H, D]
       scalar_t* dst = op + (t * H + kvh * G) * D;
       auto run = [&](auto kd) {
         attend_item<scalar_t, decltype(kd)::value>(qf.data(), kc, vc, slots, visible.data(), n, Hkv, kvh, G, D, Kmax,
-                                                   fscale, fcap, scores.data(), rows.data(), dst);
+                                                   fscale, fcap, scores.data(), rows.data(), spare.data(), dst);
       };
       if (D == 64) {
         run(std::integral_constant<int, 64>{});
