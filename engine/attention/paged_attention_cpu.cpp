@@ -54,8 +54,8 @@ inline float exp_nonpositive(float x) {
   x = std::max(x, -87.0f);
   const float k = std::floor(x * 1.44269504f + 0.5f);
   const float r = (x - k * 0.693145752f) - k * 1.42860677e-6f;
-  const float p =
-      1.f + r * (1.f + r * (0.5f + r * (0.166666672f + r * (0.0416666679f + r * (0.00833333377f + r * 0.00138888892f)))));
+  const float p = 1.f + r * (1.f + r * (0.5f + r * (0.166666672f + r * (0.0416666679f +
+                                                                         r * (0.00833333377f + r * 0.00138888892f)))));
   const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(k) + 127) << 23;
   float two_k;
   std::memcpy(&two_k, &bits, sizeof(float));
