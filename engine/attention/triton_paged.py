@@ -96,9 +96,7 @@ def build_triton_metadata(
     kv_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
     table = padded_block_tables(block_tables, kv_lens, block_size)
 
-    # A program's rows are block_q tokens x G heads: a short verify (2-16 tokens) gets no more rows than
-    # it fills, so its K/V tiles meet a 16-row product instead of a 64-row one at G = 4.
-    block_q = min(BLOCK_Q_CHUNK, triton.next_power_of_2(max(1, *q_lens)))
+    block_q = program_tokens(max(q_lens, default=0))
     info: list[list[int]] = []
     programs: list[tuple[int, int]] = []
     flat_masks: list[torch.Tensor] = []
@@ -329,10 +327,17 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def program_tokens(max_q_len: int) -> int:
+    """New tokens one kernel program takes in a batch whose longest sequence feeds ``max_q_len``. A
+    program's rows are those tokens x G heads: a short verify (2-16 tokens) gets no more rows than it
+    fills, so its K/V tiles meet a 16-row product instead of a 64-row one at G = 4."""
+    return min(BLOCK_Q_CHUNK, triton.next_power_of_2(max(1, max_q_len)))
+
+
 def programs_per_sequence(q_len: int) -> int:
     """Kernel programs (per KV head) of a sequence feeding ``q_len`` new tokens in a batch whose
     longest sequence feeds as many."""
-    return -(-q_len // BLOCK_Q_CHUNK)
+    return -(-q_len // program_tokens(q_len))
 
 
 def key_splits(programs: int, tokens: int, max_kv_len: int, device: torch.device) -> int:
