@@ -19,7 +19,7 @@ from engine.request.sampling_params import SamplingParams
 from engine.runner.model_runner import ForwardChunk
 from engine.sampling.batch import Batch, Sample
 from engine.sampling.tree import DraftTree
-from engine.speculative.controller import CostModel, Guard
+from engine.speculative.controller import CostModel, ExplorationBudget, Guard
 from engine.speculative.methods import register
 from engine.speculative.proposer import CostShape, Proposer
 
@@ -436,6 +436,7 @@ def test_controller_explores_at_full_depth_where_it_could_pay_and_unjudged(targe
     seq = eng.groups["x"].seqs[0]
     ctl.cost = cheap_draft_costs()  # a draft forward is a tenth of a target forward
     ctl.guard = Guard(4, min_samples=0, probe_every=10**9)
+    ctl.budget = ExplorationBudget(fraction=10**9)  # this part is about what explores, not how often
     ctl.estimate(seq).alpha = [0.05] * 4  # its population says drafting does not pay: the search says 0
     batch = Batch(samples=[Sample(seq, DraftTree(), 0, 0, depth=4)])
     plans = []
@@ -456,6 +457,60 @@ def test_controller_explores_at_full_depth_where_it_could_pay_and_unjudged(targe
     new = eng.groups["y"].seqs[0]
     assert ctl.estimate(new).updates == 0
     assert all(ctl.plan([new], 0) == [0] and not ctl.exploring for _ in range(2 * ctl.idle_probe))
+
+
+def test_exploration_budget_keeps_losing_exploration_to_its_share(target, tmp_path):
+    """Short requests one at a time, each trialled at full depth, where drafting always loses (a
+    trial step takes 4 plain tokens' time and makes 1 token): what exploring loses against plain
+    decoding stays within the budget's share of the time, yet exploring goes on."""
+    from test_spec import cheap_draft_costs
+
+    eng, ctl = _controlled_engine(target, tmp_path)
+    ctl.trial_steps = 1
+    ctl.cost = cheap_draft_costs()  # drafting could pay by the cost model: trials are due
+    ctl.guard = Guard(4, min_samples=0, probe_every=10**9)
+    ctl.budget = budget = ExplorationBudget(fraction=0.05, decay=1.0)  # no decay: the exact share
+    plain, lost, total, trials = 0.010, 0.0, 0.0, 0
+    for r in range(120):
+        eng.add_request(f"r{r}", [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+        eng.step()
+        seq = eng.groups[f"r{r}"].seqs[0]
+        for _ in range(8):  # eight steps of each request
+            ctl.estimate(seq).alpha = [0.05] * 4  # the plan alone would keep it at 0
+            depth = ctl.plan([seq], 0)[0]
+            seconds = 4 * plain if depth else plain
+            trials += depth > 0
+            lost += seconds - plain if depth else 0.0
+            total += seconds
+            ctl.observe_step(
+                1, 1, seconds, seconds, int(depth > 0), Batch(samples=[Sample(seq, DraftTree(), 0, 0, depth=depth)])
+            )
+        eng.abort(f"r{r}")
+    assert lost <= budget.fraction * total + 4 * plain  # within the share, but for the step that crossed it
+    assert budget.spent == pytest.approx(lost, rel=0.01)  # charged what it lost (the first by the cost model)
+    assert 10 < trials < 120  # explored now and then, not every request
+    # Exploration that wins (a trial step makes 4 tokens in 2 plain tokens' time) is never held back.
+    ctl.budget = ExplorationBudget(fraction=0.05)
+    eng.add_request("w", [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+    eng.step()
+    wins = []
+    for r in range(30):
+        eng.add_request(f"w{r}", [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+        eng.step()
+        seq = eng.groups[f"w{r}"].seqs[0]
+        ctl.estimate(seq).alpha = [0.05] * 4
+        wins.append(ctl.plan([seq], 0)[0])
+        ctl.observe_step(1, 4, 2 * plain, 2 * plain, 1, Batch(samples=[Sample(seq, DraftTree(), 0, 0, depth=4)]))
+        eng.abort(f"w{r}")
+    assert wins == [4] * 30 and ctl.budget.spent < 0
+
+
+def test_guard_burst_waits_for_the_exploration_budget():
+    guard = Guard(max_depth=4, min_samples=0, probe_every=4)
+    b = guard.bucket(1)
+    b.on = False
+    assert [guard.limit(1, may_probe=False) for _ in range(10)] == [0] * 10  # due after 4, held back
+    assert guard.limit(1) == 4 and b.probing  # the budget allows: the burst starts at once
 
 
 def test_guard_verdict_expires_with_the_requests_it_was_about():

@@ -19,6 +19,11 @@ compares the tokens/s that speculating and plain steps really achieved at the sa
 turns speculation off where it loses (probing with bursts of real drafting now and then, so that it
 notices when it wins again). Exploration — a new request's first drafts, an idle request's probes,
 both at full depth — happens only where it could pay, and the guard does not judge it.
+
+Exploring and probing cost real time wherever speculation loses, and traffic of many short requests
+would explore all the time (each new request trials, each new batch earns a burst): an
+:class:`ExplorationBudget` keeps what they lose against plain decoding to a small share of the
+time, so a server where drafting never pays runs within that share of plain decoding.
 """
 
 from __future__ import annotations
@@ -155,6 +160,27 @@ class _Bucket:
         self.judged: frozenset = frozenset()  # while off: the requests the last verdict was about
 
 
+class ExplorationBudget:
+    """What exploration (trials, idle probes, the guard's bursts) has lost against plain decoding, kept
+    within ``fraction`` of the time: a step that explores is charged its seconds beyond what plain
+    decoding takes for the tokens it made (negative where it won), every decode-only step adds its
+    seconds to the time, and both sums decay by ``decay`` a step, so the share is of recent time.
+    Exploration waits while the charges exceed the share; exploration that wins pays for more."""
+
+    def __init__(self, fraction: float = 0.03, decay: float = 0.998) -> None:
+        self.fraction, self.decay = fraction, decay
+        self.spent = 0.0  # decayed seconds lost by exploring steps
+        self.elapsed = 0.0  # decayed seconds of every decode-only step
+
+    def allows(self) -> bool:
+        return self.spent <= self.fraction * self.elapsed
+
+    def observe(self, seconds: float, excess: float | None = None) -> None:
+        """A decode-only step of ``seconds``; ``excess``: an exploring step's seconds beyond plain decoding's."""
+        self.spent = self.spent * self.decay + (excess or 0.0)
+        self.elapsed = self.elapsed * self.decay + seconds
+
+
 def _rate(steps: deque[tuple[int, float]]) -> float:
     seconds = sum(s for _, s in steps)
     return sum(t for t, _ in steps) / seconds if seconds > 0 else 0.0
@@ -230,9 +256,12 @@ class Guard:
     def _keeps_up(self, b: _Bucket) -> bool:
         return _rate(b.spec) >= self.margin * _rate(b.plain)
 
-    def limit(self, num_seqs: int, greedy: bool = True, members: frozenset = frozenset()) -> int:
+    def limit(
+        self, num_seqs: int, greedy: bool = True, members: frozenset = frozenset(), may_probe: bool = True
+    ) -> int:
         """The most draft depth allowed this step (0: a plain step) for a batch of ``num_seqs``, all
-        greedy or not; ``members`` names the batch's requests."""
+        greedy or not; ``members`` names the batch's requests. A burst due while ``may_probe`` is
+        false (the exploration budget is spent) waits for it."""
         b = self.bucket(num_seqs, greedy)
         b.plans += 1
         if not b.on and members and b.judged and not members & b.judged:
@@ -254,7 +283,8 @@ class Guard:
             b.spec.clear()
             b.judged = members
         b.wait -= 1
-        if b.wait > 0:
+        if b.wait > 0 or not may_probe:
+            b.wait = max(b.wait, 1)
             return 0
         b.probing, b.burst_left, b.skip_next = True, self.burst - 1, True
         b.spec.clear()
@@ -266,6 +296,7 @@ class SpecController:
     max_depth: int
     proposer: object  # engine.speculative.proposer.Proposer: its slots_needed and cost shape
     cost: CostModel = field(default_factory=CostModel)
+    budget: ExplorationBudget = field(default_factory=ExplorationBudget)
     prior: float = 0.6
     min_gain: float = 0.02  # never draft a position expected to add less than this
     switch_margin: float = 0.03  # leave the current depth only for a predicted gain above this ...
@@ -283,9 +314,10 @@ class SpecController:
         # The current maximum depth (hysteresis state), for all-greedy batches and for the others.
         self.depth = {True: self.max_depth, False: self.max_depth}
         self._challenger, self._streak = {True: None, False: None}, {True: 0, False: 0}
-        self._memo: dict[tuple[str, int, int], float] = {}
+        self._memo: dict[tuple, float] = {}
         self._last_key, self._last_plan, self._reused = None, (), 0
         self.exploring = False  # this step's plan holds a trial or an idle probe (see observe_step)
+        self.bursting = False  # this step's plan is a guard's probe burst
 
     def estimate(self, seq: Sequence) -> AcceptanceEstimate:
         if seq.spec_estimate is None:
@@ -299,9 +331,9 @@ class SpecController:
         greedy = [s.params.greedy for s in seqs]
         kind = all(greedy)
         members = frozenset(s.seq_id for s in seqs)
-        cap = self.guard.limit(len(seqs), kind, members)
-        self._memo: dict[tuple[str, int, int], float] = {}
-        self.exploring = False
+        cap = self.guard.limit(len(seqs), kind, members, self.budget.allows())
+        self._memo = {}
+        self.exploring = self.bursting = False
         fixed: dict[int, int] = {}
         free: list[int] = []
         for i, seq in enumerate(seqs):
@@ -320,7 +352,7 @@ class SpecController:
             # the costs, the acceptance estimates and the guard all learn what deep drafts achieve.
             for i in free:
                 depths[i] = min(self.max_depth, room[i], cap)
-            self.exploring = False  # a burst is judged by the guard, trials or not
+            self.bursting = bursting  # a burst is judged by the guard, trials or not
             return depths
         if not free or cap == 0:  # a plain step by the guard: no idle probes either
             return depths
@@ -387,7 +419,7 @@ class SpecController:
             # due: an idle probe, or a trial (again just after the last; a trial that could not pay is
             # asked again ``idle_probe`` steps later, like an idle probe)
             due = idle >= self.idle_probe or (idle == 1 and self.estimate(seq).updates < self.trial_steps)
-            if due and room[i] > 0:
+            if due and room[i] > 0 and self.budget.allows():
                 full = min(self.max_depth, room[i], cap)
                 if self._could_pay(i, full, depths, seqs, other_tokens, greedy):
                     depths[i] = full
@@ -416,7 +448,12 @@ class SpecController:
         return self._memo[key]
 
     def _tokens(self, depths: list[int], seqs: list[Sequence]) -> float:
-        return sum(self.estimate(s).expected_tokens(d) if d else 1.0 for s, d in zip(seqs, depths))
+        if not any(depths):
+            return float(len(depths))
+        key = ("tokens", *depths)  # one plan's batch: the same depths, the same tokens
+        if key not in self._memo:
+            self._memo[key] = sum(self.estimate(s).expected_tokens(d) if d else 1.0 for s, d in zip(seqs, depths))
+        return self._memo[key]
 
     def _target_tokens(self, depths: list[int], other_tokens: int, greedy: list[bool]) -> int:
         return other_tokens + len(depths) + sum(self.proposer.slots_needed(d, g) for d, g in zip(depths, greedy) if d)
@@ -424,8 +461,11 @@ class SpecController:
     def _step_time(self, depths: list[int], other_tokens: int, greedy: list[bool]) -> float:
         """Predicted seconds of a step: the same step without drafts, plus what drafting adds by the
         cost model's parts, scaled by how whole speculating steps have compared with that sum."""
-        plain, extra = self._step_parts(depths, other_tokens, greedy)
-        return plain + self.cost.spec_scale() * extra
+        key = ("step", other_tokens, *depths)  # a search meets the same depths many times
+        if key not in self._memo:
+            plain, extra = self._step_parts(depths, other_tokens, greedy)
+            self._memo[key] = plain + self.cost.spec_scale() * extra
+        return self._memo[key]
 
     def _step_parts(self, depths: list[int], other_tokens: int, greedy: list[bool]) -> tuple[float, float]:
         """(seconds of the step without drafts, seconds drafting adds) by the cost model's parts."""
@@ -463,7 +503,8 @@ class SpecController:
     ) -> None:
         """A whole step's outcome: host time for the cost model; realised tokens/s of decode-only
         steps (``batch.decode_only``) for the guard, which judges the controller's own choices: a step
-        with a trial or an idle probe in it is exploration, paid for on purpose, and not judged.
+        with a trial or an idle probe in it is exploration, paid for on purpose, and not judged; it
+        and a burst's steps are charged to the exploration budget.
 
         A drafting step whose proposer caught up more than a steady step can (a request's first
         drafts feed the draft its whole prompt; a probe after plain steps, all of them) teaches the
@@ -479,10 +520,20 @@ class SpecController:
             members = frozenset(s.seq.seq_id for s in batch.samples)
             if not (num_drafting and self.exploring):
                 self.guard.observe(num_seqs, tokens, seconds, num_drafting > 0, all(greedy), members)
+            explored = num_drafting and (self.exploring or self.bursting)
+            self.budget.observe(seconds, seconds - tokens * self._plain_token_seconds(greedy) if explored else None)
             if num_drafting and steady:  # how the whole step compared with the sum of its predicted parts
                 plain, extra = self._step_parts([s.depth for s in batch.samples], 0, greedy)
                 if extra > 0:
                     self.cost.observe_spec_scale((seconds - plain) / extra)
+
+    def _plain_token_seconds(self, greedy: list[bool]) -> float:
+        """Seconds a token takes by plain decoding in a batch like this one: the guard's measured
+        plain rate at its size, or (none yet) the cost model's plain step."""
+        rate = _rate(self.guard.bucket(len(greedy), all(greedy)).plain)
+        if rate > 0:
+            return 1.0 / rate
+        return self._step_parts([0] * len(greedy), 0, greedy)[0] / len(greedy)
 
     def _steady_tokens(self, batch) -> int:
         """The most tokens a proposer's forwards run in a steady drafting step: per drafting sequence,
