@@ -390,8 +390,11 @@ def test_controller_reuses_the_plan_of_an_unchanged_batch(target, tmp_path):
     assert all(ctl.plan([seq], 0) == [4] for _ in range(ctl.reuse_plans)) and len(searched) == 5
     assert ctl.plan([seq], 0) == [4] and len(searched) == 10  # reused at most reuse_plans times
     ctl.estimate(seq).alpha = [0.05] * 4  # new estimates: a new search at once
-    ctl.plan([seq], 0)
-    assert len(searched) == 15
+    seq.spec_idle_steps = -(10**6)  # (and no idle probe here)
+    assert ctl.plan([seq], 0) == [0] and len(searched) == 15
+    # A plan that drafts nothing is reused longer: nothing moves its estimates while it stands.
+    assert all(ctl.plan([seq], 0) == [0] for _ in range(ctl.reuse_idle_plans)) and len(searched) == 15
+    assert ctl.plan([seq], 0) == [0] and len(searched) == 20
 
 
 def test_a_long_catch_up_does_not_price_later_drafts(target, tmp_path):

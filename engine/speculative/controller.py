@@ -63,6 +63,7 @@ class CostModel:
         self.spec_ratio: deque[float] = deque(maxlen=window)
         self._scale: float | None = None
         self._step_tokens: dict[str, int] = {}  # tokens each kind's forwards ran since the last step ended
+        self._rows_ready: tuple[str, ...] | None = None  # the kinds ready() last found timed
 
     def observe(self, kind: str, num_seqs: int, tokens: int, seconds: float) -> None:
         if tokens <= 0 or num_seqs <= 0:
@@ -142,7 +143,12 @@ class CostModel:
         return curve
 
     def ready(self, kinds: tuple[str, ...]) -> bool:
-        return all(any(k == kind for k, _, _ in self.cells) for kind in kinds)
+        """Whether every kind has a timing (asked every plan: a cell is never removed, so once true, true)."""
+        if self._rows_ready != kinds:
+            if not all(any(k == kind for k, _, _ in self.cells) for kind in kinds):
+                return False
+            self._rows_ready = kinds
+        return True
 
 
 class _Bucket:
@@ -302,6 +308,9 @@ class SpecController:
     switch_margin: float = 0.03  # leave the current depth only for a predicted gain above this ...
     patience: int = 3  # ... or when another depth was best this many plans in a row
     reuse_plans: int = 7  # an unchanged batch (requests, estimates, room) reuses its plan this many times
+    # ... and a plan that drafts nothing this many: no request's estimate moves while nothing drafts
+    # (a trial or probe that drafts changes the key), so only the timings could change its answer.
+    reuse_idle_plans: int = 31
     trial_steps: int = 3  # a request's first verified drafts are at full depth: its own estimate, soon
     idle_probe: int = 32  # a request kept at zero drafts at full depth again after this many steps
     optimism: float = 0.9  # per-position acceptance of the most predictable text (exploration's bound)
@@ -366,7 +375,8 @@ class SpecController:
             tuple((s.seq_id, min(r, self.max_depth)) for s, r in zip(seqs, room)),
             tuple(a for i in free for a in self.estimate(seqs[i]).alpha),
         )
-        if key == self._last_key and self._reused < self.reuse_plans:
+        reuse = self.reuse_plans if any(self._last_plan) else self.reuse_idle_plans
+        if key == self._last_key and self._reused < reuse:
             self._reused += 1
             return self._explore(seqs, list(self._last_plan), free, room, other_tokens, cap, greedy)
         gains = {i: self.estimate(seqs[i]).gains(self.max_depth) for i in free}
