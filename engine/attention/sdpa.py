@@ -55,7 +55,7 @@ class SdpaMetadata:
 def build_sdpa_metadata(
     q_lens: list[int],
     ctx_lens: list[int],
-    block_tables: list[list[int]],
+    block_tables: list[list[int]] | np.ndarray,  # or their padded rows [B, >= max blocks]
     block_size: int,
     positions: torch.Tensor,  # [T] int64, on the target device
     new_token_masks: list[torch.Tensor | None] | None = None,  # per sequence [q_len, ctx+q_len-mask_start] bool
@@ -83,7 +83,9 @@ def build_sdpa_metadata(
     max_q, max_k, T = int(q_np.max()), int(kv_np.max()), int(q_np.sum())
 
     # Slots of every context index of every sequence, from the block tables: [B, Kmax] (padding → 0).
-    table = np.asarray(padded_block_tables(block_tables, kv_np.tolist(), block_size), dtype=np.int64)
+    if not isinstance(block_tables, np.ndarray):  # else already padded (PersistentBlockTables.rows)
+        block_tables = padded_block_tables(block_tables, kv_np.tolist(), block_size)
+    table = np.asarray(block_tables, dtype=np.int64)
     k_idx = np.arange(max_k)
     in_ctx = k_idx[None, :] < kv_np[:, None]
     kv_slots = np.where(in_ctx, table[:, k_idx // block_size] * block_size + k_idx % block_size, 0)

@@ -73,7 +73,7 @@ class TritonMetadata:
 def build_triton_metadata(
     q_lens: list[int],
     ctx_lens: list[int],
-    block_tables: list[list[int]],
+    block_tables: list[list[int]] | np.ndarray,  # or their padded rows [B, >= max blocks]
     block_size: int,
     positions: torch.Tensor,  # [T] int64, on the target device
     new_token_masks: list[torch.Tensor | None] | None = None,  # per sequence [q_len, ctx+q_len-mask_start] bool
@@ -94,7 +94,8 @@ def build_triton_metadata(
     their K/V to ``scratch_slot`` instead of the block table's slot, which is not theirs."""
     B = len(q_lens)
     kv_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
-    table = padded_block_tables(block_tables, kv_lens, block_size)
+    if not isinstance(block_tables, np.ndarray):  # else already padded (PersistentBlockTables.rows)
+        block_tables = padded_block_tables(block_tables, kv_lens, block_size)
 
     block_q = program_tokens(max(q_lens, default=0))
     info: list[list[int]] = []
@@ -123,7 +124,7 @@ def build_triton_metadata(
     ctx_of_tok = torch.tensor(ctx_lens)[seq_of_tok]
     first_of_tok = torch.tensor([row[2] for row in info])[seq_of_tok]
     index = ctx_of_tok + torch.arange(q_start) - first_of_tok  # each new token's context index
-    table_t = torch.from_numpy(np.array(table, dtype=np.int32))  # (3x torch.tensor's speed on nested lists)
+    table_t = torch.from_numpy(np.asarray(block_tables, dtype=np.int32))  # (3x torch.tensor's speed on nested lists)
     slots = table_t[seq_of_tok, index // block_size].long() * block_size + index % block_size
     if write_lens is not None:
         real = ctx_of_tok + torch.tensor(write_lens)[seq_of_tok]

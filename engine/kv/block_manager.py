@@ -240,7 +240,7 @@ class BlockManager:
                 raise ValueError(f"fork of block {block}, which no table holds")
         for block in block_table:
             self._ref_counts[block] += 1
-        return list(block_table)
+        return type(block_table)(block_table)  # a table that tracks its changes stays one
 
     def free(self, block_table: list[int]) -> None:
         """Drop one ref on each block and clear the list.

@@ -11,6 +11,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.request.block_table import BlockTable
 from engine.request.sampling_params import NoiseKey, SamplingParams
 from engine.request.state import AcceptanceEstimate, NgramIndex, SearchState
 
@@ -58,7 +59,7 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_ids)
         self.num_prompt_tokens = len(prompt_ids)
         self.num_computed_tokens = 0
-        self.block_table: list[int] = []
+        self.block_table: list[int] = BlockTable()  # says where it changed (the runner's rows follow)
         self.block_hashes: list[int] = []  # chained hashes of the full, final blocks
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None

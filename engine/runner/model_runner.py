@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.attention import AttentionMetadata, metadata_builder, resolve_backend
+from engine.attention.common import PersistentBlockTables
 from engine.attention.cpu_kernel import load_cpu_kernel
 from engine.models.layer_skip import LayerSkip
 from engine.models.packed import linear_weight_bytes
@@ -219,6 +220,7 @@ class ModelRunner:
         self.kv_bytes_per_token = kv_bytes_per_token(hf_config, dtype)
         self.attention_backend = resolve_backend(attention_backend, device)  # see engine.attention
         self._build_metadata = metadata_builder(self.attention_backend)
+        self._block_rows = PersistentBlockTables()  # block tables kept as array rows between forwards
         if device.type == "cpu" and self.attention_backend == "sdpa":
             load_cpu_kernel()  # the op's C++ kernel for CPU tensors (built on first use)
         self.num_blocks = 0
@@ -261,6 +263,7 @@ class ModelRunner:
         view = copy.copy(self)
         view._run, view._chain = self._compiled
         view.graphs = None
+        view._block_rows = PersistentBlockTables()  # its thread's own
         view.num_blocks = num_blocks
         view.kv_cache = torch.zeros(
             (self.kv_cache.shape[0], 2, num_blocks * self.block_size, *self.kv_cache.shape[3:]),
@@ -340,10 +343,11 @@ class ModelRunner:
         input_ids = torch.tensor(token_ids, dtype=torch.int64).to(dev, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
         masks = [c.tree_mask for c in chunks]
+        kv_lens = [c.ctx_len + len(c.token_ids) for c in chunks]
         meta = self._build_metadata(
             q_lens=[len(c.token_ids) for c in chunks],
             ctx_lens=[c.ctx_len for c in chunks],
-            block_tables=[c.block_table for c in chunks],
+            block_tables=self._block_rows.rows([c.block_table for c in chunks], kv_lens, self.block_size),
             block_size=self.block_size,
             positions=pos,
             new_token_masks=masks if any(m is not None for m in masks) else None,
@@ -382,10 +386,12 @@ class ModelRunner:
         positions.extend([0] * (pads * width))
         dev = self.device
         pos = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
+        tables = [c.block_table for c in chunks] + [[]] * pads
+        kv_lens = [c.ctx_len + width for c in chunks] + [width] * pads
         meta = self._build_metadata(
             q_lens=[width] * num_seqs,
             ctx_lens=[c.ctx_len for c in chunks] + [0] * pads,
-            block_tables=[c.block_table for c in chunks] + [[]] * pads,
+            block_tables=self._block_rows.rows(tables, kv_lens, self.block_size),
             block_size=self.block_size,
             positions=pos,
             new_token_masks=masks + [None] * pads if any(m is not None for m in masks) else None,
