@@ -63,7 +63,7 @@ class CostModel:
         self.spec_ratio: deque[float] = deque(maxlen=window)
         self._scale: float | None = None
         self._step_tokens: dict[str, int] = {}  # tokens each kind's forwards ran since the last step ended
-        self._rows_ready: tuple[str, ...] | None = None  # the kinds ready() last found timed
+        self._ready_kinds: tuple[str, ...] | None = None  # the kinds ready() last found timed
 
     def observe(self, kind: str, num_seqs: int, tokens: int, seconds: float) -> None:
         if tokens <= 0 or num_seqs <= 0:
@@ -144,10 +144,10 @@ class CostModel:
 
     def ready(self, kinds: tuple[str, ...]) -> bool:
         """Whether every kind has a timing (asked every plan: a cell is never removed, so once true, true)."""
-        if self._rows_ready != kinds:
+        if self._ready_kinds != kinds:
             if not all(any(k == kind for k, _, _ in self.cells) for kind in kinds):
                 return False
-            self._rows_ready = kinds
+            self._ready_kinds = kinds
         return True
 
 
