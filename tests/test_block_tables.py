@@ -86,3 +86,16 @@ def test_persistent_rows_equal_the_padded_lists_under_the_block_managers_changes
             # Plain lists (a captured graph's padding sequences) ride along and are converted each time.
             _check(mirror, batch + [[]] * rng.randint(0, 2), bs, rng)
     assert all(len(m.entries) <= 40 for m in mirrors)  # unused tables' rows were given back
+
+
+def test_metadata_benchmark_compares_both_ways_on_equal_metadata(capsys, monkeypatch):
+    """``loadtest.bench_metadata`` checks the kept rows' metadata against the lists' at every step: a
+    row left stale fails it rather than timing it."""
+    from loadtest import bench_metadata
+
+    assert bench_metadata.main(["--batches", "3x40", "--steps", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "| sdpa | 3 x 40 |" in out
+    monkeypatch.setattr(BlockTable, "changed_since", lambda self, version: None)  # every change ignored
+    with pytest.raises(AssertionError, match="kept rows differ"):
+        bench_metadata.measure(bench_metadata.builders()["sdpa"], 3, 40, 40)

@@ -51,10 +51,8 @@ class PersistentBlockTables:
         if n > self.array.shape[1]:
             self._grow(self.array.shape[0], n)
         out = self.array[rows, :n]
-        for j in plain:
-            bt = block_tables[j][:n]
-            out[j] = 0
-            out[j, : len(bt)] = bt
+        if plain:
+            out[plain] = padded_block_tables([block_tables[j] for j in plain], [n * block_size], block_size)
         return out
 
     def _row(self, bt) -> int:
