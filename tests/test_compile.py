@@ -58,6 +58,32 @@ def test_compiled_forward_equals_eager_in_one_graph(model_dirs, arch):
     torch.testing.assert_close(compiled.kv_cache[:, :, written], eager.kv_cache[:, :, written], atol=1e-5, rtol=1e-5)
 
 
+def test_a_compiled_call_gets_few_symbolic_sizes(model_dirs, monkeypatch):
+    """Every symbolic size a compiled graph takes is an argument its wrapper converts on each call:
+    the KV pool's shape is static, the sizes that always equal the token count (positions, slot
+    mapping, query index) or each other (the mask's and the key slots' sequences and keys) are one
+    size each."""
+    from torch._inductor.output_code import CompiledFxGraph
+
+    compiled = runners(model_dirs["LlamaForCausalLM"], True)
+    compiled.warmup()
+    seen: list[int] = []
+    call = CompiledFxGraph.__call__
+
+    def counting(self, inputs):
+        seen.append(sum(isinstance(x, int) for x in inputs))
+        return call(self, inputs)
+
+    monkeypatch.setattr(CompiledFxGraph, "__call__", counting)
+    for seed, shape in enumerate(SHAPES):
+        compiled.forward(chunks_for(shape, seed))
+    assert seen and all(n > 0 for n in seen)
+    # Tokens, sequences, keys, the mask's query width and unit head dim, logit rows: 6 sizes, and
+    # dynamo passes the first name of a size declared equal to another too (at most 3 of those).
+    # Unrelated, every tensor dimension is its own size (16 for this call).
+    assert max(seen) <= 9, seen
+
+
 def test_two_models_of_one_shape_keep_their_own_weights(tmp_path, tokenizer_dir):
     """Frozen weights are constants of a graph: a second model of the same architecture (a
     same-shaped draft, a second engine) must get its own graph, not the first one's weights."""

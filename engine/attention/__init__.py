@@ -51,6 +51,12 @@ class AttentionMetadata(Protocol):
         softcap: float,
     ) -> torch.Tensor: ...  # [T, H * D]
 
+    def tie_shapes(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """Declare (``torch._check``) which of the metadata's sizes always equal each other or the batch's
+        token count: a compiled forward then takes one symbolic size for each, where every symbolic
+        size is an argument its wrapper converts on each call."""
+        ...
+
 
 MetadataBuilder = Callable[..., AttentionMetadata]
 

@@ -45,6 +45,14 @@ class SdpaMetadata:
             for d in range(L)
         ]
 
+    def tie_shapes(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        T = input_ids.size(0)
+        torch._check(positions.size(0) == T)
+        torch._check(self.slot_mapping.size(0) == T)
+        torch._check(self.q_index.size(0) == T)
+        torch._check(self.kv_slots.size(0) == self.mask.size(0))
+        torch._check(self.kv_slots.size(1) == self.mask.size(3))
+
     def attend(self, q, k, v, kv_pool, layer: int, scale: float, sliding: bool, softcap: float) -> torch.Tensor:
         mask = self.sliding_mask if sliding else self.mask
         return torch.ops.augur.paged_attention(

@@ -61,6 +61,10 @@ class TritonMetadata:
     num_splits: int  # key ranges per program (0: chosen from the GPU's size and the batch's tokens)
     num_seqs: int
 
+    def tie_shapes(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """Nothing declared: the GPU runs small batches as captured graphs, where no compiled wrapper is
+        called per step, and a padded batch's sizes are not the unpadded ones."""
+
     def attend(self, q, k, v, kv_pool, layer: int, scale: float, sliding: bool, softcap: float) -> torch.Tensor:
         window = self.sliding_window if sliding else 0
         return torch.ops.augur.triton_paged_attention(

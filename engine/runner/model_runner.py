@@ -75,6 +75,7 @@ class LogitsForward(torch.nn.Module):
     def forward(self, input_ids, positions, meta, kv_cache, logit_rows, skip, hidden_layers, hidden_in=None):
         # hidden_in: a per-token input besides the token (an EAGLE head's features), for models that take one
         extra = {} if hidden_in is None else {"hidden_in": hidden_in}
+        meta.tie_shapes(input_ids, positions)
         hidden, captured = self.model(input_ids, positions, meta, kv_cache, skip, hidden_layers, **extra)
         return self.model.compute_logits(hidden.index_select(0, logit_rows)), captured, hidden
 
@@ -147,6 +148,9 @@ def compile_settings(device: torch.device) -> None:
 
     fx_config.backed_size_oblivious = True
     fx_config.use_duck_shape = False  # equal sizes seen once are not assumed equal forever
+    # A module's float attributes (norm epsilons, attention scales) are constants, not graph inputs
+    # guarded by Python lambdas on every call (the model never changes; see _module_guards).
+    torch._dynamo.config.specialize_float = True
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     if device.type == "cpu":
         # Dynamo reads the global flag when it traces (whether a graph may be frozen at all); each
@@ -288,6 +292,9 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
+        # Its shape is fixed for the pool's life: static sizes, not five symbolic ones a compiled
+        # forward is handed (and converts) on every call.
+        torch._dynamo.mark_static(self.kv_cache)
         logger.info(
             "KV pool: %d blocks x %d tokens (%.1f MiB)",
             num_blocks,

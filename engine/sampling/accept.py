@@ -53,6 +53,24 @@ class RowsMetadata:
             params, num_out, counts, masks, gens, eos, V, dev, extra, banned, forbidden
         )
 
+    def plain_rows(self, samples: list) -> list[int] | None:
+        """The logits rows of every sample's root and nodes where no row needs a logits processor
+        (no penalty, logit bias, ``min_tokens`` ban, n-gram ban or grammar): the greedy rule is then
+        the raw logits' argmax, and no sampling metadata is built. None where some row needs one."""
+        rows: list[int] = []
+        for s in samples:
+            seq, p = s.seq, s.seq.params
+            if (
+                seq.grammar is not None
+                or p.needs_penalties
+                or p.logit_bias
+                or p.no_repeat_ngram_size
+                or seq.num_output_tokens < p.min_tokens  # deeper rows have more outputs: none is banned
+            ):
+                return None
+            rows.extend(range(s.row, s.row + len(s.tree) + 1))
+        return rows
+
     def _forbidden(self, num_rows: int, grammar_rows: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
         """``[rows, V]`` bool: True where a grammar forbids the token (rows without one: nothing)."""
         words = grammar_rows[0][1].shape[1]
@@ -64,6 +82,9 @@ class RowsMetadata:
 
 def accept_greedy(samples: list, logits: torch.Tensor, rows_md: RowsMetadata) -> list[tuple[list[int], int]]:
     """(accepted node indices, final token) per greedy sample: the target's argmax decides."""
+    rows = rows_md.plain_rows(samples)
+    if rows is not None:
+        return _walk(samples, logits[rows].argmax(-1))
     rows, md = rows_md(samples)
     raw = logits[rows]
     return _walk(samples, (apply_logits_processors(raw, md) if md.needs_processing else raw).argmax(-1))
