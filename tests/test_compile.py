@@ -78,10 +78,16 @@ def test_a_compiled_call_gets_few_symbolic_sizes(model_dirs, monkeypatch):
     for seed, shape in enumerate(SHAPES):
         compiled.forward(chunks_for(shape, seed))
     assert seen and all(n > 0 for n in seen)
-    # Tokens, sequences, keys, the mask's query width and unit head dim, logit rows: 6 sizes, and
-    # dynamo passes the first name of a size declared equal to another too (at most 3 of those).
-    # Unrelated, every tensor dimension is its own size (16 for this call).
-    assert max(seen) <= 9, seen
+    # Tokens, sequences, keys, the mask's query width and unit head dim, logit rows, the pool's
+    # slots: 7 sizes, and dynamo passes the first name of a size declared equal to another too (at
+    # most 3 of those). Unrelated, every tensor dimension is its own size (16 for this call).
+    assert max(seen) <= 10, seen
+    # loadtest.bench_call times such a call (a decode) and reads the same count.
+    from loadtest.bench_call import measure
+
+    cost = measure(compiled, context=6, calls=20)
+    assert cost.size_args == seen[0]  # SHAPES[0] is a decode too
+    assert cost.graph_ms > 0 and cost.execute_ms > cost.graph_ms
 
 
 def test_two_models_of_one_shape_keep_their_own_weights(tmp_path, tokenizer_dir):
@@ -113,6 +119,24 @@ def test_speculation_through_compiled_forwards_is_exact(tmp_path, tokenizer_dir)
     assert run(spec) == run(plain)
     assert spec.spec_stats.num_drafts > 0
     assert spec.block_manager.num_free_blocks == spec.block_manager.num_blocks
+
+
+def test_background_compile_serves_without_recompiling(tmp_path, tokenizer_dir):
+    """The graphs a server warms up in the background, over its runners' scratch pools, are the ones
+    its live pools run: swapped in, no request compiles another (a scratch pool's shape differs from
+    the live pool's in its slots only, and both are marked alike)."""
+    target = build_model_dir(tmp_path / "t", tokenizer_dir, "LlamaForCausalLM", seed=5, std=0.3)
+    draft = build_model_dir(tmp_path / "d", tokenizer_dir, "LlamaForCausalLM", seed=5, std=0.3, num_hidden_layers=1)
+    kw = dict(model=str(target), device="cpu", num_kv_blocks=64, block_size=4)
+    engine = LLMEngine(EngineConfig(**kw, compile="on", compile_background=True, draft_model=str(draft)))
+    assert engine.compile_state == "pending"
+    engine.compile_in_background().join()
+    assert engine.compile_state == "ready"
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, num_draft_tokens=2)
+    out = engine.generate([[5, 9, 11, 5, 9], [40, 41, 42]], params)
+    assert engine.compile_state == "on" and all(o.outputs[0].num_tokens == 12 for o in out)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
 def test_compile_setting(monkeypatch):

@@ -171,6 +171,13 @@ def _on_module(entry) -> bool:
     return source is not None and source.is_unspecialized_nn_module()
 
 
+def mark_pool_static(pool: torch.Tensor) -> None:
+    """A KV pool's sizes as compiled forwards see them: static but for its slots (a compile view's
+    scratch pool has fewer than the live one, and both must run the same graphs), not five symbolic
+    sizes a compiled forward is handed, and converts, on every call."""
+    torch._dynamo.mark_static(pool, [d for d in range(pool.dim()) if d != 2])
+
+
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     num_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
@@ -274,6 +281,7 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
+        mark_pool_static(view.kv_cache)  # marked as the live pool is: its graphs are the live pool's
         return view
 
     def allocate_kv(self, num_blocks: int) -> None:
@@ -292,9 +300,7 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
-        # Its shape is fixed for the pool's life: static sizes, not five symbolic ones a compiled
-        # forward is handed (and converts) on every call.
-        torch._dynamo.mark_static(self.kv_cache)
+        mark_pool_static(self.kv_cache)
         logger.info(
             "KV pool: %d blocks x %d tokens (%.1f MiB)",
             num_blocks,
