@@ -138,3 +138,22 @@ def test_a_stale_build_lock_is_cleared_and_a_live_one_kept(tmp_path, monkeypatch
     lock.touch()
     cpu_kernel._clear_stale_lock("live")  # returns (the lock gone) instead of waiting forever
     assert not lock.exists()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_decode_metadata_matches_the_general_build(seed):
+    """A batch of one new token a sequence takes a shorter build: every tensor, and the mask's layout
+    (a compiled forward guards on it), equal the general build's."""
+    g = torch.Generator().manual_seed(seed)
+    B, block = 1 + seed * 3, 4
+    ctx = torch.randint(0, 40, (B,), generator=g).tolist()
+    tables = [torch.randperm(64, generator=g)[: c // block + 1].tolist() for c in ctx]
+    common = dict(q_lens=[1] * B, ctx_lens=ctx, block_tables=tables, block_size=block, positions=torch.tensor(ctx))
+    fast = build_sdpa_metadata(**common)
+    general = build_sdpa_metadata(**common, new_token_masks=[None] * B)  # no mask given: the general path
+    for name in ("slot_mapping", "kv_slots", "mask", "q_index"):
+        a, b = getattr(fast, name), getattr(general, name)
+        assert torch.equal(a, b), name
+        assert a.stride() == b.stride(), name
+    assert fast.mask._base.stride() == general.mask._base.stride()
+    assert (fast.num_seqs, fast.max_q, fast.sliding_mask) == (general.num_seqs, general.max_q, None)

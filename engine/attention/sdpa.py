@@ -84,6 +84,10 @@ def build_sdpa_metadata(
     torch operation costs several: this is per forward, a real share of a small model's step); the
     results go to the device once, and the tree masks, which may already be there, are applied there.
     """
+
+    def dev(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(device, non_blocking=True)
+
     B = len(q_lens)
     q_np = np.asarray(q_lens, dtype=np.int64)
     ctx_np = np.asarray(ctx_lens, dtype=np.int64)
@@ -97,6 +101,20 @@ def build_sdpa_metadata(
     k_idx = np.arange(max_k)
     in_ctx = k_idx[None, :] < kv_np[:, None]
     kv_slots = np.where(in_ctx, table[:, k_idx // block_size] * block_size + k_idx % block_size, 0)
+
+    if max_q == 1 and new_token_masks is None and sliding_window is None:
+        # Every sequence decodes one token (the step most steps are): it sees its whole context and
+        # itself, is written at index ctx, and is row b of the queries.
+        rows = np.arange(B)
+        return SdpaMetadata(
+            slot_mapping=dev(kv_slots[rows, ctx_np]),
+            kv_slots=dev(kv_slots),
+            mask=dev(in_ctx.reshape(B, 1, max_k))[:, None],
+            sliding_mask=None,
+            q_index=dev(rows),
+            num_seqs=B,
+            max_q=1,
+        )
 
     # Flat token → (sequence, new-token index).
     seq_of_tok = np.repeat(np.arange(B), q_np)
@@ -122,9 +140,6 @@ def build_sdpa_metadata(
         k_pos[seq_of_tok, new_cols] = pos
         window_ok = (pos_pad[:, :, None] - k_pos[:, None, :]) < sliding_window
         window_ok[:, :, 0] |= pad_row
-
-    def dev(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(device, non_blocking=True)
 
     mask_t = dev(mask)
     if new_token_masks is not None:
