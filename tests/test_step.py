@@ -178,7 +178,10 @@ def test_lookup_that_finds_nothing_costs_no_draft_work(target):
 
     eng.proposer.propose, eng.runner.forward = spy_propose, spy_forward
     prompt = list(range(3, 23))  # no token repeats: the first decode steps find nothing to copy
-    eng.add_request("q", prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    # A pinned depth: the lookup is asked every step (the controller, pricing drafts by measured
+    # times, may rightly ask for none in 12 tokens; the test would then depend on the host's speed).
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, num_draft_tokens=3)
+    eng.add_request("q", prompt, params)
     steps: list[tuple[bool | None, int]] = []
     while eng.has_unfinished_requests():
         before = len(found)
