@@ -60,9 +60,9 @@ def test_compiled_forward_equals_eager_in_one_graph(model_dirs, arch):
 
 def test_a_compiled_call_gets_few_symbolic_sizes(model_dirs, monkeypatch):
     """Every symbolic size a compiled graph takes is an argument its wrapper converts on each call:
-    the KV pool's shape is static, the sizes that always equal the token count (positions, slot
-    mapping, query index) or each other (the mask's and the key slots' sequences and keys) are one
-    size each."""
+    the KV pool's shape is static but for its slots, the sizes that always equal the token count
+    (positions, slot mapping, query index) or each other (the mask's and the key slots' sequences
+    and keys) are one size each."""
     from torch._inductor.output_code import CompiledFxGraph
 
     compiled = runners(model_dirs["LlamaForCausalLM"], True)
