@@ -26,6 +26,7 @@ import platform
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -60,7 +61,10 @@ AUGUR_PRESETS = {
 PEER_PRESETS = {f"{peer}-{mode}": (peer, mode) for peer in ("vllm", "llamacpp") for mode in ("draft", "plain", "ngram")}
 PRESETS = [*AUGUR_PRESETS, *PEER_PRESETS]
 DESCRIPTION = "Start each server in turn (never two at once), drive it with the same streaming load, stop it, and \
-tabulate tok/s, TTFT, TPOT and acceptance length. Servers run in command-line order; the baseline is the first."
+tabulate tok/s, TTFT, TPOT and acceptance length. Servers run in command-line order; the baseline is the first. \
+With --rounds N the list runs N times, every other time in reverse (a host whose speed drifts, or a server that pays \
+for starting first, then weighs on every server alike), each round's ratios against its own baseline run, and a \
+second table gives each server's median over the rounds."
 PEER_FILES = {  # what setup_<peer>.sh leaves under $PEERS
     "vllm": ["vllm/venv/bin/python"],
     "llamacpp": [
@@ -85,6 +89,7 @@ class ServerResult:
     model: str | None = None
     startup_s: float | None = None
     runs: list[dict] = field(default_factory=list)  # one summary per concurrency
+    round: int = 1  # with --rounds: which pass over the servers measured it
 
 
 # -- which servers ---------------------------------------------------------------------------------------
@@ -270,15 +275,41 @@ def _f(x: float | None, fmt: str, scale: float = 1.0) -> str:
 
 
 def add_ratios(results: list[ServerResult], baseline: str | None) -> str | None:
-    """tok/s divided by the baseline server's tok/s at the same concurrency (above 1: faster)."""
-    ok = [r for r in results if r.status == "ok"]
-    base = next((r for r in ok if r.name == baseline), None) if baseline else (ok[0] if ok else None)
-    by_c = {run["concurrency"]: run["output_tok_s"] for run in base.runs} if base else {}
-    for r in ok:
-        for run in r.runs:
-            b = by_c.get(run["concurrency"])
-            run["ratio"] = run["output_tok_s"] / b if b else None
-    return base.name if base else None
+    """tok/s divided by the baseline server's tok/s at the same concurrency in the same round (above 1:
+    faster). The baseline is ``baseline``, or the first server that ran in round 1."""
+    first = next((r for r in results if r.status == "ok"), None)
+    baseline = baseline or (first.name if first else None)
+    found = None
+    for rnd in sorted({r.round for r in results}):
+        ok = [r for r in results if r.status == "ok" and r.round == rnd]
+        base = next((r for r in ok if r.name == baseline), None)
+        found = found or (base.name if base else None)
+        by_c = {run["concurrency"]: run["output_tok_s"] for run in base.runs} if base else {}
+        for r in ok:
+            for run in r.runs:
+                b = by_c.get(run["concurrency"])
+                run["ratio"] = run["output_tok_s"] / b if b else None
+    return found
+
+
+def medians(results: list[ServerResult], baseline: str | None) -> list[dict]:
+    """Per server and concurrency, in first-round order: every round's tok/s, their median, and that
+    median over the baseline's."""
+    table: dict[tuple[str, int], list[float]] = {}
+    for r in results:
+        for run in r.runs if r.status == "ok" else ():
+            table.setdefault((r.name, run["concurrency"]), []).append(run["output_tok_s"])
+    mid = {key: statistics.median(v) for key, v in table.items()}
+    return [
+        {
+            "server": name,
+            "concurrency": c,
+            "tok_s": v,
+            "median_tok_s": mid[name, c],
+            "ratio": mid[name, c] / mid[baseline, c] if (baseline, c) in mid else None,
+        }
+        for (name, c), v in table.items()
+    ]
 
 
 def markdown(results: list[ServerResult], baseline: str | None, info: dict) -> str:
@@ -291,17 +322,33 @@ def markdown(results: list[ServerResult], baseline: str | None, info: dict) -> s
         f"| server | concurrency | tok/s | vs {baseline or '-'} | TTFT p50 (ms) | TPOT p50 (ms) | accept. len | ok |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    rounds = max((r.round for r in results), default=1)
     for r in results:
+        label = r.name if rounds == 1 else f"{r.name} (round {r.round})"
         for run in r.runs:
             lines.append(
-                f"| {r.name} | {run['concurrency']} | {run['output_tok_s']:.1f} | {_f(run.get('ratio'), '.2f')} | "
+                f"| {label} | {run['concurrency']} | {run['output_tok_s']:.1f} | {_f(run.get('ratio'), '.2f')} | "
                 f"{_f(run['ttft_p50_s'], '.0f', 1e3)} | {_f(run['tpot_p50_s'], '.1f', 1e3)} | "
                 f"{_f(run['mean_acceptance_length'], '.2f')} | {run['completed']}/{run['completed'] + run['failed']} |"
             )
+    if rounds > 1:
+        lines += [
+            "",
+            f"Over {rounds} rounds (every other one in reverse order):",
+            "",
+            f"| server | concurrency | tok/s, round by round | median | vs {baseline or '-'} |",
+            "| --- | ---: | --- | ---: | ---: |",
+        ]
+        for m in medians(results, baseline):
+            each = ", ".join(f"{x:.1f}" for x in m["tok_s"])
+            lines.append(
+                f"| {m['server']} | {m['concurrency']} | {each} | {m['median_tok_s']:.1f} | {_f(m['ratio'], '.2f')} |"
+            )
     lines.append("")
     for r in results:
-        note = f" ({r.status}: {r.reason})" if r.status != "ok" and r.reason else ""
-        lines.append(f"- {r.name}: `{r.command}`{note}")
+        if r.round == 1 or r.status != "ok":
+            note = f" ({r.status}: {r.reason})" if r.status != "ok" and r.reason else ""
+            lines.append(f"- {r.name}{'' if rounds == 1 else f' (round {r.round})'}: `{r.command}`{note}")
     return "\n".join(lines) + "\n"
 
 
@@ -332,6 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-md", help="write the markdown table here")
     p.add_argument("--output-json", help="write every number here")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--rounds", type=int, default=1, help="run the servers this many times, every other in reverse")
     return p
 
 
@@ -342,8 +390,8 @@ def _interrupt(signum, frame) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.num_prompts < 1 or args.max_tokens < 1 or min(args.concurrency) < 1 or args.warmup < 0:
-        parser.error("--num-prompts, --max-tokens and --concurrency must be at least 1, --warmup at least 0")
+    if min(args.num_prompts, args.max_tokens, args.rounds, *args.concurrency) < 1 or args.warmup < 0:
+        parser.error("--num-prompts, --max-tokens, --rounds and --concurrency must be at least 1, --warmup at least 0")
     signal.signal(signal.SIGTERM, _interrupt)
     specs: list[ServerSpec] = args.servers or [parse_preset(n) for n in PRESETS]
     try:
@@ -360,8 +408,12 @@ def main(argv: list[str] | None = None) -> int:
     info = {"machine": machine(), "load": load, "date": time.strftime("%Y-%m-%d %H:%M %Z")}
     results = []
     try:
-        for spec in specs:
-            results.append(asyncio.run(measure(spec, args, prompts, log_dir)))
+        for rnd in range(1, args.rounds + 1):
+            round_dir = log_dir if args.rounds == 1 else log_dir / f"round{rnd}"
+            round_dir.mkdir(parents=True, exist_ok=True)
+            for spec in specs if rnd % 2 else specs[::-1]:
+                results.append(asyncio.run(measure(spec, args, prompts, round_dir)))
+                results[-1].round = rnd
     except KeyboardInterrupt:
         print("peers: interrupted; reporting what finished", file=sys.stderr)
     baseline = add_ratios(results, args.baseline)
@@ -373,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.output_md).write_text(table, encoding="utf-8")
     if args.output_json:
         out = {**info, "baseline": baseline, "servers": [asdict(r) for r in results]}
+        if args.rounds > 1:
+            out["medians"] = medians(results, baseline)
         Path(args.output_json).write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
     return 0 if any(r.status == "ok" for r in results) else 1
 

@@ -17,7 +17,9 @@ from servers import processes_mentioning
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_peers_measures_one_server_at_a_time_and_skips_missing_peers(tiny_demo, tmp_path):
+def run_peers(tiny_demo: Path, tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    """``python -m loadtest.peers`` over the tiny pair's Augur server and a vLLM preset whose scripts are
+    missing; returns the finished process and its markdown and JSON outputs."""
     target = tiny_demo / "target"
     serve = (
         f"{shlex.quote(AUGUR_EXE)} serve --port {{port}} --model {shlex.quote(str(target))} "
@@ -29,11 +31,17 @@ def test_peers_measures_one_server_at_a_time_and_skips_missing_peers(tiny_demo, 
         sys.executable, "-m", "loadtest.peers", "--server", f"tiny={serve}", "--preset", "vllm-plain",
         "--prompts", str(tiny_demo / "prompts.jsonl"), "--num-prompts", "4", "--max-tokens", "8",
         "--concurrency", "1", "2", "--warmup", "1", "--startup-timeout", "60", "--no-progress",
-        "--log-dir", str(tmp_path / "logs"), "--output-md", str(md), "--output-json", str(js),
+        "--log-dir", str(tmp_path / "logs"), "--output-md", str(md), "--output-json", str(js), *extra,
     ]  # fmt: skip
     env = {**os.environ, "AUGUR_PEERS_SCRIPTS": str(tmp_path / "no-such-scripts")}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, md, js
+
+
+def test_peers_measures_one_server_at_a_time_and_skips_missing_peers(tiny_demo, tmp_path):
+    target = tiny_demo / "target"
+    proc, md, js = run_peers(tiny_demo, tmp_path)
 
     report = json.loads(js.read_text())
     assert report["machine"]["cores"] >= 1 and report["machine"]["cpu"]
@@ -60,3 +68,22 @@ def test_peers_measures_one_server_at_a_time_and_skips_missing_peers(tiny_demo, 
     logs = list((tmp_path / "logs").glob("tiny.log"))
     assert logs and "serving" in logs[0].read_text()
     assert processes_mentioning(str(target)) == []
+
+
+def test_rounds_reverse_the_order_and_report_medians(tiny_demo, tmp_path):
+    """``--rounds 2``: the list runs twice, the second time in reverse; each round's ratios are against
+    its own baseline run, and the medians over the rounds are tabulated."""
+    proc, md, js = run_peers(tiny_demo, tmp_path, "--rounds", "2", "--concurrency", "1")
+    report = json.loads(js.read_text())
+    order = [(s["round"], s["name"]) for s in report["servers"]]
+    assert order == [(1, "tiny"), (1, "vllm-plain"), (2, "vllm-plain"), (2, "tiny")]
+    tiny = [s for s in report["servers"] if s["name"] == "tiny"]
+    assert all(s["status"] == "ok" and s["runs"][0]["ratio"] == 1.0 for s in tiny)
+    [median] = report["medians"]  # the skipped peer has none
+    runs = [s["runs"][0]["output_tok_s"] for s in tiny]
+    assert median["server"] == "tiny" and median["tok_s"] == runs and median["ratio"] == 1.0
+    assert min(runs) <= median["median_tok_s"] <= max(runs)
+    table = md.read_text()
+    assert "| tiny (round 1) | 1 |" in table and "| tiny (round 2) | 1 |" in table
+    assert "Over 2 rounds" in table
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["round1", "round2"]
