@@ -56,3 +56,28 @@ def test_every_method_is_exact_through_graphs_on_gpu(pair):
     eng = engine(pair[0], "cuda")
     assert eng.runner.graphs is not None and eng.runner.attention_backend == "triton"
     check_methods_match_plain(pair, "cuda")
+
+
+def test_a_decode_step_waits_for_the_device_once(pair):
+    """Issue 33, item 3: a plain greedy decode step syncs the host with the device once (the accepted
+    tokens' transfer); its forward is timed by CUDA events read after that sync, not by a wait of its
+    own. Counted with torch's sync debug mode, which warns at every synchronizing call."""
+    import warnings
+
+    import torch
+
+    eng = engine(pair[0], "cuda")
+    eng.add_request("a", [5, 6, 7, 8, 9, 10], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    for _ in range(8):  # the prefill and the first decodes (graphs captured, buffers grown)
+        eng.step()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(16):
+                eng.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) <= 16, [str(w.message) for w in syncs[:4]]
+    assert eng.runner.graphs is not None  # as served on a GPU

@@ -76,9 +76,10 @@ class Step:
         self.mirror(sched)
         trees = self.propose(sched, want)
         batch = self.build(sched, trees)
-        out = self.target_forward(batch)
+        out, lap = self.target_forward(batch)
         self.advance(batch, out)
         emits = self.accept(batch, out.logits, out.final_hidden)
+        self.timed(batch, lap)
         self.commit(batch, emits, out.hidden_states)
         self.feedback(batch, emits, out.logits)
         record_prompt_logprobs(out.logits, batch.prompt_spans)
@@ -186,16 +187,19 @@ class Step:
             row, tok = row + num_logits, tok + n
         return b
 
-    # 4. one batched target forward
+    # 4. one batched target forward, timed without waiting for it (engine/runner/timing.py)
     def target_forward(self, b: Batch):
-        t0 = time.perf_counter()
+        lap = self.runner.lap()
         out = self.runner.forward(b.chunks, hidden_layers=self.hidden_layers)
-        self.runner.synchronize()
-        seconds = time.perf_counter() - t0
-        self.forward_seconds += seconds
+        return out, lap.stop()
+
+    def timed(self, b: Batch, lap) -> None:
+        """The target forward's time, read once acceptance has waited for the device (the step's one
+        sync on a GPU: the accepted tokens)."""
+        self.forward_seconds += lap.seconds
         if self.controller is not None:
-            self.controller.cost.observe("target", len(b.chunks), sum(len(c.token_ids) for c in b.chunks), seconds)
-        return out
+            tokens = sum(len(c.token_ids) for c in b.chunks)
+            self.controller.cost.observe("target", len(b.chunks), tokens, lap.seconds)
 
     def advance(self, b: Batch, out) -> None:
         """Prefill chunks and plain decodes are final as fed."""

@@ -21,6 +21,7 @@ from engine.attention.common import PersistentBlockTables
 from engine.attention.cpu_kernel import load_cpu_kernel
 from engine.models.layer_skip import LayerSkip
 from engine.models.packed import linear_weight_bytes
+from engine.runner.timing import Lap
 
 if TYPE_CHECKING:  # graphs import Triton, which only the triton backend needs
     from engine.runner.cuda_graphs import CudaGraphs, GraphShape
@@ -539,7 +540,11 @@ class ModelRunner:
         took = time.perf_counter() - t0
         logger.info("%s: %d graph shapes in %.1fs", type(self.model).__name__, len(shapes), took)
 
+    def lap(self) -> Lap:
+        """Start timing device work (see engine.runner.timing): ``stop()`` it after launching the work."""
+        return Lap(self.device)
+
     def synchronize(self) -> None:
-        """Wait for the device (timings are taken after it)."""
+        """Wait for the device."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

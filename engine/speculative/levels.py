@@ -31,6 +31,7 @@ import torch
 
 from engine.request.sequence import Sequence
 from engine.runner.model_runner import chain_pick
+from engine.runner.timing import Lap
 from engine.sampling.sampler import SamplingMetadata, apply_logits_processors, compute_probs, exponential_noise
 from engine.sampling.tree import DraftTree
 from engine.speculative.early_stop import EarlyStop, draft_confidence
@@ -69,7 +70,9 @@ class LevelDrafter(Proposer):
         self.topk = topk
         self.budget = budget
         self.early_stop = early_stop  # Draft & Verify's confidence exit (None: draft the planned depth)
-        self._timings: list[tuple[str, int, int, float]] = []
+        # (cost kind, sequences, tokens, lap, forwards it spans): read at timings(), once the drafts'
+        # tokens have reached the host (engine/runner/timing.py)
+        self._timings: list[tuple[str, int, int, Lap, int]] = []
         # seq_id → node indices of this step's tree whose tokens were fed at their final slot
         # (root + 1 + i for the i-th of them): a drafter with its own KV keeps them if accepted.
         self._written: dict[int, list[int]] = {}
@@ -133,8 +136,8 @@ class LevelDrafter(Proposer):
         self._written.pop(seq.seq_id, None)
 
     def timings(self) -> list[tuple[str, int, int, float]]:
-        out, self._timings = self._timings, []
-        return out
+        laps, self._timings = self._timings, []
+        return [(kind, s, t, lap.seconds / n) for kind, s, t, lap, n in laps for _ in range(n)]
 
     # -- drafting -------------------------------------------------------------------------------
     def propose(self, seqs: list[Sequence], depths: list[int], ctx: ProposeContext) -> list[DraftTree]:

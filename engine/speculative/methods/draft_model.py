@@ -15,7 +15,6 @@ target prefix-cache hit on ``h`` is a draft hit too and its catch-up starts afte
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
@@ -172,7 +171,7 @@ class DraftModelProposer(LevelDrafter):
         vocabulary) and, for a drafter that reads its own hidden state back (``state_layers``), that
         layer's output at the same rows."""
         self.num_forwards += 1
-        t0 = time.perf_counter()
+        lap = self.runner.lap()
         self._overwrites(chunks)
         if input_ids is None and self.draft_vocab_size < self.vocab_size:
             batch.input_ids = batch.input_ids.clamp(max=self.draft_vocab_size - 1)
@@ -184,8 +183,7 @@ class DraftModelProposer(LevelDrafter):
             wide[:, :n] = logits[:, :n]
             logits = wide
         state = out.hidden_states[self.state_layers[0]].index_select(0, batch.logit_rows) if self.state_layers else None
-        self.runner.synchronize()
-        self._timings.append((self.cost.kind, batch.num_seqs, batch.num_tokens, time.perf_counter() - t0))
+        self._timings.append((self.cost.kind, batch.num_seqs, batch.num_tokens, lap.stop(), 1))
         return logits, state
 
     def _overwrites(self, chunks: list[ForwardChunk]) -> None:
@@ -204,11 +202,10 @@ class DraftModelProposer(LevelDrafter):
         if self.draft_vocab_size < self.vocab_size:
             ids = ids.clamp(max=self.draft_vocab_size - 1)
         self.num_forwards += levels
-        t0 = time.perf_counter()
+        lap = self.runner.lap()
         out, q = self.runner.chain(batches, ids, temperature, noise)
-        self.runner.synchronize()
-        per_level = (time.perf_counter() - t0) / levels  # the cost model prices draft levels one by one
-        self._timings.extend((self.cost.kind, len(seqs), len(seqs), per_level) for _ in range(levels))
+        # The cost model prices draft levels one by one: each gets its share of the call.
+        self._timings.append((self.cost.kind, len(seqs), len(seqs), lap.stop(), levels))
         return out, q
 
     def _level(self, seqs, ids, per_seq, first, depth, masks=None, state=None):

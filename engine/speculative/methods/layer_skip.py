@@ -16,8 +16,6 @@ exit, aiming at ``EARLY_STOP_TARGET`` of the drafted tokens accepted; ``--spec-e
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from engine.models.layer_skip import LayerSkip
@@ -91,8 +89,7 @@ class LayerSkipProposer(DraftModelProposer):
 
     def _forward(self, batch: ForwardBatch, chunks: list[ForwardChunk], input_ids=None, hidden_in=None):
         self.num_forwards += 1
-        t0 = time.perf_counter()
+        lap = self.runner.lap()
         logits = self.runner.execute(batch, input_ids=input_ids, skip=self.skip).logits
-        self.runner.synchronize()
-        self._timings.append((self.cost.kind, batch.num_seqs, batch.num_tokens, time.perf_counter() - t0))
+        self._timings.append((self.cost.kind, batch.num_seqs, batch.num_tokens, lap.stop(), 1))
         return logits, None

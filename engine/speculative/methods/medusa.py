@@ -130,7 +130,6 @@ class MedusaProposer(Proposer):
         self.hidden_layers = (target.model.num_layers - 1,)
         self.device = target.device
         self._timings: list[tuple[str, int, int, float]] = []
-        self.synchronize = target.synchronize
 
     @classmethod
     def build(cls, config, target: ModelRunner, *, tokenizer, eos_token_ids) -> MedusaProposer:
@@ -174,7 +173,6 @@ class MedusaProposer(Proposer):
             for b, i in enumerate(have):
                 d = min(depths[i], D)
                 trees[i] = best_first_tree(logp[b], tok[b], d, self.slots_needed(d))
-        self.synchronize()
         self._timings.append(("medusa", len(have), len(have), time.perf_counter() - t0))
         return trees
 

@@ -22,7 +22,6 @@ The directory is Augur's (there is no published layout for chained heads on Llam
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -32,6 +31,7 @@ from engine.models.llama import RMSNorm
 from engine.request.sequence import Sequence
 from engine.runner.loader import check_state, read_state_file, resolve_model_path
 from engine.runner.model_runner import ModelRunner
+from engine.runner.timing import Lap
 from engine.sampling.tree import DraftTree
 from engine.speculative.early_stop import early_stop_for
 from engine.speculative.levels import LevelDrafter
@@ -110,7 +110,6 @@ class ChainedHeadsProposer(LevelDrafter):
         self.heads = heads
         self.model = target.model  # its embedding, final norm and output layer
         self.hidden_layers = (target.model.num_layers - 1,)
-        self.synchronize = target.synchronize
 
     @classmethod
     def build(cls, config, target: ModelRunner, *, tokenizer, eos_token_ids) -> ChainedHeadsProposer:
@@ -152,10 +151,9 @@ class ChainedHeadsProposer(LevelDrafter):
 
     def _run(self, k: int, state: torch.Tensor, ids: torch.Tensor, num_seqs: int):
         """Head ``k`` over ``(state, token)`` rows, timed: the next token's logits and the new states."""
-        t0 = time.perf_counter()
+        lap = Lap(state.device)
         logits, new = self._head(k, state, ids)
-        self.synchronize()
-        self._timings.append(("mtp", num_seqs, len(ids), time.perf_counter() - t0))
+        self._timings.append(("mtp", num_seqs, len(ids), lap.stop(), 1))
         return logits, new
 
     def _head(self, k: int, state: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
