@@ -84,6 +84,21 @@ class EngineConfig:
     # (jump-forward; exact: such a token has probability 1 under the masked distribution).
     grammar_jump_forward: bool = True
     grammar_cache_size: int = 256  # compiled grammars kept (by spec), least recently used out first
+    # Tensor parallelism (engine/parallel, engine/runner/parallel.py): the target sharded over this many
+    # ranks, one process each (rank 0 the engine, the others workers it starts), joined over gloo (CPU)
+    # or NCCL (one GPU a rank: cuda:0 .. cuda:N-1). A collective or a join that takes longer than
+    # tp_timeout_s seconds ends the server.
+    tensor_parallel_size: int = 1
+    tp_timeout_s: float = 600.0
+    # Several hosts: the ranks are split evenly over nnodes hosts, host node_rank running ranks
+    # node_rank * N / nnodes onwards (host 0 runs rank 0, the engine, and serves HTTP; the others run
+    # headless workers); all meet at master_addr:master_port (0: a free port, one host only).
+    # first_gpu: the GPU of this host's first rank (torchrun's LOCAL_RANK, where it starts each rank).
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    first_gpu: int = 0
 
     def __post_init__(self) -> None:
         def check(ok: bool, msg: str) -> None:
@@ -91,6 +106,14 @@ class EngineConfig:
                 raise ValueError(msg)
 
         check(bool(self.model), "a model path or hub id is required")
+        check(self.tensor_parallel_size >= 1, "tensor_parallel_size must be at least 1")
+        check(self.tp_timeout_s > 0, "tp_timeout_s must be positive")
+        check(self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes, "node_rank must be in [0, nnodes)")
+        check(
+            self.tensor_parallel_size % self.nnodes == 0,
+            f"--nnodes {self.nnodes} must divide --tensor-parallel-size {self.tensor_parallel_size}",
+        )
+        check(self.nnodes == 1 or self.master_port > 0, "--nnodes > 1 needs --master-port (and --master-addr)")
         check(self.dtype == "auto" or self.dtype in _DTYPES, f"dtype must be auto or one of {sorted(_DTYPES)}")
         from engine.quant import QUANTIZATIONS
 
@@ -155,7 +178,9 @@ class EngineConfig:
     @property
     def cuda_graph_max_seqs(self) -> int:
         """The largest batch the model runners capture as CUDA graphs; 0 (none) off CUDA or when eager."""
-        return 0 if self.enforce_eager or self.torch_device.type != "cuda" else self.max_num_seqs
+        if self.enforce_eager or self.torch_device.type != "cuda" or self.tensor_parallel_size > 1:
+            return 0  # (tensor-parallel forwards are not captured yet: their collectives run eagerly)
+        return self.max_num_seqs
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -53,6 +53,8 @@ ENGINE_STAGES = [
     "drafting: draft forwards",
     "batch metadata",
     "target forward",
+    "tensor parallel: messages to the workers",
+    "tensor parallel: collectives (all-reduce, gather)",
     "sampling and verification",
     "output processing (detokenize, stops)",
     "bookkeeping (commit, KV moves, hooks)",
@@ -93,6 +95,11 @@ def engine_stage(frames: list[tuple[str, str]]) -> str:
         if _has(frames, file="output_processor.py") >= 0 or _has(frames, file="detokenizer.py") >= 0:
             return "output processing (detokenize, stops)"
         return "other engine work"
+    # Inside a step, under -tp: what crossing to the other ranks costs, wherever in the step it is.
+    if _has(frames, "Workers.send") >= 0:
+        return "tensor parallel: messages to the workers"
+    if any(_has(frames, f, file="engine/parallel") >= 0 for f in ("_all_reduce", "_gather_last")):
+        return "tensor parallel: collectives (all-reduce, gather)"
     # Inside a step: the innermost stage function wins.
     marks = [
         ("controller (planning depths)", _has(frames, "Step.plan")),

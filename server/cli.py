@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
+import time
 from pathlib import Path
 
 from engine.attention import BACKENDS as ATTENTION_BACKENDS
@@ -61,6 +63,30 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
         "--enforce-eager",
         action="store_true",
         help="GPU: run every forward eagerly instead of replaying captured CUDA graphs for decode and verify",
+    )
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="shard the target over N ranks, one process each, started here (gloo on CPU; NCCL over cuda:0..N-1); "
+        "a draft model or lookup runs on rank 0 only",
+    )
+    g.add_argument("--nnodes", type=int, default=1, help="hosts the tensor-parallel ranks span (an even share each)")
+    g.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="this host's index: 0 runs rank 0 and serves HTTP; the others run headless workers",
+    )
+    g.add_argument("--master-addr", default="127.0.0.1", help="host 0's address, where the ranks meet")
+    g.add_argument("--master-port", type=int, default=0, help="the port there (0: a free one, one host only)")
+    g.add_argument(
+        "--tp-timeout",
+        dest="tp_timeout_s",
+        type=float,
+        default=600.0,
+        help="seconds a tensor-parallel collective or join may take before the server ends",
     )
     sp = p.add_argument_group("speculative decoding")
     sp.add_argument(
@@ -216,7 +242,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from server.limits import uvicorn_config
 
     demo = not args.model
+    _torchrun_ranks(args)
     config = engine_config_from_args(args)  # builds the demo pair first when no model is given
+    if config.node_rank > 0:  # a host of workers only: rank 0's host serves
+        from engine.runner.parallel import ranks_here, serve_headless
+
+        here = ranks_here(config)
+        print(
+            f"Augur tensor-parallel ranks {here.start}..{here.stop - 1} of {config.tensor_parallel_size}, "
+            f"joining {config.master_addr}:{config.master_port}",
+            file=sys.stderr,
+        )
+        return serve_headless(config)
     name = args.served_model_name or ("augur-demo" if demo else os.path.basename(os.path.normpath(config.model)))
     # Several keys: --api-key given more than once, or AUGUR_API_KEY with commas between them.
     env_keys = os.environ.get("AUGUR_API_KEY") or ""
@@ -260,12 +297,44 @@ def cmd_serve(args: argparse.Namespace) -> int:
         limit_concurrency=args.limit_concurrency or None,
     )
     server = uvicorn.Server(server_config)
+    died: list[str] = []
+    if config.tensor_parallel_size > 1:  # a rank lost ends the server (the others cannot go on without it)
+        threading.Thread(target=_end_when_dead, args=(app.state.augur, server, died), daemon=True).start()
     server.run()
     error = app.state.augur.load_error
     if error is not None:
         print(f"augur: error: the engine failed to load: {error}", file=sys.stderr)
         return 1
+    if died:
+        print(f"augur: error: the engine died: {died[0]}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _torchrun_ranks(args: argparse.Namespace) -> None:
+    """Started by torchrun (``torchrun --nproc-per-node N ... -m server.launch serve``): each process
+    is one rank of a group of WORLD_SIZE, meeting in torchrun's own store; rank 0 serves."""
+    import os
+
+    if not os.environ.get("TORCHELASTIC_RUN_ID"):
+        return
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    args.tensor_parallel_size, args.nnodes, args.node_rank = world, world, rank
+    args.master_addr, args.master_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    args.first_gpu = int(os.environ.get("LOCAL_RANK", 0))
+
+
+def _end_when_dead(state, server, died: list[str]) -> None:
+    """Stop ``server`` once its engine is dead (a tensor-parallel rank exited: its front, /health,
+    says so first), noting why in ``died``."""
+    while not server.should_exit:
+        engine = state.engine
+        reason = getattr(engine, "dead_error", None) if engine is not None else None
+        if reason is not None:
+            died.append(reason)
+            server.should_exit = True
+            return
+        time.sleep(0.2)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

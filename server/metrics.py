@@ -119,6 +119,12 @@ class Metrics:
             ["model_name", "acceptance"],
             registry=r,
         )
+        self.engine_info = Gauge(
+            "augur_engine_info",
+            "The served engine's layout in its labels (value 1): tensor_parallel_size, the ranks of the target",
+            ["model_name", "tensor_parallel_size"],
+            registry=r,
+        )
         self.spec_acceptance_rate = Gauge(
             "augur_spec_decode_acceptance_rate", "Accepted / drafted tokens over a 60 s window", ["method"], registry=r
         )
@@ -175,6 +181,7 @@ class Metrics:
         self.running.labels(**self.labels).set_function(lambda: load().running)
         self.waiting.labels(**self.labels).set_function(lambda: load().waiting)
         self.kv_usage.labels(**self.labels).set_function(lambda: load().kv_usage)
+        self.engine_info.labels(**self.labels, tensor_parallel_size=str(engine.tensor_parallel_size)).set(1)
         method = engine.spec_method
         self.spec_acceptance_rate.labels(method=method).set_function(lambda: self._spec_window_value("rate"))
         self.spec_mean_acceptance_length.labels(method=method).set_function(lambda: self._spec_window_value("mal"))

@@ -55,6 +55,21 @@ RUNNER = "ModelRunner.execute (engine/runner/model_runner.py:421);Module._call_i
         ),
         (STEP + ";Scheduler.schedule (engine/core/scheduler.py:90)", "scheduling"),
         (
+            STEP
+            + ";Step.target_forward (engine/core/step.py:192);ModelRunner.forward (engine/runner/model_runner.py:470);"
+            "ShardedRunner.execute (engine/runner/parallel.py:180);"
+            "ShardedRunner._mirrored (engine/runner/parallel.py:170);Workers.send (engine/runner/parallel.py:90);"
+            "broadcast_object_list (torch/distributed/distributed_c10d.py:3400)",
+            "tensor parallel: messages to the workers",
+        ),
+        (
+            STEP
+            + ";Step.target_forward (engine/core/step.py:192);ModelRunner.forward (engine/runner/model_runner.py:470);"
+            + RUNNER
+            + ";LlamaMLP.forward (engine/models/llama.py:112);_all_reduce (engine/parallel/__init__.py:100)",
+            "tensor parallel: collectives (all-reduce, gather)",
+        ),
+        (
             STEP + ";Step.accept (engine/core/step.py:222);verify (engine/sampling/verify.py:67)",
             "sampling and verification",
         ),

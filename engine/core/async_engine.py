@@ -89,6 +89,7 @@ class EngineFront(abc.ABC):
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()  # guards _streams
         self.dead_error: str | None = None
+        self.tensor_parallel_size = 1  # ranks the target is sharded over (set by a subclass)
         self.step_hooks: list = []  # callables(outputs, step_seconds), run where the outputs arrive
         self._unstarted: dict[
             str, float
@@ -305,6 +306,7 @@ class AsyncEngine(EngineFront):
     def __init__(self, engine: LLMEngine) -> None:
         super().__init__()
         self.engine = engine
+        self.tensor_parallel_size = engine.config.tensor_parallel_size
         self._bind(engine.tokenizer, engine.limits, engine.grammars)
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -341,6 +343,7 @@ class AsyncEngine(EngineFront):
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        self.engine.close()  # its tensor-parallel workers, if any
 
     @property
     def is_running(self) -> bool:

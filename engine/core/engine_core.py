@@ -244,15 +244,29 @@ def run_engine_core(config: EngineConfig, commands_addr: str, outputs_addr: str,
         ctx.term()
         return
     outputs.send_multipart([b"ready", pickle.dumps(info)])
+    if engine.workers is not None:  # a lost rank is the API's news before this process ends
+        engine.workers.on_death.append(lambda reason: _tell_dead(outputs_addr, reason))
     parent = multiprocessing.parent_process()
     core = EngineCore(engine, commands, outputs, parent.sentinel if parent is not None else None)
     try:
         core.run()
     finally:
+        engine.close()  # its tensor-parallel workers, if any
         core.grammar_pool.shutdown(wait=False, cancel_futures=True)
         outputs.close(linger=1000)
         commands.close(linger=0)
         ctx.term()
+
+
+def _tell_dead(outputs_addr: str, reason: str) -> None:
+    """Send ``dead`` from a thread other than the loop's, on a socket of its own (a socket is not
+    thread-safe; the API's pull socket takes both), delivered before this returns: the process ends next."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.connect(outputs_addr)
+    sock.send_multipart([b"dead", pickle.dumps(reason)])
+    sock.close(linger=2000)
+    ctx.term()  # waits for the message to leave (up to the linger)
 
 
 # -- the API process ------------------------------------------------------------------------------------
@@ -265,6 +279,7 @@ class ProcessEngine(EngineFront):
         from engine.runner.loader import load_tokenizer, resolve_model_path
 
         self.config = config
+        self.tensor_parallel_size = config.tensor_parallel_size
         self._dir = tempfile.mkdtemp(prefix="augur-engine-")
         self._ctx = zmq.Context()
         self._commands = self._ctx.socket(zmq.PUSH)

@@ -23,6 +23,7 @@ from engine.core.scheduler import Scheduler
 from engine.core.step import Step
 from engine.decoding.beam import BeamSearch
 from engine.kv import BlockManager
+from engine.parallel import SINGLE
 from engine.request.checks import InvalidRequestError, RequestLimits, TextFit
 from engine.request.outputs import CompletionOutput, RequestOutput, RequestStats
 from engine.request.sampling_params import SamplingParams
@@ -65,13 +66,25 @@ class LLMEngine:
 
         t0 = time.perf_counter()
         compiled = config.compile_enabled
+        # Tensor parallelism: rank 0 (this engine) starts its workers, then loads its own shard.
+        self.workers = None
+        runner_cls, front = ModelRunner, ()
+        if config.tensor_parallel_size > 1:
+            from engine.runner.parallel import ShardedRunner, rank_device, start_workers
+
+            self.workers = start_workers(config)
+            self.device = rank_device(config, 0)
+            runner_cls, front = ShardedRunner, (self.workers,)
+        tp = self.workers.tp if self.workers is not None else SINGLE
         model = load_model(
             self.model_path, self.hf_config, self.dtype, self.device, max_len, pack=not compiled,
-            quantization=config.quantization,
+            quantization=config.quantization, tp=tp,
         )  # fmt: skip
         logger.info("loaded %s in %.1fs (%s, %s)", self.model_path, time.perf_counter() - t0, self.dtype, self.device)
-        self.runner = ModelRunner(
-            model, self.hf_config, self.device, self.dtype, config.block_size, compile=compiled,
+        if tp.size > 1:
+            logger.info("tensor parallel: rank 0 of %d", tp.size)
+        self.runner = runner_cls(
+            *front, model, self.hf_config, self.device, self.dtype, config.block_size, compile=compiled,
             attention_backend=config.attention_backend, cuda_graph_max_seqs=config.cuda_graph_max_seqs,
         )  # fmt: skip
         self.proposer = None
@@ -126,7 +139,7 @@ class LLMEngine:
         # them up over scratch pools (compile_in_background); CUDA graphs capture what is served now.
         self.compile_state = "off"  # off | pending | ready (to swap in) | on | failed
         if compiled:
-            if config.compile_background and self.runner.graphs is None:
+            if config.compile_background and self.runner.graphs is None and tp.size == 1:
                 for runner in self._runners():
                     runner.serve_eager()
                 self.compile_state = "pending"
@@ -144,6 +157,11 @@ class LLMEngine:
             c = config
             limits = (c.block_size, c.max_num_seqs, c.max_num_batched_tokens, self.block_manager.num_free_blocks)
             profile_costs(self.controller.cost, probes, self.runner.synchronize, *limits)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (they stop too if this process dies)."""
+        if self.workers is not None:
+            self.workers.close()
 
     # -- compiled forwards -------------------------------------------------------------------------
     def _runners(self) -> list[ModelRunner]:

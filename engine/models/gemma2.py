@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, sliding_window_of
+from engine.parallel import SINGLE, TensorParallel
 
 
 class GemmaRMSNorm(nn.Module):
@@ -57,19 +58,19 @@ class ScaledEmbedding(nn.Embedding):
 class Gemma2Attention(LlamaAttention):
     """Llama's attention with Gemma-2's score scale (``query_pre_attn_scalar ** -0.5``) and soft-cap."""
 
-    def __init__(self, config, layer_idx: int) -> None:
+    def __init__(self, config, layer_idx: int, tp: TensorParallel = SINGLE) -> None:
         bias = bool(getattr(config, "attention_bias", False))
-        super().__init__(config, layer_idx, qkv_bias=bias, o_bias=bias, qk_norm=False)
+        super().__init__(config, layer_idx, qkv_bias=bias, o_bias=bias, qk_norm=False, tp=tp)
         self.scale = config.query_pre_attn_scalar**-0.5
         self.softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)
 
 
 class Gemma2DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int) -> None:
+    def __init__(self, config, layer_idx: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = Gemma2Attention(config, layer_idx)
-        self.mlp = LlamaMLP(config, bias=False, act=config.hidden_activation)  # GeGLU (tanh GELU)
+        self.self_attn = Gemma2Attention(config, layer_idx, tp)
+        self.mlp = LlamaMLP(config, bias=False, act=config.hidden_activation, tp=tp)  # GeGLU (tanh GELU)
         self.input_layernorm = GemmaRMSNorm(h, eps)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
@@ -90,18 +91,18 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     final norm), RoPE tables, weight loading (the checkpoint's names match ours once q/k/v and gate/up
     are fused) and CPU packing."""
 
-    def __init__(self, config, max_positions: int | None = None) -> None:
+    def __init__(self, config, max_positions: int | None = None, tp: TensorParallel = SINGLE) -> None:
         nn.Module.__init__(self)
         if getattr(config, "use_bidirectional_attention", None):
             raise ValueError("Gemma-2 with bidirectional attention is not a causal LM")
         self.config = config
-        self.embed_tokens = ScaledEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Gemma2DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.tp = tp
+        self.vocab_shard = tp.split(config.vocab_size, "vocabulary")
+        self.embed_tokens = ScaledEmbedding(self.vocab_shard, config.hidden_size)
+        self.layers = nn.ModuleList(Gemma2DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        self.lm_head = (
-            None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, self.vocab_shard, bias=False)
         self.final_softcap = float(getattr(config, "final_logit_softcapping", None) or 0.0)  # 0: no cap
         windows = {sliding_window_of(config, i) for i in range(config.num_hidden_layers)} - {None}
         if len(windows) > 1:

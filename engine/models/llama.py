@@ -6,6 +6,13 @@ Qwen2 has biases on q/k/v, Qwen3 normalizes q and k per head, Mistral may use a 
 The forward takes one flattened batch of new tokens from many sequences (see ``engine.attention``)
 and can skip attention and MLP sublayers (self-speculative drafting) and return chosen layers' hidden states
 (Medusa/EAGLE-style heads read them).
+
+Built with a :class:`~engine.parallel.TensorParallel` of size N, a model holds one rank's shard
+(Megatron's layout): q/k/v and gate/up are column-parallel (this rank's heads, its slice of the MLP's
+inner dimension; KV heads replicated where there are fewer than ranks), ``o_proj`` and ``down_proj``
+row-parallel with one all-reduce each, the embedding and the LM head split by vocabulary (the
+logits gathered). :meth:`LlamaForCausalLM.checkpoint_slice` tells the loader which slice of each
+checkpoint tensor this rank reads.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from engine.attention import AttentionMetadata, paged_attention
 from engine.models.layer_skip import LayerSkip
 from engine.models.packed import PackedLinear, pack_linears
+from engine.parallel import SINGLE, TensorParallel
 
 
 class RMSNorm(nn.Module):
@@ -60,11 +68,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    def __init__(
+        self, config, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.tp = tp
+        heads = config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        self.num_heads = tp.split(heads, "attention heads")  # this rank's
+        self.num_kv_heads, self.first_kv_head = tp.kv_heads(config.num_key_value_heads or heads)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
@@ -85,27 +97,28 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = paged_attention(q, k, v, kv_pool, layer, meta, self.scale, sliding=self.sliding, softcap=self.softcap)
-        return self.o_proj(out)
+        return self.tp.all_reduce(self.o_proj(out))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, bias: bool, act: str | None = None) -> None:
+    def __init__(self, config, bias: bool, act: str | None = None, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.tp = tp
+        self.intermediate_size = tp.split(config.intermediate_size, "MLP inner size")  # this rank's
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=bias)
         self.act = ACT2FN[act or config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.tp.all_reduce(self.down_proj(self.act(gate) * up))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp=SINGLE) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, qkv_bias, o_bias, qk_norm)
-        self.mlp = LlamaMLP(config, bias=getattr(config, "mlp_bias", False))
+        self.self_attn = LlamaAttention(config, layer_idx, qkv_bias, o_bias, qk_norm, tp)
+        self.mlp = LlamaMLP(config, bias=getattr(config, "mlp_bias", False), tp=tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -135,19 +148,19 @@ class LlamaForCausalLM(nn.Module):
 
     qk_norm = False
 
-    def __init__(self, config, max_positions: int | None = None) -> None:
+    def __init__(self, config, max_positions: int | None = None, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp
+        self.vocab_shard = tp.split(config.vocab_size, "vocabulary")  # this rank's rows of the embedding and LM head
         qkv_bias, o_bias = self.attention_biases(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(self.vocab_shard, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias, o_bias, self.qk_norm) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, qkv_bias, o_bias, self.qk_norm, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = (
-            None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, self.vocab_shard, bias=False)
         windows = {sliding_window_of(config, i) for i in range(config.num_hidden_layers)} - {None}
         if len(windows) > 1:
             raise ValueError(f"layers with different sliding windows are not supported: {sorted(windows)}")
@@ -186,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
         """Returns the final-normed hidden states [T, hidden] and ``{layer: its output [T, hidden]}`` for
         each layer in ``hidden_layers``. ``skip`` leaves those attention / MLP sublayers out (a
         skipped attention writes no K/V: self-speculative drafts, which verification overwrites)."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # [T, 1, D]
         sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
         wanted = set(hidden_layers)
@@ -200,10 +213,22 @@ class LlamaForCausalLM(nn.Module):
                 captured[i] = x
         return self.norm(x), captured
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings; sharded, each rank looks up the ids in its slice of the vocabulary
+        (zeros for the others') and the ranks' rows are summed."""
+        if self.tp.size == 1:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.tp.rank * self.vocab_shard
+        mine = (local >= 0) & (local < self.vocab_shard)
+        x = self.embed_tokens(torch.where(mine, local, 0))
+        return self.tp.all_reduce(x * mine.unsqueeze(-1).to(x.dtype))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] → [N, vocab] float32
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()
+            logits = self.lm_head(hidden)
+        else:
+            logits = torch.nn.functional.linear(hidden, self.embed_tokens.weight)
+        return self.tp.gather_vocab(logits).float()
 
     def pack_for_cpu(self) -> None:
         """Prepack every linear layer's weights (see ``engine.models.packed``); a tied output layer gets
@@ -269,8 +294,30 @@ class LlamaForCausalLM(nn.Module):
                 "k": (attn.q_size, attn.kv_size),
                 "v": (attn.q_size + attn.kv_size, attn.kv_size),
             }[shard]
-        inter = self.config.intermediate_size
+        inter = self.layers[0].mlp.intermediate_size
         return (shard * inter, inter)
+
+    def checkpoint_slice(self, name: str) -> tuple[int, int, int] | str | None:
+        """What of checkpoint tensor ``name`` this rank holds: ``(dim, start, length)``, ``"zeros"``
+        (a row-parallel layer's bias, added once: rank 0 holds it, the others zeros) or None (all of it)."""
+        if self.tp.size == 1:
+            return None
+        name = name.removeprefix("model.")
+        attn, mlp, r = self.layers[0].self_attn, self.layers[0].mlp, self.tp.rank
+        weight = name.endswith(".weight")
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            return 0, r * self.vocab_shard, self.vocab_shard
+        if ".q_proj." in name:
+            return 0, r * attn.q_size, attn.q_size
+        if ".k_proj." in name or ".v_proj." in name:
+            return 0, attn.first_kv_head * attn.head_dim, attn.kv_size
+        if ".gate_proj." in name or ".up_proj." in name:
+            return 0, r * mlp.intermediate_size, mlp.intermediate_size
+        if ".o_proj." in name:
+            return (1, r * attn.q_size, attn.q_size) if weight else None if r == 0 else "zeros"
+        if ".down_proj." in name:
+            return (1, r * mlp.intermediate_size, mlp.intermediate_size) if weight else None if r == 0 else "zeros"
+        return None
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

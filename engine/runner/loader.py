@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from engine.models import model_class_for
 from engine.models.packed import MIN_PACKED_BYTES, linear_weight_bytes, packing_supported
+from engine.parallel import SINGLE, TensorParallel
 from engine.quant import QUANTIZATIONS, quantize_linears_int4
 from engine.quant.nf4 import (
     BNB_SUFFIXES,
@@ -81,8 +82,10 @@ def eos_token_ids(path: Path, config, tokenizer) -> list[int]:
     return ids
 
 
-def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint, one file at a time (sharded checkpoints follow their index)."""
+def iter_safetensors(path: Path, select: Callable[[str], object] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint, one file at a time (sharded checkpoints follow their index).
+    ``select(name)`` (a tensor-parallel rank's ``checkpoint_slice``) may ask for a slice of a tensor,
+    ``(dim, start, length)``, read alone from the file, or ``"zeros"`` in its shape."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -93,7 +96,15 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for name in files:
         with safe_open(path / name, framework="pt") as f:
             for key in f.keys():
-                yield key, f.get_tensor(key)
+                part = select(key) if select is not None else None
+                if part is None:
+                    yield key, f.get_tensor(key)
+                elif part == "zeros":
+                    yield key, f.get_tensor(key).zero_()
+                else:
+                    dim, start, length = part
+                    sliced = f.get_slice(key)
+                    yield key, sliced[start : start + length] if dim == 0 else sliced[:, start : start + length]
 
 
 def load_model(
@@ -104,13 +115,15 @@ def load_model(
     max_positions: int,
     pack: bool = True,
     quantization: str | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> torch.nn.Module:
     """Build the model without initializing weights (meta device), then fill it from the checkpoint.
     ``pack``: prepack large CPU models' linears (not for a compiled model: inductor packs its own).
     ``quantization="nf4"``: quantize the linear layers as they load (see :class:`_NF4Loading`); a
     checkpoint saved by bitsandbytes in NF4 (config.json ``quantization_config``) loads as NF4 either way.
     ``quantization="int4"``: once loaded, each linear but the LM head becomes an int4 layer on PyTorch's
-    int4 kernels (:mod:`engine.quant.int4`), one at a time: the load peaks at the full-precision model."""
+    int4 kernels (:mod:`engine.quant.int4`), one at a time: the load peaks at the full-precision model.
+    ``tp``: build this rank's shard and read only its slices of the checkpoint (``checkpoint_slice``)."""
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)} or None, got {quantization!r}")
     cls = model_class_for(config)
@@ -120,12 +133,18 @@ def load_model(
         raise ValueError(f"{path}: {e}") from None
     if prequantized and quantization == "int4":
         raise ValueError(f"{path}: a bitsandbytes NF4 checkpoint cannot be re-quantized to int4")
+    if prequantized and tp.size > 1:
+        raise ValueError(
+            f"{path}: a bitsandbytes NF4 checkpoint cannot be sharded (its 4-bit blocks span the rows of "
+            "a whole matrix); serve the full-precision checkpoint with --quantization nf4 instead"
+        )
     with torch.device("meta"):
-        model = cls(config, max_positions)
+        model = cls(config, max_positions, tp=tp) if tp.size > 1 else cls(config, max_positions)
     nf4 = _NF4Loading(model, path, quantize=quantization == "nf4") if prequantized or quantization == "nf4" else None
     model = model.to_empty(device=device).to(dtype)
     model.init_buffers(max_positions)
-    weights = ((k, v.to(device)) for k, v in iter_safetensors(path))
+    select = model.checkpoint_slice if tp.size > 1 else None
+    weights = ((k, v.to(device)) for k, v in iter_safetensors(path, select))
     model.load_weights(nf4.intercept(weights) if nf4 else weights)
     if nf4:
         nf4.install()

@@ -21,6 +21,7 @@ from engine.attention.common import PersistentBlockTables
 from engine.attention.cpu_kernel import load_cpu_kernel
 from engine.models.layer_skip import LayerSkip
 from engine.models.packed import linear_weight_bytes
+from engine.parallel import SINGLE, TensorParallel
 from engine.runner.timing import Lap
 
 if TYPE_CHECKING:  # graphs import Triton, which only the triton backend needs
@@ -179,10 +180,11 @@ def mark_pool_static(pool: torch.Tensor) -> None:
     torch._dynamo.mark_static(pool, [d for d in range(pool.dim()) if d != 2])
 
 
-def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+def kv_bytes_per_token(config, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> int:
+    """K and V of one token, all layers; a tensor-parallel rank's (``tp``) of its own KV heads."""
     num_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-    kv_heads = config.num_key_value_heads or num_heads
+    kv_heads, _ = tp.kv_heads(config.num_key_value_heads or num_heads)
     return 2 * config.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
@@ -229,7 +231,7 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = block_size
         self.vocab_size = hf_config.vocab_size
-        self.kv_bytes_per_token = kv_bytes_per_token(hf_config, dtype)
+        self.kv_bytes_per_token = kv_bytes_per_token(hf_config, dtype, getattr(model, "tp", SINGLE))
         self.attention_backend = resolve_backend(attention_backend, device)  # see engine.attention
         self._build_metadata = metadata_builder(self.attention_backend)
         self._block_rows = PersistentBlockTables()  # block tables kept as array rows between forwards

@@ -22,7 +22,9 @@ def add_admin_routes(app: FastAPI, state: ServerState, version: str) -> None:
 
     @app.get("/version")
     async def get_version():
-        return {"version": version}
+        if state.engine is None:
+            return {"version": version}
+        return {"version": version, "tensor_parallel_size": state.engine.tensor_parallel_size}
 
     @app.get("/metrics")
     async def metrics():

@@ -1,0 +1,359 @@
+"""A tensor-parallel target: rank 0's runner drives N - 1 workers, one message a call.
+
+Rank 0 is the engine: its scheduler, controller, proposer and sampler run once, there. Its target
+runner is a :class:`ShardedRunner`: every call that touches the sharded model or its KV pool (a
+forward, a chain of draft levels, KV moves and block copies, the pool's allocation, the switch to
+compiled forwards) is first sent to the workers as one message — the method's name and arguments,
+broadcast over torch.distributed's control group (:func:`engine.parallel.control_group`) — and then
+run locally, so every rank runs the same forwards in the same order and meets the same collectives.
+A worker (:func:`run_worker`) holds its shard, its own KV pool (its heads) and a plain
+:class:`ModelRunner`, and loops: receive, run, drop the result (every rank ends a forward with the
+same gathered logits; only rank 0's are read, so no rank samples on its own).
+
+A proposer with a model of its own (a draft model, heads) runs on rank 0 only, unsharded: its runner
+is not a :class:`ShardedRunner`. One that calls into the target's modules directly (Medusa's, EAGLE's
+and MTP heads read its embedding or output layer) is refused at start under tensor parallelism.
+
+Failure: a worker that exits ends the engine's process (non-zero, naming the rank and its exit code),
+and so does any call that raises on rank 0 (a collective that took longer than ``tp_timeout_s``
+among them): the ranks cannot be brought back in step. A worker whose parent is gone exits, and one
+whose collective times out raises and exits, which ends rank 0 in turn. While idle, rank 0 sends a
+no-op message every quarter of ``tp_timeout_s``, so an idle server's waiting workers do not time out.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import socket
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from engine.parallel import TensorParallel, control_group, join
+from engine.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# Proposers that call into the target model's modules themselves (not through the runner), which
+# under tensor parallelism would meet a collective the workers never enter.
+UNSHARDED_PROPOSERS = ("medusa", "eagle", "mtp")
+
+
+def ranks_here(config) -> range:
+    """The ranks this host runs: an even share of them, host ``node_rank``'s block (rank 0 on host 0)."""
+    per = config.tensor_parallel_size // config.nnodes
+    return range(config.node_rank * per, (config.node_rank + 1) * per)
+
+
+def rank_device(config, rank: int) -> torch.device:
+    """A rank's device: the CPU, or the host's GPUs in rank order from ``first_gpu`` (a CUDA
+    ``device`` names no index under tensor parallelism)."""
+    device = config.torch_device
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", config.first_gpu + rank - ranks_here(config).start)
+
+
+def init_method(config) -> str:
+    """Where the ranks meet: torchrun's store where torchrun started this process (``env://``), the
+    master's address on several hosts, else a free port of this host."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return "env://"
+    if config.nnodes > 1 or config.master_port:
+        return f"tcp://{config.master_addr}:{config.master_port}"
+    return f"tcp://127.0.0.1:{free_port()}"
+
+
+def check_parallel(config) -> None:
+    """Start-up errors for a tensor-parallel size this host or this configuration cannot run."""
+    n = config.tensor_parallel_size
+    if config.torch_device.type == "cuda":
+        if config.device not in ("auto", "cuda"):
+            raise ValueError(f"--device {config.device} names one GPU; tensor parallelism uses cuda:0 .. cuda:{n - 1}")
+        here = len(ranks_here(config))
+        if torch.cuda.device_count() < config.first_gpu + here:
+            raise ValueError(
+                f"--tensor-parallel-size {n} puts {here} ranks on this host, which has {torch.cuda.device_count()} GPUs"
+            )
+    if config.speculative_method in UNSHARDED_PROPOSERS:
+        raise ValueError(
+            f"the {config.speculative_method} method is not available with --tensor-parallel-size > 1 yet "
+            f"(its heads read the sharded target's embedding or output layer); use draft, ouroboros, ngram, "
+            f"suffix, lookahead or layer-skip"
+        )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Workers:
+    """Rank 0's handle on its workers: their processes, the control group, and the message lock
+    (messages and the forwards they announce go out from one thread at a time)."""
+
+    def __init__(self, config, processes: dict, tp: TensorParallel) -> None:
+        self.config, self.processes, self.tp = config, processes, tp  # processes: this host's, by rank
+        self.group = control_group()
+        self.lock = threading.RLock()
+        self.last_sent = time.monotonic()
+        self.closed = False
+        self.on_death: list = []  # callables told why, before this process ends on a lost worker
+        self.on_cuda = config.torch_device.type == "cuda"
+        atexit.register(self.close)  # (before multiprocessing's exit joins the workers, which would wait forever)
+        threading.Thread(target=self._watch, name="augur-tp-watch", daemon=True).start()
+        threading.Thread(target=self._keepalive, name="augur-tp-keepalive", daemon=True).start()
+
+    def send(self, name: str, *args, **kwargs) -> None:
+        box = [(name, _to_host(args), _to_host(kwargs)) if self.on_cuda else (name, args, kwargs)]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        self.last_sent = time.monotonic()
+
+    def close(self) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            try:
+                self.send("shutdown")
+            except Exception:  # a worker already gone: nothing to tell
+                logger.debug("tensor-parallel shutdown message not delivered", exc_info=True)
+        for p in self.processes.values():
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _watch(self) -> None:
+        sentinels = {p.sentinel: rank for rank, p in self.processes.items()}
+        if not sentinels:  # (the workers are on other hosts: their loss shows as a failed collective)
+            return
+        ready = multiprocessing.connection.wait(list(sentinels))
+        if self.closed:
+            return
+        rank = sentinels[ready[0]]
+        self.processes[rank].join(timeout=5)  # (reaped: its exit code known)
+        self.fail(f"tensor-parallel worker rank {rank} exited (exit code {self.processes[rank].exitcode})")
+
+    def fail(self, reason: str) -> None:
+        """End this process (the engine): the ranks cannot go on apart, nor be brought back in step.
+        ``on_death`` hears why first (the API process, where the engine has a process of its own)."""
+        logger.critical("%s: the engine stops", reason)
+        for tell in self.on_death:
+            try:
+                tell(reason)
+            except Exception:
+                logger.exception("telling why the engine stops failed")
+        os._exit(3)
+
+    def _keepalive(self) -> None:
+        every = self.config.tp_timeout_s / 4
+        while not self.closed:
+            time.sleep(min(every, 5.0))
+            if time.monotonic() - self.last_sent < every:
+                continue
+            with self.lock:
+                if not self.closed and time.monotonic() - self.last_sent >= every:
+                    try:
+                        self.send("noop")
+                    except Exception as e:
+                        self.fail(f"tensor-parallel message to the workers failed: {type(e).__name__}: {e}")
+
+
+def _spawn(config, ranks, init: str) -> dict:
+    spawn = multiprocessing.get_context("spawn")
+    processes = {}
+    for rank in ranks:
+        p = spawn.Process(
+            target=run_worker, name=f"augur-tp-rank{rank}", args=(config, rank, init, logging.getLogger().level)
+        )
+        p.start()
+        processes[rank] = p
+    return processes
+
+
+def start_workers(config) -> Workers:
+    """On host 0: start this host's other ranks (processes running :func:`run_worker`) and join the
+    group as rank 0 (the other hosts' ranks join it from :func:`serve_headless`)."""
+    check_parallel(config)
+    init = init_method(config)
+    processes = _spawn(config, ranks_here(config)[1:], init)
+    try:
+        tp = _join_watching(processes, config.tensor_parallel_size, init, rank_device(config, 0), config.tp_timeout_s)
+    except BaseException:
+        for p in processes.values():
+            p.kill()
+        raise
+    return Workers(config, processes, tp)
+
+
+def serve_headless(config) -> int:
+    """A host other than rank 0's (``--node-rank`` > 0): run this host's ranks as workers of rank 0's
+    engine until it stops them; the exit status is non-zero if any of them failed (and then the
+    others are stopped: the group cannot go on without it)."""
+    check_parallel(config)
+    processes = _spawn(config, ranks_here(config), init_method(config))
+    codes: dict[int, int] = {}
+    while len(codes) < len(processes):
+        multiprocessing.connection.wait([p.sentinel for r, p in processes.items() if r not in codes])
+        for rank, p in processes.items():
+            if rank not in codes and p.exitcode is not None:
+                codes[rank] = p.exitcode
+                if p.exitcode != 0:
+                    logger.critical("tensor-parallel worker rank %d exited (exit code %s)", rank, p.exitcode)
+                    for other in processes.values():
+                        other.kill()
+    return max((abs(c) for c in codes.values()), default=0)
+
+
+def _join_watching(processes: dict, size: int, init: str, device: torch.device, timeout_s: float) -> TensorParallel:
+    """Rank 0's :func:`join`, on a thread, while watching the workers: one that exits before the group
+    is whole, or a group not whole within ``timeout_s``, is a clear error instead of a wait."""
+    box: list = []
+    thread = threading.Thread(target=lambda: box.append(_attempt(join, 0, size, init, device, timeout_s)), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while thread.is_alive():
+        for rank, p in processes.items():
+            if p.exitcode is not None:
+                raise RuntimeError(f"tensor-parallel worker rank {rank} exited before joining (exit code {p.exitcode})")
+        if time.monotonic() > deadline + 5:
+            raise RuntimeError(f"the tensor-parallel ranks did not all join within {timeout_s:g} s (--tp-timeout)")
+        thread.join(0.1)
+    ok, value = box[0]
+    if not ok:
+        raise RuntimeError(f"the tensor-parallel ranks did not all join within {timeout_s:g} s: {value}") from value
+    return value
+
+
+def _attempt(fn, *args):
+    try:
+        return True, fn(*args)
+    except Exception as e:
+        return False, e
+
+
+class ShardedRunner(ModelRunner):
+    """Rank 0's runner of a sharded target: each call below goes to the workers first (see the module)."""
+
+    def __init__(self, workers: Workers, *args, **kwargs) -> None:
+        self.workers = workers
+        super().__init__(*args, **kwargs)
+
+    def _mirrored(self, name: str, *args, **kwargs):
+        with self.workers.lock:
+            try:
+                self.workers.send(name, *args, **kwargs)
+                return getattr(super(), name)(*args, **kwargs)
+            except Exception as e:
+                # A rank that raised left the others waiting in a collective (or the reverse): fatal.
+                self.workers.fail(f"tensor-parallel {name} failed on rank 0: {type(e).__name__}: {e}")
+                raise
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        self._mirrored("allocate_kv", num_blocks)
+
+    def execute(self, batch, input_ids=None, skip=None, hidden_layers=(), hidden_in=None):
+        return self._mirrored("execute", batch, input_ids, skip, hidden_layers, hidden_in)
+
+    def chain(self, batches, input_ids, temperature=None, noise=None, skip=None):
+        return self._mirrored("chain", batches, input_ids, temperature, noise, skip)
+
+    def move_slots(self, src: list[int], dst: list[int]) -> None:
+        if src:
+            self._mirrored("move_slots", src, dst)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if copies:
+            self._mirrored("copy_blocks", copies)
+
+    def serve_eager(self) -> None:
+        self._mirrored("serve_eager")
+
+    def use_compiled(self) -> None:
+        self._mirrored("use_compiled")
+
+    def compile_view(self, scratch_tokens: int = 256) -> ModelRunner:
+        raise RuntimeError("a tensor-parallel runner compiles before serving, not in the background")
+
+
+def run_worker(config, rank: int, init_method: str, log_level: int) -> None:
+    """Rank ``rank``'s process: join the group, load its shard, then run what rank 0 sends until told to stop."""
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [tp rank {rank}] %(name)s: %(message)s")
+    parent = multiprocessing.parent_process()
+    if parent is not None:  # an orphan worker would wait for messages forever
+        threading.Thread(target=_exit_with, args=(parent.sentinel,), daemon=True).start()
+    from engine.platform import usable_cpus
+    from engine.runner.loader import load_config, load_model, resolve_model_path
+
+    device = rank_device(config, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, usable_cpus() // len(ranks_here(config))))
+    tp = join(rank, config.tensor_parallel_size, init_method, device, config.tp_timeout_s)
+    group = control_group()
+    path = resolve_model_path(config.model)
+    hf_config = load_config(path)
+    max_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
+    compiled = config.compile_enabled
+    model = load_model(
+        path, hf_config, config.torch_dtype, device, max_len, pack=not compiled, quantization=config.quantization, tp=tp
+    )
+    runner = ModelRunner(
+        model, hf_config, device, config.torch_dtype, config.block_size, compile=compiled,
+        attention_backend=config.attention_backend, cuda_graph_max_seqs=config.cuda_graph_max_seqs,
+    )  # fmt: skip
+    logger.info("rank %d of %d: shard loaded on %s", rank, tp.size, device)
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=group)
+        name, args, kwargs = box[0]
+        if name == "shutdown":
+            break
+        if name != "noop":
+            getattr(runner, name)(*_to_device(args, device), **_to_device(kwargs, device))
+    dist.destroy_process_group()
+
+
+def _exit_with(sentinel) -> None:
+    multiprocessing.connection.wait([sentinel])
+    os._exit(1)
+
+
+def _to_host(obj):
+    """``obj`` with every CUDA tensor in it (nested in tuples, lists, dicts and dataclasses) on the host:
+    a message is pickled, and a worker's GPU is not rank 0's."""
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu() if obj.device.type == "cuda" else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_host(x) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _to_host(v) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _to_host(getattr(obj, f.name)) for f in dataclasses.fields(obj)})
+    return obj
+
+
+def _to_device(obj, device: torch.device):
+    if device.type != "cuda":
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(x, device) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = {f.name: _to_device(getattr(obj, f.name), device) for f in dataclasses.fields(obj)}
+        return dataclasses.replace(obj, **fields)
+    return obj

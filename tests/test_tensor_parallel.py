@@ -1,0 +1,390 @@
+"""Tensor parallelism on CPU with gloo (issue 36): each rank a real process, tiny random-weight models
+of every family.
+
+- A sharded model's logits equal the unsharded model's (fp32, 1e-5 relative), at 2 ranks and at 4
+  (fewer KV heads than ranks: replicated), for prefill chunks and decodes over the paged KV cache.
+- An engine at --tensor-parallel-size 2 (rank 0 drives a worker process) greedily emits what the
+  engine at 1 emits, plain and speculating, with preemption and prefix reuse.
+- What a size cannot do is a clear error at start.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import traceback
+
+import httpx
+import openai
+import pytest
+import torch
+from test_gemma2 import build_gemma2_dir
+from test_spec import exact_joint, g_statistic, g_test_threshold, noisy_copy, small_vocab_pair, staggered  # noqa: F401
+from test_step import prompts as repetitive_prompts
+
+from conftest import ARCHS, build_model_dir
+from engine.config import EngineConfig
+from engine.core.llm_engine import LLMEngine
+from engine.request.sampling_params import SamplingParams
+from engine.runner.loader import load_config, load_model
+from engine.runner.model_runner import ForwardChunk, ModelRunner
+from engine.runner.parallel import free_port
+from engine.sampling import verify as verify_mod
+from server.app import ServerSettings, create_app
+from servers import engine_factory, serve, wait_until
+
+FAMILIES = [*ARCHS, "Gemma2ForCausalLM"]
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory, tokenizer_dir):
+    root = tmp_path_factory.mktemp("tp-models")
+    dirs = {arch: build_model_dir(root / arch, tokenizer_dir, arch) for arch in ARCHS}
+    dirs["Gemma2ForCausalLM"] = build_gemma2_dir(root / "gemma2", tokenizer_dir, std=0.08)
+    return dirs
+
+
+def _chunks() -> list[list[ForwardChunk]]:
+    """Two forwards: a prefill of two sequences, then a decode of both and a 3-token chunk."""
+    a, b = list(range(3, 40)), [7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27]
+    return [
+        [ForwardChunk(a, 0, [0, 1, 2], len(a)), ForwardChunk(b, 0, [3], len(b))],
+        [ForwardChunk([41], len(a), [0, 1, 2], 1), ForwardChunk([29, 31, 33], len(b), [3, 4], 3)],
+    ]
+
+
+def _logits(model_dir, tp=None) -> list[torch.Tensor]:
+    from engine.parallel import SINGLE
+
+    config = load_config(model_dir)
+    model = load_model(model_dir, config, torch.float32, torch.device("cpu"), 256, pack=False, tp=tp or SINGLE)
+    runner = ModelRunner(model, config, torch.device("cpu"), torch.float32, 16, num_blocks=8)
+    return [runner.forward(chunks).logits for chunks in _chunks()]
+
+
+def _weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _rank_main(rank: int, size: int, init: str, dirs: list, results, weights: bool = False) -> None:
+    try:
+        from engine.parallel import join
+
+        torch.set_num_threads(1)
+        tp = join(rank, size, init, torch.device("cpu"), 120.0)
+        if weights:  # this rank's parameter bytes, loaded as the engine loads them
+            out = [
+                _weight_bytes(load_model(d, load_config(d), torch.float32, torch.device("cpu"), 64, tp=tp))
+                for d in dirs
+            ]
+        else:  # (arrays, by value: a tensor would pass a file descriptor the process takes with it)
+            out = [[t.numpy() for t in _logits(d, tp)] for d in dirs]
+        if rank == 0:
+            results.put(("ok", out))
+        torch.distributed.destroy_process_group()
+    except BaseException:
+        results.put(("error", f"rank {rank}: {traceback.format_exc()}"))
+
+
+def sharded_logits(dirs: list, size: int, weights: bool = False) -> list:
+    """Rank 0's logits (or with ``weights`` its parameter bytes), every rank a process of its own
+    joined over gloo."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    init = f"tcp://127.0.0.1:{free_port()}"
+    procs = [ctx.Process(target=_rank_main, args=(r, size, init, dirs, results, weights)) for r in range(size)]
+    for p in procs:
+        p.start()
+    try:
+        kind, payload = results.get(timeout=300)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.terminate()
+    assert kind == "ok", payload
+    return payload if weights else [[torch.from_numpy(a) for a in per_model] for per_model in payload]
+
+
+def test_sharded_logits_match_the_unsharded_model_for_every_family(family_dirs):
+    dirs = [family_dirs[a] for a in FAMILIES]
+    got = sharded_logits(dirs, 2)
+    for arch, d, sharded in zip(FAMILIES, dirs, got):
+        for want, have in zip(_logits(d), sharded):
+            assert have.shape == want.shape, arch
+            torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5, msg=arch)
+
+
+def test_a_rank_holds_about_half_the_weights(family_dirs):
+    """Each of 2 ranks holds its slices only: about half of the model's parameter bytes (the norms are
+    replicated, and so nothing else at this shape)."""
+    d = family_dirs["LlamaForCausalLM"]
+    (sharded,) = sharded_logits([d], 2, weights=True)
+    whole = _weight_bytes(load_model(d, load_config(d), torch.float32, torch.device("cpu"), 64, pack=False))
+    assert 0.45 * whole <= sharded <= 0.55 * whole
+
+
+def test_four_ranks_replicate_key_value_heads(family_dirs):
+    """4 ranks over a model with 2 KV heads: each KV head is held by two ranks."""
+    d = family_dirs["LlamaForCausalLM"]
+    (sharded,) = sharded_logits([d], 4)
+    for want, have in zip(_logits(d), sharded):
+        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_size_the_model_cannot_use_is_a_clear_error(family_dirs):
+    from engine.parallel import TensorParallel
+    from engine.runner.parallel import check_parallel
+
+    d = family_dirs["LlamaForCausalLM"]  # 4 heads, 2 KV heads, a vocabulary of 384
+    with pytest.raises(ValueError, match="does not divide the model's attention heads"):
+        load_model(d, load_config(d), torch.float32, torch.device("cpu"), 64, tp=TensorParallel(0, 3, ""))
+    with pytest.raises(ValueError, match="is neither a divisor nor a multiple of the model's 3 key/value heads"):
+        TensorParallel(0, 4, "").kv_heads(3)
+    config = EngineConfig(model=str(d), tensor_parallel_size=2, speculative_method="medusa", draft_model=str(d))
+    with pytest.raises(ValueError, match="medusa method is not available with --tensor-parallel-size"):
+        check_parallel(config)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be at least 1"):
+        EngineConfig(model=str(d), tensor_parallel_size=0)
+
+
+def _engine(model_dir, tp: int, **kw) -> LLMEngine:
+    kw = {"num_kv_blocks": 64, "compile": "off", "block_size": 4, **kw}
+    return LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", tensor_parallel_size=tp, **kw))
+
+
+def test_an_engine_at_two_ranks_decodes_as_one_rank_does(family_dirs, tmp_path):
+    """Greedy output at 2 ranks equals 1 rank's, plain and with each proposer kind that runs under
+    tensor parallelism (a lookup, the sharded target skipping layers, a draft model on rank 0 alone),
+    under a pool small enough to preempt and with repeated prompts hitting the prefix cache."""
+    d = family_dirs["LlamaForCausalLM"]
+    draft = noisy_copy(d, tmp_path / "draft", 0.2)
+    ps = repetitive_prompts(6, seed=5) + repetitive_prompts(2, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, num_draft_tokens=3)
+    want = staggered(_engine(d, 1), ps, params)
+    for method in ("none", "ngram", "layer-skip", "draft"):
+        kw = {"draft_model": str(draft)} if method == "draft" else {}
+        eng = _engine(d, 2, speculative_method=method, num_kv_blocks=20, max_num_batched_tokens=48, **kw)
+        try:
+            assert staggered(eng, ps, params) == want, method
+            assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks, method
+            if method != "none":
+                assert eng.spec_stats.num_drafts > 0, method
+        finally:
+            eng.close()
+
+
+def _tp_samples(target, draft, params: SamplingParams, prompt: list[int], n: int) -> dict:
+    """Counts of the first 3 tokens of ``n`` sampled choices at 2 ranks, a draft model speculating."""
+    eng = _engine(target, 2, draft_model=str(draft), num_kv_blocks=4096, max_num_seqs=1024, block_size=8)
+    try:
+        per, toks = 64, {}
+        for i in range(n // per):
+            eng.add_request(f"s{i}", prompt, SamplingParams(**{**params.__dict__, "n": per}))
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                for c in o.outputs:
+                    toks.setdefault((o.request_id, c.index), []).extend(c.delta_token_ids)
+        assert eng.spec_stats.num_drafts > 0
+    finally:
+        eng.close()
+    counts: dict = {}
+    for v in toks.values():
+        counts[tuple(v[:3])] = counts.get(tuple(v[:3]), 0) + 1
+    return counts
+
+
+def test_sampled_output_at_two_ranks_follows_the_target(small_vocab_pair, monkeypatch, tmp_path):  # noqa: F811
+    """The G-test of test_spec at 2 ranks (a draft model on rank 0, rejection sampling there, from the
+    gathered logits); a deliberately wrong rule (after a rejection, p again instead of the residual)
+    fails it. A far draft and a flat target: many rejections, many cells."""
+    target, _ = small_vocab_pair
+    draft = noisy_copy(target, tmp_path / "far", 2.0)
+    params = SamplingParams(temperature=1.5, max_tokens=3, ignore_eos=True, num_draft_tokens=3)
+    prompt, n = [0, 3, 4, 5], 20_480
+    expected = exact_joint(target, prompt, params)
+    stat, dof = g_statistic(_tp_samples(target, draft, params, prompt, n), expected, n)
+    assert stat < g_test_threshold(dof), f"G={stat:.1f} dof={dof}"
+    monkeypatch.setattr(verify_mod, "reject_residual", lambda P_, q_: P_)
+    stat, dof = g_statistic(_tp_samples(target, draft, params, prompt, n), expected, n)
+    assert stat > g_test_threshold(dof), f"the wrong rule went unnoticed: G={stat:.1f} dof={dof}"
+
+
+def test_compiled_forwards_at_two_ranks(family_dirs):
+    """torch.compile traces the collectives into the graphs of every rank (the CPU default)."""
+    d = family_dirs["Qwen2ForCausalLM"]
+    ps = repetitive_prompts(3, seed=7)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = staggered(_engine(d, 1), ps, params)
+    eng = _engine(d, 2, compile="on")
+    try:
+        assert eng.compile_state == "on"
+        assert staggered(eng, ps, params) == want
+    finally:
+        eng.close()
+
+
+def _served_answers(srv) -> list:
+    c = openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0)
+    out = []
+    for prompt in ("def add(a, b):", [5, 6, 7, 8, 5, 6, 7, 8, 5]):
+        r = c.completions.create(
+            model="tiny", prompt=prompt, max_tokens=20, temperature=0, extra_body={"ignore_eos": True}
+        )
+        out.append(r.choices[0].text)
+    stream = c.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "count: 1 2 3"}], max_tokens=16, temperature=0, stream=True
+    )
+    out.append("".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices))
+    return out
+
+
+@pytest.mark.parametrize("front", ["thread", "process"])
+def test_served_greedy_output_at_two_ranks_equals_one_rank(family_dirs, tmp_path, front):
+    """Through a real server and the openai SDK: -tp 2, plain and speculating (a draft model on rank 0),
+    answers as -tp 1 does; the engine on a thread, and in a process of its own that starts the worker."""
+    d = family_dirs["LlamaForCausalLM"]
+    settings = ServerSettings(served_model_name="tiny")
+    with serve(create_app(settings, engine_factory(d))) as srv:
+        want = _served_answers(srv)
+        assert httpx.get(srv.base + "/version").json()["tensor_parallel_size"] == 1
+    draft = noisy_copy(d, tmp_path / "draft", 0.2)
+    for kw in ({}, {"speculative_method": "draft", "draft_model": str(draft)}):
+        factory = engine_factory(d, tensor_parallel_size=2, num_kv_blocks=128, **kw)
+        if front == "process":
+            factory = _process_factory(d, tensor_parallel_size=2, **kw)
+        with serve(create_app(settings, factory)) as srv:
+            assert _served_answers(srv) == want, kw
+            assert httpx.get(srv.base + "/version").json()["tensor_parallel_size"] == 2
+            info = 'augur_engine_info{model_name="tiny",tensor_parallel_size="2"} 1.0'
+            assert info in httpx.get(srv.base + "/metrics").text
+
+
+def _process_factory(model_dir, **kw):
+    from engine.core.engine_core import ProcessEngine
+
+    defaults = dict(device="cpu", dtype="float32", num_kv_blocks=128, block_size=4, max_model_len=512)
+    return lambda: ProcessEngine(EngineConfig(model=str(model_dir), **{**defaults, **kw}))
+
+
+# -- failure: a lost rank ends the server, never a hang ------------------------------------------------
+def _augur_serve(model_dir, log_path, *extra: str, front: str = "on") -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir), "--engine-process", front,
+        "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "64", "--block-size", "4",
+        "--port", str(port), "-tp", "2", *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "AUGUR_COMPILE": "off"}
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(log_path, "w")), port
+
+
+def _descendants(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            kids = [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+    return kids + [d for k in kids for d in _descendants(k)]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _health(port: int) -> int:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+@pytest.mark.parametrize("front", ["on", "off"], ids=["engine-process", "engine-thread"])
+def test_a_killed_worker_ends_the_server_naming_its_rank(family_dirs, tmp_path, front):
+    log = tmp_path / "log"
+    proc, port = _augur_serve(family_dirs["LlamaForCausalLM"], log, front=front)
+    try:
+        wait_until(lambda: _health(port) == 200 or proc.poll() is not None, "the server to answer", 180)
+        assert proc.poll() is None, log.read_text()[-2000:]
+        # The worker: the spawned process with no spawned process below it (rank 0 is the API process,
+        # or the engine process under it).
+        spawned = [p for p in _descendants(proc.pid) if b"spawn_main" in _cmdline(p)]
+        (worker,) = [p for p in spawned if not any(b"spawn_main" in _cmdline(c) for c in _descendants(p))]
+        os.kill(worker, signal.SIGKILL)
+        code = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code != 0
+    assert "tensor-parallel worker rank 1 exited (exit code -9)" in log.read_text()
+
+
+def test_ranks_that_do_not_join_in_time_are_a_clear_start_up_error(family_dirs, tmp_path):
+    log = tmp_path / "log"
+    proc, _ = _augur_serve(family_dirs["LlamaForCausalLM"], log, "--tp-timeout", "0.2")
+    try:
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code != 0
+    assert "did not all join within 0.2 s" in log.read_text()
+
+
+def test_a_collective_that_times_out_ends_the_server(family_dirs, tmp_path):
+    """A worker that stops answering (SIGSTOP) makes the next forward's collective time out on rank 0
+    after --tp-timeout: the server ends, non-zero, instead of hanging on the request."""
+    log = tmp_path / "log"
+    proc, port = _augur_serve(family_dirs["LlamaForCausalLM"], log, "--tp-timeout", "3", front="off")
+    worker = None
+    try:
+        wait_until(lambda: _health(port) == 200 or proc.poll() is not None, "the server to answer", 180)
+        assert proc.poll() is None, log.read_text()[-2000:]
+        (worker,) = [p for p in _descendants(proc.pid) if b"spawn_main" in _cmdline(p)]
+        model = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
+        os.kill(worker, signal.SIGSTOP)
+        body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 8}
+        with pytest.raises(httpx.HTTPError):  # the connection goes with the server
+            httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
+        code = proc.wait(timeout=30)
+    finally:
+        if worker is not None:
+            os.kill(worker, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+    assert code != 0
+    assert "tensor-parallel execute failed on rank 0" in log.read_text()
+
+
+# -- several hosts: here two `augur serve` processes on one machine, meeting at a master port ---------------
+def test_two_hosts_serve_as_one_and_a_lost_host_ends_the_server(family_dirs, tmp_path):
+    """Host 0 (``--node-rank 0``) serves HTTP with rank 0; host 1 runs rank 1 headless. The answers
+    equal one rank's; killing host 1 ends host 0 (its next message or collective fails), non-zero."""
+    d = family_dirs["LlamaForCausalLM"]
+    settings = ServerSettings(served_model_name="tiny")
+    with serve(create_app(settings, engine_factory(d))) as srv:
+        want = _served_answers(srv)
+    master = str(free_port())
+    hosts = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", master, "--tp-timeout", "8"]
+    head, port = _augur_serve(d, tmp_path / "head", *hosts, "--node-rank", "0", "--served-model-name", "tiny")
+    worker_host, _ = _augur_serve(d, tmp_path / "worker", *hosts, "--node-rank", "1")
+    try:
+        wait_until(lambda: _health(port) == 200 or head.poll() is not None, "host 0 to answer", 180)
+        assert head.poll() is None, (tmp_path / "head").read_text()[-2000:]
+        assert _served_answers(type("Srv", (), {"base": f"http://127.0.0.1:{port}"})) == want
+        assert "ranks 1..1 of 2, joining 127.0.0.1:" in (tmp_path / "worker").read_text()
+        os.kill(worker_host.pid, signal.SIGKILL)
+        code = head.wait(timeout=60)
+    finally:
+        for p in (head, worker_host):
+            if p.poll() is None:
+                p.kill()
+    assert code != 0
+    assert "tensor-parallel" in (tmp_path / "head").read_text()
