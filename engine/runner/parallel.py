@@ -185,6 +185,10 @@ def start_workers(config) -> Workers:
     """On host 0: start this host's other ranks (processes running :func:`run_worker`) and join the
     group as rank 0 (the other hosts' ranks join it from :func:`serve_headless`)."""
     check_parallel(config)
+    if config.torch_device.type == "cpu":  # this host's ranks share its CPUs (as the workers do)
+        from engine.platform import usable_cpus
+
+        torch.set_num_threads(min(torch.get_num_threads(), max(1, usable_cpus() // len(ranks_here(config)))))
     init = init_method(config)
     processes = _spawn(config, ranks_here(config)[1:], init)
     try:
