@@ -542,6 +542,16 @@ class ModelRunner:
         took = time.perf_counter() - t0
         logger.info("%s: %d graph shapes in %.1fs", type(self.model).__name__, len(shapes), took)
 
+    @torch.inference_mode()
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The model's token embeddings ``[T, hidden]`` (heads that read them: MTP)."""
+        return self.model.embed(input_ids)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's output layer over final-normed states ``[N, hidden]`` → ``[N, vocab]`` float32."""
+        return self.model.compute_logits(hidden)
+
     def lap(self) -> Lap:
         """Start timing device work (see engine.runner.timing): ``stop()`` it after launching the work."""
         return Lap(self.device)

@@ -11,8 +11,10 @@ A worker (:func:`run_worker`) holds its shard, its own KV pool (its heads) and a
 same gathered logits; only rank 0's are read, so no rank samples on its own).
 
 A proposer with a model of its own (a draft model, heads) runs on rank 0 only, unsharded: its runner
-is not a :class:`ShardedRunner`. One that calls into the target's modules directly (Medusa's, EAGLE's
-and MTP heads read its embedding or output layer) is refused at start under tensor parallelism.
+is not a :class:`ShardedRunner`. Medusa heads read only the replicated final norm and hidden states;
+MTP heads reach the target's embedding and output layer through the runner (``embed``, ``logits``:
+mirrored). An EAGLE head embeds tokens with the target's embedding inside its own forward, which the
+workers never run: it is refused at start under tensor parallelism.
 
 Failure: a worker that exits ends the engine's process (non-zero, naming the rank and its exit code),
 and so does any call that raises on rank 0 (a collective that took longer than ``tp_timeout_s``
@@ -42,8 +44,9 @@ from engine.runner.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 # Proposers that call into the target model's modules themselves (not through the runner), which
-# under tensor parallelism would meet a collective the workers never enter.
-UNSHARDED_PROPOSERS = ("medusa", "eagle", "mtp")
+# under tensor parallelism would meet a collective the workers never enter: an EAGLE head embeds its
+# tokens with the target's embedding inside its own forward.
+UNSHARDED_PROPOSERS = ("eagle",)
 
 
 def ranks_here(config) -> range:
@@ -85,8 +88,8 @@ def check_parallel(config) -> None:
     if config.speculative_method in UNSHARDED_PROPOSERS:
         raise ValueError(
             f"the {config.speculative_method} method is not available with --tensor-parallel-size > 1 yet "
-            f"(its heads read the sharded target's embedding or output layer); use draft, ouroboros, ngram, "
-            f"suffix, lookahead or layer-skip"
+            f"(its head embeds tokens with the sharded target's embedding inside its own forward); use draft, "
+            f"ouroboros, ngram, suffix, lookahead, layer-skip, medusa or mtp"
         )
 
 
@@ -271,6 +274,12 @@ class ShardedRunner(ModelRunner):
 
     def chain(self, batches, input_ids, temperature=None, noise=None, skip=None):
         return self._mirrored("chain", batches, input_ids, temperature, noise, skip)
+
+    def embed(self, input_ids):
+        return self._mirrored("embed", input_ids)
+
+    def logits(self, hidden):
+        return self._mirrored("logits", hidden)
 
     def move_slots(self, src: list[int], dst: list[int]) -> None:
         if src:

@@ -108,7 +108,8 @@ class ChainedHeadsProposer(LevelDrafter):
                  early_stop=None) -> None:  # fmt: skip
         super().__init__(target.vocab_size, eos_token_ids, target.device, tree, topk, budget, early_stop)
         self.heads = heads
-        self.model = target.model  # its embedding, final norm and output layer
+        self.target = target  # its embedding and output layer (through the runner: sharded, every rank runs them)
+        self.model = target.model  # its final norm
         self.hidden_layers = (target.model.num_layers - 1,)
 
     @classmethod
@@ -157,8 +158,8 @@ class ChainedHeadsProposer(LevelDrafter):
         return logits, new
 
     def _head(self, k: int, state: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        new = self.heads.heads[k](state, self.model.embed_tokens(ids))
-        return self.model.compute_logits(self.model.norm(new)), new
+        new = self.heads.heads[k](state, self.target.embed(ids))
+        return self.target.logits(self.model.norm(new)), new
 
     def cost_probe(self):
         @torch.inference_mode()
