@@ -137,16 +137,12 @@ def test_four_ranks_replicate_key_value_heads(family_dirs):
 
 def test_a_size_the_model_cannot_use_is_a_clear_error(family_dirs):
     from engine.parallel import TensorParallel
-    from engine.runner.parallel import check_parallel
 
     d = family_dirs["LlamaForCausalLM"]  # 4 heads, 2 KV heads, a vocabulary of 384
     with pytest.raises(ValueError, match="does not divide the model's attention heads"):
         load_model(d, load_config(d), torch.float32, torch.device("cpu"), 64, tp=TensorParallel(0, 3, ""))
     with pytest.raises(ValueError, match="is neither a divisor nor a multiple of the model's 3 key/value heads"):
         TensorParallel(0, 4, "").kv_heads(3)
-    config = EngineConfig(model=str(d), tensor_parallel_size=2, speculative_method="eagle", draft_model=str(d))
-    with pytest.raises(ValueError, match="eagle method is not available with --tensor-parallel-size"):
-        check_parallel(config)
     with pytest.raises(ValueError, match="tensor_parallel_size must be at least 1"):
         EngineConfig(model=str(d), tensor_parallel_size=0)
 
@@ -157,10 +153,12 @@ def _engine(model_dir, tp: int, **kw) -> LLMEngine:
 
 
 def test_an_engine_at_two_ranks_decodes_as_one_rank_does(family_dirs, tmp_path):
-    """Greedy output at 2 ranks equals 1 rank's, plain and with each proposer kind that runs under
-    tensor parallelism (a lookup, the sharded target skipping layers, a draft model on rank 0 alone,
-    Medusa heads on rank 0, MTP heads reaching the sharded embedding and output layer through the
-    runner), under a pool small enough to preempt and with repeated prompts hitting the prefix cache."""
+    """Greedy output at 2 ranks equals 1 rank's, plain and with each proposer: a lookup, the sharded
+    target skipping layers, a draft model on rank 0 alone, Medusa heads on rank 0, MTP heads reaching
+    the sharded embedding and output layer through the runner, an EAGLE head with a whole copy of the
+    embedding on rank 0; under a pool small enough to preempt, with repeated prompts hitting the
+    prefix cache."""
+    from test_eagle import write_eagle
     from test_medusa import write_heads as medusa_heads
     from test_mtp import write_heads as mtp_heads
 
@@ -169,11 +167,12 @@ def test_an_engine_at_two_ranks_decodes_as_one_rank_does(family_dirs, tmp_path):
         "draft": noisy_copy(d, tmp_path / "draft", 0.2),
         "medusa": medusa_heads(d, tmp_path / "medusa", like_target=True),
         "mtp": mtp_heads(d, tmp_path / "mtp"),
+        "eagle": write_eagle(d, tmp_path / "eagle"),
     }
     ps = repetitive_prompts(6, seed=5) + repetitive_prompts(2, seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, num_draft_tokens=3)
     want = staggered(_engine(d, 1), ps, params)
-    for method in ("none", "ngram", "layer-skip", "draft", "medusa", "mtp"):
+    for method in ("none", "ngram", "layer-skip", "draft", "medusa", "mtp", "eagle"):
         kw = {"draft_model": str(drafts[method])} if method in drafts else {}
         eng = _engine(d, 2, speculative_method=method, num_kv_blocks=20, max_num_batched_tokens=48, **kw)
         try:

@@ -107,6 +107,20 @@ def iter_safetensors(path: Path, select: Callable[[str], object] | None = None) 
                     yield key, sliced[start : start + length] if dim == 0 else sliced[:, start : start + length]
 
 
+def read_tensor(path: Path, name: str) -> torch.Tensor:
+    """One tensor of the checkpoint, whole (a tensor-parallel rank 0's copy of a sharded table)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = [path / json.loads(index.read_text())["weight_map"][name]]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            if name in f.keys():
+                return f.get_tensor(name)
+    raise ValueError(f"{path}: no tensor {name}")
+
+
 def load_model(
     path: Path,
     config,

@@ -13,8 +13,8 @@ same gathered logits; only rank 0's are read, so no rank samples on its own).
 A proposer with a model of its own (a draft model, heads) runs on rank 0 only, unsharded: its runner
 is not a :class:`ShardedRunner`. Medusa heads read only the replicated final norm and hidden states;
 MTP heads reach the target's embedding and output layer through the runner (``embed``, ``logits``:
-mirrored). An EAGLE head embeds tokens with the target's embedding inside its own forward, which the
-workers never run: it is refused at start under tensor parallelism.
+mirrored). An EAGLE head, which embeds tokens inside its own forward, gets a whole copy of the
+target's embedding table on rank 0 (``engine.speculative.methods.eagle.whole_embedding``).
 
 Failure: a worker that exits ends the engine's process (non-zero, naming the rank and its exit code),
 and so does any call that raises on rank 0 (a collective that took longer than ``tp_timeout_s``
@@ -42,11 +42,6 @@ from engine.parallel import TensorParallel, control_group, join
 from engine.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-# Proposers that call into the target model's modules themselves (not through the runner), which
-# under tensor parallelism would meet a collective the workers never enter: an EAGLE head embeds its
-# tokens with the target's embedding inside its own forward.
-UNSHARDED_PROPOSERS = ("eagle",)
 
 
 def ranks_here(config) -> range:
@@ -85,12 +80,6 @@ def check_parallel(config) -> None:
             raise ValueError(
                 f"--tensor-parallel-size {n} puts {here} ranks on this host, which has {torch.cuda.device_count()} GPUs"
             )
-    if config.speculative_method in UNSHARDED_PROPOSERS:
-        raise ValueError(
-            f"the {config.speculative_method} method is not available with --tensor-parallel-size > 1 yet "
-            f"(its head embeds tokens with the sharded target's embedding inside its own forward); use draft, "
-            f"ouroboros, ngram, suffix, lookahead, layer-skip, medusa or mtp"
-        )
 
 
 def free_port() -> int:

@@ -44,7 +44,7 @@ from transformers import LlamaConfig
 
 from engine.models.llama import LlamaAttention, LlamaMLP, RMSNorm, rope_cos_sin
 from engine.request.sequence import Sequence
-from engine.runner.loader import check_state, read_state_file, resolve_model_path
+from engine.runner.loader import check_state, read_state_file, read_tensor, resolve_model_path
 from engine.runner.model_runner import ForwardBatch, ForwardChunk, ModelRunner
 from engine.sampling.tree import DraftTree
 from engine.speculative.early_stop import early_stop_for
@@ -348,6 +348,17 @@ def load_eagle(path: str | Path, target_config, embed: nn.Embedding, dtype, devi
     return head.to(dtype=dtype).eval().requires_grad_(False), info["aux_layer_ids"]
 
 
+def whole_embedding(model_path: Path, shard: nn.Embedding, vocab_size: int) -> nn.Embedding:
+    """The target's whole embedding table, read from its checkpoint, in the class of a rank's shard
+    (Gemma's scales its output): what an EAGLE head embeds with beside a tensor-parallel target, whose
+    rank 0 holds only its slice of the vocabulary."""
+    weight = read_tensor(model_path, "model.embed_tokens.weight")
+    table = type(shard)(vocab_size, shard.embedding_dim, device=shard.weight.device, dtype=shard.weight.dtype)
+    with torch.no_grad():
+        table.weight.copy_(weight)
+    return table.requires_grad_(False)
+
+
 class EagleProposer(DraftModelProposer):
     method = "eagle"
     has_language_model = False  # the head reads the target's features: no language model on its own
@@ -370,9 +381,10 @@ class EagleProposer(DraftModelProposer):
             raise ValueError("speculative method 'eagle' needs --draft-model DIR (an EAGLE-3 head)")
         path = resolve_model_path(config.draft_model)
         max_positions = target.model.rope_cos.shape[0]
-        head, ids = load_eagle(
-            path, target.hf_config, target.model.embed_tokens, target.dtype, target.device, max_positions
-        )
+        embed = target.model.embed_tokens
+        if target.model.tp.size > 1:  # sharded: the head gets a whole table of its own on rank 0
+            embed = whole_embedding(resolve_model_path(config.model), embed, target.vocab_size)
+        head, ids = load_eagle(path, target.hf_config, embed, target.dtype, target.device, max_positions)
         runner = ModelRunner(
             head, head.config, target.device, target.dtype, config.block_size, compile=target.compiled,
             attention_backend=target.attention_backend, freeze=False,  # its levels run a row or two each
