@@ -435,6 +435,78 @@ def test_preset_renders_to_its_config_file(rendered, preset):
     assert yaml.safe_load(configmap["data"]["config.yaml"]) == read_yaml(CONFIGS / f"{preset}.yaml")
 
 
+# -- several hosts: a LeaderWorkerSet group a replica ----------------------------------------------------
+MULTI_HOST = {
+    "storage": {
+        "models": {"type": "hostPath", "hostPath": {"path": "/srv/models"}},
+        "cache": {"type": "hostPath", "hostPath": {"path": "/srv/augur-cache"}},
+    },
+    "models": [
+        {
+            "name": "big",
+            "nodes": 2,
+            "gpus": 8,
+            "replicas": 2,
+            "config": {"model": "/models/llama-70b", "tensor-parallel-size": 16},
+        }
+    ],
+}
+
+
+def _as_deployment(name: str, template: dict) -> dict:
+    """A LeaderWorkerSet's pod template inside a Deployment: the shape kubernetes_validate has a schema for."""
+    labels = template["metadata"]["labels"]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name},
+        "spec": {"selector": {"matchLabels": labels}, "template": template},
+    }
+
+
+def test_a_model_over_several_nodes_is_a_leader_worker_set(chart, tmp_path):
+    """``nodes: 2``: one LeaderWorkerSet (no Deployment) whose leader serves HTTP with rank 0 and whose
+    workers run headless; the Service reaches the leaders only; both pod templates are valid pods, and
+    the leader's and a worker's arguments (LWS's variables filled in) are valid ``augur serve`` lines
+    that put them on ranks 0-7 and 8-15 of 16, meeting at the leader."""
+    docs = render(chart, MULTI_HOST)
+    assert not of_kind(docs, "Deployment")
+    (lws,) = of_kind(docs, "LeaderWorkerSet").values()
+    assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1" and lws["spec"]["replicas"] == 2
+    group = lws["spec"]["leaderWorkerTemplate"]
+    assert group["size"] == 2 and group["restartPolicy"] == "RecreateGroupOnPodRestart"
+    leader, worker = group["leaderTemplate"], group["workerTemplate"]
+    for role, template in (("leader", leader), ("worker", worker)):
+        kubernetes_validate.validate(_as_deployment(f"big-{role}", template), KUBE_VERSION, strict=True)
+        (c,) = template["spec"]["containers"]
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == 8
+    lead, work = leader["spec"]["containers"][0], worker["spec"]["containers"][0]
+    assert lead["ports"] == [{"name": "http", "containerPort": PORT, "protocol": "TCP"}]
+    assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(lead)
+    assert "ports" not in work and not {"startupProbe", "readinessProbe", "livenessProbe"} & set(work)
+    (service,) = of_kind(docs, "Service").values()
+    selector = service["spec"]["selector"].items()
+    assert selector <= leader["metadata"]["labels"].items()
+    assert not selector <= worker["metadata"]["labels"].items()
+    config = tmp_path / "config.yaml"
+    config.write_text(of_kind(docs, "ConfigMap")["augur-big"]["data"]["config.yaml"])
+    lws_env = {"$(LWS_GROUP_SIZE)": "2", "$(LWS_LEADER_ADDRESS)": "augur-big-0.augur-big"}
+    for c, index in ((lead, "0"), (work, "1")):
+        env = {**lws_env, "$(LWS_WORKER_INDEX)": index}
+        argv = [str(config) if a == CONFIG_PATH else env.get(a, a) for a in c["args"]]
+        cfg = engine_config(serve_args(*argv))
+        assert (cfg.tensor_parallel_size, cfg.nnodes, cfg.node_rank) == (16, 2, int(index))
+        assert (cfg.master_addr, cfg.master_port) == ("augur-big-0.augur-big", 29500)
+
+
+def test_nodes_times_gpus_must_be_the_tensor_parallel_size(chart):
+    values = copy.deepcopy(MULTI_HOST)
+    values["models"][0]["config"]["tensor-parallel-size"] = 8
+    why = "nodes 2 x gpus 8 is 16 GPUs a replica, but its config's tensor-parallel-size is 8"
+    with pytest.raises(Exception, match=why):
+        render(chart, values)
+
+
 KIND_ORDER = ["ConfigMap", "PersistentVolumeClaim", "Service", "Deployment", "ServiceMonitor"]
 HEADER = f"""\
 # Augur for `kubectl apply -f` without Helm: the chart configs/deploy/helm/augur rendered with its default

@@ -106,6 +106,15 @@ def _(x: torch.Tensor, group: str, size: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], x.shape[-1] * size))
 
 
+def leave() -> None:
+    """Leave the group (this process may join another later: the tests build engine after engine)."""
+    global _GLOO
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _GROUPS.clear()
+    _GLOO = None
+
+
 def control_group():
     """The group the runner's messages cross: a gloo one beside an NCCL world (messages are host
     objects), the world itself where that is gloo already."""

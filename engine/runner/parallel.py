@@ -38,7 +38,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine.parallel import TensorParallel, control_group, join
+from engine.parallel import TensorParallel, control_group, join, leave
 from engine.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -122,8 +122,7 @@ class Workers:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave()
 
     def _watch(self) -> None:
         sentinels = {p.sentinel: rank for rank, p in self.processes.items()}
@@ -324,7 +323,7 @@ def run_worker(config, rank: int, init_method: str, log_level: int) -> None:
             break
         if name != "noop":
             getattr(runner, name)(*_to_device(args, device), **_to_device(kwargs, device))
-    dist.destroy_process_group()
+    leave()
 
 
 def _exit_with(sentinel) -> None:

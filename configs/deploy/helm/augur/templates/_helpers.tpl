@@ -57,7 +57,7 @@ checked here, once for every template: they become part of object names and DNS 
 */}}
 {{- define "augur.models" -}}
 {{- $defaults := pick .Values
-    "image" "imagePullSecrets" "replicas" "gpus" "gpuResource" "resources" "strategy"
+    "image" "imagePullSecrets" "replicas" "nodes" "gpus" "gpuResource" "resources" "strategy"
     "nodeSelector" "tolerations" "affinity" "podLabels" "podAnnotations" "env" "extraArgs"
     "podSecurityContext" "securityContext" "shmSize" "probes" "storage" -}}
 {{- if not .Values.models -}}
