@@ -337,11 +337,9 @@ def test_ranks_that_do_not_join_in_time_are_a_clear_start_up_error(family_dirs, 
     log = tmp_path / "log"
     proc, _ = _augur_serve(family_dirs["LlamaForCausalLM"], log, "--tp-timeout", "0.2")
     try:
-        code = proc.wait(timeout=120)
+        assert proc.wait(timeout=120) != 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert code != 0
+        proc.kill()  # (nothing to do once it has exited)
     assert "did not all join within 0.2 s" in log.read_text()
 
 
