@@ -56,11 +56,14 @@ def _chunks() -> list[list[ForwardChunk]]:
     ]
 
 
-def _logits(model_dir, tp=None) -> list[torch.Tensor]:
+def _logits(model_dir, tp=None, quantization=None) -> list[torch.Tensor]:
     from engine.parallel import SINGLE
 
     config = load_config(model_dir)
-    model = load_model(model_dir, config, torch.float32, torch.device("cpu"), 256, pack=False, tp=tp or SINGLE)
+    cpu = torch.device("cpu")
+    model = load_model(
+        model_dir, config, torch.float32, cpu, 256, pack=False, quantization=quantization, tp=tp or SINGLE
+    )
     runner = ModelRunner(model, config, torch.device("cpu"), torch.float32, 16, num_blocks=8)
     return [runner.forward(chunks).logits for chunks in _chunks()]
 
@@ -69,7 +72,7 @@ def _weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def _rank_main(rank: int, size: int, init: str, dirs: list, results, weights: bool = False) -> None:
+def _rank_main(rank: int, size: int, init: str, dirs: list, results, weights: bool = False, quant=None) -> None:
     try:
         from engine.parallel import join
 
@@ -81,7 +84,7 @@ def _rank_main(rank: int, size: int, init: str, dirs: list, results, weights: bo
                 for d in dirs
             ]
         else:  # (arrays, by value: a tensor would pass a file descriptor the process takes with it)
-            out = [[t.numpy() for t in _logits(d, tp)] for d in dirs]
+            out = [[t.numpy() for t in _logits(d, tp, quant)] for d in dirs]
         if rank == 0:
             results.put(("ok", out))
         torch.distributed.destroy_process_group()
@@ -89,13 +92,14 @@ def _rank_main(rank: int, size: int, init: str, dirs: list, results, weights: bo
         results.put(("error", f"rank {rank}: {traceback.format_exc()}"))
 
 
-def sharded_logits(dirs: list, size: int, weights: bool = False) -> list:
+def sharded_logits(dirs: list, size: int, weights: bool = False, quantization=None) -> list:
     """Rank 0's logits (or with ``weights`` its parameter bytes), every rank a process of its own
     joined over gloo."""
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     init = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=_rank_main, args=(r, size, init, dirs, results, weights)) for r in range(size)]
+    args = (size, init, dirs, results, weights, quantization)
+    procs = [ctx.Process(target=_rank_main, args=(r, *args)) for r in range(size)]
     for p in procs:
         p.start()
     try:
@@ -125,6 +129,16 @@ def test_a_rank_holds_about_half_the_weights(family_dirs):
     (sharded,) = sharded_logits([d], 2, weights=True)
     whole = _weight_bytes(load_model(d, load_config(d), torch.float32, torch.device("cpu"), 64, pack=False))
     assert 0.45 * whole <= sharded <= 0.55 * whole
+
+
+def test_nf4_weights_shard_as_their_blocks_allow(tmp_path, tokenizer_dir):
+    """--quantization nf4 under -tp: each rank quantizes its own slices as they load. Where a slice's
+    rows are whole 64-value blocks (real models' widths: head_dim 128), its blocks are the unsharded
+    model's, so the logits match NF4 at one rank; at 2 ranks this model's slices are 64 wide."""
+    d = build_model_dir(tmp_path / "wide", tokenizer_dir, "LlamaForCausalLM", hidden_size=128, intermediate_size=256)
+    (sharded,) = sharded_logits([d], 2, quantization="nf4")
+    for want, have in zip(_logits(d, quantization="nf4"), sharded):
+        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
 
 
 def test_four_ranks_replicate_key_value_heads(family_dirs):
