@@ -36,7 +36,7 @@ from engine.sampling import verify as verify_mod
 from server.app import ServerSettings, create_app
 from servers import engine_factory, serve, wait_until
 
-FAMILIES = [*ARCHS, "Gemma2ForCausalLM"]
+FAMILIES = [*ARCHS, "Gemma2ForCausalLM", "Llama with biases"]
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +44,10 @@ def family_dirs(tmp_path_factory, tokenizer_dir):
     root = tmp_path_factory.mktemp("tp-models")
     dirs = {arch: build_model_dir(root / arch, tokenizer_dir, arch) for arch in ARCHS}
     dirs["Gemma2ForCausalLM"] = build_gemma2_dir(root / "gemma2", tokenizer_dir, std=0.08)
+    # Biases on every projection, o_proj's and down_proj's among them (row-parallel: rank 0 adds them).
+    dirs["Llama with biases"] = build_model_dir(
+        root / "biased", tokenizer_dir, "LlamaForCausalLM", attention_bias=True, mlp_bias=True
+    )
     return dirs
 
 
