@@ -202,6 +202,33 @@ def test_an_engine_at_two_ranks_decodes_as_one_rank_does(family_dirs, tmp_path):
             eng.close()
 
 
+def test_a_step_is_one_message_to_the_workers(family_dirs, tmp_path, monkeypatch):
+    """Draft trees (whose accepted nodes move in the KV pool) from a draft model on rank 0: each
+    step's KV moves ride with the next step's forward, so the workers get at most one message a step;
+    the output stays 1 rank's."""
+    from engine.runner.parallel import Workers
+
+    d = family_dirs["LlamaForCausalLM"]
+    draft = noisy_copy(d, tmp_path / "draft", 0.2)
+    ps = repetitive_prompts(6, seed=9)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, num_draft_tokens=3)
+    kw = dict(draft_model=str(draft), spec_tree_topk=2)
+    want = staggered(_engine(d, 1, **kw), ps, params)
+    eng = _engine(d, 2, **kw)
+    sends, moves, send, defer = [], [], Workers.send, Workers.defer
+    monkeypatch.setattr(Workers, "send", lambda self, name, *a, **k: sends.append(name) or send(self, name, *a, **k))
+    monkeypatch.setattr(Workers, "defer", lambda self, name, *a: moves.append(name) or defer(self, name, *a))
+    steps = eng.step
+    count = []
+    monkeypatch.setattr(eng, "step", lambda: count.append(1) or steps())
+    try:
+        assert staggered(eng, ps, params) == want
+    finally:
+        eng.close()
+    assert "move_slots" in moves  # trees moved accepted nodes, and those went with the next messages
+    assert sends.count("execute") <= len(count) and len(sends) - 1 <= len(count)  # (the last: shutdown)
+
+
 def _tp_samples(target, draft, params: SamplingParams, prompt: list[int], n: int) -> dict:
     """Counts of the first 3 tokens of ``n`` sampled choices at 2 ranks, a draft model speculating."""
     eng = _engine(target, 2, draft_model=str(draft), num_kv_blocks=4096, max_num_seqs=1024, block_size=8)

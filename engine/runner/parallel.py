@@ -1,11 +1,13 @@
 """A tensor-parallel target: rank 0's runner drives N - 1 workers, one message a call.
 
 Rank 0 is the engine: its scheduler, controller, proposer and sampler run once, there. Its target
-runner is a :class:`ShardedRunner`: every call that touches the sharded model or its KV pool (a
-forward, a chain of draft levels, KV moves and block copies, the pool's allocation, the switch to
-compiled forwards) is first sent to the workers as one message — the method's name and arguments,
-broadcast over torch.distributed's control group (:func:`engine.parallel.control_group`) — and then
-run locally, so every rank runs the same forwards in the same order and meets the same collectives.
+runner is a :class:`ShardedRunner`: every call that touches the sharded model (a forward, a chain of
+draft levels, the embedding or output layer, the pool's allocation, the switch to compiled forwards)
+is first sent to the workers as one message — the method's name and arguments, broadcast over
+torch.distributed's control group (:func:`engine.parallel.control_group`) — and then run locally, so
+every rank runs the same forwards in the same order and meets the same collectives. Calls on the KV
+pool alone (accepted nodes' moves, copy-on-write block copies) run on rank 0 at once and ride with
+the next message, ahead of its call: a step's target forward is its one message.
 A worker (:func:`run_worker`) holds its shard, its own KV pool (its heads) and a plain
 :class:`ModelRunner`, and loops: receive, run, drop the result (every rank ends a forward with the
 same gathered logits; only rank 0's are read, so no rank samples on its own).
@@ -98,6 +100,7 @@ class Workers:
         self.lock = threading.RLock()
         self.last_sent = time.monotonic()
         self.closed = False
+        self.deferred: list = []  # calls to send with the next message (see defer)
         self.on_death: list = []  # callables told why, before this process ends on a lost worker
         self.on_cuda = config.torch_device.type == "cuda"
         atexit.register(self.close)  # (before multiprocessing's exit joins the workers, which would wait forever)
@@ -105,9 +108,16 @@ class Workers:
         threading.Thread(target=self._keepalive, name="augur-tp-keepalive", daemon=True).start()
 
     def send(self, name: str, *args, **kwargs) -> None:
-        box = [(name, _to_host(args), _to_host(kwargs)) if self.on_cuda else (name, args, kwargs)]
+        """One message: the calls deferred since the last one, then this one."""
+        calls, self.deferred = [*self.deferred, (name, args, kwargs)], []
+        box = [[(n, _to_host(a), _to_host(k)) for n, a, k in calls] if self.on_cuda else calls]
         dist.broadcast_object_list(box, src=0, group=self.group)
         self.last_sent = time.monotonic()
+
+    def defer(self, name: str, *args) -> None:
+        """A call the workers need before their next forward only (a KV move, a block copy): it goes
+        with the next message, so that a step's forward is the step's one message."""
+        self.deferred.append((name, args, {}))
 
     def close(self) -> None:
         with self.lock:
@@ -271,11 +281,17 @@ class ShardedRunner(ModelRunner):
 
     def move_slots(self, src: list[int], dst: list[int]) -> None:
         if src:
-            self._mirrored("move_slots", src, dst)
+            self._deferred("move_slots", src, dst)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:
-            self._mirrored("copy_blocks", copies)
+            self._deferred("copy_blocks", copies)
+
+    def _deferred(self, name: str, *args) -> None:
+        """Run a KV operation here now, on the workers before their next call (the next message)."""
+        with self.workers.lock:
+            getattr(super(), name)(*args)
+            self.workers.defer(name, *args)
 
     def serve_eager(self) -> None:
         self._mirrored("serve_eager")
@@ -315,14 +331,16 @@ def run_worker(config, rank: int, init_method: str, log_level: int) -> None:
         attention_backend=config.attention_backend, cuda_graph_max_seqs=config.cuda_graph_max_seqs,
     )  # fmt: skip
     logger.info("rank %d of %d: shard loaded on %s", rank, tp.size, device)
-    while True:
+    running = True
+    while running:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=group)
-        name, args, kwargs = box[0]
-        if name == "shutdown":
-            break
-        if name != "noop":
-            getattr(runner, name)(*_to_device(args, device), **_to_device(kwargs, device))
+        for name, args, kwargs in box[0]:  # one message: the deferred calls, then the call itself
+            if name == "shutdown":
+                running = False
+                break
+            if name != "noop":
+                getattr(runner, name)(*_to_device(args, device), **_to_device(kwargs, device))
     leave()
 
 
