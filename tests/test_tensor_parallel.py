@@ -135,14 +135,24 @@ def test_a_rank_holds_about_half_the_weights(family_dirs):
     assert 0.45 * whole <= sharded <= 0.55 * whole
 
 
-def test_nf4_weights_shard_as_their_blocks_allow(tmp_path, tokenizer_dir):
-    """--quantization nf4 under -tp: each rank quantizes its own slices as they load. Where a slice's
-    rows are whole 64-value blocks (real models' widths: head_dim 128), its blocks are the unsharded
-    model's, so the logits match NF4 at one rank; at 2 ranks this model's slices are 64 wide."""
-    d = build_model_dir(tmp_path / "wide", tokenizer_dir, "LlamaForCausalLM", hidden_size=128, intermediate_size=256)
-    (sharded,) = sharded_logits([d], 2, quantization="nf4")
-    for want, have in zip(_logits(d, quantization="nf4"), sharded):
-        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("quantization", ["nf4", "int4"])
+def test_quantized_weights_shard_as_their_blocks_allow(tmp_path, tokenizer_dir, quantization):
+    """--quantization under -tp: each rank quantizes its own slices. Where a slice's rows are whole
+    blocks (NF4's 64 values, int4's groups of 128; real models' widths make them so), its blocks are
+    the unsharded model's; this model's slices at 2 ranks are 128 and 256 wide. NF4 dequantizes and
+    multiplies in float32: the logits are 1 rank's. int4's kernels return bfloat16, so each rank's
+    partial sums are rounded before the all-reduce: the logits differ from 1 rank's by bf16 rounding,
+    which must stay far below what quantizing costs (int4 against full precision)."""
+    shape = dict(hidden_size=256, intermediate_size=512)
+    d = build_model_dir(tmp_path / "wide", tokenizer_dir, "LlamaForCausalLM", **shape)
+    (sharded,) = sharded_logits([d], 2, quantization=quantization)
+    one, full = _logits(d, quantization=quantization), _logits(d)
+    for want, have, exact in zip(one, sharded, full):
+        if quantization == "nf4":
+            torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
+        else:
+            sharding, quantizing = (have - want).abs().max(), (want - exact).abs().max()
+            assert sharding < 0.25 * quantizing, (sharding, quantizing)
 
 
 def test_four_ranks_replicate_key_value_heads(family_dirs):
