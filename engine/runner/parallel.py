@@ -236,7 +236,8 @@ def _join_watching(processes: dict, size: int, init: str, device: torch.device, 
         thread.join(0.1)
     ok, value = box[0]
     if not ok:
-        raise RuntimeError(f"the tensor-parallel ranks did not all join within {timeout_s:g} s: {value}") from value
+        why = f"did not all join within {timeout_s:g} s (--tp-timeout), or could not"  # (torch's error says which)
+        raise RuntimeError(f"the tensor-parallel ranks {why}: {value}") from value
     return value
 
 
