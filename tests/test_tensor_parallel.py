@@ -236,7 +236,7 @@ def test_a_step_is_one_message_to_the_workers(family_dirs, tmp_path, monkeypatch
     finally:
         eng.close()
     assert "move_slots" in moves  # trees moved accepted nodes, and those went with the next messages
-    assert sends.count("execute") <= len(count) and len(sends) - 1 <= len(count)  # (the last: shutdown)
+    assert len(sends) - 1 <= len(count)  # (the last message: shutdown)
 
 
 def _tp_samples(target, draft, params: SamplingParams, prompt: list[int], n: int) -> dict:

@@ -2,12 +2,12 @@
 
 Rank 0 is the engine: its scheduler, controller, proposer and sampler run once, there. Its target
 runner is a :class:`ShardedRunner`: every call that touches the sharded model (a forward, a chain of
-draft levels, the embedding or output layer, the pool's allocation, the switch to compiled forwards)
-is first sent to the workers as one message — the method's name and arguments, broadcast over
-torch.distributed's control group (:func:`engine.parallel.control_group`) — and then run locally, so
-every rank runs the same forwards in the same order and meets the same collectives. Calls on the KV
-pool alone (accepted nodes' moves, copy-on-write block copies) run on rank 0 at once and ride with
-the next message, ahead of its call: a step's target forward is its one message.
+draft levels, the embedding or output layer, the pool's allocation) is first sent to the workers as
+one message — the method's name and arguments, broadcast over torch.distributed's control group
+(:func:`engine.parallel.control_group`) — and then run locally, so every rank runs the same forwards
+in the same order and meets the same collectives. Calls on the KV pool alone (accepted nodes' moves,
+copy-on-write block copies) run on rank 0 at once and ride with the next message, ahead of its call:
+a step's target forward is its one message.
 A worker (:func:`run_worker`) holds its shard, its own KV pool (its heads) and a plain
 :class:`ModelRunner`, and loops: receive, run, drop the result (every rank ends a forward with the
 same gathered logits; only rank 0's are read, so no rank samples on its own).
@@ -294,12 +294,6 @@ class ShardedRunner(ModelRunner):
             getattr(super(), name)(*args)
             self.workers.defer(name, *args)
 
-    def serve_eager(self) -> None:
-        self._mirrored("serve_eager")
-
-    def use_compiled(self) -> None:
-        self._mirrored("use_compiled")
-
     def compile_view(self, scratch_tokens: int = 256) -> ModelRunner:
         raise RuntimeError("a tensor-parallel runner compiles before serving, not in the background")
 
@@ -350,30 +344,26 @@ def _exit_with(sentinel) -> None:
     os._exit(1)
 
 
-def _to_host(obj):
-    """``obj`` with every CUDA tensor in it (nested in tuples, lists, dicts and dataclasses) on the host:
-    a message is pickled, and a worker's GPU is not rank 0's."""
+def _map_tensors(obj, fn):
+    """``obj`` with ``fn`` applied to every tensor in it (nested in tuples, lists, dicts and dataclasses)."""
     if isinstance(obj, torch.Tensor):
-        return obj.cpu() if obj.device.type == "cuda" else obj
+        return fn(obj)
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_host(x) for x in obj)
+        return type(obj)(_map_tensors(x, fn) for x in obj)
     if isinstance(obj, dict):
-        return {k: _to_host(v) for k, v in obj.items()}
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: _to_host(getattr(obj, f.name)) for f in dataclasses.fields(obj)})
+        fields = {f.name: _map_tensors(getattr(obj, f.name), fn) for f in dataclasses.fields(obj)}
+        return dataclasses.replace(obj, **fields)
     return obj
+
+
+def _to_host(obj):
+    """A message's arguments with their CUDA tensors on the host: a message is pickled, and a worker's
+    GPU is not rank 0's."""
+    return _map_tensors(obj, lambda t: t.cpu() if t.device.type == "cuda" else t)
 
 
 def _to_device(obj, device: torch.device):
-    if device.type != "cuda":
-        return obj
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(x, device) for x in obj)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        fields = {f.name: _to_device(getattr(obj, f.name), device) for f in dataclasses.fields(obj)}
-        return dataclasses.replace(obj, **fields)
-    return obj
+    """A received message's arguments on this worker's device (as they are, off CUDA)."""
+    return obj if device.type != "cuda" else _map_tensors(obj, lambda t: t.to(device))

@@ -31,7 +31,6 @@ from engine.models.llama import RMSNorm
 from engine.request.sequence import Sequence
 from engine.runner.loader import check_state, read_state_file, resolve_model_path
 from engine.runner.model_runner import ModelRunner
-from engine.runner.timing import Lap
 from engine.sampling.tree import DraftTree
 from engine.speculative.early_stop import early_stop_for
 from engine.speculative.levels import LevelDrafter
@@ -152,7 +151,7 @@ class ChainedHeadsProposer(LevelDrafter):
 
     def _run(self, k: int, state: torch.Tensor, ids: torch.Tensor, num_seqs: int):
         """Head ``k`` over ``(state, token)`` rows, timed: the next token's logits and the new states."""
-        lap = Lap(state.device)
+        lap = self.target.lap()
         logits, new = self._head(k, state, ids)
         self._timings.append(("mtp", num_seqs, len(ids), lap.stop(), 1))
         return logits, new
