@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import ARCHS, VOCAB
+from conftest import ARCHS, VOCAB, build_model_dir
 from engine.config import EngineConfig
 from engine.core.async_engine import AsyncEngine
 from engine.core.llm_engine import InvalidRequestError, LLMEngine
@@ -92,6 +92,19 @@ def check_logits_parity(model_dir, device: str) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_logits_match_transformers(model_dirs, arch):
     check_logits_parity(model_dirs[arch], "cpu")
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_pytorch_tanh", "relu"])
+def test_each_mlp_activation_matches_transformers(tmp_path, tokenizer_dir, act):
+    """The activations named in configs, ours (engine.models.llama.ACTIVATIONS) against transformers';
+    one it does not know is a clear error."""
+    check_logits_parity(build_model_dir(tmp_path / act, tokenizer_dir, "LlamaForCausalLM", hidden_act=act), "cpu")
+
+
+def test_an_unknown_mlp_activation_is_a_clear_error(tmp_path, tokenizer_dir):
+    d = build_model_dir(tmp_path / "m", tokenizer_dir, "LlamaForCausalLM", hidden_act="gelu_new")
+    with pytest.raises(ValueError, match="activation 'gelu_new' is not supported"):
+        make_engine(d)
 
 
 @pytest.mark.gpu

@@ -18,16 +18,35 @@ checkpoint tensor this rank reads.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from functools import partial
 
 import torch
+import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.models.layer_skip import LayerSkip
 from engine.models.packed import PackedLinear, pack_linears
 from engine.parallel import SINGLE, TensorParallel
+
+
+# The MLP activations of the families served, by the names their configs give (hidden_act, Gemma's
+# hidden_activation), as transformers defines them. Not transformers.activations itself: importing it
+# costs 0.65 s (its kernel hub), paid by every process that loads a model (a tensor-parallel worker too).
+ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def activation(name: str):
+    if name not in ACTIVATIONS:
+        raise ValueError(f"the MLP activation {name!r} is not supported (supported: {sorted(ACTIVATIONS)})")
+    return ACTIVATIONS[name]
 
 
 class RMSNorm(nn.Module):
@@ -107,7 +126,7 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = tp.split(config.intermediate_size, "MLP inner size")  # this rank's
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=bias)
-        self.act = ACT2FN[act or config.hidden_act]
+        self.act = activation(act or config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
