@@ -90,6 +90,10 @@ class EngineConfig:
     # tp_timeout_s seconds ends the server.
     tensor_parallel_size: int = 1
     tp_timeout_s: float = 600.0
+    # A draft model's ranks under tensor parallelism: 1 (unsharded on rank 0, the default: its forwards
+    # cost no collective) or tensor_parallel_size (sharded like the target over the same ranks: each
+    # rank holds 1/N of it). docs/parallel.md has the measurement behind the default.
+    draft_tensor_parallel_size: int = 1
     # Several hosts: the ranks are split evenly over nnodes hosts, host node_rank running ranks
     # node_rank * N / nnodes onwards (host 0 runs rank 0, the engine, and serves HTTP; the others run
     # headless workers); all meet at master_addr:master_port (0: a free port, one host only).
@@ -108,6 +112,11 @@ class EngineConfig:
         check(bool(self.model), "a model path or hub id is required")
         check(self.tensor_parallel_size >= 1, "tensor_parallel_size must be at least 1")
         check(self.tp_timeout_s > 0, "tp_timeout_s must be positive")
+        check(
+            self.draft_tensor_parallel_size in (1, self.tensor_parallel_size),
+            f"--draft-tensor-parallel-size must be 1 or the target's --tensor-parallel-size "
+            f"({self.tensor_parallel_size}), got {self.draft_tensor_parallel_size}",
+        )
         check(self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes, "node_rank must be in [0, nnodes)")
         check(
             self.tensor_parallel_size % self.nnodes == 0,
@@ -140,6 +149,11 @@ class EngineConfig:
         check(env in ("", "on", "off"), f"AUGUR_COMPILE must be on or off, got {env!r}")
         if self.speculative_method in ("draft", "ouroboros"):
             check(bool(self.draft_model), f"speculative_method {self.speculative_method} needs --draft-model")
+        check(
+            self.draft_tensor_parallel_size == 1 or self.speculative_method in (None, "draft", "ouroboros"),
+            f"--draft-tensor-parallel-size shards a draft model (speculative_method draft or ouroboros), "
+            f"not {self.speculative_method}",
+        )
         check(0 <= self.num_speculative_tokens <= 32, "num_speculative_tokens must be in [0, 32]")
         if self.spec_tree_topk is None:
             self.spec_tree_topk = 2 if self.torch_device.type == "cuda" else 1

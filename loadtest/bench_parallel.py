@@ -8,6 +8,11 @@ Two parts, each printed as a markdown table:
    hidden state (``[sequences, hidden]``, what each layer pays twice) — median microseconds.
 2. **The engine**, in-process: the same greedy requests decoded at ``-tp 1`` and ``-tp N`` (rank 0 in
    this process, the workers started by it), tokens/s and milliseconds a step, one after the other.
+3. **A draft model beside the sharded target**: the same requests speculated with a draft model (the
+   target's first two layers, with its embedding, norm and head), 4 tokens a step, at ``-tp 1``, then
+   at ``-tp N`` with the draft unsharded on rank 0 (``--draft-tensor-parallel-size 1``) and sharded
+   like the target (``N``): tokens/s, the mean acceptance length, and the milliseconds the proposer
+   took per drafted token (its whole ``propose``, messages and collectives included).
 
 The model is ``--model``, or by default a random-weight Llama at about the demo target's size whose
 heads two ranks can share (the demo target's 5 heads cannot be split in two): 6 layers, hidden 384,
@@ -75,20 +80,38 @@ def measure_collectives(hidden: int, seqs: int, reps: int = 2000) -> dict[str, f
     return result
 
 
-def measure_engine(model: str | None, tp: int, compile_: str, prompts: int, tokens: int) -> tuple[float, float]:
-    """(tokens/s, ms a step) decoding ``prompts`` greedy requests of ``tokens`` tokens, 4 at a time."""
+def measure_engine(model: str, tp: int, compile_: str, prompts: int, tokens: int, *flags: str) -> dict[str, float]:
+    """Decode ``prompts`` greedy requests of ``tokens`` tokens, 4 at a time (after a warm-up): tokens/s,
+    ms a step, and with a proposer (``flags``) the mean acceptance length and ms of ``propose`` a drafted
+    token."""
     from engine.core.llm_engine import LLMEngine
     from engine.request.sampling_params import SamplingParams
     from server.cli import apply_config_file, build_parser, engine_config_from_args
 
     argv = ["serve", "--model", model, "--speculative-method", "none", "--compile", compile_, "-tp", str(tp)]
-    engine = LLMEngine(engine_config_from_args(apply_config_file(build_parser(), argv + ["--max-num-seqs", "4"])))
+    argv += ["--max-num-seqs", "4", *flags]
+    engine = LLMEngine(engine_config_from_args(apply_config_file(build_parser(), argv)))
+    proposing = [0.0]
+    if engine.proposer is not None:
+        propose = engine.proposer.propose
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return propose(*args, **kwargs)
+            finally:
+                proposing[0] += time.perf_counter() - t0
+
+        engine.proposer.propose = timed
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+        depth = 4 if engine.proposer is not None else None
+        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, num_draft_tokens=depth)
         for i in range(4):  # warm-up
             engine.add_request(f"w{i}", [5 + i, 6, 7, 8], params)
         while engine.has_unfinished_requests():
             engine.step()
+        stats, proposing[0] = engine.spec_stats, 0.0
+        drafts0, drafted0, accepted0 = stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens
         for i in range(prompts):
             engine.add_request(f"r{i}", [5 + i % 50, 6, 7, 8, 9, 10], params)
         steps, t0 = 0, time.perf_counter()
@@ -96,9 +119,30 @@ def measure_engine(model: str | None, tp: int, compile_: str, prompts: int, toke
             engine.step()
             steps += 1
         seconds = time.perf_counter() - t0
-        return prompts * tokens / seconds, seconds / steps * 1e3
+        out = {"tok/s": prompts * tokens / seconds, "ms a step": seconds / steps * 1e3}
+        drafts, drafted = stats.num_drafts - drafts0, stats.num_draft_tokens - drafted0
+        if drafts:
+            out["mean acceptance length"] = 1 + (stats.num_accepted_tokens - accepted0) / drafts
+            out["propose ms a drafted token"] = proposing[0] / drafted * 1e3
+        return out
     finally:
         engine.close()
+
+
+def draft_of(model: str, path: str, layers: int = 2) -> str:
+    """A draft for ``model``: its first ``layers`` layers, with its embedding, final norm and head,
+    saved as a Hugging Face directory at ``path`` (same tokenizer, same head counts: shardable alike)."""
+    import torch
+    import transformers
+
+    target = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    config = transformers.AutoConfig.from_pretrained(model)
+    config.num_hidden_layers = layers
+    draft = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    draft.load_state_dict(target.state_dict(), strict=False)  # (the layers past `layers` are not the draft's)
+    draft.save_pretrained(path)
+    transformers.AutoTokenizer.from_pretrained(model).save_pretrained(path)
+    return path
 
 
 def random_llama(path: str) -> str:
@@ -144,9 +188,22 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("| -tp | tok/s | ms a step |")
     print("| ---: | ---: | ---: |")
-    for tp in (1, args.tensor_parallel_size):
-        rate, step_ms = measure_engine(model, tp, args.compile, args.prompts, args.tokens)
-        print(f"| {tp} | {rate:.1f} | {step_ms:.3f} |")
+    n = args.tensor_parallel_size
+    for tp in (1, n):
+        r = measure_engine(model, tp, args.compile, args.prompts, args.tokens)
+        print(f"| {tp} | {r['tok/s']:.1f} | {r['ms a step']:.3f} |")
+    print()
+    draft = draft_of(model, tempfile.mkdtemp(prefix="augur-bench-tp-draft-"))
+    print("| -tp | draft | tok/s | ms a step | mean acceptance length | propose ms a drafted token |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: |")
+    for tp, dtp in ((1, 1), (n, 1), (n, n)):
+        flags = ("--speculative-method", "draft", "--draft-model", draft, "--draft-tensor-parallel-size", str(dtp))
+        r = measure_engine(model, tp, args.compile, args.prompts, args.tokens, *flags)
+        where = "unsharded" if tp == 1 else ("unsharded on rank 0" if dtp == 1 else f"sharded over {dtp} ranks")
+        print(
+            f"| {tp} | {where} | {r['tok/s']:.1f} | {r['ms a step']:.3f} | {r['mean acceptance length']:.2f} "
+            f"| {r['propose ms a drafted token']:.3f} |"
+        )
     return 0
 
 

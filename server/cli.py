@@ -70,7 +70,14 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
         type=int,
         default=1,
         help="shard the target over N ranks, one process each, started here (gloo on CPU; NCCL over cuda:0..N-1); "
-        "a draft model, heads and lookups run on rank 0 only",
+        "heads and lookups run on rank 0",
+    )
+    g.add_argument(
+        "--draft-tensor-parallel-size",
+        "-dtp",
+        type=int,
+        default=1,
+        help="a draft model's ranks under -tp: 1 (unsharded on rank 0, no collectives) or N (sharded like the target)",
     )
     g.add_argument("--nnodes", type=int, default=1, help="hosts the tensor-parallel ranks span (an even share each)")
     g.add_argument(

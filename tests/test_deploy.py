@@ -20,6 +20,7 @@ from argparse import Namespace
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from engine.config import EngineConfig
@@ -72,6 +73,7 @@ def test_preset_parses_and_validates(path):
         ("llama-3.1-8b-instruct.yaml", "meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.2-1B-Instruct"),
         ("qwen2.5-7b-instruct.yaml", "Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
         ("gemma-2-9b-it.yaml", "google/gemma-2-9b-it", "google/gemma-2-2b-it"),
+        ("llama-3.1-70b-instruct.yaml", "meta-llama/Llama-3.1-70B-Instruct", "meta-llama/Llama-3.2-1B-Instruct"),
     ],
 )
 def test_preset_models(name, model, draft):
@@ -340,6 +342,38 @@ def test_replicas_profile_one_gpu_each_behind_nginx_least_conn():
     assert read_timeout and int(read_timeout.group(1)) >= 600
 
 
+def test_sharded_profile_gives_one_server_every_gpu_and_a_sharding_preset():
+    """The `sharded` profile: one server over all the host's GPUs, the same command as the single server,
+    its default config a preset whose tensor-parallel size the model's heads and vocabulary allow."""
+    import transformers
+
+    from engine.models import model_class_for
+    from engine.parallel import TensorParallel
+
+    service = SERVICES["augur-sharded"]
+    assert service["profiles"] == ["sharded"]
+    (gpu,) = gpu_devices(service)
+    assert gpu["driver"] == "nvidia" and gpu["count"] == "all" and "gpu" in gpu["capabilities"]
+    assert service["command"] == SERVICES["augur"]["command"]
+    assert "8000" in " ".join(map(str, service["ports"]))
+    m = mounts(service)
+    assert "/models" in m and "/cache" in m
+    args = serve_args("--config", str(ROOT / m["/etc/augur/config.yaml"]))
+    config = engine_config(args)
+    assert config.tensor_parallel_size > 1 and config.draft_tensor_parallel_size == 1
+    # Llama 3.1 70B's shapes (its config.json; one layer of its 80), built on the meta device at that size:
+    # a size that did not divide its heads, KV heads, MLP or vocabulary would raise here.
+    shapes = transformers.LlamaConfig(
+        hidden_size=8192, intermediate_size=28672, num_hidden_layers=1, num_attention_heads=64,
+        num_key_value_heads=8, vocab_size=128256, architectures=["LlamaForCausalLM"],
+    )  # fmt: skip
+    with torch.device("meta"):
+        for rank in range(config.tensor_parallel_size):
+            model_class_for(shapes)(shapes, 16, tp=TensorParallel(rank, config.tensor_parallel_size))
+    with pytest.raises(ValueError, match="does not divide"), torch.device("meta"):  # (the check can fail)
+        model_class_for(shapes)(shapes, 16, tp=TensorParallel(0, 3))
+
+
 def test_nginx_parser_can_fail():
     assert nginx_upstreams("upstream a { server x:1; }") == {"a": (["x:1"], [])}
     assert nginx_upstreams("upstream a { # least_conn;\n server x:1; }")["a"][1] == []
@@ -359,7 +393,7 @@ def test_prometheus_scrapes_every_augur_metrics_endpoint():
     prometheus = SERVICES["prometheus"]
     config = yaml.safe_load((ROOT / mounts(prometheus)["/etc/prometheus/prometheus.yml"]).read_text())
     targets = prometheus_targets(config)
-    for name in ["augur", *REPLICAS]:
+    for name in ["augur", *REPLICAS, "augur-sharded"]:
         assert f"{name}:8000/metrics" in targets, f"Prometheus does not scrape {name}"
     assert prometheus_targets({"scrape_configs": [{"static_configs": [{"targets": ["x:1"]}]}]}) == {"x:1/metrics"}
 

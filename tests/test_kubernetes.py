@@ -421,7 +421,12 @@ def test_llmd_metric_names_in_the_docs_are_exported(chart):
 
 # -- the example values files and the plain manifest ------------------------------------------------------
 def test_every_example_values_file_mirrors_its_preset():
-    assert set(PRESET_VALUES) == {"llama-3.1-8b-instruct", "qwen2.5-7b-instruct", "gemma-2-9b-it"}
+    assert set(PRESET_VALUES) == {
+        "llama-3.1-8b-instruct",
+        "llama-3.1-70b-instruct",
+        "qwen2.5-7b-instruct",
+        "gemma-2-9b-it",
+    }
     for preset, path in PRESET_VALUES.items():
         (entry,) = read_yaml(path)["models"]
         assert entry["config"] == read_yaml(CONFIGS / f"{preset}.yaml"), f"{path.name} differs from the preset"

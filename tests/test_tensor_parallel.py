@@ -181,11 +181,12 @@ def _engine(model_dir, tp: int, **kw) -> LLMEngine:
 
 
 def test_an_engine_at_two_ranks_decodes_as_one_rank_does(family_dirs, tmp_path):
-    """Greedy output at 2 ranks equals 1 rank's, plain and with each proposer: a lookup, the sharded
-    target skipping layers, a draft model on rank 0 alone, Medusa heads on rank 0, MTP heads reaching
-    the sharded embedding and output layer through the runner, an EAGLE head with a whole copy of the
-    embedding on rank 0; under a pool small enough to preempt, with repeated prompts hitting the
-    prefix cache."""
+    """Greedy output at 2 ranks equals 1 rank's, plain and with each proposer: a lookup, lookahead's
+    Jacobi window through the sharded target, the sharded target skipping layers, a draft model on rank
+    0 alone, Medusa heads on rank 0, MTP heads reaching the sharded embedding and output layer through
+    the runner, an EAGLE head with a whole copy of the embedding on rank 0; a draft model sharded like
+    the target (--draft-tensor-parallel-size 2), with chains and with trees, and drafting Ouroboros'
+    phrases; under a pool small enough to preempt, with repeated prompts hitting the prefix cache."""
     from test_eagle import write_eagle
     from test_medusa import write_heads as medusa_heads
     from test_mtp import write_heads as mtp_heads
@@ -200,14 +201,21 @@ def test_an_engine_at_two_ranks_decodes_as_one_rank_does(family_dirs, tmp_path):
     ps = repetitive_prompts(6, seed=5) + repetitive_prompts(2, seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, num_draft_tokens=3)
     want = staggered(_engine(d, 1), ps, params)
-    for method in ("none", "ngram", "layer-skip", "draft", "medusa", "mtp", "eagle"):
-        kw = {"draft_model": str(drafts[method])} if method in drafts else {}
-        eng = _engine(d, 2, speculative_method=method, num_kv_blocks=20, max_num_batched_tokens=48, **kw)
+    sharded = {"draft_tensor_parallel_size": 2, "draft_model": str(drafts["draft"]), "speculative_method": "draft"}
+    methods = ("none", "ngram", "lookahead", "layer-skip", "draft", "medusa", "mtp", "eagle")
+    cases = [{"speculative_method": m} for m in methods]
+    cases += [sharded, {**sharded, "spec_tree_topk": 2}, {**sharded, "speculative_method": "ouroboros"}]
+    for kw in cases:
+        method = kw["speculative_method"]
+        kw = {"draft_model": str(drafts[method]), **kw} if method in drafts else kw
+        eng = _engine(d, 2, num_kv_blocks=20, max_num_batched_tokens=48, **kw)
         try:
-            assert staggered(eng, ps, params) == want, method
-            assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks, method
+            if "draft_tensor_parallel_size" in kw:  # the draft's own shard on each rank, driven like the target
+                assert eng.proposer.runner.model.tp.size == 2 and eng.proposer.runner.key == "draft"
+            assert staggered(eng, ps, params) == want, kw
+            assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks, kw
             if method != "none":
-                assert eng.spec_stats.num_drafts > 0, method
+                assert eng.spec_stats.num_drafts > 0, kw
         finally:
             eng.close()
 
@@ -226,8 +234,10 @@ def test_a_step_is_one_message_to_the_workers(family_dirs, tmp_path, monkeypatch
     want = staggered(_engine(d, 1, **kw), ps, params)
     eng = _engine(d, 2, **kw)
     sends, moves, send, defer = [], [], Workers.send, Workers.defer
-    monkeypatch.setattr(Workers, "send", lambda self, name, *a, **k: sends.append(name) or send(self, name, *a, **k))
-    monkeypatch.setattr(Workers, "defer", lambda self, name, *a: moves.append(name) or defer(self, name, *a))
+    monkeypatch.setattr(
+        Workers, "send", lambda self, key, name, *a, **k: sends.append(name) or send(self, key, name, *a, **k)
+    )
+    monkeypatch.setattr(Workers, "defer", lambda self, key, name, *a: moves.append(name) or defer(self, key, name, *a))
     steps = eng.step
     count = []
     monkeypatch.setattr(eng, "step", lambda: count.append(1) or steps())

@@ -30,7 +30,6 @@ from engine.models.layer_skip import LayerSkip
 from engine.models.packed import PackedLinear, pack_linears
 from engine.parallel import SINGLE, TensorParallel
 
-
 # The MLP activations of the families served, by the names their configs give (hidden_act, Gemma's
 # hidden_activation), as transformers defines them. Not transformers.activations itself: importing it
 # costs 0.65 s (its kernel hub), paid by every process that loads a model (a tensor-parallel worker too).

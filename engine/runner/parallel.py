@@ -13,7 +13,9 @@ A worker (:func:`run_worker`) holds its shard, its own KV pool (its heads) and a
 same gathered logits; only rank 0's are read, so no rank samples on its own).
 
 A proposer with a model of its own (a draft model, heads) runs on rank 0 only, unsharded: its runner
-is not a :class:`ShardedRunner`. Medusa heads read only the replicated final norm and hidden states;
+is not a :class:`ShardedRunner`; a draft model may instead be sharded like the target
+(``--draft-tensor-parallel-size``: :func:`open_sharded` gives the workers a second runner, which
+messages name by its key). Medusa heads read only the replicated final norm and hidden states;
 MTP heads reach the target's embedding and output layer through the runner (``embed``, ``logits``:
 mirrored). An EAGLE head, which embeds tokens inside its own forward, gets a whole copy of the
 target's embedding table on rank 0 (``engine.speculative.methods.eagle.whole_embedding``).
@@ -107,17 +109,18 @@ class Workers:
         threading.Thread(target=self._watch, name="augur-tp-watch", daemon=True).start()
         threading.Thread(target=self._keepalive, name="augur-tp-keepalive", daemon=True).start()
 
-    def send(self, name: str, *args, **kwargs) -> None:
-        """One message: the calls deferred since the last one, then this one."""
-        calls, self.deferred = [*self.deferred, (name, args, kwargs)], []
-        box = [[(n, _to_host(a), _to_host(k)) for n, a, k in calls] if self.on_cuda else calls]
+    def send(self, key: str, name: str, *args, **kwargs) -> None:
+        """One message: the calls deferred since the last one, then this one (runner ``key``'s method
+        ``name``: each worker holds the target's runner, ``"target"``, and any it was told to open)."""
+        calls, self.deferred = [*self.deferred, (key, name, args, kwargs)], []
+        box = [[(r, n, _to_host(a), _to_host(k)) for r, n, a, k in calls] if self.on_cuda else calls]
         dist.broadcast_object_list(box, src=0, group=self.group)
         self.last_sent = time.monotonic()
 
-    def defer(self, name: str, *args) -> None:
+    def defer(self, key: str, name: str, *args) -> None:
         """A call the workers need before their next forward only (a KV move, a block copy): it goes
         with the next message, so that a step's forward is the step's one message."""
-        self.deferred.append((name, args, {}))
+        self.deferred.append((key, name, args, {}))
 
     def close(self) -> None:
         with self.lock:
@@ -125,7 +128,7 @@ class Workers:
                 return
             self.closed = True
             try:
-                self.send("shutdown")
+                self.send("", "shutdown")
             except Exception:  # a worker already gone: nothing to tell
                 logger.debug("tensor-parallel shutdown message not delivered", exc_info=True)
         for p in self.processes.values():
@@ -165,7 +168,7 @@ class Workers:
             with self.lock:
                 if not self.closed and time.monotonic() - self.last_sent >= every:
                     try:
-                        self.send("noop")
+                        self.send("", "noop")
                     except Exception as e:
                         self.fail(f"tensor-parallel message to the workers failed: {type(e).__name__}: {e}")
 
@@ -249,16 +252,17 @@ def _attempt(fn, *args):
 
 
 class ShardedRunner(ModelRunner):
-    """Rank 0's runner of a sharded target: each call below goes to the workers first (see the module)."""
+    """Rank 0's runner of a sharded model (the target, ``key`` ``"target"``, or one :func:`open_sharded`
+    opened): each call below goes to the workers first (see the module)."""
 
-    def __init__(self, workers: Workers, *args, **kwargs) -> None:
-        self.workers = workers
+    def __init__(self, workers: Workers, *args, key: str = "target", **kwargs) -> None:
+        self.workers, self.key = workers, key
         super().__init__(*args, **kwargs)
 
     def _mirrored(self, name: str, *args, **kwargs):
         with self.workers.lock:
             try:
-                self.workers.send(name, *args, **kwargs)
+                self.workers.send(self.key, name, *args, **kwargs)
                 return getattr(super(), name)(*args, **kwargs)
             except Exception as e:
                 # A rank that raised left the others waiting in a collective (or the reverse): fatal.
@@ -292,7 +296,7 @@ class ShardedRunner(ModelRunner):
         """Run a KV operation here now, on the workers before their next call (the next message)."""
         with self.workers.lock:
             getattr(super(), name)(*args)
-            self.workers.defer(name, *args)
+            self.workers.defer(self.key, name, *args)
 
     def compile_view(self, scratch_tokens: int = 256) -> ModelRunner:
         raise RuntimeError("a tensor-parallel runner compiles before serving, not in the background")
@@ -326,17 +330,47 @@ def run_worker(config, rank: int, init_method: str, log_level: int) -> None:
         attention_backend=config.attention_backend, cuda_graph_max_seqs=config.cuda_graph_max_seqs,
     )  # fmt: skip
     logger.info("rank %d of %d: shard loaded on %s", rank, tp.size, device)
+    runners = {"target": runner}
     running = True
     while running:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=group)
-        for name, args, kwargs in box[0]:  # one message: the deferred calls, then the call itself
+        for key, name, args, kwargs in box[0]:  # one message: the deferred calls, then the call itself
             if name == "shutdown":
                 running = False
                 break
-            if name != "noop":
-                getattr(runner, name)(*_to_device(args, device), **_to_device(kwargs, device))
+            if name == "open":
+                runners[key] = _open_here(tp, device, *args)
+            elif name != "noop":
+                getattr(runners[key], name)(*_to_device(args, device), **_to_device(kwargs, device))
     leave()
+
+
+def open_sharded(
+    target: ShardedRunner, key: str, path, hf_config, dtype, max_positions: int, pack: bool, **runner_kwargs
+):
+    """Another model sharded like ``target`` over its ranks (a draft model at
+    ``--draft-tensor-parallel-size N``): rank 0 loads its shard, then tells the workers to load theirs
+    (``key`` names its runner in their messages from then on), and returns rank 0's runner of it.
+    Rank 0 loads first so that a size the model cannot use is its start-up error, not a worker's."""
+    from engine.runner.loader import load_model
+
+    workers, device = target.workers, target.device
+    model = load_model(path, hf_config, dtype, device, max_positions, pack=pack, tp=workers.tp)
+    runner = ShardedRunner(workers, model, hf_config, device, dtype, key=key, **runner_kwargs)
+    with workers.lock:
+        workers.send(key, "open", path, dtype, max_positions, pack, runner_kwargs)
+    return runner
+
+
+def _open_here(tp: TensorParallel, device, path, dtype, max_positions: int, pack: bool, runner_kwargs) -> ModelRunner:
+    """A worker's side of :func:`open_sharded`: its shard of the model at ``path`` and a runner of it."""
+    from engine.runner.loader import load_config, load_model
+
+    hf_config = load_config(path)
+    model = load_model(path, hf_config, dtype, device, max_positions, pack=pack, tp=tp)
+    logger.info("rank %d of %d: shard of %s loaded on %s", tp.rank, tp.size, path, device)
+    return ModelRunner(model, hf_config, device, dtype, **runner_kwargs)
 
 
 def _exit_with(sentinel) -> None:

@@ -243,7 +243,9 @@ class DraftModelProposer(LevelDrafter):
 
 
 def load_draft_runner(config, target: ModelRunner, tokenizer, method: str) -> ModelRunner:
-    """The runner of ``--draft-model``, beside the target's (same device, block size and backend)."""
+    """The runner of ``--draft-model``, beside the target's (same device, block size and backend).
+    Under tensor parallelism it runs unsharded on rank 0, or with ``--draft-tensor-parallel-size N``
+    sharded like the target over its ranks (engine.runner.parallel.open_sharded)."""
     if not config.draft_model:
         raise ValueError(f"speculative method {method!r} needs --draft-model")
     path = resolve_model_path(config.draft_model)
@@ -251,12 +253,19 @@ def load_draft_runner(config, target: ModelRunner, tokenizer, method: str) -> Mo
     check_same_vocabulary(tokenizer, load_tokenizer(path), draft_config, target.hf_config, path)
     max_positions = target.model.rope_cos.shape[0]
     dtype = draft_dtype(target, draft_config, max_positions)
-    model = load_model(path, draft_config, dtype, target.device, max_positions, pack=not target.compiled)
-    return ModelRunner(
-        model, draft_config, target.device, dtype, config.block_size, compile=target.compiled,
-        attention_backend=target.attention_backend, freeze=False,  # its levels run a row or two each
+    runner_kwargs = dict(
+        block_size=config.block_size, compile=target.compiled, attention_backend=target.attention_backend,
+        freeze=False,  # its levels run a row or two each
         cuda_graph_max_seqs=target.cuda_graph_max_seqs,
     )  # fmt: skip
+    if config.draft_tensor_parallel_size > 1:
+        from engine.runner.parallel import open_sharded
+
+        return open_sharded(
+            target, "draft", path, draft_config, dtype, max_positions, not target.compiled, **runner_kwargs
+        )
+    model = load_model(path, draft_config, dtype, target.device, max_positions, pack=not target.compiled)
+    return ModelRunner(model, draft_config, target.device, dtype, **runner_kwargs)
 
 
 def draft_dtype(target: ModelRunner, draft_config, max_positions: int) -> torch.dtype:
