@@ -62,7 +62,15 @@ def _chunks() -> list[list[ForwardChunk]]:
 
 def _logits(model_dir, tp=None, quantization=None) -> list[torch.Tensor]:
     from engine.parallel import SINGLE
+    from engine.speculative.methods.medusa import load_medusa
 
+    if isinstance(model_dir, tuple):  # (Medusa heads, their target): the heads' logits over fixed states
+        heads_dir, target_dir = model_dir
+        config = load_config(target_dir)
+        heads = load_medusa(
+            heads_dir, config.hidden_size, config.vocab_size, torch.float32, torch.device("cpu"), tp or SINGLE
+        )
+        return [heads(torch.randn(5, config.hidden_size, generator=torch.Generator().manual_seed(3)))]
     config = load_config(model_dir)
     cpu = torch.device("cpu")
     model = load_model(
@@ -117,10 +125,15 @@ def sharded_logits(dirs: list, size: int, weights: bool = False, quantization=No
     return payload if weights else [[torch.from_numpy(a) for a in per_model] for per_model in payload]
 
 
-def test_sharded_logits_match_the_unsharded_model_for_every_family(family_dirs):
-    dirs = [family_dirs[a] for a in FAMILIES]
+def test_sharded_logits_match_the_unsharded_model_for_every_family(family_dirs, tmp_path):
+    """Every family's logits, and Medusa heads' (--draft-tensor-parallel-size: output layers split by
+    vocabulary, residual blocks whole), at 2 ranks equal 1 rank's."""
+    from test_medusa import write_heads as medusa_heads
+
+    llama = family_dirs["LlamaForCausalLM"]
+    dirs = [family_dirs[a] for a in FAMILIES] + [(medusa_heads(llama, tmp_path / "medusa"), llama)]
     got = sharded_logits(dirs, 2)
-    for arch, d, sharded in zip(FAMILIES, dirs, got):
+    for arch, d, sharded in zip([*FAMILIES, "Medusa heads"], dirs, got, strict=True):
         for want, have in zip(_logits(d), sharded):
             assert have.shape == want.shape, arch
             torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5, msg=arch)
@@ -186,7 +199,8 @@ def test_an_engine_at_two_ranks_decodes_as_one_rank_does(family_dirs, tmp_path):
     0 alone, Medusa heads on rank 0, MTP heads reaching the sharded embedding and output layer through
     the runner, an EAGLE head with a whole copy of the embedding on rank 0; a draft model sharded like
     the target (--draft-tensor-parallel-size 2), with chains and with trees, and drafting Ouroboros'
-    phrases; under a pool small enough to preempt, with repeated prompts hitting the prefix cache."""
+    phrases; Medusa heads whose output layers are split by vocabulary the same way; under a pool small
+    enough to preempt, with repeated prompts hitting the prefix cache."""
     from test_eagle import write_eagle
     from test_medusa import write_heads as medusa_heads
     from test_mtp import write_heads as mtp_heads
@@ -205,19 +219,32 @@ def test_an_engine_at_two_ranks_decodes_as_one_rank_does(family_dirs, tmp_path):
     methods = ("none", "ngram", "lookahead", "layer-skip", "draft", "medusa", "mtp", "eagle")
     cases = [{"speculative_method": m} for m in methods]
     cases += [sharded, {**sharded, "spec_tree_topk": 2}, {**sharded, "speculative_method": "ouroboros"}]
+    cases += [{"speculative_method": "medusa", "draft_tensor_parallel_size": 2}]
+    drafted = {}  # (method, draft ranks) -> (drafts, drafted tokens, accepted tokens)
     for kw in cases:
         method = kw["speculative_method"]
         kw = {"draft_model": str(drafts[method]), **kw} if method in drafts else kw
         eng = _engine(d, 2, num_kv_blocks=20, max_num_batched_tokens=48, **kw)
         try:
-            if "draft_tensor_parallel_size" in kw:  # the draft's own shard on each rank, driven like the target
-                assert eng.proposer.runner.model.tp.size == 2 and eng.proposer.runner.key == "draft"
+            if "draft_tensor_parallel_size" in kw:  # the drafter's own shard on each rank, driven like the target
+                model = eng.proposer.heads.module if method == "medusa" else eng.proposer.runner.model
+                assert model.tp.size == 2
             assert staggered(eng, ps, params) == want, kw
             assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks, kw
             if method != "none":
                 assert eng.spec_stats.num_drafts > 0, kw
+            st = eng.spec_stats
+            drafted[method, kw.get("draft_tensor_parallel_size", 1), kw.get("spec_tree_topk")] = (
+                st.num_drafts,
+                st.num_draft_tokens,
+                st.num_accepted_tokens,
+            )
         finally:
             eng.close()
+    # Exactness holds whatever a drafter proposes: that a sharded drafter proposes what the unsharded one
+    # does shows in the same drafts accepted the same way.
+    for method in ("draft", "medusa"):
+        assert drafted[method, 2, None] == drafted[method, 1, None], method
 
 
 def test_a_step_is_one_message_to_the_workers(family_dirs, tmp_path, monkeypatch):

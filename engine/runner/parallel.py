@@ -13,12 +13,13 @@ A worker (:func:`run_worker`) holds its shard, its own KV pool (its heads) and a
 same gathered logits; only rank 0's are read, so no rank samples on its own).
 
 A proposer with a model of its own (a draft model, heads) runs on rank 0 only, unsharded: its runner
-is not a :class:`ShardedRunner`; a draft model may instead be sharded like the target
-(``--draft-tensor-parallel-size``: :func:`open_sharded` gives the workers a second runner, which
-messages name by its key). Medusa heads read only the replicated final norm and hidden states;
-MTP heads reach the target's embedding and output layer through the runner (``embed``, ``logits``:
-mirrored). An EAGLE head, which embeds tokens inside its own forward, gets a whole copy of the
-target's embedding table on rank 0 (``engine.speculative.methods.eagle.whole_embedding``).
+is not a :class:`ShardedRunner`; a draft model or Medusa heads may instead be sharded like the
+target (``--draft-tensor-parallel-size``: :func:`open_sharded` gives the workers a second runner,
+:func:`open_sharded_module` a module, which the messages name by its key). Unsharded, Medusa heads
+read only the replicated final norm and hidden states; MTP heads reach the target's embedding and
+output layer through the runner (``embed``, ``logits``: mirrored). An EAGLE head, which embeds
+tokens inside its own forward, gets a whole copy of the target's embedding table on rank 0
+(``engine.speculative.methods.eagle.whole_embedding``).
 
 Failure: a worker that exits ends the engine's process (non-zero, naming the rank and its exit code),
 and so does any call that raises on rank 0 (a collective that took longer than ``tp_timeout_s``
@@ -260,14 +261,7 @@ class ShardedRunner(ModelRunner):
         super().__init__(*args, **kwargs)
 
     def _mirrored(self, name: str, *args, **kwargs):
-        with self.workers.lock:
-            try:
-                self.workers.send(self.key, name, *args, **kwargs)
-                return getattr(super(), name)(*args, **kwargs)
-            except Exception as e:
-                # A rank that raised left the others waiting in a collective (or the reverse): fatal.
-                self.workers.fail(f"tensor-parallel {name} failed on rank 0: {type(e).__name__}: {e}")
-                raise
+        return _mirror(self.workers, self.key, name, getattr(super(), name), *args, **kwargs)
 
     def allocate_kv(self, num_blocks: int) -> None:
         self._mirrored("allocate_kv", num_blocks)
@@ -300,6 +294,33 @@ class ShardedRunner(ModelRunner):
 
     def compile_view(self, scratch_tokens: int = 256) -> ModelRunner:
         raise RuntimeError("a tensor-parallel runner compiles before serving, not in the background")
+
+
+def _mirror(workers: Workers, key: str, name: str, run, *args, **kwargs):
+    """Send ``key``'s call ``name`` to the workers, then ``run`` it here."""
+    with workers.lock:
+        try:
+            workers.send(key, name, *args, **kwargs)
+            return run(*args, **kwargs)
+        except Exception as e:
+            # A rank that raised left the others waiting in a collective (or the reverse): fatal.
+            workers.fail(f"tensor-parallel {name} failed on rank 0: {type(e).__name__}: {e}")
+            raise
+
+
+class ShardedModule:
+    """Rank 0's handle on a module sharded over the ranks without a runner of its own (Medusa heads,
+    whose output layers are split by vocabulary): a call goes to the workers first, then runs here;
+    its attributes are the module's."""
+
+    def __init__(self, workers: Workers, key: str, module: torch.nn.Module) -> None:
+        self.workers, self.key, self.module = workers, key, module
+
+    def __call__(self, *args):
+        return _mirror(self.workers, self.key, "__call__", self.module, *args)
+
+    def __getattr__(self, name: str):
+        return getattr(self.module, name)
 
 
 def run_worker(config, rank: int, init_method: str, log_level: int) -> None:
@@ -341,6 +362,9 @@ def run_worker(config, rank: int, init_method: str, log_level: int) -> None:
                 break
             if name == "open":
                 runners[key] = _open_here(tp, device, *args)
+            elif name == "open_module":
+                factory, *rest = args
+                runners[key] = factory(tp, device, *rest)
             elif name != "noop":
                 getattr(runners[key], name)(*_to_device(args, device), **_to_device(kwargs, device))
     leave()
@@ -361,6 +385,17 @@ def open_sharded(
     with workers.lock:
         workers.send(key, "open", path, dtype, max_positions, pack, runner_kwargs)
     return runner
+
+
+def open_sharded_module(target: ShardedRunner, key: str, factory, *args) -> ShardedModule:
+    """A module sharded like ``target`` over its ranks, built on every rank by ``factory(tp, device,
+    *args)`` (a module-level function: the workers get it by reference), rank 0's first so that a size
+    it cannot use is rank 0's start-up error."""
+    workers = target.workers
+    module = factory(workers.tp, target.device, *args)
+    with workers.lock:
+        workers.send(key, "open_module", factory, *args)
+    return ShardedModule(workers, key, module)
 
 
 def _open_here(tp: TensorParallel, device, path, dtype, max_positions: int, pack: bool, runner_kwargs) -> ModelRunner:

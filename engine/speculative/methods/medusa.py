@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engine.parallel import SINGLE, TensorParallel
 from engine.request.sequence import Sequence
 from engine.runner.loader import check_state, read_state_file, resolve_model_path
 from engine.runner.model_runner import ModelRunner
@@ -50,19 +51,26 @@ class ResBlock(nn.Module):
 
 
 class MedusaHeads(nn.Module):
-    """``num_heads`` heads of ``num_layers`` residual blocks and an output layer each."""
+    """``num_heads`` heads of ``num_layers`` residual blocks and an output layer each. Sharded (``tp``
+    of size N, ``--draft-tensor-parallel-size N``), each rank holds the residual blocks whole and its
+    rows of every output layer (vocabulary ``rank * V / N`` onwards, as the target's LM head), and the
+    logits are gathered."""
 
-    def __init__(self, hidden: int, vocab: int, num_heads: int, num_layers: int = 1) -> None:
+    def __init__(self, hidden: int, vocab: int, num_heads: int, num_layers: int = 1, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.num_heads, self.num_layers = num_heads, num_layers
+        self.num_heads, self.num_layers, self.tp = num_heads, num_layers, tp
+        self.vocab_shard = tp.split(vocab, "vocabulary")
         self.heads = nn.ModuleList(
-            nn.Sequential(*[ResBlock(hidden) for _ in range(num_layers)], nn.Linear(hidden, vocab, bias=False))
+            nn.Sequential(
+                *[ResBlock(hidden) for _ in range(num_layers)], nn.Linear(hidden, self.vocab_shard, bias=False)
+            )
             for _ in range(num_heads)
         )
 
     def forward(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         """``[N, hidden]`` final hidden states → ``[N, heads, vocab]`` logits (float32) of the first heads."""
-        return torch.stack([h(hidden) for h in self.heads[: num_heads or self.num_heads]], 1).float()
+        logits = torch.stack([h(hidden) for h in self.heads[: num_heads or self.num_heads]], 1)
+        return self.tp.gather_vocab(logits).float()
 
     def config(self) -> dict:
         return {"medusa_num_heads": self.num_heads, "medusa_num_layers": self.num_layers}
@@ -83,19 +91,31 @@ def is_medusa_dir(path: Path) -> bool:
     return f.is_file() and "medusa_num_heads" in json.loads(f.read_text())
 
 
-def load_medusa(path: str | Path, hidden: int, vocab: int, dtype: torch.dtype, device: torch.device) -> MedusaHeads:
-    """Heads from a directory in Medusa's layout, checked against the target's hidden and vocabulary sizes."""
+def load_medusa(
+    path: str | Path, hidden: int, vocab: int, dtype: torch.dtype, device: torch.device, tp: TensorParallel = SINGLE
+) -> MedusaHeads:
+    """Heads from a directory in Medusa's layout, checked against the target's hidden and vocabulary
+    sizes; under ``tp``, this rank's rows of their output layers."""
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
     if "medusa_num_heads" not in cfg:
         raise ValueError(f"{path}/config.json has no medusa_num_heads: not a Medusa directory")
-    heads = MedusaHeads(hidden, vocab, int(cfg["medusa_num_heads"]), int(cfg.get("medusa_num_layers", 1)))
+    heads = MedusaHeads(hidden, vocab, int(cfg["medusa_num_heads"]), int(cfg.get("medusa_num_layers", 1)), tp)
     file, state = read_state_file(path, WEIGHT_FILES)
-    want = {name: tuple(t.shape) for name, t in heads.heads.state_dict().items()}
+    outputs = {f"{k}.{heads.num_layers}.weight" for k in range(heads.num_heads)}
+    want = {
+        name: (vocab, hidden) if name in outputs else tuple(t.shape) for name, t in heads.heads.state_dict().items()
+    }
     why = f"{heads.num_heads} heads of {heads.num_layers} layers, target hidden size {hidden}, vocabulary {vocab}"
     check_state(file, state, want, why)
-    heads.heads.load_state_dict(state)
+    rows = slice(tp.rank * heads.vocab_shard, (tp.rank + 1) * heads.vocab_shard)
+    heads.heads.load_state_dict({k: v[rows] if k in outputs else v for k, v in state.items()})
     return heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def medusa_shard(tp: TensorParallel, device: torch.device, path: Path, hidden: int, vocab: int, dtype) -> MedusaHeads:
+    """A rank's shard of the heads (``engine.runner.parallel.open_sharded_module``'s factory)."""
+    return load_medusa(path, hidden, vocab, dtype, device, tp)
 
 
 def best_first_tree(logp: list[list[float]], tokens: list[list[int]], depth: int, budget: int) -> DraftTree:
@@ -137,7 +157,13 @@ class MedusaProposer(Proposer):
             raise ValueError("speculative method 'medusa' needs --draft-model DIR (Medusa heads)")
         path = resolve_model_path(config.draft_model)
         cfg = target.hf_config
-        heads = load_medusa(path, cfg.hidden_size, target.vocab_size, target.dtype, target.device)
+        sizes = (path, cfg.hidden_size, target.vocab_size, target.dtype)
+        if config.draft_tensor_parallel_size > 1:  # their output layers split by vocabulary over the ranks
+            from engine.runner.parallel import open_sharded_module
+
+            heads = open_sharded_module(target, "medusa", medusa_shard, *sizes)
+        else:
+            heads = load_medusa(path, cfg.hidden_size, target.vocab_size, target.dtype, target.device)
         return cls(heads, target, config.spec_tree_topk, config.spec_tree_budget)
 
     @classmethod
