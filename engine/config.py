@@ -12,6 +12,8 @@ from engine.attention import BACKENDS as ATTENTION_BACKENDS
 from engine.platform import cpu_has_bf16_units
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The speculative methods whose drafter --draft-tensor-parallel-size can shard like the target.
+SHARDABLE_DRAFTERS = ("draft", "ouroboros", "medusa", "eagle")
 
 
 @dataclass
@@ -90,10 +92,10 @@ class EngineConfig:
     # tp_timeout_s seconds ends the server.
     tensor_parallel_size: int = 1
     tp_timeout_s: float = 600.0
-    # A draft model's (or Medusa heads') ranks under tensor parallelism: 1 (unsharded on rank 0, the
-    # default: its forwards cost no collective) or tensor_parallel_size (sharded like the target over the
-    # same ranks: each rank holds 1/N of it; Medusa's output layers by vocabulary). docs/parallel.md has
-    # the measurement behind the default.
+    # A draft model's (or Medusa heads', or an EAGLE head's) ranks under tensor parallelism: 1 (unsharded
+    # on rank 0, the default: its forwards cost no collective) or tensor_parallel_size (sharded like the
+    # target over the same ranks: each rank holds 1/N of it). docs/parallel.md has the measurement behind
+    # the default.
     draft_tensor_parallel_size: int = 1
     # Several hosts: the ranks are split evenly over nnodes hosts, host node_rank running ranks
     # node_rank * N / nnodes onwards (host 0 runs rank 0, the engine, and serves HTTP; the others run
@@ -151,9 +153,9 @@ class EngineConfig:
         if self.speculative_method in ("draft", "ouroboros"):
             check(bool(self.draft_model), f"speculative_method {self.speculative_method} needs --draft-model")
         check(
-            self.draft_tensor_parallel_size == 1 or self.speculative_method in (None, "draft", "ouroboros", "medusa"),
-            f"--draft-tensor-parallel-size shards a draft model (speculative_method draft or ouroboros) or Medusa "
-            f"heads, not {self.speculative_method}",
+            self.draft_tensor_parallel_size == 1 or self.speculative_method in (None, *SHARDABLE_DRAFTERS),
+            f"--draft-tensor-parallel-size shards a draft model (speculative_method draft or ouroboros), Medusa "
+            f"heads or an EAGLE head, not {self.speculative_method}",
         )
         check(0 <= self.num_speculative_tokens <= 32, "num_speculative_tokens must be in [0, 32]")
         if self.spec_tree_topk is None:

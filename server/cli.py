@@ -77,8 +77,8 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
         "-dtp",
         type=int,
         default=1,
-        help="a draft model's or Medusa heads' ranks under -tp: 1 (unsharded on rank 0, no collectives) "
-        "or N (sharded like the target)",
+        help="a draft model's, Medusa heads' or an EAGLE head's ranks under -tp: 1 (unsharded on rank 0, "
+        "no collectives) or N (sharded like the target)",
     )
     g.add_argument("--nnodes", type=int, default=1, help="hosts the tensor-parallel ranks span (an even share each)")
     g.add_argument(

@@ -25,7 +25,7 @@ from test_gemma2 import build_gemma2_dir
 from test_spec import exact_joint, g_statistic, g_test_threshold, noisy_copy, small_vocab_pair, staggered  # noqa: F401
 from test_step import prompts as repetitive_prompts
 
-from conftest import ARCHS, build_model_dir
+from conftest import ARCHS, VOCAB, build_model_dir
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.request.sampling_params import SamplingParams
@@ -62,20 +62,29 @@ def _chunks() -> list[list[ForwardChunk]]:
 
 def _logits(model_dir, tp=None, quantization=None) -> list[torch.Tensor]:
     from engine.parallel import SINGLE
+    from engine.speculative.methods.eagle import load_eagle
     from engine.speculative.methods.medusa import load_medusa
 
-    if isinstance(model_dir, tuple):  # (Medusa heads, their target): the heads' logits over fixed states
-        heads_dir, target_dir = model_dir
+    tp, cpu = tp or SINGLE, torch.device("cpu")
+    if isinstance(model_dir, tuple):  # (kind, a drafter's directory, its target's): the drafter's logits
+        kind, drafter_dir, target_dir = model_dir
         config = load_config(target_dir)
-        heads = load_medusa(
-            heads_dir, config.hidden_size, config.vocab_size, torch.float32, torch.device("cpu"), tp or SINGLE
-        )
-        return [heads(torch.randn(5, config.hidden_size, generator=torch.Generator().manual_seed(3)))]
+        seed = torch.Generator().manual_seed(3)
+        if kind == "medusa":  # over fixed states
+            heads = load_medusa(drafter_dir, config.hidden_size, config.vocab_size, torch.float32, cpu, tp)
+            return [heads(torch.randn(5, config.hidden_size, generator=seed))]
+        # An EAGLE head over the chunks with fixed features, embedding with the (sharded) target's table.
+        target = load_model(target_dir, config, torch.float32, cpu, 256, pack=False, tp=tp)
+        head, _ = load_eagle(drafter_dir, config, target.embed, torch.float32, cpu, 256, tp)
+        runner = ModelRunner(head, head.config, cpu, torch.float32, 16, num_blocks=8)
+        out = []
+        for chunks in _chunks():
+            feats = torch.randn(sum(len(c.token_ids) for c in chunks), config.hidden_size, generator=seed)
+            out.append(runner.execute(runner.prepare(chunks), hidden_in=feats).logits)
+        return out
     config = load_config(model_dir)
     cpu = torch.device("cpu")
-    model = load_model(
-        model_dir, config, torch.float32, cpu, 256, pack=False, quantization=quantization, tp=tp or SINGLE
-    )
+    model = load_model(model_dir, config, torch.float32, cpu, 256, pack=False, quantization=quantization, tp=tp)
     runner = ModelRunner(model, config, torch.device("cpu"), torch.float32, 16, num_blocks=8)
     return [runner.forward(chunks).logits for chunks in _chunks()]
 
@@ -126,14 +135,20 @@ def sharded_logits(dirs: list, size: int, weights: bool = False, quantization=No
 
 
 def test_sharded_logits_match_the_unsharded_model_for_every_family(family_dirs, tmp_path):
-    """Every family's logits, and Medusa heads' (--draft-tensor-parallel-size: output layers split by
-    vocabulary, residual blocks whole), at 2 ranks equal 1 rank's."""
+    """Every family's logits at 2 ranks equal 1 rank's; so do the drafters --draft-tensor-parallel-size
+    shards: Medusa heads (output layers split by vocabulary, residual blocks whole) and an EAGLE head
+    (its layer as the target's, its reduced draft vocabulary split, the target's sharded embedding)."""
+    from test_eagle import write_eagle
     from test_medusa import write_heads as medusa_heads
 
     llama = family_dirs["LlamaForCausalLM"]
-    dirs = [family_dirs[a] for a in FAMILIES] + [(medusa_heads(llama, tmp_path / "medusa"), llama)]
+    drafters = [
+        ("medusa", medusa_heads(llama, tmp_path / "medusa"), llama),
+        ("eagle", write_eagle(llama, tmp_path / "eagle", draft_vocab=VOCAB // 2), llama),
+    ]
+    dirs = [family_dirs[a] for a in FAMILIES] + drafters
     got = sharded_logits(dirs, 2)
-    for arch, d, sharded in zip([*FAMILIES, "Medusa heads"], dirs, got, strict=True):
+    for arch, d, sharded in zip([*FAMILIES, "Medusa heads", "EAGLE head"], dirs, got, strict=True):
         for want, have in zip(_logits(d), sharded):
             assert have.shape == want.shape, arch
             torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5, msg=arch)
@@ -199,8 +214,8 @@ def test_an_engine_at_two_ranks_decodes_as_one_rank_does(family_dirs, tmp_path):
     0 alone, Medusa heads on rank 0, MTP heads reaching the sharded embedding and output layer through
     the runner, an EAGLE head with a whole copy of the embedding on rank 0; a draft model sharded like
     the target (--draft-tensor-parallel-size 2), with chains and with trees, and drafting Ouroboros'
-    phrases; Medusa heads whose output layers are split by vocabulary the same way; under a pool small
-    enough to preempt, with repeated prompts hitting the prefix cache."""
+    phrases; Medusa heads and an EAGLE head sharded the same way; under a pool small enough to preempt,
+    with repeated prompts hitting the prefix cache."""
     from test_eagle import write_eagle
     from test_medusa import write_heads as medusa_heads
     from test_mtp import write_heads as mtp_heads
@@ -219,7 +234,7 @@ def test_an_engine_at_two_ranks_decodes_as_one_rank_does(family_dirs, tmp_path):
     methods = ("none", "ngram", "lookahead", "layer-skip", "draft", "medusa", "mtp", "eagle")
     cases = [{"speculative_method": m} for m in methods]
     cases += [sharded, {**sharded, "spec_tree_topk": 2}, {**sharded, "speculative_method": "ouroboros"}]
-    cases += [{"speculative_method": "medusa", "draft_tensor_parallel_size": 2}]
+    cases += [{"speculative_method": m, "draft_tensor_parallel_size": 2} for m in ("medusa", "eagle")]
     drafted = {}  # (method, draft ranks) -> (drafts, drafted tokens, accepted tokens)
     for kw in cases:
         method = kw["speculative_method"]
@@ -228,7 +243,7 @@ def test_an_engine_at_two_ranks_decodes_as_one_rank_does(family_dirs, tmp_path):
         try:
             if "draft_tensor_parallel_size" in kw:  # the drafter's own shard on each rank, driven like the target
                 model = eng.proposer.heads.module if method == "medusa" else eng.proposer.runner.model
-                assert model.tp.size == 2
+                assert model.tp.size == 2 and model.tp.rank == 0
             assert staggered(eng, ps, params) == want, kw
             assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks, kw
             if method != "none":
@@ -243,7 +258,7 @@ def test_an_engine_at_two_ranks_decodes_as_one_rank_does(family_dirs, tmp_path):
             eng.close()
     # Exactness holds whatever a drafter proposes: that a sharded drafter proposes what the unsharded one
     # does shows in the same drafts accepted the same way.
-    for method in ("draft", "medusa"):
+    for method in ("draft", "medusa", "eagle"):
         assert drafted[method, 2, None] == drafted[method, 1, None], method
 
 

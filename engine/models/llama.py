@@ -321,21 +321,26 @@ class LlamaForCausalLM(nn.Module):
         if self.tp.size == 1:
             return None
         name = name.removeprefix("model.")
-        attn, mlp, r = self.layers[0].self_attn, self.layers[0].mlp, self.tp.rank
-        weight = name.endswith(".weight")
         if name in ("embed_tokens.weight", "lm_head.weight"):
-            return 0, r * self.vocab_shard, self.vocab_shard
-        if ".q_proj." in name:
-            return 0, r * attn.q_size, attn.q_size
-        if ".k_proj." in name or ".v_proj." in name:
-            return 0, attn.first_kv_head * attn.head_dim, attn.kv_size
-        if ".gate_proj." in name or ".up_proj." in name:
-            return 0, r * mlp.intermediate_size, mlp.intermediate_size
-        if ".o_proj." in name:
-            return (1, r * attn.q_size, attn.q_size) if weight else None if r == 0 else "zeros"
-        if ".down_proj." in name:
-            return (1, r * mlp.intermediate_size, mlp.intermediate_size) if weight else None if r == 0 else "zeros"
-        return None
+            return 0, self.tp.rank * self.vocab_shard, self.vocab_shard
+        return layer_slice(name, self.layers[0].self_attn, self.layers[0].mlp, self.tp.rank)
+
+
+def layer_slice(name: str, attn: LlamaAttention, mlp: LlamaMLP, r: int) -> tuple[int, int, int] | str | None:
+    """What of a decoder layer's checkpoint tensor ``name`` rank ``r`` holds (see ``checkpoint_slice``),
+    given a layer of this rank's shapes (every layer of a model has the same)."""
+    weight = name.endswith(".weight")
+    if ".q_proj." in name:
+        return 0, r * attn.q_size, attn.q_size
+    if ".k_proj." in name or ".v_proj." in name:
+        return 0, attn.first_kv_head * attn.head_dim, attn.kv_size
+    if ".gate_proj." in name or ".up_proj." in name:
+        return 0, r * mlp.intermediate_size, mlp.intermediate_size
+    if ".o_proj." in name:
+        return (1, r * attn.q_size, attn.q_size) if weight else None if r == 0 else "zeros"
+    if ".down_proj." in name:
+        return (1, r * mlp.intermediate_size, mlp.intermediate_size) if weight else None if r == 0 else "zeros"
+    return None
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -107,6 +107,17 @@ def iter_safetensors(path: Path, select: Callable[[str], object] | None = None) 
                     yield key, sliced[start : start + length] if dim == 0 else sliced[:, start : start + length]
 
 
+def take_slice(tensor: torch.Tensor, part) -> torch.Tensor:
+    """A tensor already in memory cut as ``iter_safetensors`` cuts one read from a file (``part``: a
+    rank's ``checkpoint_slice``)."""
+    if part is None:
+        return tensor
+    if part == "zeros":
+        return torch.zeros_like(tensor)
+    dim, start, length = part
+    return tensor.narrow(dim, start, length)
+
+
 def read_tensor(path: Path, name: str) -> torch.Tensor:
     """One tensor of the checkpoint, whole (a tensor-parallel rank 0's copy of a sharded table)."""
     index = path / "model.safetensors.index.json"

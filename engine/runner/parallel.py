@@ -13,9 +13,9 @@ A worker (:func:`run_worker`) holds its shard, its own KV pool (its heads) and a
 same gathered logits; only rank 0's are read, so no rank samples on its own).
 
 A proposer with a model of its own (a draft model, heads) runs on rank 0 only, unsharded: its runner
-is not a :class:`ShardedRunner`; a draft model or Medusa heads may instead be sharded like the
-target (``--draft-tensor-parallel-size``: :func:`open_sharded` gives the workers a second runner,
-:func:`open_sharded_module` a module, which the messages name by its key). Unsharded, Medusa heads
+is not a :class:`ShardedRunner`; a draft model, Medusa heads or an EAGLE head may instead be sharded
+like the target (``--draft-tensor-parallel-size``: :func:`open_sharded` gives the workers a second
+runner, :func:`open_sharded_module` a module, which the messages name by its key). Unsharded, Medusa heads
 read only the replicated final norm and hidden states; MTP heads reach the target's embedding and
 output layer through the runner (``embed``, ``logits``: mirrored). An EAGLE head, which embeds
 tokens inside its own forward, gets a whole copy of the target's embedding table on rank 0
@@ -360,52 +360,42 @@ def run_worker(config, rank: int, init_method: str, log_level: int) -> None:
             if name == "shutdown":
                 running = False
                 break
-            if name == "open":
-                runners[key] = _open_here(tp, device, *args)
-            elif name == "open_module":
-                factory, *rest = args
-                runners[key] = factory(tp, device, *rest)
+            if name == "open":  # a model sharded like the target (see open_sharded)
+                factory, fargs, runner_kwargs = args
+                model, hf_config, dtype = factory(tp, device, runners["target"].model, *fargs)
+                runners[key] = ModelRunner(model, hf_config, device, dtype, **runner_kwargs)
+                logger.info("rank %d of %d: %s shard loaded on %s", rank, tp.size, key, device)
+            elif name == "open_module":  # (see open_sharded_module)
+                factory, *fargs = args
+                runners[key] = factory(tp, device, runners["target"].model, *fargs)
             elif name != "noop":
                 getattr(runners[key], name)(*_to_device(args, device), **_to_device(kwargs, device))
     leave()
 
 
-def open_sharded(
-    target: ShardedRunner, key: str, path, hf_config, dtype, max_positions: int, pack: bool, **runner_kwargs
-):
-    """Another model sharded like ``target`` over its ranks (a draft model at
-    ``--draft-tensor-parallel-size N``): rank 0 loads its shard, then tells the workers to load theirs
-    (``key`` names its runner in their messages from then on), and returns rank 0's runner of it.
-    Rank 0 loads first so that a size the model cannot use is its start-up error, not a worker's."""
-    from engine.runner.loader import load_model
-
+def open_sharded(target: ShardedRunner, key: str, factory, args: tuple, **runner_kwargs) -> ShardedRunner:
+    """Another model sharded like ``target`` over its ranks (a draft model or an EAGLE head at
+    ``--draft-tensor-parallel-size N``), run by a runner of its own on every rank: ``factory(tp, device,
+    target_model, *args)`` returns a rank's ``(model, hf_config, dtype)`` (a module-level function: the
+    workers get it by reference, and build their runner of it with ``runner_kwargs``). Rank 0 builds
+    its shard first, so that a size the model cannot use is its start-up error, not a worker's; from
+    then on ``key`` names the runner in the messages."""
     workers, device = target.workers, target.device
-    model = load_model(path, hf_config, dtype, device, max_positions, pack=pack, tp=workers.tp)
+    model, hf_config, dtype = factory(workers.tp, device, target.model, *args)
     runner = ShardedRunner(workers, model, hf_config, device, dtype, key=key, **runner_kwargs)
     with workers.lock:
-        workers.send(key, "open", path, dtype, max_positions, pack, runner_kwargs)
+        workers.send(key, "open", factory, args, runner_kwargs)
     return runner
 
 
 def open_sharded_module(target: ShardedRunner, key: str, factory, *args) -> ShardedModule:
-    """A module sharded like ``target`` over its ranks, built on every rank by ``factory(tp, device,
-    *args)`` (a module-level function: the workers get it by reference), rank 0's first so that a size
-    it cannot use is rank 0's start-up error."""
+    """A module sharded like ``target`` over its ranks without a runner (Medusa heads): ``factory(tp,
+    device, target_model, *args)`` builds it on every rank, rank 0 first (as :func:`open_sharded`)."""
     workers = target.workers
-    module = factory(workers.tp, target.device, *args)
+    module = factory(workers.tp, target.device, target.model, *args)
     with workers.lock:
         workers.send(key, "open_module", factory, *args)
     return ShardedModule(workers, key, module)
-
-
-def _open_here(tp: TensorParallel, device, path, dtype, max_positions: int, pack: bool, runner_kwargs) -> ModelRunner:
-    """A worker's side of :func:`open_sharded`: its shard of the model at ``path`` and a runner of it."""
-    from engine.runner.loader import load_config, load_model
-
-    hf_config = load_config(path)
-    model = load_model(path, hf_config, dtype, device, max_positions, pack=pack, tp=tp)
-    logger.info("rank %d of %d: shard of %s loaded on %s", tp.rank, tp.size, path, device)
-    return ModelRunner(model, hf_config, device, dtype, **runner_kwargs)
 
 
 def _exit_with(sentinel) -> None:

@@ -262,10 +262,16 @@ def load_draft_runner(config, target: ModelRunner, tokenizer, method: str) -> Mo
         from engine.runner.parallel import open_sharded
 
         return open_sharded(
-            target, "draft", path, draft_config, dtype, max_positions, not target.compiled, **runner_kwargs
+            target, "draft", draft_shard, (path, dtype, max_positions, not target.compiled), **runner_kwargs
         )
     model = load_model(path, draft_config, dtype, target.device, max_positions, pack=not target.compiled)
     return ModelRunner(model, draft_config, target.device, dtype, **runner_kwargs)
+
+
+def draft_shard(tp, device, target_model, path, dtype, max_positions: int, pack: bool):
+    """A rank's shard of the draft model (``engine.runner.parallel.open_sharded``'s factory)."""
+    draft_config = load_config(path)
+    return load_model(path, draft_config, dtype, device, max_positions, pack=pack, tp=tp), draft_config, dtype
 
 
 def draft_dtype(target: ModelRunner, draft_config, max_positions: int) -> torch.dtype:

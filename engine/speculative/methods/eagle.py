@@ -42,9 +42,10 @@ import torch
 from torch import nn
 from transformers import LlamaConfig
 
-from engine.models.llama import LlamaAttention, LlamaMLP, RMSNorm, rope_cos_sin
+from engine.models.llama import LlamaAttention, LlamaMLP, RMSNorm, layer_slice, rope_cos_sin
+from engine.parallel import SINGLE, TensorParallel
 from engine.request.sequence import Sequence
-from engine.runner.loader import check_state, read_state_file, read_tensor, resolve_model_path
+from engine.runner.loader import check_state, read_state_file, read_tensor, resolve_model_path, take_slice
 from engine.runner.model_runner import ForwardBatch, ForwardChunk, ModelRunner
 from engine.sampling.tree import DraftTree
 from engine.speculative.early_stop import early_stop_for
@@ -58,14 +59,14 @@ MAX_PENDING_ROWS = 1024  # target feature rows kept per sequence until its head 
 class EagleLayer(nn.Module):
     """The head's decoder layer: attention over ``[norm(embedding); norm(feature)]``, residual on the feature."""
 
-    def __init__(self, config, norm_before_residual: bool) -> None:
+    def __init__(self, config, norm_before_residual: bool, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         h = config.hidden_size
         bias = bool(getattr(config, "attention_bias", False))
-        self.self_attn = LlamaAttention(config, 0, bias, bias, qk_norm=False)
+        self.self_attn = LlamaAttention(config, 0, bias, bias, qk_norm=False, tp=tp)
         attn = self.self_attn
         attn.qkv_proj = nn.Linear(2 * h, attn.q_size + 2 * attn.kv_size, bias=bias)
-        self.mlp = LlamaMLP(config, bias=bool(getattr(config, "mlp_bias", False)))
+        self.mlp = LlamaMLP(config, bias=bool(getattr(config, "mlp_bias", False)), tp=tp)
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
         self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
@@ -83,7 +84,11 @@ class EagleLayer(nn.Module):
 
 
 class EagleHead(nn.Module):
-    """The EAGLE head as a model the runner can drive (one layer, its own KV pool)."""
+    """The EAGLE head as a model the runner can drive (one layer, its own KV pool). Sharded (``tp`` of
+    size N, ``--draft-tensor-parallel-size N``) as the target's layers are: its layer by heads and by
+    the MLP's inner dimension, its output layer by draft vocabulary (the logits gathered); ``fc`` and
+    the norms whole; it embeds with the target's own sharded embedding (``embed``: the target model's
+    ``embed``)."""
 
     num_layers = 1
     sliding_window = None
@@ -94,19 +99,21 @@ class EagleHead(nn.Module):
         num_features: int,
         target_hidden: int,
         draft_vocab: int,
-        embed: nn.Embedding,  # the target's (unless the checkpoint brings its own)
+        embed,  # the target's embedding (unless the checkpoint brings its own): a table, or a sharded model's embed
         max_positions: int,
         norm_before_residual: bool = False,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         h = config.hidden_size
-        self.config = config
+        self.config, self.tp = config, tp
         self.vocab_size, self.draft_vocab = config.vocab_size, draft_vocab
         self.embed_tokens = embed
         self.fc = nn.Linear(num_features * target_hidden, h, bias=False)
-        self.layers = nn.ModuleList([EagleLayer(config, norm_before_residual)])
+        self.layers = nn.ModuleList([EagleLayer(config, norm_before_residual, tp)])
         self.norm = RMSNorm(h, config.rms_norm_eps)
-        self.lm_head = nn.Linear(h, draft_vocab, bias=False)
+        self.draft_vocab_shard = tp.split(draft_vocab, "draft vocabulary")
+        self.lm_head = nn.Linear(h, self.draft_vocab_shard, bias=False)
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
@@ -138,7 +145,7 @@ class EagleHead(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` → ``[N, target vocab]`` float32 (ids outside the draft vocabulary: -inf)."""
-        logits = self.lm_head(hidden).float()
+        logits = self.tp.gather_vocab(self.lm_head(hidden)).float()
         if self.draft_vocab == self.vocab_size:
             return logits  # d2t is all zeros: the draft ids are the target's
         wide = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
@@ -147,16 +154,18 @@ class EagleHead(nn.Module):
 
     # -- the published layout -----------------------------------------------------------------------
     def checkpoint_shapes(self, with_embed: bool = False) -> dict[str, tuple[int, ...]]:
-        """EAGLE-3's tensor names and the shapes this head needs."""
-        layer = self.layers[0]
-        attn, h = layer.self_attn, self.config.hidden_size
-        inter = self.config.intermediate_size
+        """EAGLE-3's tensor names and the shapes this head needs (whole, as the checkpoint has them)."""
+        cfg, h = self.config, self.config.hidden_size
+        head_dim = self.layers[0].self_attn.head_dim
+        q_size = cfg.num_attention_heads * head_dim
+        kv_size = (cfg.num_key_value_heads or cfg.num_attention_heads) * head_dim
+        inter = cfg.intermediate_size
         shapes = {
             "fc.weight": tuple(self.fc.weight.shape),
-            "midlayer.self_attn.q_proj.weight": (attn.q_size, 2 * h),
-            "midlayer.self_attn.k_proj.weight": (attn.kv_size, 2 * h),
-            "midlayer.self_attn.v_proj.weight": (attn.kv_size, 2 * h),
-            "midlayer.self_attn.o_proj.weight": (h, attn.q_size),
+            "midlayer.self_attn.q_proj.weight": (q_size, 2 * h),
+            "midlayer.self_attn.k_proj.weight": (kv_size, 2 * h),
+            "midlayer.self_attn.v_proj.weight": (kv_size, 2 * h),
+            "midlayer.self_attn.o_proj.weight": (h, q_size),
             "midlayer.mlp.gate_proj.weight": (inter, h),
             "midlayer.mlp.up_proj.weight": (inter, h),
             "midlayer.mlp.down_proj.weight": (h, inter),
@@ -169,8 +178,18 @@ class EagleHead(nn.Module):
             "t2d": (self.vocab_size,),
         }
         if with_embed:
-            shapes["embed_tokens.weight"] = tuple(self.embed_tokens.weight.shape)
+            shapes["embed_tokens.weight"] = (self.vocab_size, h)
         return shapes
+
+    def checkpoint_slice(self, name: str) -> tuple[int, int, int] | str | None:
+        """What of checkpoint tensor ``name`` this rank holds (as ``LlamaForCausalLM.checkpoint_slice``)."""
+        if self.tp.size == 1:
+            return None
+        if name == "lm_head.weight":
+            return 0, self.tp.rank * self.draft_vocab_shard, self.draft_vocab_shard
+        if not name.startswith("midlayer."):
+            return None  # fc, the norms, d2t and t2d, a checkpoint's own embedding: whole on every rank
+        return layer_slice(name, self.layers[0].self_attn, self.layers[0].mlp, self.tp.rank)
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
         """The head's tensors under EAGLE-3's names (q/k/v and gate/up unfused)."""
@@ -309,8 +328,9 @@ def _read_weights(path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     return file, state
 
 
-def load_eagle(path: str | Path, target_config, embed: nn.Embedding, dtype, device, max_positions: int):
-    """The head and its feature layers (Hugging Face indices) from a directory in either published layout."""
+def load_eagle(path: str | Path, target_config, embed, dtype, device, max_positions: int, tp: TensorParallel = SINGLE):
+    """The head and its feature layers (Hugging Face indices) from a directory in either published
+    layout; under ``tp``, this rank's shard of it (``embed``: the sharded target's ``embed``)."""
     path = Path(path)
     info = read_eagle_config(path, target_config)
     file, state = _read_weights(path)
@@ -327,6 +347,7 @@ def load_eagle(path: str | Path, target_config, embed: nn.Embedding, dtype, devi
         embed,
         max_positions,
         info["norm_before_residual"],
+        tp,
     ).to(device=device)
     if info["draft_vocab"] == target_config.vocab_size:  # a full vocabulary needs no mapping
         state.setdefault("d2t", torch.zeros(info["draft_vocab"], dtype=torch.long))
@@ -344,8 +365,14 @@ def load_eagle(path: str | Path, target_config, embed: nn.Embedding, dtype, devi
     ids = torch.arange(len(d2t)) + d2t
     if len(d2t) and (int(ids.min()) < 0 or int(ids.max()) >= target_config.vocab_size):
         raise ValueError(f"{file}: d2t maps draft ids outside the target's vocabulary ({target_config.vocab_size})")
-    head.load_checkpoint_state(state)
+    head.load_checkpoint_state({name: take_slice(t, head.checkpoint_slice(name)) for name, t in state.items()})
     return head.to(dtype=dtype).eval().requires_grad_(False), info["aux_layer_ids"]
+
+
+def eagle_shard(tp: TensorParallel, device, target_model, path: Path, target_config, dtype, max_positions: int):
+    """A rank's shard of the head (``engine.runner.parallel.open_sharded``'s factory)."""
+    head, _ = load_eagle(path, target_config, target_model.embed, dtype, device, max_positions, tp)
+    return head, head.config, dtype
 
 
 def whole_embedding(model_path: Path, shard: nn.Embedding, vocab_size: int) -> nn.Embedding:
@@ -381,15 +408,23 @@ class EagleProposer(DraftModelProposer):
             raise ValueError("speculative method 'eagle' needs --draft-model DIR (an EAGLE-3 head)")
         path = resolve_model_path(config.draft_model)
         max_positions = target.model.rope_cos.shape[0]
-        embed = target.model.embed_tokens
-        if target.model.tp.size > 1:  # sharded: the head gets a whole table of its own on rank 0
-            embed = whole_embedding(resolve_model_path(config.model), embed, target.vocab_size)
-        head, ids = load_eagle(path, target.hf_config, embed, target.dtype, target.device, max_positions)
-        runner = ModelRunner(
-            head, head.config, target.device, target.dtype, config.block_size, compile=target.compiled,
-            attention_backend=target.attention_backend, freeze=False,  # its levels run a row or two each
+        runner_kwargs = dict(
+            block_size=config.block_size, compile=target.compiled, attention_backend=target.attention_backend,
+            freeze=False,  # its levels run a row or two each
             cuda_graph_max_seqs=target.cuda_graph_max_seqs,
         )  # fmt: skip
+        if config.draft_tensor_parallel_size > 1:  # sharded like the target, over its ranks
+            from engine.runner.parallel import open_sharded
+
+            args = (path, target.hf_config, target.dtype, max_positions)
+            runner = open_sharded(target, "eagle", eagle_shard, args, **runner_kwargs)
+            ids = read_eagle_config(path, target.hf_config)["aux_layer_ids"]
+        else:
+            embed = target.model.embed_tokens
+            if target.model.tp.size > 1:  # a sharded target: the head gets a whole table of its own on rank 0
+                embed = whole_embedding(resolve_model_path(config.model), embed, target.vocab_size)
+            head, ids = load_eagle(path, target.hf_config, embed, target.dtype, target.device, max_positions)
+            runner = ModelRunner(head, head.config, target.device, target.dtype, **runner_kwargs)
         aux = tuple(j - 1 for j in ids)  # hidden_states[j] is decoder layer j - 1's output
         stop = early_stop_for(config, default=None)
         tree, topk, budget = config.spec_tree_topk > 1, config.spec_tree_topk, config.spec_tree_budget

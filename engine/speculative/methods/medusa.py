@@ -113,7 +113,7 @@ def load_medusa(
     return heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
-def medusa_shard(tp: TensorParallel, device: torch.device, path: Path, hidden: int, vocab: int, dtype) -> MedusaHeads:
+def medusa_shard(tp: TensorParallel, device, target_model, path: Path, hidden: int, vocab: int, dtype) -> MedusaHeads:
     """A rank's shard of the heads (``engine.runner.parallel.open_sharded_module``'s factory)."""
     return load_medusa(path, hidden, vocab, dtype, device, tp)
 
