@@ -450,6 +450,21 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
+def _workers(pid: int) -> list[int]:
+    """The tensor-parallel workers under ``pid``: the processes forked by multiprocessing's fork server
+    (which has a command line of its own, and they a copy of it)."""
+
+    def forked(p: int) -> bool:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            return False
+        return b"forkserver" in _cmdline(p) and b"forkserver" in _cmdline(parent)
+
+    return [p for p in _descendants(pid) if forked(p)]
+
+
 def _health(port: int) -> int:
     try:
         return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code
@@ -464,10 +479,7 @@ def test_a_killed_worker_ends_the_server_naming_its_rank(family_dirs, tmp_path, 
     try:
         wait_until(lambda: _health(port) == 200 or proc.poll() is not None, "the server to answer", 180)
         assert proc.poll() is None, log.read_text()[-2000:]
-        # The worker: the spawned process with no spawned process below it (rank 0 is the API process,
-        # or the engine process under it).
-        spawned = [p for p in _descendants(proc.pid) if b"spawn_main" in _cmdline(p)]
-        (worker,) = [p for p in spawned if not any(b"spawn_main" in _cmdline(c) for c in _descendants(p))]
+        (worker,) = _workers(proc.pid)  # (rank 0 is the API process, or the engine process under it)
         os.kill(worker, signal.SIGKILL)
         code = proc.wait(timeout=30)
     finally:
@@ -478,13 +490,15 @@ def test_a_killed_worker_ends_the_server_naming_its_rank(family_dirs, tmp_path, 
 
 
 def test_ranks_that_do_not_join_in_time_are_a_clear_start_up_error(family_dirs, tmp_path):
+    """Host 0 of two whose host 1 never starts: a start-up error after --tp-timeout, not a wait."""
     log = tmp_path / "log"
-    proc, _ = _augur_serve(family_dirs["LlamaForCausalLM"], log, "--tp-timeout", "0.2", front="off")
+    hosts = ["--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    proc, _ = _augur_serve(family_dirs["LlamaForCausalLM"], log, *hosts, "--tp-timeout", "1", front="off")
     try:
         assert proc.wait(timeout=120) != 0
     finally:
         proc.kill()  # (nothing to do once it has exited)
-    assert "did not all join within 0.2 s" in log.read_text()
+    assert "did not all join within 1 s" in log.read_text()
 
 
 def test_a_collective_that_times_out_ends_the_server(family_dirs, tmp_path):
@@ -496,7 +510,7 @@ def test_a_collective_that_times_out_ends_the_server(family_dirs, tmp_path):
     try:
         wait_until(lambda: _health(port) == 200 or proc.poll() is not None, "the server to answer", 180)
         assert proc.poll() is None, log.read_text()[-2000:]
-        (worker,) = [p for p in _descendants(proc.pid) if b"spawn_main" in _cmdline(p)]
+        (worker,) = _workers(proc.pid)
         model = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
         os.kill(worker, signal.SIGSTOP)
         body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 8}

@@ -175,10 +175,15 @@ class Workers:
 
 
 def _spawn(config, ranks, init: str) -> dict:
-    spawn = multiprocessing.get_context("spawn")
+    """Start ``ranks`` as worker processes. They fork from multiprocessing's fork server, a fresh
+    interpreter that imports torch and the model code once (it never touches a GPU, so forking it is
+    safe) and then lives as long as this process: a worker starts in ~1 s instead of spawn's ~2.5 s
+    of imports, and exits without an interpreter's teardown."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["engine.runner.parallel", "engine.runner.loader"])
     processes = {}
     for rank in ranks:
-        p = spawn.Process(
+        p = ctx.Process(
             target=run_worker, name=f"augur-tp-rank{rank}", args=(config, rank, init, logging.getLogger().level)
         )
         p.start()
