@@ -527,13 +527,19 @@ def test_a_collective_that_times_out_ends_the_server(family_dirs, tmp_path):
 
 
 # -- several hosts: here two `augur serve` processes on one machine, meeting at a master port ---------------
-def test_two_hosts_serve_as_one_and_a_lost_host_ends_the_server(family_dirs, tmp_path):
+@pytest.fixture(scope="module")
+def one_rank_answers(family_dirs) -> list:
+    """What the Llama answers served at one rank (``_served_answers``)."""
+    with serve(
+        create_app(ServerSettings(served_model_name="tiny"), engine_factory(family_dirs["LlamaForCausalLM"]))
+    ) as srv:
+        return _served_answers(srv)
+
+
+def test_two_hosts_serve_as_one_and_a_lost_host_ends_the_server(family_dirs, tmp_path, one_rank_answers):
     """Host 0 (``--node-rank 0``) serves HTTP with rank 0; host 1 runs rank 1 headless. The answers
     equal one rank's; killing host 1 ends host 0 (its next message or collective fails), non-zero."""
-    d = family_dirs["LlamaForCausalLM"]
-    settings = ServerSettings(served_model_name="tiny")
-    with serve(create_app(settings, engine_factory(d))) as srv:
-        want = _served_answers(srv)
+    d, want = family_dirs["LlamaForCausalLM"], one_rank_answers
     master = str(free_port())
     hosts = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", master, "--tp-timeout", "8"]
     head, port = _augur_serve(d, tmp_path / "head", *hosts, "--node-rank", "0", "--served-model-name", "tiny")
@@ -551,3 +557,39 @@ def test_two_hosts_serve_as_one_and_a_lost_host_ends_the_server(family_dirs, tmp
                 p.kill()
     assert code != 0
     assert "tensor-parallel" in (tmp_path / "head").read_text()
+
+
+def test_torchrun_starts_the_ranks_and_rank_0_serves(family_dirs, tmp_path, one_rank_answers):
+    """torchrun's elastic agent starts one process a rank: each reads RANK, WORLD_SIZE and MASTER_* and
+    the ranks meet in torchrun's store; rank 0 serves, rank 1 runs headless, and the answers equal one
+    rank's. A rank killed makes torchrun end the group, non-zero."""
+    port, log = free_port(), tmp_path / "log"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+        "--master-port", str(free_port()), "-m", "server.cli", "serve", "--model", str(family_dirs["LlamaForCausalLM"]),
+        "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "64", "--block-size", "4", "--port", str(port),
+        "--served-model-name", "tiny", "--tp-timeout", "8",
+    ]  # fmt: skip
+    env = {**os.environ, "AUGUR_COMPILE": "off"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    try:
+        wait_until(lambda: _health(port) == 200 or proc.poll() is not None, "rank 0 to answer", 180)
+        assert proc.poll() is None, log.read_text()[-2000:]
+        assert _served_answers(type("Srv", (), {"base": f"http://127.0.0.1:{port}"})) == one_rank_answers
+        assert httpx.get(f"http://127.0.0.1:{port}/version").json()["tensor_parallel_size"] == 2
+        (rank1,) = [p for p in _descendants(proc.pid) if b"\0RANK=1\0" in _environ(p) and b"server.cli" in _cmdline(p)]
+        os.kill(rank1, signal.SIGKILL)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code != 0
+    assert "ranks 1..1 of 2, joining" in log.read_text()
+
+
+def _environ(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return b"\0" + f.read()
+    except OSError:
+        return b""
