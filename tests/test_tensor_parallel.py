@@ -10,12 +10,10 @@ of every family.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import subprocess
 import sys
-import traceback
 
 import httpx
 import openai
@@ -24,13 +22,13 @@ import torch
 from test_gemma2 import build_gemma2_dir
 from test_spec import exact_joint, g_statistic, g_test_threshold, noisy_copy, small_vocab_pair, staggered  # noqa: F401
 from test_step import prompts as repetitive_prompts
+from tp_ranks import model_logits, sharded_logits, weight_bytes
 
 from conftest import ARCHS, VOCAB, build_model_dir
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.request.sampling_params import SamplingParams
 from engine.runner.loader import load_config, load_model
-from engine.runner.model_runner import ForwardChunk, ModelRunner
 from engine.runner.parallel import free_port
 from engine.sampling import verify as verify_mod
 from server.app import ServerSettings, create_app
@@ -51,89 +49,6 @@ def family_dirs(tmp_path_factory, tokenizer_dir):
     return dirs
 
 
-def _chunks() -> list[list[ForwardChunk]]:
-    """Two forwards: a prefill of two sequences, then a decode of both and a 3-token chunk."""
-    a, b = list(range(3, 40)), [7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27]
-    return [
-        [ForwardChunk(a, 0, [0, 1, 2], len(a)), ForwardChunk(b, 0, [3], len(b))],
-        [ForwardChunk([41], len(a), [0, 1, 2], 1), ForwardChunk([29, 31, 33], len(b), [3, 4], 3)],
-    ]
-
-
-def _logits(model_dir, tp=None, quantization=None) -> list[torch.Tensor]:
-    from engine.parallel import SINGLE
-    from engine.speculative.methods.eagle import load_eagle
-    from engine.speculative.methods.medusa import load_medusa
-
-    tp, cpu = tp or SINGLE, torch.device("cpu")
-    if isinstance(model_dir, tuple):  # (kind, a drafter's directory, its target's): the drafter's logits
-        kind, drafter_dir, target_dir = model_dir
-        config = load_config(target_dir)
-        seed = torch.Generator().manual_seed(3)
-        if kind == "medusa":  # over fixed states
-            heads = load_medusa(drafter_dir, config.hidden_size, config.vocab_size, torch.float32, cpu, tp)
-            return [heads(torch.randn(5, config.hidden_size, generator=seed))]
-        # An EAGLE head over the chunks with fixed features, embedding with the (sharded) target's table.
-        target = load_model(target_dir, config, torch.float32, cpu, 256, pack=False, tp=tp)
-        head, _ = load_eagle(drafter_dir, config, target.embed, torch.float32, cpu, 256, tp)
-        runner = ModelRunner(head, head.config, cpu, torch.float32, 16, num_blocks=8)
-        out = []
-        for chunks in _chunks():
-            feats = torch.randn(sum(len(c.token_ids) for c in chunks), config.hidden_size, generator=seed)
-            out.append(runner.execute(runner.prepare(chunks), hidden_in=feats).logits)
-        return out
-    config = load_config(model_dir)
-    cpu = torch.device("cpu")
-    model = load_model(model_dir, config, torch.float32, cpu, 256, pack=False, quantization=quantization, tp=tp)
-    runner = ModelRunner(model, config, torch.device("cpu"), torch.float32, 16, num_blocks=8)
-    return [runner.forward(chunks).logits for chunks in _chunks()]
-
-
-def _weight_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def _rank_main(rank: int, size: int, init: str, dirs: list, results, weights: bool = False, quant=None) -> None:
-    try:
-        from engine.parallel import join
-
-        torch.set_num_threads(1)
-        tp = join(rank, size, init, torch.device("cpu"), 120.0)
-        if weights:  # this rank's parameter bytes, loaded as the engine loads them
-            out = [
-                _weight_bytes(load_model(d, load_config(d), torch.float32, torch.device("cpu"), 64, tp=tp))
-                for d in dirs
-            ]
-        else:  # (arrays, by value: a tensor would pass a file descriptor the process takes with it)
-            out = [[t.numpy() for t in _logits(d, tp, quant)] for d in dirs]
-        if rank == 0:
-            results.put(("ok", out))
-        torch.distributed.destroy_process_group()
-    except BaseException:
-        results.put(("error", f"rank {rank}: {traceback.format_exc()}"))
-
-
-def sharded_logits(dirs: list, size: int, weights: bool = False, quantization=None) -> list:
-    """Rank 0's logits (or with ``weights`` its parameter bytes), every rank a process of its own
-    joined over gloo."""
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    init = f"tcp://127.0.0.1:{free_port()}"
-    args = (size, init, dirs, results, weights, quantization)
-    procs = [ctx.Process(target=_rank_main, args=(r, *args)) for r in range(size)]
-    for p in procs:
-        p.start()
-    try:
-        kind, payload = results.get(timeout=300)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.terminate()
-    assert kind == "ok", payload
-    return payload if weights else [[torch.from_numpy(a) for a in per_model] for per_model in payload]
-
-
 def test_sharded_logits_match_the_unsharded_model_for_every_family(family_dirs, tmp_path):
     """Every family's logits at 2 ranks equal 1 rank's; so do the drafters --draft-tensor-parallel-size
     shards: Medusa heads (output layers split by vocabulary, residual blocks whole) and an EAGLE head
@@ -149,7 +64,7 @@ def test_sharded_logits_match_the_unsharded_model_for_every_family(family_dirs, 
     dirs = [family_dirs[a] for a in FAMILIES] + drafters
     got = sharded_logits(dirs, 2)
     for arch, d, sharded in zip([*FAMILIES, "Medusa heads", "EAGLE head"], dirs, got, strict=True):
-        for want, have in zip(_logits(d), sharded):
+        for want, have in zip(model_logits(d), sharded):
             assert have.shape == want.shape, arch
             torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5, msg=arch)
 
@@ -159,7 +74,7 @@ def test_a_rank_holds_about_half_the_weights(family_dirs):
     replicated, and so nothing else at this shape)."""
     d = family_dirs["LlamaForCausalLM"]
     (sharded,) = sharded_logits([d], 2, weights=True)
-    whole = _weight_bytes(load_model(d, load_config(d), torch.float32, torch.device("cpu"), 64, pack=False))
+    whole = weight_bytes(load_model(d, load_config(d), torch.float32, torch.device("cpu"), 64, pack=False))
     assert 0.45 * whole <= sharded <= 0.55 * whole
 
 
@@ -174,7 +89,7 @@ def test_quantized_weights_shard_as_their_blocks_allow(tmp_path, tokenizer_dir, 
     shape = dict(hidden_size=256, intermediate_size=512)
     d = build_model_dir(tmp_path / "wide", tokenizer_dir, "LlamaForCausalLM", **shape)
     (sharded,) = sharded_logits([d], 2, quantization=quantization)
-    one, full = _logits(d, quantization=quantization), _logits(d)
+    one, full = model_logits(d, quantization=quantization), model_logits(d)
     for want, have, exact in zip(one, sharded, full):
         if quantization == "nf4":
             torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
@@ -187,7 +102,7 @@ def test_four_ranks_replicate_key_value_heads(family_dirs):
     """4 ranks over a model with 2 KV heads: each KV head is held by two ranks."""
     d = family_dirs["LlamaForCausalLM"]
     (sharded,) = sharded_logits([d], 4)
-    for want, have in zip(_logits(d), sharded):
+    for want, have in zip(model_logits(d), sharded):
         torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
 
 

@@ -174,13 +174,24 @@ class Workers:
                         self.fail(f"tensor-parallel message to the workers failed: {type(e).__name__}: {e}")
 
 
+# What multiprocessing's fork server imports before it forks a worker: the runner, the loader, and
+# transformers' configuration validators (the first config a process loads imports them, and through
+# them torch.distributed.tensor: ~0.6 s). A name that does not import is skipped by the fork server.
+WORKER_PRELOAD = [
+    "engine.runner.parallel",
+    "engine.runner.loader",
+    "engine.config",
+    "transformers.utils.type_validators",
+]
+
+
 def _spawn(config, ranks, init: str) -> dict:
     """Start ``ranks`` as worker processes. They fork from multiprocessing's fork server, a fresh
-    interpreter that imports torch and the model code once (it never touches a GPU, so forking it is
-    safe) and then lives as long as this process: a worker starts in ~1 s instead of spawn's ~2.5 s
-    of imports, and exits without an interpreter's teardown."""
+    interpreter that imports torch and the model code once (:data:`WORKER_PRELOAD`; it never touches
+    a GPU, so forking it is safe) and then lives as long as this process: a worker starts in well
+    under a second instead of spawn's ~2.5 s of imports, and exits without an interpreter's teardown."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["engine.runner.parallel", "engine.runner.loader"])
+    ctx.set_forkserver_preload(WORKER_PRELOAD)
     processes = {}
     for rank in ranks:
         p = ctx.Process(
