@@ -305,20 +305,40 @@ def _served_answers(srv) -> list:
     return out
 
 
-@pytest.mark.parametrize("front", ["thread", "process"])
-def test_served_greedy_output_at_two_ranks_equals_one_rank(family_dirs, tmp_path, front):
-    """Through a real server and the openai SDK: -tp 2 answers as -tp 1 does, plain and speculating (a
-    draft model on rank 0) with the engine on a thread, speculating with the engine in a process of its
-    own (which starts the worker)."""
-    d = family_dirs["LlamaForCausalLM"]
-    settings = ServerSettings(served_model_name="tiny")
-    with serve(create_app(settings, engine_factory(d))) as srv:
-        want = _served_answers(srv)
+@pytest.fixture(scope="module")
+def one_rank_answers(family_dirs) -> list:
+    """What the Llama answers served at one rank (``_served_answers``)."""
+    with serve(
+        create_app(ServerSettings(served_model_name="tiny"), engine_factory(family_dirs["LlamaForCausalLM"]))
+    ) as srv:
         assert httpx.get(srv.base + "/version").json()["tensor_parallel_size"] == 1
+        return _served_answers(srv)
+
+
+@pytest.mark.parametrize("front", ["thread", "process"])
+def test_served_greedy_output_at_two_ranks_equals_one_rank(family_dirs, tmp_path, front, one_rank_answers):
+    """Through a real server and the openai SDK: -tp 2 answers as -tp 1 does, plain and speculating
+    with the engine on a thread (a draft model on rank 0, and a draft model, Medusa heads and an EAGLE
+    head each sharded like the target), and speculating with the engine in a process of its own (which
+    starts the worker)."""
+    from test_eagle import write_eagle
+    from test_medusa import write_heads as medusa_heads
+
+    d, want = family_dirs["LlamaForCausalLM"], one_rank_answers
+    settings = ServerSettings(served_model_name="tiny")
     draft = noisy_copy(d, tmp_path / "draft", 0.2)
-    # (plain decoding's message path is the same in both fronts: the process front runs the draft only)
-    configs = [{}] if front == "thread" else []
-    for kw in configs + [{"speculative_method": "draft", "draft_model": str(draft)}]:
+    configs = [{"speculative_method": "draft", "draft_model": str(draft)}]
+    if front == "thread":  # (the message path is the same in both fronts: the process front runs the draft only)
+        sharded = [
+            {"speculative_method": "draft", "draft_model": str(draft)},
+            {
+                "speculative_method": "medusa",
+                "draft_model": str(medusa_heads(d, tmp_path / "medusa", like_target=True)),
+            },
+            {"speculative_method": "eagle", "draft_model": str(write_eagle(d, tmp_path / "eagle"))},
+        ]
+        configs += [{}] + [{**kw, "draft_tensor_parallel_size": 2} for kw in sharded]
+    for kw in configs:
         factory = engine_factory(d, tensor_parallel_size=2, num_kv_blocks=128, **kw)
         if front == "process":
             factory = _process_factory(d, tensor_parallel_size=2, **kw)
@@ -442,13 +462,6 @@ def test_a_collective_that_times_out_ends_the_server(family_dirs, tmp_path):
 
 
 # -- several hosts: here two `augur serve` processes on one machine, meeting at a master port ---------------
-@pytest.fixture(scope="module")
-def one_rank_answers(family_dirs) -> list:
-    """What the Llama answers served at one rank (``_served_answers``)."""
-    with serve(
-        create_app(ServerSettings(served_model_name="tiny"), engine_factory(family_dirs["LlamaForCausalLM"]))
-    ) as srv:
-        return _served_answers(srv)
 
 
 def test_two_hosts_serve_as_one_and_a_lost_host_ends_the_server(family_dirs, tmp_path, one_rank_answers):
