@@ -10,6 +10,7 @@ of every family.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -400,6 +401,23 @@ def _workers(pid: int) -> list[int]:
     return [p for p in _descendants(pid) if forked(p)]
 
 
+@contextlib.contextmanager
+def _reaped(*procs: subprocess.Popen):
+    """Kill whichever of ``procs`` is still running on the way out (a test that failed midway)."""
+    try:
+        yield
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def _wait_answering(proc: subprocess.Popen, port: int, log) -> None:
+    """Until the server ``proc`` started answers /health (it must not have exited: ``log`` says why)."""
+    wait_until(lambda: _health(port) == 200 or proc.poll() is not None, "the server to answer", 180)
+    assert proc.poll() is None, log.read_text()[-2000:]
+
+
 def _health(port: int) -> int:
     try:
         return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code
@@ -411,15 +429,11 @@ def _health(port: int) -> int:
 def test_a_killed_worker_ends_the_server_naming_its_rank(family_dirs, tmp_path, front):
     log = tmp_path / "log"
     proc, port = _augur_serve(family_dirs["LlamaForCausalLM"], log, front=front)
-    try:
-        wait_until(lambda: _health(port) == 200 or proc.poll() is not None, "the server to answer", 180)
-        assert proc.poll() is None, log.read_text()[-2000:]
+    with _reaped(proc):
+        _wait_answering(proc, port, log)
         (worker,) = _workers(proc.pid)  # (rank 0 is the API process, or the engine process under it)
         os.kill(worker, signal.SIGKILL)
         code = proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert code != 0
     assert "tensor-parallel worker rank 1 exited (exit code -9)" in log.read_text()
 
@@ -429,10 +443,8 @@ def test_ranks_that_do_not_join_in_time_are_a_clear_start_up_error(family_dirs, 
     log = tmp_path / "log"
     hosts = ["--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
     proc, _ = _augur_serve(family_dirs["LlamaForCausalLM"], log, *hosts, "--tp-timeout", "1", front="off")
-    try:
+    with _reaped(proc):
         assert proc.wait(timeout=120) != 0
-    finally:
-        proc.kill()  # (nothing to do once it has exited)
     assert "did not all join within 1 s" in log.read_text()
 
 
@@ -443,8 +455,7 @@ def test_a_collective_that_times_out_ends_the_server(family_dirs, tmp_path):
     proc, port = _augur_serve(family_dirs["LlamaForCausalLM"], log, "--tp-timeout", "3", front="off")
     worker = None
     try:
-        wait_until(lambda: _health(port) == 200 or proc.poll() is not None, "the server to answer", 180)
-        assert proc.poll() is None, log.read_text()[-2000:]
+        _wait_answering(proc, port, log)
         (worker,) = _workers(proc.pid)
         model = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
         os.kill(worker, signal.SIGSTOP)
@@ -472,17 +483,12 @@ def test_two_hosts_serve_as_one_and_a_lost_host_ends_the_server(family_dirs, tmp
     hosts = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", master, "--tp-timeout", "8"]
     head, port = _augur_serve(d, tmp_path / "head", *hosts, "--node-rank", "0", "--served-model-name", "tiny")
     worker_host, _ = _augur_serve(d, tmp_path / "worker", *hosts, "--node-rank", "1")
-    try:
-        wait_until(lambda: _health(port) == 200 or head.poll() is not None, "host 0 to answer", 180)
-        assert head.poll() is None, (tmp_path / "head").read_text()[-2000:]
+    with _reaped(head, worker_host):
+        _wait_answering(head, port, tmp_path / "head")
         assert _served_answers(type("Srv", (), {"base": f"http://127.0.0.1:{port}"})) == want
         assert "ranks 1..1 of 2, joining 127.0.0.1:" in (tmp_path / "worker").read_text()
         os.kill(worker_host.pid, signal.SIGKILL)
         code = head.wait(timeout=60)
-    finally:
-        for p in (head, worker_host):
-            if p.poll() is None:
-                p.kill()
     assert code != 0
     assert "tensor-parallel" in (tmp_path / "head").read_text()
 
@@ -500,17 +506,13 @@ def test_torchrun_starts_the_ranks_and_rank_0_serves(family_dirs, tmp_path, one_
     ]  # fmt: skip
     env = {**os.environ, "AUGUR_COMPILE": "off"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
-    try:
-        wait_until(lambda: _health(port) == 200 or proc.poll() is not None, "rank 0 to answer", 180)
-        assert proc.poll() is None, log.read_text()[-2000:]
+    with _reaped(proc):
+        _wait_answering(proc, port, log)
         assert _served_answers(type("Srv", (), {"base": f"http://127.0.0.1:{port}"})) == one_rank_answers
         assert httpx.get(f"http://127.0.0.1:{port}/version").json()["tensor_parallel_size"] == 2
         (rank1,) = [p for p in _descendants(proc.pid) if b"\0RANK=1\0" in _environ(p) and b"server.cli" in _cmdline(p)]
         os.kill(rank1, signal.SIGKILL)
         code = proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert code != 0
     assert "ranks 1..1 of 2, joining" in log.read_text()
 
