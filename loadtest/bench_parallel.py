@@ -200,10 +200,11 @@ def main(argv: list[str] | None = None) -> int:
         flags = ("--speculative-method", "draft", "--draft-model", draft, "--draft-tensor-parallel-size", str(dtp))
         r = measure_engine(model, tp, args.compile, args.prompts, args.tokens, *flags)
         where = "unsharded" if tp == 1 else ("unsharded on rank 0" if dtp == 1 else f"sharded over {dtp} ranks")
-        print(
-            f"| {tp} | {where} | {r['tok/s']:.1f} | {r['ms a step']:.3f} | {r['mean acceptance length']:.2f} "
-            f"| {r['propose ms a drafted token']:.3f} |"
+        accepted, cost = (
+            r.get("mean acceptance length", float("nan")),
+            r.get("propose ms a drafted token", float("nan")),
         )
+        print(f"| {tp} | {where} | {r['tok/s']:.1f} | {r['ms a step']:.3f} | {accepted:.2f} | {cost:.3f} |")
     return 0
 
 

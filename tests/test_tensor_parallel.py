@@ -119,6 +119,19 @@ def test_a_size_the_model_cannot_use_is_a_clear_error(family_dirs):
         EngineConfig(model=str(d), tensor_parallel_size=0)
 
 
+def test_a_drafter_the_ranks_cannot_share_is_a_clear_error(family_dirs, tmp_path, tokenizer_dir):
+    """--draft-tensor-parallel-size 2 with a draft of one attention head: the start-up error names the
+    draft, and the engine that failed stops its worker and leaves the group (another one starts)."""
+    d = family_dirs["LlamaForCausalLM"]
+    one_head = build_model_dir(
+        tmp_path / "one-head", tokenizer_dir, "LlamaForCausalLM", num_attention_heads=1, num_key_value_heads=1
+    )
+    want = r"--draft-tensor-parallel-size 2: the draft model cannot be sharded: .* attention heads \(1\)"
+    with pytest.raises(ValueError, match=want):
+        _engine(d, 2, speculative_method="draft", draft_model=str(one_head), draft_tensor_parallel_size=2)
+    _engine(d, 2).close()
+
+
 def _engine(model_dir, tp: int, **kw) -> LLMEngine:
     kw = {"num_kv_blocks": 64, "compile": "off", "block_size": 4, "dtype": "float32", **kw}
     return LLMEngine(EngineConfig(model=str(model_dir), device="cpu", tensor_parallel_size=tp, **kw))

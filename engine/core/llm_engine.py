@@ -47,6 +47,14 @@ def is_out_of_memory(e: BaseException) -> bool:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        self.workers = None  # (tensor-parallel workers, once started: stopped if the build fails after)
+        try:
+            self._build(config)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
         # The speculative method, resolved (a --draft-model directory's layout may name it) and checked.
         method = resolve_method(config.speculative_method, config.draft_model)
         config = dataclasses.replace(config, speculative_method=method)
@@ -67,7 +75,6 @@ class LLMEngine:
         t0 = time.perf_counter()
         compiled = config.compile_enabled
         # Tensor parallelism: rank 0 (this engine) starts its workers, then loads its own shard.
-        self.workers = None
         runner_cls, front = ModelRunner, ()
         if config.tensor_parallel_size > 1:
             from engine.runner.parallel import ShardedRunner, rank_device, start_workers

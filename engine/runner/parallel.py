@@ -211,6 +211,9 @@ def start_workers(config) -> Workers:
 
         torch.set_num_threads(min(torch.get_num_threads(), max(1, usable_cpus() // len(ranks_here(config)))))
     init = init_method(config)
+    # The workers read the configuration, not this process's environment (theirs is the fork server's,
+    # as it was when it started): settle what the environment decides here.
+    config = dataclasses.replace(config, compile="on" if config.compile_enabled else "off")
     processes = _spawn(config, ranks_here(config)[1:], init)
     try:
         tp = _join_watching(processes, config.tensor_parallel_size, init, rank_device(config, 0), config.tp_timeout_s)
@@ -378,12 +381,12 @@ def run_worker(config, rank: int, init_method: str, log_level: int) -> None:
                 break
             if name == "open":  # a model sharded like the target (see open_sharded)
                 factory, fargs, runner_kwargs = args
-                model, hf_config, dtype = factory(tp, device, runners["target"].model, *fargs)
+                model, hf_config, dtype = factory(tp, device, runners["target"], *fargs)
                 runners[key] = ModelRunner(model, hf_config, device, dtype, **runner_kwargs)
                 logger.info("rank %d of %d: %s shard loaded on %s", rank, tp.size, key, device)
             elif name == "open_module":  # (see open_sharded_module)
                 factory, *fargs = args
-                runners[key] = factory(tp, device, runners["target"].model, *fargs)
+                runners[key] = factory(tp, device, runners["target"], *fargs)
             elif name != "noop":
                 getattr(runners[key], name)(*_to_device(args, device), **_to_device(kwargs, device))
     leave()
@@ -392,12 +395,13 @@ def run_worker(config, rank: int, init_method: str, log_level: int) -> None:
 def open_sharded(target: ShardedRunner, key: str, factory, args: tuple, **runner_kwargs) -> ShardedRunner:
     """Another model sharded like ``target`` over its ranks (a draft model or an EAGLE head at
     ``--draft-tensor-parallel-size N``), run by a runner of its own on every rank: ``factory(tp, device,
-    target_model, *args)`` returns a rank's ``(model, hf_config, dtype)`` (a module-level function: the
-    workers get it by reference, and build their runner of it with ``runner_kwargs``). Rank 0 builds
-    its shard first, so that a size the model cannot use is its start-up error, not a worker's; from
-    then on ``key`` names the runner in the messages."""
+    target_runner, *args)`` returns a rank's ``(model, hf_config, dtype)`` (a module-level function: the
+    workers get it by reference, and build their runner of it with ``runner_kwargs``; ``args`` name the
+    model as the user did, so that each host resolves it in its own cache). Rank 0 builds its shard
+    first, so that a size the model cannot use is its start-up error, not a worker's; from then on
+    ``key`` names the runner in the messages."""
     workers, device = target.workers, target.device
-    model, hf_config, dtype = factory(workers.tp, device, target.model, *args)
+    model, hf_config, dtype = _first_shard(key, factory, workers.tp, device, target, *args)
     runner = ShardedRunner(workers, model, hf_config, device, dtype, key=key, **runner_kwargs)
     with workers.lock:
         workers.send(key, "open", factory, args, runner_kwargs)
@@ -406,12 +410,20 @@ def open_sharded(target: ShardedRunner, key: str, factory, args: tuple, **runner
 
 def open_sharded_module(target: ShardedRunner, key: str, factory, *args) -> ShardedModule:
     """A module sharded like ``target`` over its ranks without a runner (Medusa heads): ``factory(tp,
-    device, target_model, *args)`` builds it on every rank, rank 0 first (as :func:`open_sharded`)."""
+    device, target_runner, *args)`` builds it on every rank, rank 0 first (as :func:`open_sharded`)."""
     workers = target.workers
-    module = factory(workers.tp, target.device, target.model, *args)
+    module = _first_shard(key, factory, workers.tp, target.device, target, *args)
     with workers.lock:
         workers.send(key, "open_module", factory, *args)
     return ShardedModule(workers, key, module)
+
+
+def _first_shard(key: str, factory, tp: TensorParallel, *args):
+    """Rank 0's shard from ``factory``; a size it cannot use is an error that names the drafter."""
+    try:
+        return factory(tp, *args)
+    except ValueError as e:
+        raise ValueError(f"--draft-tensor-parallel-size {tp.size}: the {key} cannot be sharded: {e}") from e
 
 
 def _exit_with(sentinel) -> None:

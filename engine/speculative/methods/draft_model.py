@@ -261,15 +261,15 @@ def load_draft_runner(config, target: ModelRunner, tokenizer, method: str) -> Mo
     if config.draft_tensor_parallel_size > 1:
         from engine.runner.parallel import open_sharded
 
-        return open_sharded(
-            target, "draft", draft_shard, (path, dtype, max_positions, not target.compiled), **runner_kwargs
-        )
+        args = (config.draft_model, dtype, max_positions, not target.compiled)
+        return open_sharded(target, "draft model", draft_shard, args, **runner_kwargs)
     model = load_model(path, draft_config, dtype, target.device, max_positions, pack=not target.compiled)
     return ModelRunner(model, draft_config, target.device, dtype, **runner_kwargs)
 
 
-def draft_shard(tp, device, target_model, path, dtype, max_positions: int, pack: bool):
+def draft_shard(tp, device, target: ModelRunner, draft_model: str, dtype, max_positions: int, pack: bool):
     """A rank's shard of the draft model (``engine.runner.parallel.open_sharded``'s factory)."""
+    path = resolve_model_path(draft_model)  # (in this host's cache)
     draft_config = load_config(path)
     return load_model(path, draft_config, dtype, device, max_positions, pack=pack, tp=tp), draft_config, dtype
 

@@ -369,10 +369,12 @@ def load_eagle(path: str | Path, target_config, embed, dtype, device, max_positi
     return head.to(dtype=dtype).eval().requires_grad_(False), info["aux_layer_ids"]
 
 
-def eagle_shard(tp: TensorParallel, device, target_model, path: Path, target_config, dtype, max_positions: int):
-    """A rank's shard of the head (``engine.runner.parallel.open_sharded``'s factory)."""
-    head, _ = load_eagle(path, target_config, target_model.embed, dtype, device, max_positions, tp)
-    return head, head.config, dtype
+def eagle_shard(tp: TensorParallel, device, target: ModelRunner, draft_model: str, max_positions: int):
+    """A rank's shard of the head (``engine.runner.parallel.open_sharded``'s factory), embedding
+    through the rank's own shard of the target's embedding."""
+    path = resolve_model_path(draft_model)  # (in this host's cache)
+    head, _ = load_eagle(path, target.hf_config, target.model.embed, target.dtype, device, max_positions, tp)
+    return head, head.config, target.dtype
 
 
 def whole_embedding(model_path: Path, shard: nn.Embedding, vocab_size: int) -> nn.Embedding:
@@ -416,8 +418,9 @@ class EagleProposer(DraftModelProposer):
         if config.draft_tensor_parallel_size > 1:  # sharded like the target, over its ranks
             from engine.runner.parallel import open_sharded
 
-            args = (path, target.hf_config, target.dtype, max_positions)
-            runner = open_sharded(target, "eagle", eagle_shard, args, **runner_kwargs)
+            runner = open_sharded(
+                target, "EAGLE head", eagle_shard, (config.draft_model, max_positions), **runner_kwargs
+            )
             ids = read_eagle_config(path, target.hf_config)["aux_layer_ids"]
         else:
             embed = target.model.embed_tokens

@@ -113,9 +113,10 @@ def load_medusa(
     return heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
-def medusa_shard(tp: TensorParallel, device, target_model, path: Path, hidden: int, vocab: int, dtype) -> MedusaHeads:
+def medusa_shard(tp: TensorParallel, device, target: ModelRunner, draft_model: str) -> MedusaHeads:
     """A rank's shard of the heads (``engine.runner.parallel.open_sharded_module``'s factory)."""
-    return load_medusa(path, hidden, vocab, dtype, device, tp)
+    path = resolve_model_path(draft_model)  # (in this host's cache)
+    return load_medusa(path, target.hf_config.hidden_size, target.vocab_size, target.dtype, device, tp)
 
 
 def best_first_tree(logp: list[list[float]], tokens: list[list[int]], depth: int, budget: int) -> DraftTree:
@@ -157,11 +158,10 @@ class MedusaProposer(Proposer):
             raise ValueError("speculative method 'medusa' needs --draft-model DIR (Medusa heads)")
         path = resolve_model_path(config.draft_model)
         cfg = target.hf_config
-        sizes = (path, cfg.hidden_size, target.vocab_size, target.dtype)
         if config.draft_tensor_parallel_size > 1:  # their output layers split by vocabulary over the ranks
             from engine.runner.parallel import open_sharded_module
 
-            heads = open_sharded_module(target, "medusa", medusa_shard, *sizes)
+            heads = open_sharded_module(target, "Medusa heads", medusa_shard, config.draft_model)
         else:
             heads = load_medusa(path, cfg.hidden_size, target.vocab_size, target.dtype, target.device)
         return cls(heads, target, config.spec_tree_topk, config.spec_tree_budget)
