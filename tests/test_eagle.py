@@ -29,9 +29,12 @@ from engine.speculative.methods import resolve_method
 from engine.speculative.methods.eagle import EagleHead, load_eagle
 
 
-def random_head(target, draft_vocab: int | None = None, aux=(1, 2), std=0.3, seed=1) -> tuple[EagleHead, list[int]]:
+def random_head(
+    target, draft_vocab: int | None = None, aux=(1, 2), std=0.3, seed=1, **layer
+) -> tuple[EagleHead, list[int]]:
     """A random EAGLE head for ``target`` (feature layers ``aux``, Hugging Face indices); a reduced
-    draft vocabulary keeps every other target id, so ``d2t`` really maps."""
+    draft vocabulary keeps every other target id, so ``d2t`` really maps. ``layer``: more of the
+    layer's config (``attention_bias``, ``mlp_bias``)."""
     cfg = AutoConfig.from_pretrained(target)
     layer = LlamaConfig(
         hidden_size=cfg.hidden_size,
@@ -41,6 +44,7 @@ def random_head(target, draft_vocab: int | None = None, aux=(1, 2), std=0.3, see
         rms_norm_eps=1e-6,
         vocab_size=cfg.vocab_size,
         max_position_embeddings=cfg.max_position_embeddings,
+        **layer,
     )
     dv = draft_vocab or cfg.vocab_size
     embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -122,6 +126,22 @@ def test_published_layouts_load(target, tmp_path, layout, fmt):
     finite = torch.isfinite(logits[0]).nonzero().flatten()
     assert finite.tolist() == list(range(0, 80, 2))
     torch.testing.assert_close(logits[:, finite], head.lm_head(x))
+
+
+def test_a_head_with_biases_loads_them(target, tmp_path):
+    """attention_bias and mlp_bias: the q/k/v, o, gate/up and down biases are saved and loaded under
+    their own names (not left as nn.Linear's random start), and a missing one is named."""
+    d = write_eagle(target, tmp_path / "head", attention_bias=True, mlp_bias=True)
+    saved = load_file(d / "model.safetensors")
+    biases = [n for n in saved if n.endswith(".bias")]
+    assert len(biases) == 7
+    head, _ = _load(target, d)
+    state = head.checkpoint_state()
+    for name in biases:
+        torch.testing.assert_close(state[name], saved[name], msg=name)
+    save_file({k: v for k, v in saved.items() if k != "midlayer.mlp.down_proj.bias"}, d / "model.safetensors")
+    with pytest.raises(ValueError, match="midlayer.mlp.down_proj.bias"):
+        _load(target, d)
 
 
 def test_a_broken_checkpoint_is_a_startup_error_naming_the_tensor(target, tmp_path):

@@ -53,14 +53,19 @@ def family_dirs(tmp_path_factory, tokenizer_dir):
 def test_sharded_logits_match_the_unsharded_model_for_every_family(family_dirs, tmp_path):
     """Every family's logits at 2 ranks equal 1 rank's; so do the drafters --draft-tensor-parallel-size
     shards: Medusa heads (output layers split by vocabulary, residual blocks whole) and an EAGLE head
-    (its layer as the target's, its reduced draft vocabulary split, the target's sharded embedding)."""
+    (its layer as the target's, biases included, its reduced draft vocabulary split, the target's
+    sharded embedding)."""
     from test_eagle import write_eagle
     from test_medusa import write_heads as medusa_heads
 
     llama = family_dirs["LlamaForCausalLM"]
     drafters = [
         ("medusa", medusa_heads(llama, tmp_path / "medusa"), llama),
-        ("eagle", write_eagle(llama, tmp_path / "eagle", draft_vocab=VOCAB // 2), llama),
+        (
+            "eagle",
+            write_eagle(llama, tmp_path / "eagle", draft_vocab=VOCAB // 2, attention_bias=True, mlp_bias=True),
+            llama,
+        ),
     ]
     dirs = [family_dirs[a] for a in FAMILIES] + drafters
     got = sharded_logits(dirs, 2)

@@ -177,9 +177,24 @@ class EagleHead(nn.Module):
             "d2t": (self.draft_vocab,),
             "t2d": (self.vocab_size,),
         }
+        for _, names in self._bias_parts():  # a bias has its weight's rows
+            shapes.update({n: (shapes[n.removesuffix(".bias") + ".weight"][0],) for n in names})
         if with_embed:
             shapes["embed_tokens.weight"] = (self.vocab_size, h)
         return shapes
+
+    def _bias_parts(self) -> list[tuple[nn.Parameter, list[str]]]:
+        """The layer's biases, where its config has them (``attention_bias``, ``mlp_bias``): each fused
+        parameter with the checkpoint names of its parts, in order."""
+        attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
+        a, m = "midlayer.self_attn.", "midlayer.mlp."
+        parts = [
+            (attn.qkv_proj.bias, [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]),
+            (attn.o_proj.bias, [a + "o_proj.bias"]),
+            (mlp.gate_up_proj.bias, [m + "gate_proj.bias", m + "up_proj.bias"]),
+            (mlp.down_proj.bias, [m + "down_proj.bias"]),
+        ]
+        return [(param, names) for param, names in parts if param is not None]
 
     def checkpoint_slice(self, name: str) -> tuple[int, int, int] | str | None:
         """What of checkpoint tensor ``name`` this rank holds (as ``LlamaForCausalLM.checkpoint_slice``)."""
@@ -214,6 +229,11 @@ class EagleHead(nn.Module):
             "d2t": self.d2t,
             "t2d": self.t2d,
         }
+        for param, names in self._bias_parts():
+            split = (
+                param.split([attn.q_size, attn.kv_size, attn.kv_size]) if len(names) == 3 else param.chunk(len(names))
+            )
+            state.update(zip(names, split))
         return {name: t.detach().contiguous().cpu() for name, t in state.items()}
 
     @torch.no_grad()
@@ -239,6 +259,8 @@ class EagleHead(nn.Module):
             "d2t": (self.d2t, state["d2t"]),
             "t2d": (self.t2d, state["t2d"]),
         }
+        for param, names in self._bias_parts():
+            params[names[0]] = (param, cat([state[n] for n in names]))
         if "embed_tokens.weight" in state:
             self.embed_tokens = nn.Embedding(*state["embed_tokens.weight"].shape, device=self.fc.weight.device)
             params["embed"] = (self.embed_tokens.weight, state["embed_tokens.weight"])
