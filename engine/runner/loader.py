@@ -82,19 +82,25 @@ def eos_token_ids(path: Path, config, tokenizer) -> list[int]:
     return ids
 
 
+def _weight_files(path: Path, tensor: str | None = None) -> list[Path]:
+    """The checkpoint's safetensors files (a sharded one's from its index), or the one that holds
+    ``tensor`` where the index says which."""
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        return sorted(path.glob("*.safetensors"))
+    weight_map = json.loads(index.read_text())["weight_map"]
+    return [path / weight_map[tensor]] if tensor is not None else [path / f for f in sorted(set(weight_map.values()))]
+
+
 def iter_safetensors(path: Path, select: Callable[[str], object] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the checkpoint, one file at a time (sharded checkpoints follow their index).
     ``select(name)`` (a tensor-parallel rank's ``checkpoint_slice``) may ask for a slice of a tensor,
     ``(dim, start, length)``, read alone from the file, or ``"zeros"`` in its shape."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
+    files = _weight_files(path)
     if not files:
         raise ModelNotFoundError(f"no *.safetensors weights in {path}")
-    for name in files:
-        with safe_open(path / name, framework="pt") as f:
+    for file in files:
+        with safe_open(file, framework="pt") as f:
             for key in f.keys():
                 part = select(key) if select is not None else None
                 if part is None:
@@ -120,12 +126,7 @@ def take_slice(tensor: torch.Tensor, part) -> torch.Tensor:
 
 def read_tensor(path: Path, name: str) -> torch.Tensor:
     """One tensor of the checkpoint, whole (a tensor-parallel rank 0's copy of a sharded table)."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = [path / json.loads(index.read_text())["weight_map"][name]]
-    else:
-        files = sorted(path.glob("*.safetensors"))
-    for file in files:
+    for file in _weight_files(path, name):
         with safe_open(file, framework="pt") as f:
             if name in f.keys():
                 return f.get_tensor(name)
@@ -187,7 +188,7 @@ def checkpoint_keys(path: Path) -> list[str]:
     if index.is_file():
         return list(json.loads(index.read_text())["weight_map"])
     keys: list[str] = []
-    for file in sorted(path.glob("*.safetensors")):
+    for file in _weight_files(path):
         with safe_open(file, framework="pt") as f:
             keys += list(f.keys())
     return keys

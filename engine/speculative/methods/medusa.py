@@ -33,7 +33,7 @@ from torch import nn
 
 from engine.parallel import SINGLE, TensorParallel
 from engine.request.sequence import Sequence
-from engine.runner.loader import check_state, read_state_file, resolve_model_path
+from engine.runner.loader import check_state, read_state_file, resolve_model_path, take_slice
 from engine.runner.model_runner import ModelRunner
 from engine.sampling.tree import DraftTree
 from engine.speculative.proposer import CostShape, ProposeContext, Proposer
@@ -108,8 +108,8 @@ def load_medusa(
     }
     why = f"{heads.num_heads} heads of {heads.num_layers} layers, target hidden size {hidden}, vocabulary {vocab}"
     check_state(file, state, want, why)
-    rows = slice(tp.rank * heads.vocab_shard, (tp.rank + 1) * heads.vocab_shard)
-    heads.heads.load_state_dict({k: v[rows] if k in outputs else v for k, v in state.items()})
+    rows = (0, tp.rank * heads.vocab_shard, heads.vocab_shard)  # (as the target's LM head: checkpoint_slice)
+    heads.heads.load_state_dict({k: take_slice(v, rows) if k in outputs else v for k, v in state.items()})
     return heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
