@@ -25,7 +25,7 @@ stages=" ${STAGES:-bench tests} "
     --cuda-graphs on off --output "$OUT/steps.json" 2>&1 | tee "$OUT/bench.log"
 [[ $stages == *" tests "* ]] && timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -o addopts="" -rfE $(python3 -c "import pytest_timeout" 2>/dev/null && echo --timeout 120) \
     tests/test_gpu_speculation.py tests/test_attention_backends.py tests/test_cuda_graphs.py tests/test_int4.py \
-    tests/test_bench_gpu.py "tests/test_engine.py::test_logits_match_transformers_cuda" \
+    tests/test_bench_gpu.py tests/test_staging.py "tests/test_engine.py::test_logits_match_transformers_cuda" \
     tests/test_loading.py::test_cuda_greedy_matches_cpu tests/test_sampler.py::test_cuda_matches_cpu_and_seeds_reproduce \
     2>&1 | tee "$OUT/tests.log"
 if [[ $stages == *" served "* ]]; then

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.common import padded_block_tables
+from engine.attention.staging import Pack, direct_pack
 
 
 @dataclass
@@ -65,11 +66,12 @@ def build_sdpa_metadata(
     ctx_lens: list[int],
     block_tables: list[list[int]] | np.ndarray,  # or their padded rows [B, >= max blocks]
     block_size: int,
-    positions: torch.Tensor,  # [T] int64, on the target device
+    positions: torch.Tensor | int,  # [T] int64 on the target device, or its index in ``pack``
     new_token_masks: list[torch.Tensor | None] | None = None,  # per sequence [q_len, ctx+q_len-mask_start] bool
     mask_starts: list[int] | None = None,  # per sequence: first key index the mask covers (default: ctx_len)
     sliding_window: int | None = None,
     device: torch.device | str = "cpu",
+    pack: Pack | None = None,  # the forward's other inputs: the metadata joins their one copy
 ) -> SdpaMetadata:
     """Build attention metadata for sequences laid out back to back in the flat batch.
 
@@ -82,12 +84,10 @@ def build_sdpa_metadata(
 
     The index arithmetic runs in numpy on the host (a few microseconds an operation, where each small
     torch operation costs several: this is per forward, a real share of a small model's step); the
-    results go to the device once, and the tree masks, which may already be there, are applied there.
+    results join ``pack`` (engine/attention/staging.py), which this sends: one copy with the forward's
+    other inputs. Tree masks on the host are applied there; any already on the device, there.
     """
-
-    def dev(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(device, non_blocking=True)
-
+    pack = pack if pack is not None else direct_pack(device)
     B = len(q_lens)
     q_np = np.asarray(q_lens, dtype=np.int64)
     ctx_np = np.asarray(ctx_lens, dtype=np.int64)
@@ -106,12 +106,14 @@ def build_sdpa_metadata(
         # Every sequence decodes one token (the step most steps are): it sees its whole context and
         # itself, is written at index ctx, and is row b of the queries.
         rows = np.arange(B)
+        staged = [pack.add(a) for a in (kv_slots[rows, ctx_np], kv_slots, in_ctx.reshape(B, 1, max_k), rows)]
+        pack.send()
         return SdpaMetadata(
-            slot_mapping=dev(kv_slots[rows, ctx_np]),
-            kv_slots=dev(kv_slots),
-            mask=dev(in_ctx.reshape(B, 1, max_k))[:, None],
+            slot_mapping=pack[staged[0]],
+            kv_slots=pack[staged[1]],
+            mask=pack[staged[2]][:, None],
             sliding_mask=None,
-            q_index=dev(rows),
+            q_index=pack[staged[3]],
             num_seqs=B,
             max_q=1,
         )
@@ -130,10 +132,19 @@ def build_sdpa_metadata(
     pad_row = q_idx[None, :] >= q_np[:, None]  # [B, Qmax]
     mask[:, :, 0] |= pad_row
 
+    on_device = []  # (sequence, mask) of tree masks already on the device
+    for b, m in enumerate(new_token_masks or []):
+        if m is not None:
+            if m.device.type == "cpu":
+                q, c = q_lens[b], ctx_lens[b]
+                mask[b, :q, (c if mask_starts is None else mask_starts[b]) : c + q] = m.numpy()
+            else:
+                on_device.append((b, m))
+
     window_ok = None
     if sliding_window is not None:
         # Key positions: cached keys sit at their own index; new keys at the positions given.
-        pos = positions.cpu().numpy()
+        pos = pack.arrays[positions] if isinstance(positions, int) else positions.cpu().numpy()
         pos_pad = np.zeros((B, max_q), dtype=np.int64)
         pos_pad[seq_of_tok, idx_in_seq] = pos
         k_pos = np.broadcast_to(k_idx[None, :], (B, max_k)).copy()
@@ -141,20 +152,24 @@ def build_sdpa_metadata(
         window_ok = (pos_pad[:, :, None] - k_pos[:, None, :]) < sliding_window
         window_ok[:, :, 0] |= pad_row
 
-    mask_t = dev(mask)
-    if new_token_masks is not None:
-        for b, m in enumerate(new_token_masks):
-            if m is not None:
-                q, c = q_lens[b], ctx_lens[b]
-                start = c if mask_starts is None else mask_starts[b]
-                mask_t[b, :q, start : c + q] = m.to(mask_t.device)
-    sliding_mask = None if window_ok is None else (mask_t & dev(window_ok))[:, None]
+    staged = [pack.add(a) for a in (slot_mapping, kv_slots, mask, seq_of_tok * max_q + idx_in_seq)]
+    sliding = None
+    if window_ok is not None:
+        sliding = pack.add(window_ok if on_device else mask & window_ok)
+    pack.send()
+    mask_t = pack[staged[2]]
+    for b, m in on_device:
+        q, c = q_lens[b], ctx_lens[b]
+        mask_t[b, :q, (c if mask_starts is None else mask_starts[b]) : c + q] = m
+    sliding_mask = None
+    if sliding is not None:
+        sliding_mask = (mask_t & pack[sliding] if on_device else pack[sliding])[:, None]
     return SdpaMetadata(
-        slot_mapping=dev(slot_mapping),
-        kv_slots=dev(kv_slots),
+        slot_mapping=pack[staged[0]],
+        kv_slots=pack[staged[1]],
         mask=mask_t[:, None],
         sliding_mask=sliding_mask,
-        q_index=dev(seq_of_tok * max_q + idx_in_seq),
+        q_index=pack[staged[3]],
         num_seqs=B,
         max_q=max_q,
     )

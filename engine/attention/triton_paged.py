@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from engine.attention.common import padded_block_tables, triton_interpreted
+from engine.attention.staging import Pack, direct_pack
 
 # ``seq_info`` has one int32 row per sequence: context length, KV length (context + new tokens), its
 # first token in the flat batch, new tokens, offset of its tree mask in ``masks`` (-1: causal), first key
@@ -79,7 +80,7 @@ def build_triton_metadata(
     ctx_lens: list[int],
     block_tables: list[list[int]] | np.ndarray,  # or their padded rows [B, >= max blocks]
     block_size: int,
-    positions: torch.Tensor,  # [T] int64, on the target device
+    positions: torch.Tensor | int,  # [T] int64 on the target device, or its index in ``pack``
     new_token_masks: list[torch.Tensor | None] | None = None,  # per sequence [q_len, ctx+q_len-mask_start] bool
     mask_starts: list[int] | None = None,  # per sequence: first key index the mask covers (default: ctx_len)
     sliding_window: int | None = None,
@@ -87,15 +88,18 @@ def build_triton_metadata(
     num_splits: int = 0,
     write_lens: list[int] | None = None,  # per sequence: how many new tokens are real (the rest are padding)
     scratch_slot: int = -1,  # ... and the slot padding tokens write to
+    pack: Pack | None = None,  # the forward's other inputs: the metadata joins their one copy
 ) -> TritonMetadata:
     """Metadata for sequences laid out back to back in the flat batch (same arguments and meaning as
     :func:`engine.attention.sdpa.build_sdpa_metadata`). Everything is built on the host from the lists
-    and copied once; nothing here depends on the context lengths but the block tables.
+    and joins ``pack``, sent in one copy with the forward's other inputs (engine/attention/staging.py);
+    nothing here depends on the context lengths but the block tables.
 
     ``num_splits`` > 0 forces how many key ranges each program's keys are split into (the tests use
     it, and captured graphs, whose launch grid is fixed); 0 lets the operator choose from the GPU's
     size (:func:`key_splits`). Padding tokens (a sequence's new tokens past ``write_lens``) write
     their K/V to ``scratch_slot`` instead of the block table's slot, which is not theirs."""
+    pack = pack if pack is not None else direct_pack(device)
     B = len(q_lens)
     kv_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
     if not isinstance(block_tables, np.ndarray):  # else already padded (PersistentBlockTables.rows)
@@ -104,7 +108,8 @@ def build_triton_metadata(
     block_q = program_tokens(max(q_lens, default=0))
     info: list[list[int]] = []
     programs: list[tuple[int, int]] = []
-    flat_masks: list[torch.Tensor] = []
+    host_masks: list[np.ndarray] = []
+    device_masks: list[tuple[int, torch.Tensor]] = []  # (offset, mask) of tree masks already on the device
     mask_len = 0
     q_start = 0
     for b in range(B):
@@ -117,31 +122,41 @@ def build_triton_metadata(
             off, width = mask_len, c + q - start
             if tuple(m.shape) != (q, width):
                 raise ValueError(f"sequence {b}: tree mask shape {tuple(m.shape)}, expected {(q, width)}")
-            flat_masks.append(m.reshape(-1).to(torch.uint8))
+            if m.device.type == "cpu":
+                host_masks.append(np.asarray(m.reshape(-1).numpy(), dtype=np.uint8))
+            else:
+                host_masks.append(np.zeros(q * width, dtype=np.uint8))
+                device_masks.append((mask_len, m))
             mask_len += q * width
         info.append([c, c + q, q_start, q, off, start, width, 0])
         programs.extend((b, i) for i in range(0, q, block_q))
         q_start += q
 
     # Each new token's slot: the block table entry of its context index.
-    seq_of_tok = torch.repeat_interleave(torch.arange(B), torch.tensor(q_lens), output_size=q_start)
-    ctx_of_tok = torch.tensor(ctx_lens)[seq_of_tok]
-    first_of_tok = torch.tensor([row[2] for row in info])[seq_of_tok]
-    index = ctx_of_tok + torch.arange(q_start) - first_of_tok  # each new token's context index
-    table_t = torch.from_numpy(np.asarray(block_tables, dtype=np.int32))  # (3x torch.tensor's speed on nested lists)
-    slots = table_t[seq_of_tok, index // block_size].long() * block_size + index % block_size
+    q_np = np.asarray(q_lens, dtype=np.int64)
+    info_np = np.asarray(info, dtype=np.int32).reshape(B, SEQ_FIELDS)
+    seq_of_tok = np.repeat(np.arange(B), q_np)
+    index = (info_np[:, 0].astype(np.int64) - info_np[:, 2])[seq_of_tok] + np.arange(q_start)  # context index
+    table = np.asarray(block_tables, dtype=np.int32)
+    slots = table[seq_of_tok, index // block_size].astype(np.int64) * block_size + index % block_size
     if write_lens is not None:
-        real = ctx_of_tok + torch.tensor(write_lens)[seq_of_tok]
-        slots = torch.where(index < real, slots, scratch_slot)
+        real = (info_np[:, 0].astype(np.int64) + np.asarray(write_lens, dtype=np.int64))[seq_of_tok]
+        slots = np.where(index < real, slots, scratch_slot)
 
-    masks = torch.cat(flat_masks) if flat_masks else torch.zeros(1, dtype=torch.uint8)
+    masks = np.concatenate(host_masks) if host_masks else np.zeros(1, dtype=np.uint8)
+    arrays = (slots, table, info_np, np.asarray(programs, dtype=np.int32).reshape(-1, 2), masks)
+    staged = [pack.add(a) for a in arrays]
+    pack.send()
+    masks_t = pack[staged[4]]
+    for off, m in device_masks:
+        masks_t[off : off + m.numel()] = m.reshape(-1).to(torch.uint8)
     return TritonMetadata(
-        slot_mapping=slots.to(device, non_blocking=True),
-        block_tables=table_t.to(device, non_blocking=True),
-        seq_info=torch.tensor(info, dtype=torch.int32).to(device, non_blocking=True),
-        programs=torch.tensor(programs, dtype=torch.int32).to(device, non_blocking=True),
-        positions=positions,
-        masks=masks.to(device, non_blocking=True),
+        slot_mapping=pack[staged[0]],
+        block_tables=pack[staged[1]],
+        seq_info=pack[staged[2]],
+        programs=pack[staged[3]],
+        positions=pack[positions] if isinstance(positions, int) else positions,
+        masks=masks_t,
         block_size=block_size,
         block_q=block_q,
         sliding_window=sliding_window or 0,

@@ -14,11 +14,13 @@ import types
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata, metadata_builder, resolve_backend
 from engine.attention.common import PersistentBlockTables
 from engine.attention.cpu_kernel import load_cpu_kernel
+from engine.attention.staging import Staging
 from engine.models.layer_skip import LayerSkip
 from engine.models.packed import linear_weight_bytes
 from engine.parallel import SINGLE, TensorParallel
@@ -235,6 +237,7 @@ class ModelRunner:
         self.attention_backend = resolve_backend(attention_backend, device)  # see engine.attention
         self._build_metadata = metadata_builder(self.attention_backend)
         self._block_rows = PersistentBlockTables()  # block tables kept as array rows between forwards
+        self.staging = Staging(device)  # a forward's inputs in one copy, from a pinned ring
         if device.type == "cpu" and self.attention_backend == "sdpa":
             load_cpu_kernel()  # the op's C++ kernel for CPU tensors (built on first use)
         self.num_blocks = 0
@@ -278,6 +281,7 @@ class ModelRunner:
         view._run, view._chain = self._compiled
         view.graphs = None
         view._block_rows = PersistentBlockTables()  # its thread's own
+        view.staging = Staging(self.device)
         view.num_blocks = num_blocks
         view.kv_cache = torch.zeros(
             (self.kv_cache.shape[0], 2, num_blocks * self.block_size, *self.kv_cache.shape[3:]),
@@ -355,9 +359,9 @@ class ModelRunner:
             q = len(c.token_ids)
             positions.extend(c.positions if c.positions is not None else range(c.ctx_len, c.ctx_len + q))
             logit_rows.extend(range(start + q - c.num_logits, start + q))
-        dev = self.device
-        input_ids = torch.tensor(token_ids, dtype=torch.int64).to(dev, non_blocking=True)
-        pos = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
+        # One copy to the device for all of it, metadata included (engine/attention/staging.py).
+        pack = self.staging.pack()
+        ids, pos, rows = (pack.add(np.asarray(a, dtype=np.int64)) for a in (token_ids, positions, logit_rows))
         masks = [c.tree_mask for c in chunks]
         kv_lens = [c.ctx_len + len(c.token_ids) for c in chunks]
         meta = self._build_metadata(
@@ -369,10 +373,10 @@ class ModelRunner:
             new_token_masks=masks if any(m is not None for m in masks) else None,
             mask_starts=[c.ctx_len if c.mask_start is None else c.mask_start for c in chunks],
             sliding_window=self.model.sliding_window,
-            device=dev,
+            device=self.device,
+            pack=pack,
         )
-        rows = torch.tensor(logit_rows, dtype=torch.int64).to(dev, non_blocking=True)
-        return ForwardBatch(input_ids, pos, meta, rows, len(chunks), len(token_ids))
+        return ForwardBatch(pack[ids], pack[pos], meta, pack[rows], len(chunks), len(token_ids))
 
     def _prepare_padded(self, chunks: list[ForwardChunk], num_seqs: int, width: int) -> ForwardBatch:
         """:meth:`prepare` for a captured shape: every sequence padded to ``width`` new tokens and the
@@ -400,8 +404,12 @@ class ModelRunner:
             masks.append(mask)
         pads = num_seqs - len(chunks)
         positions.extend([0] * (pads * width))
-        dev = self.device
-        pos = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
+        # One copy to the device: the token ids, their padded rows, the padded and unpadded rows
+        # needing logits, the positions and the metadata (engine/attention/staging.py).
+        pack = self.staging.pack()
+        ids, rows_t, logits_t, real_t, pos = (
+            pack.add(np.asarray(a, dtype=np.int64)) for a in (token_ids, rows, logit_rows, real_logit_rows, positions)
+        )
         tables = [c.block_table for c in chunks] + [[]] * pads
         kv_lens = [c.ctx_len + width for c in chunks] + [width] * pads
         meta = self._build_metadata(
@@ -412,18 +420,16 @@ class ModelRunner:
             positions=pos,
             new_token_masks=masks + [None] * pads if any(m is not None for m in masks) else None,
             sliding_window=self.model.sliding_window,
-            device=dev,
+            device=self.device,
             num_splits=self.graphs.key_splits(num_seqs, width),
             write_lens=[len(c.token_ids) for c in chunks] + [0] * pads,
             scratch_slot=self.graphs.scratch_slot,
+            pack=pack,
         )
-        # One copy: the token ids, their padded rows, the padded and unpadded rows needing logits.
-        T, N = len(token_ids), len(logit_rows)
-        host = torch.tensor(token_ids + rows + logit_rows + real_logit_rows, dtype=torch.int64)
-        ids, rows_t, logits_t, real_t = host.to(dev, non_blocking=True).split([T, T, N, N])
         from engine.runner.cuda_graphs import GraphShape
 
-        return ForwardBatch(ids, pos, meta, real_t, len(chunks), T, GraphShape(num_seqs, width, rows_t, logits_t))
+        shape = GraphShape(num_seqs, width, pack[rows_t], pack[logits_t])
+        return ForwardBatch(pack[ids], pack[pos], meta, pack[real_t], len(chunks), len(token_ids), shape)
 
     @torch.inference_mode()
     def execute(

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.attention.staging import Staging
 from engine.request.sampling_params import NoiseKey, SamplingParams
 from engine.sampling.no_repeat import banned_in
 
@@ -220,10 +221,16 @@ class SamplingMetadata:
             ks.append(p.top_k if not g and 0 < p.top_k < vocab_size else vocab_size)
             ps.append(1.0 if g else p.top_p)
             min_ps.append(0.0 if g else p.min_p)
-        temperature = _host_to_device(temps, device)
-        top_k = _host_to_device(ks, device, torch.int64) if any(k < vocab_size for k in ks) else None
-        top_p = _host_to_device(ps, device) if any(x < 1.0 for x in ps) else None
-        min_p = _host_to_device(min_ps, device) if any(x > 0.0 for x in min_ps) else None
+        # The rows' knobs in one copy from the device's pinned ring (engine/attention/staging.py).
+        pack = _staging(device).pack()
+        staged = [
+            pack.add(np.asarray(temps, dtype=np.float32)),
+            pack.add(np.asarray(ks, dtype=np.int64)) if any(k < vocab_size for k in ks) else None,
+            pack.add(np.asarray(ps, dtype=np.float32)) if any(x < 1.0 for x in ps) else None,
+            pack.add(np.asarray(min_ps, dtype=np.float32)) if any(x > 0.0 for x in min_ps) else None,
+        ]
+        pack.send()
+        temperature, top_k, top_p, min_p = (None if i is None else pack[i] for i in staged)
 
         bias_rows, bias_tokens, bias_values = [], [], []
         for i, p in enumerate(params):
@@ -451,6 +458,18 @@ def _penalty_rows(params: Sequence[SamplingParams], device: torch.device) -> tup
         _host_to_device([p.presence_penalty for p in params], device),
         _host_to_device([p.frequency_penalty for p in params], device),
     )
+
+
+_STAGINGS: dict[torch.device, Staging] = {}
+
+
+def _staging(device: torch.device) -> Staging:
+    """The sampler's ring on ``device`` (one a device: sampling metadata is built by the engine's loop)."""
+    device = torch.device(device)
+    staging = _STAGINGS.get(device)
+    if staging is None:
+        staging = _STAGINGS.setdefault(device, Staging(device, capacity=1 << 16))
+    return staging
 
 
 def _host_to_device(
