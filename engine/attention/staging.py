@@ -115,10 +115,16 @@ class Staging:
                 done.record()
                 self.in_flight.append((start, start + dev.numel(), done))
             self.num_copies += 1
-        return [
-            dev[off : off + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape)
-            for a, off in zip(arrays, offsets)
-        ]
+        typed: dict[np.dtype, torch.Tensor] = {}  # the copy seen as each dtype (one view a dtype, not an array)
+        out = []
+        for a, off in zip(arrays, offsets):
+            whole = typed.get(a.dtype)
+            if whole is None:
+                whole = typed[a.dtype] = dev.view(_TORCH_DTYPES[a.dtype])
+            k = off // a.itemsize
+            t = whole[k : k + a.size]
+            out.append(t if a.ndim == 1 else t.view(a.shape))
+        return out
 
     def _reserve(self, n: int) -> int:
         """The ring's start for ``n`` bytes, once no copy in flight still reads them."""
