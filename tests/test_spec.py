@@ -271,14 +271,20 @@ def test_greedy_speculation_is_identical_to_plain(pair, topk):
 
 
 def test_a_cached_size_draft_runs_in_float32_under_a_bf16_target_on_cpu(pair, monkeypatch):
-    """On a CPU a draft whose float32 weights fit in the last-level cache runs in float32 under a bf16
-    target (its own KV cache too), and greedy speculation still gives the bf16 target's plain tokens;
-    a draft too large for the cache keeps the target's dtype."""
+    """On a CPU without the small-rows bf16 kernel, a draft whose float32 weights fit in the last-level
+    cache runs in float32 under a bf16 target (its own KV cache too), and greedy speculation still
+    gives the bf16 target's plain tokens; a draft too large for the cache keeps the target's dtype.
+    Where the kernel serves, the draft runs in the target's bf16, with the same tokens."""
     import engine.speculative.methods.draft_model as draft_model
 
     ps = prompts(6, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, num_draft_tokens=4)
     plain = staggered(make(pair["target"], dtype="bfloat16"), ps, params)
+    if draft_model.small_rows_serve(torch.bfloat16, torch.device("cpu")):
+        eng = make(pair["target"], pair["same"], dtype="bfloat16")
+        assert eng.proposer.runner.dtype == torch.bfloat16
+        assert staggered(eng, ps, params) == plain
+    monkeypatch.setattr(draft_model, "small_rows_serve", lambda dtype, device: False)
     monkeypatch.setattr(draft_model, "last_level_cache_bytes", lambda: 32 * 2**20)
     eng = make(pair["target"], pair["same"], dtype="bfloat16")
     runner = eng.proposer.runner

@@ -37,27 +37,33 @@ def load_cpu_kernel() -> bool:
     import engine.attention.sdpa  # noqa: F401  (defines the op the kernel is registered for)
 
     try:
-        from torch.utils.cpp_extension import load_inline
-
-        _put_ninja_on_path()
-        source = SOURCE.read_text()
-        # -march=native: the build is for this CPU, so its cache entry is named after the CPU too, and
-        # after the Python environment (its include paths are in the build: two virtualenvs sharing
-        # one entry would rebuild it in turn, each under the other's lock).
-        key = " ".join([source, *cpu_flags(), sys.prefix, torch.__version__])
-        name = f"augur_paged_attention_cpu_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
-        _clear_stale_lock(name)
-        load_inline(
-            name=name,
-            cpp_sources=source,
-            extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
-            is_python_module=False,
-            verbose=False,
-        )
+        build_cpu_extension("augur_paged_attention_cpu", SOURCE)
     except Exception as exc:  # no compiler, no ninja, a build error: the Python implementation serves
         logger.warning("the C++ CPU attention kernel is unavailable (%s); using the Python implementation", exc)
         return False
     return True
+
+
+def build_cpu_extension(stem: str, source_path: Path) -> None:
+    """Build (once per source, CPU and environment; later processes only load it) and load the C++
+    source at ``source_path``, which registers its kernels itself; raises where it cannot."""
+    from torch.utils.cpp_extension import load_inline
+
+    _put_ninja_on_path()
+    source = source_path.read_text()
+    # -march=native: the build is for this CPU, so its cache entry is named after the CPU too, and
+    # after the Python environment (its include paths are in the build: two virtualenvs sharing
+    # one entry would rebuild it in turn, each under the other's lock).
+    key = " ".join([source, *cpu_flags(), sys.prefix, torch.__version__])
+    name = f"{stem}_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+    _clear_stale_lock(name)
+    load_inline(
+        name=name,
+        cpp_sources=source,
+        extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+        is_python_module=False,
+        verbose=False,
+    )
 
 
 STALE_LOCK_SECONDS = 600  # a build takes ~30 s; a lock this old was left by a process that was killed

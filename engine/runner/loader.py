@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from engine.models import model_class_for
 from engine.models.packed import MIN_PACKED_BYTES, linear_weight_bytes, packing_supported
+from engine.models.small_linear import small_rows_serve, use_small_rows
 from engine.parallel import SINGLE, TensorParallel
 from engine.quant import QUANTIZATIONS, quantize_linears_int4
 from engine.quant.nf4 import (
@@ -176,8 +177,10 @@ def load_model(
         nf4.install()
     if quantization == "int4":
         quantize_linears_int4(model)
-    # Packing replaces plain nn.Linear layers only; quantized layers are not nn.Linear and stay as they are.
-    if pack and packing_supported(dtype, device) and linear_weight_bytes(model) >= MIN_PACKED_BYTES:
+    # Both replace plain nn.Linear layers only; quantized layers are not nn.Linear and stay as they are.
+    if small_rows_serve(dtype, device):  # a decode's few rows at the memory's speed, compiled or not
+        use_small_rows(model)
+    elif pack and packing_supported(dtype, device) and linear_weight_bytes(model) >= MIN_PACKED_BYTES:
         model.pack_for_cpu()
     return model.eval()
 

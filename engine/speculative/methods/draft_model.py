@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from engine.models import model_class_for
+from engine.models.small_linear import small_rows_serve
 from engine.request.sequence import Sequence
 from engine.runner.loader import load_config, load_model, load_tokenizer, resolve_model_path
 from engine.runner.model_runner import ForwardBatch, ForwardChunk, ModelRunner
@@ -275,12 +276,16 @@ def draft_shard(tp, device, target: ModelRunner, draft_model: str, dtype, max_po
 
 
 def draft_dtype(target: ModelRunner, draft_config, max_positions: int) -> torch.dtype:
-    """The draft's dtype: the target's, except on a CPU where the target runs in half precision and the
-    draft's float32 weights fit in the last-level cache. There bandwidth does not limit the draft, and
-    at the one or two rows a draft level runs, oneDNN's half-precision GEMMs cost more per call than
-    float32's (the demo draft's forward: 0.44 ms in bf16, 0.25 ms in float32). The draft's own KV
-    cache follows its dtype; its logits are float32 either way, so verification is unchanged."""
+    """The draft's dtype: the target's, except on a CPU where the target runs in half precision, the
+    small-rows bf16 kernel is unavailable (engine/models/small_linear.py: where it serves, a draft
+    level's one or two rows stream bf16 weights faster than float32 ones) and the draft's float32
+    weights fit in the last-level cache. There bandwidth does not limit the draft, and at the one or
+    two rows a draft level runs, oneDNN's half-precision GEMMs cost more per call than float32's (the
+    demo draft's forward: 0.44 ms in bf16, 0.25 ms in float32). The draft's own KV cache follows its
+    dtype; its logits are float32 either way, so verification is unchanged."""
     if target.device.type != "cpu" or target.dtype == torch.float32:
+        return target.dtype
+    if small_rows_serve(target.dtype, target.device):
         return target.dtype
     with torch.device("meta"):
         params = sum(p.numel() for p in model_class_for(draft_config)(draft_config, max_positions).parameters())

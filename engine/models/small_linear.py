@@ -1,0 +1,99 @@
+"""Linear layers for the few rows of a decode, on a CPU with bfloat16 units: ``augur::small_linear``.
+
+A decode step feeds a linear layer one row a sequence, a draft level one or two, a verify a few: a
+matrix-vector product, whose speed is how fast the weights stream. On this project's CPU
+(AVX512-BF16) oneDNN's bfloat16 GEMM streams the demo target's weights at 16-23 GB/s at one to
+eight rows, a quarter of what the memory gives; the C++ kernel (``small_linear_cpu.cpp``, built on
+first use like the attention kernel) streams them at 70-85 GB/s (docs/benchmarks.md). It serves
+bfloat16 inputs of at most eight rows; anything else, and every CPU without AVX512-BF16, runs
+``F.linear`` (the op's Python reference, used on every other device).
+
+Each output is one float32 sum in a fixed order whatever the number of rows, so a verify's row is
+bit for bit the decode of that row: greedy speculation equals plain decoding by construction here.
+The op is opaque to ``torch.compile`` (as ``augur::paged_attention`` is): a compiled forward calls
+it as it is, and its weights are used as they are (not prepacked by inductor's freezing).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.cpu_kernel import build_cpu_extension
+from engine.platform import cpu_flags
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("small_linear_cpu.cpp")
+MAX_ROWS = 3  # the kernel's rows (kMaxRows in the C++ source); more go to oneDNN's packed weights
+
+_lib = torch.library.Library("augur", "FRAGMENT")
+_lib.define("small_linear(Tensor x, Tensor weight, Tensor? packed=None, Tensor? bias=None) -> Tensor")
+
+
+def _small_linear_reference(x, weight, packed=None, bias=None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def _small_linear_fake(x, weight, packed=None, bias=None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+_lib.impl("small_linear", _small_linear_reference, "CompositeExplicitAutograd")
+torch.library.register_fake("augur::small_linear", _small_linear_fake, lib=_lib)
+
+
+@functools.cache
+def load_small_linear() -> bool:
+    """Build (first use) and register the kernel where this CPU has AVX512-BF16; whether it serves."""
+    if "avx512_bf16" not in cpu_flags():
+        return False
+    try:
+        build_cpu_extension("augur_small_linear_cpu", SOURCE)
+    except Exception as exc:  # no compiler, no ninja, a build error: oneDNN's GEMM serves
+        logger.warning("the C++ small-batch linear kernel is unavailable (%s); using F.linear", exc)
+        return False
+    return True
+
+
+def small_rows_serve(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a model of ``dtype`` on ``device`` gets the kernel (building it on first use)."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and load_small_linear()
+
+
+class SmallRowsLinear(nn.Module):
+    """A linear layer through ``augur::small_linear``: its weight as loaded (the kernel's) and the same
+    weight in oneDNN's blocked layout (more rows'). See :func:`use_small_rows`."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous()))
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = torch.ops.augur.small_linear(x.reshape(-1, self.in_features), self.weight, self.packed, self.bias)
+        return y.view(*lead, self.out_features)
+
+
+def use_small_rows(model: nn.Module) -> int:
+    """Run every ``nn.Linear`` of ``model`` through the kernel (a tied output layer too: it gets a layer
+    of its own over the embedding table, ``model.lm_head``); returns how many layers. Each keeps its
+    weight and a oneDNN-packed copy, as a compiled model's frozen graph does (the same memory)."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, SmallRowsLinear(child.weight, child.bias))
+                count += 1
+    if getattr(model, "lm_head", 0) is None and hasattr(model, "embed_tokens"):  # tied: as pack_for_cpu does
+        model.lm_head = SmallRowsLinear(model.embed_tokens.weight, None)
+        count += 1
+    return count
