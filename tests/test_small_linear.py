@@ -106,3 +106,19 @@ def test_the_bf16_model_matches_its_float32_self(model_dirs, compiled):
         outs.append((one, three))
     for got, want in zip(outs[0], outs[1]):
         assert (got - want).abs().max() < 0.05 * want.abs().max()
+
+
+def test_a_large_model_served_eagerly_keeps_only_packed_weights(model_dirs, monkeypatch):
+    """Small-rows layers hold their weights and a packed copy; a large eager model (whose layers would
+    be packed) keeps only the packed copy instead, as before; compiled (no packing asked), small rows."""
+    import engine.runner.loader as loader
+    from engine.models.packed import PackedLinear
+
+    monkeypatch.setattr(loader, "MIN_PACKED_BYTES", 0)  # every model counts as large here
+    path = model_dirs["LlamaForCausalLM"]
+    cfg = load_config(path)
+    eager = load_model(path, cfg, torch.bfloat16, torch.device("cpu"), 128)
+    assert any(isinstance(m, PackedLinear) for m in eager.modules())
+    assert not any(isinstance(m, SmallRowsLinear) for m in eager.modules())
+    compiled = load_model(path, cfg, torch.bfloat16, torch.device("cpu"), 128, pack=False)
+    assert any(isinstance(m, SmallRowsLinear) for m in compiled.modules())

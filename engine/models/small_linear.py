@@ -4,14 +4,18 @@ A decode step feeds a linear layer one row a sequence, a draft level one or two,
 matrix-vector product, whose speed is how fast the weights stream. On this project's CPU
 (AVX512-BF16) oneDNN's bfloat16 GEMM streams the demo target's weights at 16-23 GB/s at one to
 eight rows, a quarter of what the memory gives; the C++ kernel (``small_linear_cpu.cpp``, built on
-first use like the attention kernel) streams them at 70-85 GB/s (docs/benchmarks.md). It serves
-bfloat16 inputs of at most eight rows; anything else, and every CPU without AVX512-BF16, runs
-``F.linear`` (the op's Python reference, used on every other device).
+first use like the attention kernel) does a layer's one or two rows in about half oneDNN's time
+(docs/benchmarks.md). It serves bfloat16 inputs of one to three rows; past that the sums are
+compute-bound and oneDNN's prepacked GEMM is faster, so more rows go there. Other dtypes, and every
+CPU without AVX512-BF16, run ``F.linear`` (the op's Python reference, used on every other device).
 
-Each output is one float32 sum in a fixed order whatever the number of rows, so a verify's row is
-bit for bit the decode of that row: greedy speculation equals plain decoding by construction here.
-The op is opaque to ``torch.compile`` (as ``augur::paged_attention`` is): a compiled forward calls
-it as it is, and its weights are used as they are (not prepacked by inductor's freezing).
+Each output of the kernel is one float32 sum in a fixed order whatever the number of rows, so a
+short verify's row is bit for bit the decode of that row (up to :data:`MAX_ROWS` rows).
+
+A layer keeps its weight and a oneDNN-packed copy: the memory a compiled model's frozen graph took,
+since the op is opaque to ``torch.compile`` (as ``augur::paged_attention`` is) and inductor makes
+no copy of its own. A large model served eagerly keeps only the packed weights instead, as before
+(``engine.runner.loader.load_model``).
 """
 
 from __future__ import annotations

@@ -178,9 +178,12 @@ def load_model(
     if quantization == "int4":
         quantize_linears_int4(model)
     # Both replace plain nn.Linear layers only; quantized layers are not nn.Linear and stay as they are.
-    if small_rows_serve(dtype, device):  # a decode's few rows at the memory's speed, compiled or not
+    # Small-rows layers keep their weights and a packed copy, as a compiled model's frozen graph did;
+    # a large eager model keeps only the packed weights (half the memory), as before.
+    packs = pack and packing_supported(dtype, device) and linear_weight_bytes(model) >= MIN_PACKED_BYTES
+    if small_rows_serve(dtype, device) and not packs:  # a decode's few rows at the memory's speed
         use_small_rows(model)
-    elif pack and packing_supported(dtype, device) and linear_weight_bytes(model) >= MIN_PACKED_BYTES:
+    elif packs:
         model.pack_for_cpu()
     return model.eval()
 
