@@ -72,6 +72,7 @@ def test_other_dtypes_and_shapes_take_the_reference():
     _, small = layer(32, 16, False)
     with torch.inference_mode():
         assert small(x3).shape == (2, 5, 16)  # leading dimensions kept
+        assert small(x3[:0]).shape == (0, 5, 16)  # no rows (a forward with no logits asked for)
 
 
 def test_a_bf16_model_on_this_cpu_runs_every_linear_through_it(model_dirs):
