@@ -73,6 +73,12 @@ def test_other_dtypes_and_shapes_take_the_reference():
     with torch.inference_mode():
         assert small(x3).shape == (2, 5, 16)  # leading dimensions kept
         assert small(x3[:0]).shape == (0, 5, 16)  # no rows (a forward with no logits asked for)
+        # A float32 input beside bf16 packed weights is F.linear's, not oneDNN's: F.linear's answer.
+        got = torch.ops.augur.small_linear(x, w, small.packed)
+        assert torch.equal(got, nn.functional.linear(x, w))
+        # A bias of the wrong size is F.linear's clear error, never a read past its end.
+        with pytest.raises(RuntimeError):
+            torch.ops.augur.small_linear(x3[0, :1], small.weight, small.packed, torch.zeros(3, dtype=torch.bfloat16))
 
 
 def test_a_bf16_model_on_this_cpu_runs_every_linear_through_it(model_dirs):

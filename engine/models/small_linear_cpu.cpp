@@ -106,7 +106,8 @@ bool kernel_serves(const at::Tensor& x, const at::Tensor& w, const std::optional
   static const bool has_units = __builtin_cpu_supports("avx512bf16");
   return has_units && x.dim() == 2 && w.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows &&
          x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() &&
-         x.size(1) == w.size(1) && (!bias || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous()));
+         x.size(1) == w.size(1) &&
+         (!bias || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == w.size(0)));
 #else
   return false;
 #endif
@@ -123,7 +124,7 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const st
 at::Tensor small_linear_cpu(const at::Tensor& x_in, const at::Tensor& w, const std::optional<at::Tensor>& packed,
                             const std::optional<at::Tensor>& bias) {
   if (!kernel_serves(x_in, w, bias)) {
-    if (packed && x_in.dim() == 2) return onednn_linear(x_in, *packed, bias);
+    if (packed && x_in.dim() == 2 && x_in.scalar_type() == packed->scalar_type()) return onednn_linear(x_in, *packed, bias);
     return at::linear(x_in, w, bias);
   }
 #ifdef AUGUR_SMALL_LINEAR

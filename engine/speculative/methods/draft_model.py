@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from engine.models import model_class_for
+from engine.models.packed import MIN_PACKED_BYTES
 from engine.models.small_linear import small_rows_serve
 from engine.request.sequence import Sequence
 from engine.runner.loader import load_config, load_model, load_tokenizer, resolve_model_path
@@ -285,10 +286,12 @@ def draft_dtype(target: ModelRunner, draft_config, max_positions: int) -> torch.
     dtype; its logits are float32 either way, so verification is unchanged."""
     if target.device.type != "cpu" or target.dtype == torch.float32:
         return target.dtype
-    if small_rows_serve(target.dtype, target.device):
-        return target.dtype
     with torch.device("meta"):
         params = sum(p.numel() for p in model_class_for(draft_config)(draft_config, max_positions).parameters())
+    # The kernel serves a draft loaded unpacked (compiled, or small: engine.runner.loader.load_model).
+    unpacked = target.compiled or 2 * params < MIN_PACKED_BYTES
+    if unpacked and small_rows_serve(target.dtype, target.device):
+        return target.dtype
     return torch.float32 if 4 * params <= last_level_cache_bytes() else target.dtype
 
 
