@@ -48,10 +48,6 @@ class Pack:
         self.arrays: list[np.ndarray] = []
         self.tensors: list[torch.Tensor] | None = None
 
-    @property
-    def device(self) -> torch.device:
-        return self.staging.device
-
     def add(self, array: np.ndarray) -> int:
         if self.tensors is not None:
             raise RuntimeError("this pack was sent already")

@@ -133,17 +133,17 @@ def build_triton_metadata(
         q_start += q
 
     # Each new token's slot: the block table entry of its context index.
-    q_np = np.asarray(q_lens, dtype=np.int64)
-    info_np = np.asarray(info, dtype=np.int32).reshape(B, SEQ_FIELDS)
+    q_np, ctx_np = np.asarray(q_lens, dtype=np.int64), np.asarray(ctx_lens, dtype=np.int64)
     seq_of_tok = np.repeat(np.arange(B), q_np)
-    index = (info_np[:, 0].astype(np.int64) - info_np[:, 2])[seq_of_tok] + np.arange(q_start)  # context index
+    index = (ctx_np - (np.cumsum(q_np) - q_np))[seq_of_tok] + np.arange(q_start)  # each new token's context index
     table = np.asarray(block_tables, dtype=np.int32)
     slots = table[seq_of_tok, index // block_size].astype(np.int64) * block_size + index % block_size
     if write_lens is not None:
-        real = (info_np[:, 0].astype(np.int64) + np.asarray(write_lens, dtype=np.int64))[seq_of_tok]
+        real = (ctx_np + np.asarray(write_lens, dtype=np.int64))[seq_of_tok]
         slots = np.where(index < real, slots, scratch_slot)
 
     masks = np.concatenate(host_masks) if host_masks else np.zeros(1, dtype=np.uint8)
+    info_np = np.asarray(info, dtype=np.int32).reshape(B, SEQ_FIELDS)
     arrays = (slots, table, info_np, np.asarray(programs, dtype=np.int32).reshape(-1, 2), masks)
     staged = [pack.add(a) for a in arrays]
     pack.send()

@@ -248,12 +248,12 @@ class LlamaForCausalLM(nn.Module):
             logits = torch.nn.functional.linear(hidden, self.embed_tokens.weight)
         return self.tp.gather_vocab(logits).float()
 
-    def pack_for_cpu(self) -> None:
-        """Prepack every linear layer's weights (see ``engine.models.packed``); a tied output layer gets
-        a packed copy of the embedding table."""
-        pack_linears(self)
+    def pack_for_cpu(self, layer: type[PackedLinear] = PackedLinear) -> None:
+        """Prepack every linear layer's weights (see ``engine.models.packed``) into ``layer``s; a tied
+        output layer gets one over the embedding table."""
+        pack_linears(self, layer)
         if self.lm_head is None:
-            self.lm_head = PackedLinear(self.embed_tokens.weight, None)
+            self.lm_head = layer(self.embed_tokens.weight, None)
 
     # -- weights ------------------------------------------------------------------------------------
     _fused = {  # checkpoint name piece → (our fused parameter, shard)

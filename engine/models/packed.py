@@ -49,12 +49,13 @@ class PackedLinear(nn.Module):
         return y.view(*lead, self.out_features)
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` of ``model`` by a :class:`PackedLinear`; returns how many."""
+def pack_linears(model: nn.Module, layer: type[PackedLinear] = PackedLinear) -> int:
+    """Replace every ``nn.Linear`` of ``model`` by a ``layer`` (:class:`PackedLinear` or a subclass:
+    ``engine.models.small_linear.SmallRowsLinear``); returns how many."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child.weight, child.bias))
+                setattr(parent, name, layer(child.weight, child.bias))
                 count += 1
     return count

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from engine.attention.cpu_kernel import build_cpu_extension
+from engine.models.packed import PackedLinear
 from engine.platform import cpu_flags
 
 logger = logging.getLogger(__name__)
@@ -70,34 +70,16 @@ def small_rows_serve(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype == torch.bfloat16 and load_small_linear()
 
 
-class SmallRowsLinear(nn.Module):
-    """A linear layer through ``augur::small_linear``: its weight as loaded (the kernel's) and the same
-    weight in oneDNN's blocked layout (more rows'). See :func:`use_small_rows`."""
+class SmallRowsLinear(PackedLinear):
+    """A :class:`PackedLinear` that also keeps its weight as loaded: one to three rows go through the
+    kernel on it, more through oneDNN on the packed copy (both in ``augur::small_linear``). A model's
+    layers become these through ``model.pack_for_cpu(SmallRowsLinear)`` (``engine.runner.loader``)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.weight = nn.Parameter(weight.detach(), requires_grad=False)
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous()))
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        super().__init__(weight, bias)
+        self.register_buffer("weight", weight.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         y = torch.ops.augur.small_linear(x.reshape(-1, self.in_features), self.weight, self.packed, self.bias)
         return y.view(*lead, self.out_features)
-
-
-def use_small_rows(model: nn.Module) -> int:
-    """Run every ``nn.Linear`` of ``model`` through the kernel (a tied output layer too: it gets a layer
-    of its own over the embedding table, ``model.lm_head``); returns how many layers. Each keeps its
-    weight and a oneDNN-packed copy, as a compiled model's frozen graph does (the same memory)."""
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                setattr(parent, name, SmallRowsLinear(child.weight, child.bias))
-                count += 1
-    if getattr(model, "lm_head", 0) is None and hasattr(model, "embed_tokens"):  # tied: as pack_for_cpu does
-        model.lm_head = SmallRowsLinear(model.embed_tokens.weight, None)
-        count += 1
-    return count

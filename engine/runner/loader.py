@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from engine.models import model_class_for
 from engine.models.packed import MIN_PACKED_BYTES, linear_weight_bytes, packing_supported
-from engine.models.small_linear import small_rows_serve, use_small_rows
+from engine.models.small_linear import SmallRowsLinear, small_rows_serve
 from engine.parallel import SINGLE, TensorParallel
 from engine.quant import QUANTIZATIONS, quantize_linears_int4
 from engine.quant.nf4 import (
@@ -182,7 +182,7 @@ def load_model(
     # a large eager model keeps only the packed weights (half the memory), as before.
     packs = pack and packing_supported(dtype, device) and linear_weight_bytes(model) >= MIN_PACKED_BYTES
     if small_rows_serve(dtype, device) and not packs:  # a decode's few rows at the memory's speed
-        use_small_rows(model)
+        model.pack_for_cpu(SmallRowsLinear)
     elif packs:
         model.pack_for_cpu()
     return model.eval()

@@ -19,6 +19,7 @@ Terms used throughout:
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -222,7 +223,7 @@ class SamplingMetadata:
             ps.append(1.0 if g else p.top_p)
             min_ps.append(0.0 if g else p.min_p)
         # The rows' knobs in one copy from the device's pinned ring (engine/attention/staging.py).
-        pack = _staging(device).pack()
+        pack = _staging(torch.device(device)).pack()
         staged = [
             pack.add(np.asarray(temps, dtype=np.float32)),
             pack.add(np.asarray(ks, dtype=np.int64)) if any(k < vocab_size for k in ks) else None,
@@ -460,16 +461,10 @@ def _penalty_rows(params: Sequence[SamplingParams], device: torch.device) -> tup
     )
 
 
-_STAGINGS: dict[torch.device, Staging] = {}
-
-
+@functools.cache
 def _staging(device: torch.device) -> Staging:
     """The sampler's ring on ``device`` (one a device: sampling metadata is built by the engine's loop)."""
-    device = torch.device(device)
-    staging = _STAGINGS.get(device)
-    if staging is None:
-        staging = _STAGINGS.setdefault(device, Staging(device, capacity=1 << 16))
-    return staging
+    return Staging(device, capacity=1 << 16)
 
 
 def _host_to_device(
