@@ -23,6 +23,7 @@ from engine.sampling.sampler import (
     compute_probs,
     sample_from_probs,
 )
+from engine.sampling.verify import draw
 
 V = 8  # vocabulary size used by most tests
 EOS = 7
@@ -490,6 +491,41 @@ def test_zero_probability_tokens_are_never_drawn() -> None:
     torch.manual_seed(5)
     tokens = sample_from_probs(probs, random_md(5000))
     assert set(tokens.tolist()) == {1, 3}
+
+
+def test_inverse_cdf_draw_follows_each_rows_distribution() -> None:
+    # Rows of different, unnormalized distributions with massless tokens, drawn at once (verify's final
+    # draws and plain sampling's): each row's counts follow its own distribution.
+    rows = torch.tensor([[0.2, 0.4, 0.6, 0.3, 0.5], [0.0, 3.0, 0.0, 1.0, 0.0], [1e-3, 0.0, 0.0, 0.0, 0.999]])
+    n = 20_000
+    torch.manual_seed(7)
+    tokens = draw(rows.repeat_interleave(n, 0), torch.rand(3 * n, dtype=torch.float64)).view(3, n)
+    for row, toks in zip(rows, tokens):
+        counts = torch.bincount(toks, minlength=5).float()
+        assert (counts[row == 0] == 0).all()
+        kept = row > 0
+        assert chi_square(counts[kept], row[kept] / row.sum()) < CHI2_LIMIT
+
+
+def test_inverse_cdf_draw_at_the_ends_of_the_unit_interval_takes_tokens_with_mass() -> None:
+    P = torch.tensor([[0.0, 0.0, 2.0, 1.0, 0.0, 0.0]] * 2)
+    u = torch.tensor([0.0, 1.0 - 2.0**-53], dtype=torch.float64)
+    assert draw(P, u).tolist() == [2, 3]
+
+
+def test_inverse_cdf_check_can_fail() -> None:
+    # The same draws by a wrong rule (the point not scaled by the row's total, so an unnormalized row
+    # is drawn from its first half): the check must reject it.
+    row = TARGET * 2
+    n = 20_000
+    torch.manual_seed(7)
+    u = torch.rand(n, dtype=torch.float64)
+    cdf = row.double().cumsum(0)
+    wrong = torch.searchsorted(cdf, u, right=True)
+    counts = torch.bincount(wrong, minlength=5).float()
+    assert chi_square(counts, TARGET) > CHI2_LIMIT
+    right = draw(row.repeat(n, 1), u)
+    assert chi_square(torch.bincount(right, minlength=5).float(), TARGET) < CHI2_LIMIT
 
 
 def _seeded_run(position: int, mates: list[tuple[SamplingParams, torch.Generator | None]]) -> list[int]:

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+import engine.sampling.accept as accept_mod
 import engine.sampling.verify as verify_mod
 from conftest import VOCAB, build_model_dir
 from engine.config import EngineConfig
@@ -451,6 +452,38 @@ def test_engine_sampling_distribution_matches_target(small_vocab_pair, topk):
     counts = engine_samples(target, draft, topk, params, prompt, n)
     stat, dof = g_statistic(counts, exact_joint(target, prompt, params), n)
     assert stat < g_test_threshold(dof), f"G={stat:.1f} dof={dof}"
+
+
+def test_plain_sampling_matches_target_and_a_wrong_draw_fails(small_vocab_pair, monkeypatch):
+    # Sampled rows without a draft take one inverse-CDF draw each (accept_random's plain path).
+    target, draft = small_vocab_pair
+    params = SamplingParams(temperature=0.9, top_k=6, top_p=0.95, max_tokens=3, ignore_eos=True, speculative=False)
+    prompt = [0, 3, 4, 5]
+    n = 20_480
+    expected = exact_joint(target, prompt, params)
+    stat, dof = g_statistic(plain_samples(target, draft, params, prompt, n), expected, n)
+    assert stat < g_test_threshold(dof), f"G={stat:.1f} dof={dof}"
+    # A deliberately wrong draw: an off-by-one in the inverse CDF (the token after the one found).
+    right = accept_mod.draw
+    monkeypatch.setattr(accept_mod, "draw", lambda P, u: (right(P, u) + 1).clamp(max=P.shape[1] - 1))
+    stat, dof = g_statistic(plain_samples(target, draft, params, prompt, n), expected, n)
+    assert stat > g_test_threshold(dof), f"the wrong draw went unnoticed: G={stat:.1f} dof={dof}"
+
+
+def plain_samples(target, draft, params: SamplingParams, prompt: list[int], n: int) -> dict:
+    eng = make(target, draft, num_kv_blocks=4096, max_num_seqs=1024, block_size=8)
+    for i in range(n // 64):
+        eng.add_request(f"s{i}", prompt, SamplingParams(**{**params.__dict__, "n": 64}))
+    toks: dict = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            for c in o.outputs:
+                toks.setdefault((o.request_id, c.index), []).extend(c.delta_token_ids)
+    assert eng.spec_stats.num_drafts == 0
+    counts: dict = {}
+    for v in toks.values():
+        counts[tuple(v[:3])] = counts.get(tuple(v[:3]), 0) + 1
+    return counts
 
 
 def test_fused_sampled_chains_keep_the_targets_distribution(small_vocab_pair, monkeypatch, tmp_path):

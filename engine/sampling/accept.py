@@ -17,7 +17,7 @@ import torch
 from engine.request.sequence import Sequence
 from engine.sampling.no_repeat import banned_tokens
 from engine.sampling.sampler import SamplingMetadata, apply_logits_processors, compute_probs, exponential_noise
-from engine.sampling.verify import build_verify_input, greedy_accept, verify
+from engine.sampling.verify import build_verify_input, draw, greedy_accept, verify
 from engine.structured import unpack
 
 
@@ -116,6 +116,8 @@ def accept_random(samples: list, logits: torch.Tensor, rows_md: RowsMetadata) ->
     rows, md = rows_md(samples)
     raw = logits[rows]
     p = compute_probs(apply_logits_processors(raw, md) if md.needs_processing else raw, md)
+    if not any(len(s.tree) for s in samples):  # plain sampling: one draw a row, nothing to verify
+        return [([], t) for t in draw(p, torch.rand(len(samples), dtype=torch.float64, device=p.device)).tolist()]
     inp, roots = build_verify_input(p, [s.tree for s in samples], rows_md.vocab_size)
     res = verify(inp)
     accepted = [[r - root - 1 for r in acc] for acc, root in zip(res.accepted_rows, roots)]
