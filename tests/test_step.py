@@ -519,6 +519,32 @@ def test_guard_burst_waits_for_the_exploration_budget():
     assert guard.limit(1) == 4 and b.probing  # the budget allows: the burst starts at once
 
 
+def test_budget_lets_no_step_in_that_would_overdraw_it_and_a_burst_stops_when_it_is_spent():
+    budget = ExplorationBudget(fraction=0.05, decay=1.0)
+    for _ in range(100):
+        budget.observe(0.010)  # one second of plain steps: a 0.05 s share
+    assert budget.allows()  # nothing explored yet: nothing to forecast
+    budget.observe(0.050, excess=0.040)  # an exploring step lost 0.04 s (a request's first draft, say)
+    # 0.04 spent is within the share, but the next such step would take it to 0.08: it waits ...
+    assert budget.spent <= budget.fraction * budget.elapsed and not budget.allows()
+    for _ in range(60):
+        budget.observe(0.010)
+    assert budget.allows()  # ... until the share covers it too
+    guard = Guard(max_depth=4, min_samples=2, probe_every=2, burst=10)
+    b = guard.bucket(1)
+    for _ in range(2):
+        guard.observe(1, 1, 0.010, speculated=False)
+    b.on = False
+    depths = []
+    for _ in range(5):  # a burst runs, at 0.9x plain decoding (not lost enough to stop by itself) ...
+        depths.append(guard.limit(1))
+        if depths[-1]:
+            guard.observe(1, 1, 0.011, speculated=True)
+    assert depths == [0, 4, 4, 4, 4] and b.burst_left > 0
+    assert guard.limit(1, may_probe=False) == 0 and b.burst_left == 0  # ... until the budget is spent,
+    assert not b.on and not b.probing and b.interval == 4  # judged on the steps it ran: lost, waits longer
+
+
 def test_guard_verdict_expires_with_the_requests_it_was_about():
     guard = Guard(max_depth=4, min_samples=2, probe_every=8, max_interval=64)
     old, new = frozenset({1}), frozenset({2})

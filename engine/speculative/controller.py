@@ -171,20 +171,26 @@ class ExplorationBudget:
     within ``fraction`` of the time: a step that explores is charged its seconds beyond what plain
     decoding takes for the tokens it made (negative where it won), every decode-only step adds its
     seconds to the time, and both sums decay by ``decay`` a step, so the share is of recent time.
-    Exploration waits while the charges exceed the share; exploration that wins pays for more."""
+    Exploration waits while the charges, with what the next exploring step is likely to lose (the
+    recent steps' charges, averaged), would exceed the share: a step is not let in on a budget it
+    would overdraw by its own cost (a request's first draft feeds the draft its whole prompt: several
+    plain steps' time). Exploration that wins pays for more."""
 
     def __init__(self, fraction: float = 0.03, decay: float = 0.998) -> None:
         self.fraction, self.decay = fraction, decay
         self.spent = 0.0  # decayed seconds lost by exploring steps
         self.elapsed = 0.0  # decayed seconds of every decode-only step
+        self.charge: float | None = None  # moving average of the exploring steps' charges
 
     def allows(self) -> bool:
-        return self.spent <= self.fraction * self.elapsed
+        return self.spent + max(self.charge or 0.0, 0.0) <= self.fraction * self.elapsed
 
     def observe(self, seconds: float, excess: float | None = None) -> None:
         """A decode-only step of ``seconds``; ``excess``: an exploring step's seconds beyond plain decoding's."""
         self.spent = self.spent * self.decay + (excess or 0.0)
         self.elapsed = self.elapsed * self.decay + seconds
+        if excess is not None:
+            self.charge = excess if self.charge is None else 0.5 * (self.charge + excess)
 
 
 def _rate(steps: deque[tuple[int, float]]) -> float:
@@ -206,7 +212,8 @@ class Guard:
     positive limit while a bucket is off is a burst step), and judges the burst alone. A burst that keeps up with plain
     decoding turns the bucket back on; otherwise the interval doubles (up to ``max_interval``), so a
     bucket where speculation keeps losing spends ever less on probing, and a burst whose first steps
-    run below ``abort`` times plain decoding stops early. A verdict is about the requests it saw: once
+    run below ``abort`` times plain decoding stops early, as does one the exploration budget no
+    longer allows. A verdict is about the requests it saw: once
     none of them is left in the batch (a new conversation at one request a time, a turned-over batch),
     the next burst is at most ``probe_every`` plans away. Plain rates are learnt early (every 4th step
     of a bucket is plain until it has ``min_samples`` of them) and kept current (one plain step every
@@ -276,9 +283,10 @@ class Guard:
             return 0  # learn plain decoding's rate at this batch size early
         if b.on:
             return 0 if b.plans % self.probe_every == 0 else self.max_depth
-        if b.burst_left:
+        if b.burst_left and may_probe:
             b.burst_left -= 1
             return self.max_depth
+        b.burst_left = 0  # a burst the budget can no longer pay for ends here, judged on what it ran
         if b.probing:  # every step of the burst has been observed by now
             b.probing = False
             if len(b.spec) >= self.min_samples // 2 and self._keeps_up(b):
