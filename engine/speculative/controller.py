@@ -283,10 +283,11 @@ class Guard:
             return 0  # learn plain decoding's rate at this batch size early
         if b.on:
             return 0 if b.plans % self.probe_every == 0 else self.max_depth
-        if b.burst_left and may_probe:
-            b.burst_left -= 1
-            return self.max_depth
-        b.burst_left = 0  # a burst the budget can no longer pay for ends here, judged on what it ran
+        if b.burst_left:
+            if may_probe:
+                b.burst_left -= 1
+                return self.max_depth
+            b.burst_left = 0  # a burst the budget can no longer pay for ends here, judged on what it ran
         if b.probing:  # every step of the burst has been observed by now
             b.probing = False
             if len(b.spec) >= self.min_samples // 2 and self._keeps_up(b):
