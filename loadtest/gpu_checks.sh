@@ -6,7 +6,10 @@
 # decode against chain verifies (loadtest.profile_gpu).
 #   OUT=DIR [STAGES="bench tests served profile"] bash loadtest/gpu_checks.sh [SHAPES...]
 # (default stages: bench tests; default shape: llama-3.1-8b). Missing Python packages (openai, pydantic,
-# FastAPI, uvicorn, pyzmq, msgspec: that machine's image has none of them) install from ./.whl if present.
+# FastAPI, uvicorn, pyzmq, msgspec and their needs: that machine's image has none of them) install from
+# ./.whl if present: `bash loadtest/gpu_wheels.sh` fills it here, and the device call carries it.
+# Each failing test's traceback goes to $OUT/failures.log as it fails (tests/conftest.py), so a run
+# cut short by its time limit still says why.
 set -u
 OUT=${OUT:-/tmp/augur-gpu-checks}
 mkdir -p "$OUT"
@@ -23,6 +26,13 @@ stages=" ${STAGES:-bench tests} "
 } 2>&1 | tee "$OUT/env.txt"
 [[ $stages == *" bench "* ]] && timeout "${BENCH_TIMEOUT:-200}" python3 -m loadtest.bench_gpu --shapes "${shapes[@]}" --attention-backends triton sdpa \
     --cuda-graphs on off --output "$OUT/steps.json" 2>&1 | tee "$OUT/bench.log"
+if [[ $stages == *" tests "* ]]; then
+    # The C++ CPU kernels build on first use (~30-60 s); built here, no test's own time limit cuts a build
+    # short (which would leave its lock for the next test to wait on).
+    python3 -c "from engine.attention.cpu_kernel import load_cpu_kernel; from engine.models.small_linear import \
+load_small_linear; print('C++ CPU kernels built:', load_cpu_kernel(), load_small_linear())" 2>&1 | tee "$OUT/build.log"
+    export AUGUR_FAILURE_LOG=$OUT/failures.log
+fi
 [[ $stages == *" tests "* ]] && timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -o addopts="" -rfE $(python3 -c "import pytest_timeout" 2>/dev/null && echo --timeout 120) \
     tests/test_gpu_speculation.py tests/test_attention_backends.py tests/test_cuda_graphs.py tests/test_int4.py \
     tests/test_bench_gpu.py tests/test_staging.py "tests/test_engine.py::test_logits_match_transformers_cuda" \

@@ -176,6 +176,16 @@ def llama_dir(model_dirs) -> Path:
     return model_dirs["LlamaForCausalLM"]
 
 
+def pytest_runtest_logreport(report):
+    """With ``AUGUR_FAILURE_LOG=FILE``, each failure's traceback is appended to FILE as it happens: a run
+    cut short by an outer time limit (a lent GPU's minutes, loadtest/gpu_checks.sh) keeps what failed
+    and why, where pytest's summary comes only at the end."""
+    path = os.environ.get("AUGUR_FAILURE_LOG")
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"==== {report.nodeid} ({report.when}, {report.duration:.1f} s)\n{report.longreprtext}\n\n")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -9,7 +9,16 @@ wider GPU defaults) against plain decoding on the same device, with preemption a
 from __future__ import annotations
 
 import pytest
-from test_spec import noisy_copy, staggered
+from test_spec import (
+    engine_samples,
+    exact_joint,
+    g_statistic,
+    g_test_threshold,
+    noisy_copy,
+    plain_samples,
+    small_vocab_pair,  # noqa: F401 (a fixture)
+    staggered,
+)
 from test_step import prompts as repetitive_prompts
 
 from conftest import build_model_dir
@@ -81,3 +90,43 @@ def test_a_decode_step_waits_for_the_device_once(pair):
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) <= 16, [str(w.message) for w in syncs[:4]]
     assert eng.runner.graphs is not None  # as served on a GPU
+
+
+@pytest.mark.parametrize("topk", [0, 1, 2], ids=["plain", "chains", "trees"])
+def test_sampled_tokens_follow_the_target_on_gpu(small_vocab_pair, topk):  # noqa: F811
+    """On CUDA, as on the CPU (tests/test_spec.py): plain sampling's inverse-CDF draws and sampled
+    speculation's rejection sampling (draft chains, top-2 trees) give the target's exact joint
+    distribution of three tokens (a G-test at p ~ 0.001), through graphs and the triton backend. In
+    float32, as the exact distribution is computed: a GPU's ``dtype=auto`` is bfloat16, whose logits
+    move the probabilities by a few percent, which the test sees (it failed so on an H100)."""
+    target, draft = small_vocab_pair
+    gpu = dict(device="cuda", dtype="float32")
+    params = SamplingParams(temperature=0.9, top_k=6, top_p=0.95, max_tokens=3, ignore_eos=True, num_draft_tokens=3)
+    prompt, n = [0, 3, 4, 5], 20_480
+    if topk:
+        counts = engine_samples(target, draft, topk, params, prompt, n, **gpu)
+    else:
+        params = SamplingParams(**{**params.__dict__, "speculative": False})
+        counts = plain_samples(target, draft, params, prompt, n, **gpu)
+    stat, dof = g_statistic(counts, exact_joint(target, prompt, params), n)
+    assert stat < g_test_threshold(dof), f"G={stat:.1f} dof={dof}"
+
+
+def test_inverse_cdf_draws_match_the_cpu():
+    """``verify.draw`` on CUDA picks the same token as on the CPU for the same uniforms, zeros and
+    both ends of the unit interval included."""
+    import torch
+
+    from engine.sampling.verify import draw
+
+    g = torch.Generator().manual_seed(0)
+    P = torch.rand(64, 1000, generator=g, dtype=torch.float64) ** 8
+    P[:, ::3] = 0  # massless tokens are never drawn
+    P[0] = 0
+    P[0, 7] = 1
+    u = torch.rand(64, generator=g, dtype=torch.float64)
+    u[1], u[2] = 0.0, 1.0 - 2**-53
+    for dtype in (torch.float32, torch.float64):
+        cpu = draw(P.to(dtype), u)
+        assert torch.equal(draw(P.to(dtype).cuda(), u.cuda()).cpu(), cpu)
+        assert bool((P.gather(1, cpu[:, None]) > 0).all()) and cpu[0].item() == 7

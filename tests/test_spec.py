@@ -227,7 +227,8 @@ def pair(tmp_path_factory, tokenizer_dir):
 def make(target, draft=None, **kw) -> LLMEngine:
     kw.setdefault("num_kv_blocks", 512)
     kw.setdefault("block_size", 4)
-    return LLMEngine(EngineConfig(model=str(target), draft_model=str(draft) if draft else None, device="cpu", **kw))
+    kw.setdefault("device", "cpu")
+    return LLMEngine(EngineConfig(model=str(target), draft_model=str(draft) if draft else None, **kw))
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:
@@ -426,8 +427,8 @@ def exact_joint(target_dir, prompt: list[int], params: SamplingParams) -> dict[t
     return {(a, b, c): (p1[a] * p2[a, b] * p3[a, b, c]).item() for a, b, c in itertools.product(range(Vs), repeat=3)}
 
 
-def engine_samples(target, draft, topk: int, params: SamplingParams, prompt: list[int], n: int) -> dict:
-    eng = make(target, draft, spec_tree_topk=topk, num_kv_blocks=4096, max_num_seqs=1024, block_size=8)
+def engine_samples(target, draft, topk: int, params: SamplingParams, prompt: list[int], n: int, **kw) -> dict:
+    eng = make(target, draft, spec_tree_topk=topk, num_kv_blocks=4096, max_num_seqs=1024, block_size=8, **kw)
     per = 64
     for i in range(n // per):
         eng.add_request(f"s{i}", prompt, SamplingParams(**{**params.__dict__, "n": per}))
@@ -470,8 +471,8 @@ def test_plain_sampling_matches_target_and_a_wrong_draw_fails(small_vocab_pair, 
     assert stat > g_test_threshold(dof), f"the wrong draw went unnoticed: G={stat:.1f} dof={dof}"
 
 
-def plain_samples(target, draft, params: SamplingParams, prompt: list[int], n: int) -> dict:
-    eng = make(target, draft, num_kv_blocks=4096, max_num_seqs=1024, block_size=8)
+def plain_samples(target, draft, params: SamplingParams, prompt: list[int], n: int, **kw) -> dict:
+    eng = make(target, draft, num_kv_blocks=4096, max_num_seqs=1024, block_size=8, **kw)
     for i in range(n // 64):
         eng.add_request(f"s{i}", prompt, SamplingParams(**{**params.__dict__, "n": 64}))
     toks: dict = {}

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Wheels for the lent GPU machine, whose image has torch, Triton and transformers but not the server's
+# packages: downloads into ./.whl (ignored by git) the versions this checkout's .venv runs, for CPython
+# 3.12 on x86-64 Linux (.gitignore keeps it out of commits), without their dependencies (the list is closed by hand: each one's needs that
+# the image lacks, or has too old, are in it; a missing one shows as an ImportError there).
+#   bash loadtest/gpu_wheels.sh        then, on the device: carry .whl; loadtest/gpu_checks.sh installs them
+set -eu
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+PACKAGES=(
+    openai httpx2 httpcore2 truststore jiter distro sniffio  # the SDK the tests drive the server with
+    fastapi starlette opentelemetry-api sse-starlette uvicorn h11 anyio idna  # the server
+    pydantic pydantic_core annotated-types typing-inspection typing_extensions
+    pyzmq msgspec llguidance  # the engine process's sockets and messages; structured outputs
+)
+mkdir -p .whl
+platforms=()
+for p in manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_24_x86_64 manylinux_2_26_x86_64 manylinux_2_27_x86_64 \
+    manylinux_2_28_x86_64 manylinux_2_31_x86_64 manylinux_2_34_x86_64 manylinux_2_35_x86_64 manylinux1_x86_64; do
+    platforms+=(--platform "$p")
+done
+for name in "${PACKAGES[@]}"; do
+    version=$("$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name")
+    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        "${platforms[@]}" -d .whl "$name==$version" 2>&1 | grep -v '^WARNING: Location' || true
+done
+printf '%s wheels in .whl (%s)\n' "$(ls .whl | wc -l)" "$(du -sh .whl | cut -f1)"
