@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Wheels for the lent GPU machine, whose image has torch, Triton and transformers but not the server's
-# packages: downloads into ./.whl (ignored by git) the versions this checkout's .venv runs, for CPython
-# 3.12 on x86-64 Linux (.gitignore keeps it out of commits), without their dependencies (the list is closed by hand: each one's needs that
-# the image lacks, or has too old, are in it; a missing one shows as an ImportError there).
+# packages: downloads into ./.whl (git ignores it) the versions this checkout's .venv runs, for CPython
+# 3.12 on x86-64 Linux, without their dependencies. The list is closed by hand: it holds each package's
+# needs that the image lacks or has too old (a missing one shows as an ImportError there).
 #   bash loadtest/gpu_wheels.sh        then, on the device: carry .whl; loadtest/gpu_checks.sh installs them
 set -eu
 cd "$(dirname "$0")/.."
