@@ -427,19 +427,24 @@ def exact_joint(target_dir, prompt: list[int], params: SamplingParams) -> dict[t
     return {(a, b, c): (p1[a] * p2[a, b] * p3[a, b, c]).item() for a, b, c in itertools.product(range(Vs), repeat=3)}
 
 
-def engine_samples(target, draft, topk: int, params: SamplingParams, prompt: list[int], n: int, **kw) -> dict:
-    eng = make(target, draft, spec_tree_topk=topk, num_kv_blocks=4096, max_num_seqs=1024, block_size=8, **kw)
-    per = 64
-    for i in range(n // per):
-        eng.add_request(f"s{i}", prompt, SamplingParams(**{**params.__dict__, "n": per}))
-    counts: dict = {}
+def sample_counts(eng: LLMEngine, params: SamplingParams, prompt: list[int], n: int) -> dict:
+    """How often each first three tokens came out of ``n`` samples (requests of 64 choices each)."""
+    for i in range(n // 64):
+        eng.add_request(f"s{i}", prompt, SamplingParams(**{**params.__dict__, "n": 64}))
     toks: dict = {}
     while eng.has_unfinished_requests():
         for o in eng.step():
             for c in o.outputs:
                 toks.setdefault((o.request_id, c.index), []).extend(c.delta_token_ids)
+    counts: dict = {}
     for v in toks.values():
         counts[tuple(v[:3])] = counts.get(tuple(v[:3]), 0) + 1
+    return counts
+
+
+def engine_samples(target, draft, topk: int, params: SamplingParams, prompt: list[int], n: int, **kw) -> dict:
+    eng = make(target, draft, spec_tree_topk=topk, num_kv_blocks=4096, max_num_seqs=1024, block_size=8, **kw)
+    counts = sample_counts(eng, params, prompt, n)
     assert eng.spec_stats.num_drafts > 0
     return counts
 
@@ -473,17 +478,8 @@ def test_plain_sampling_matches_target_and_a_wrong_draw_fails(small_vocab_pair, 
 
 def plain_samples(target, draft, params: SamplingParams, prompt: list[int], n: int, **kw) -> dict:
     eng = make(target, draft, num_kv_blocks=4096, max_num_seqs=1024, block_size=8, **kw)
-    for i in range(n // 64):
-        eng.add_request(f"s{i}", prompt, SamplingParams(**{**params.__dict__, "n": 64}))
-    toks: dict = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            for c in o.outputs:
-                toks.setdefault((o.request_id, c.index), []).extend(c.delta_token_ids)
+    counts = sample_counts(eng, params, prompt, n)
     assert eng.spec_stats.num_drafts == 0
-    counts: dict = {}
-    for v in toks.values():
-        counts[tuple(v[:3])] = counts.get(tuple(v[:3]), 0) + 1
     return counts
 
 
