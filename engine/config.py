@@ -46,6 +46,11 @@ class EngineConfig:
     compile_background: bool = False
     # GPUs: run every forward eagerly, without capturing CUDA graphs (engine/runner/cuda_graphs.py).
     enforce_eager: bool = False
+    # Run-ahead decoding (engine/core/ahead.py): while every running request is a plain greedy decode,
+    # launch the next forward before reading the last one's tokens, so that output processing overlaps
+    # the device's work. Exact; engines without a speculative method, one rank. Off by default: on a
+    # CPU the forward runs on the host and nothing can overlap it; on GPUs it is not yet measured.
+    async_scheduling: bool = False
     # Attention backend: auto | sdpa | triton (engine/attention). auto: triton on CUDA where Triton imports,
     # else sdpa (the CPU path and the reference).
     attention_backend: str = "auto"

@@ -65,6 +65,12 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
         help="GPU: run every forward eagerly instead of replaying captured CUDA graphs for decode and verify",
     )
     g.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="plain greedy decoding: launch each forward before reading the last one's tokens, overlapping "
+        "output processing with the device (exact; no speculative method, one rank)",
+    )
+    g.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,

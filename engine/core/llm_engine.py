@@ -18,6 +18,7 @@ from collections.abc import Iterable
 import torch
 
 from engine.config import EngineConfig
+from engine.core.ahead import RunAhead
 from engine.core.output_processor import OutputProcessor
 from engine.core.scheduler import Scheduler
 from engine.core.step import Step
@@ -31,6 +32,7 @@ from engine.request.sequence import BeamState, FinishReason, Sequence, SequenceG
 from engine.request.state import SearchState
 from engine.runner.loader import eos_token_ids, load_config, load_model, load_tokenizer, resolve_model_path
 from engine.runner.model_runner import ModelRunner, kv_pool_blocks
+from engine.sampling.batch import Emit
 from engine.speculative.controller import SpecController, profile_costs
 from engine.speculative.methods import proposer_class, resolve_method
 from engine.structured import GrammarError, Grammars
@@ -138,6 +140,12 @@ class LLMEngine:
             jump_forward=config.grammar_jump_forward,
         )  # fmt: skip
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids, config.grammar_cache_size)
+        self.ahead = None  # run-ahead decoding (engine/core/ahead.py)
+        if config.async_scheduling:
+            if self.proposer is None and tp.size == 1:
+                self.ahead = RunAhead(self.runner, self.scheduler, max_len, config.max_num_seqs)
+            else:
+                logger.warning("--async-scheduling runs plain decoding on one rank only: off for this engine")
         try:
             self.grammars.tokenizer()
         except GrammarError as e:  # the server still serves; constrained requests get this as a 400
@@ -326,21 +334,34 @@ class LLMEngine:
         finishing one request's tokens fails that request; one in the batched forward fails the
         requests of that batch. The engine keeps serving the rest."""
         self.swap_in_compiled()
+        if self.ahead is not None and self.ahead.pending is not None:
+            return self._step_ahead()
         try:
             emits, prompt_seqs = self.step_runner.run()
         except Exception as e:
-            if is_out_of_memory(e) and self.step_runner.scheduled:
-                return self._shrink_after_oom(e)
-            failed = {seq.group.request_id: seq.group for seq in self.step_runner.scheduled}
-            if not failed:
-                raise  # it failed before any request was in it: not a request's fault
-            logger.exception("engine step failed; failing the %d requests in it", len(failed))
-            return [self._fail_group(g, f"{type(e).__name__}: {e}") for g in failed.values() if g.error is None]
+            return self._step_failed(e)
         if not emits and not prompt_seqs:
             return []
         self.scheduler.regrow()
         self.num_steps += 1
         touched = {seq.group.request_id: seq.group for seq in prompt_seqs}
+        self._hand_out(emits, touched)
+        outs = [self._make_output(g) for g in touched.values()]
+        if self.ahead is not None:
+            outs += self._start_ahead()
+        return outs
+
+    def _step_failed(self, e: Exception) -> list[RequestOutput]:
+        if is_out_of_memory(e) and self.step_runner.scheduled:
+            return self._shrink_after_oom(e)
+        failed = {seq.group.request_id: seq.group for seq in self.step_runner.scheduled}
+        if not failed:
+            raise e  # it failed before any request was in it: not a request's fault
+        logger.exception("engine step failed; failing the %d requests in it", len(failed), exc_info=e)
+        return [self._fail_group(g, f"{type(e).__name__}: {e}") for g in failed.values() if g.error is None]
+
+    def _hand_out(self, emits: list[Emit], touched: dict[str, SequenceGroup]) -> None:
+        """Append each emit's tokens to its sequence (stop checks, detokenizing) and note its request."""
         now = time.monotonic()
         for e in emits:
             seq, group = e.seq, e.seq.group
@@ -359,7 +380,48 @@ class LLMEngine:
             if group.first_token_time is None:
                 group.first_token_time = now
             touched[group.request_id] = group
+
+    # -- run-ahead decoding (engine/core/ahead.py) -----------------------------------------------------
+    def _start_ahead(self) -> list[RequestOutput]:
+        """After an ordinary step whose sequences all decode plainly: launch the next forward, unread."""
+        seqs = self.ahead.startable()
+        if seqs is None:
+            return []
+        self.step_runner.scheduled = seqs
+        try:
+            pending = self.ahead.launch(seqs, None)
+        except Exception as e:
+            return self._step_failed(e)
+        if pending is not None:
+            self._computed_ahead(pending.seqs)
+            self.ahead.pending = pending
+        return []
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        """A forward is pending: launch the next over the same sequences from its tokens on the device
+        if the batch is the same again, then read the pending tokens and hand them out (else: drain)."""
+        pending, self.ahead.pending = self.ahead.pending, None
+        self.step_runner.scheduled = [s for s in pending.seqs if s.status is SequenceStatus.RUNNING]
+        try:
+            following = self.ahead.launch(pending.seqs, pending.tokens) if self.ahead.steady(pending) else None
+            tokens = pending.ticket.tolist()
+        except Exception as e:
+            return self._step_failed(e)
+        self.num_steps += 1
+        touched: dict[str, SequenceGroup] = {}
+        self._hand_out(
+            [Emit(s, [t]) for s, t in zip(pending.seqs, tokens) if s.status is SequenceStatus.RUNNING], touched
+        )
+        if following is not None:
+            self._computed_ahead([s for s in following.seqs if s.status is SequenceStatus.RUNNING])
+            self.ahead.pending = following
         return [self._make_output(g) for g in touched.values()]
+
+    def _computed_ahead(self, seqs: list[Sequence]) -> None:
+        """A forward ahead computed each one's last known token (its own token is still on the device)."""
+        for seq in seqs:
+            seq.num_computed_tokens += 1
+            self.block_manager.commit(seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed_tokens)
 
     def _shrink_after_oom(self, error: Exception) -> list[RequestOutput]:
         """A forward ran out of memory. Nothing of that step is kept: its sequences are preempted

@@ -1,0 +1,180 @@
+"""Run-ahead decoding (``--async-scheduling``, engine/core/ahead.py): the next forward launched before
+the last one's tokens are read, exact against ordinary steps, through aborts, failures and a server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+import torch
+from test_engine import make_engine, prompts, run_staggered
+
+from engine.core.ahead import RunAhead
+from engine.request.sampling_params import SamplingParams
+from engine.runner.readback import Ticket
+from server.app import ServerSettings, create_app
+from servers import engine_factory, serve
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def by_request(engine, ps, params) -> dict[str, list[int]]:
+    return run_staggered(engine, ps, params, every=3)
+
+
+def test_the_same_tokens_as_ordinary_steps_with_requests_coming_and_going(llama_dir):
+    """Staggered arrivals drain the forward ahead and start it again; end of sequence, stop tokens,
+    stop strings and max_tokens end sequences with a forward ahead of them in flight."""
+    ps = prompts(7, seed=21, lo=4, hi=30)
+    plain, ahead = make_engine(llama_dir), make_engine(llama_dir, async_scheduling=True)
+    assert isinstance(ahead.ahead, RunAhead) and plain.ahead is None
+    for params in (
+        SamplingParams(temperature=0.0, max_tokens=24),
+        SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True),
+    ):
+        want = by_request(plain, ps, params)
+        assert by_request(ahead, ps, params) == want
+    free = plain.generate([ps[0]], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0].outputs[0]
+    for params in (
+        SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[free.delta_token_ids[6]], ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=16, stop=[free.text[-6:-3]], ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=16, n=2, ignore_eos=True),
+    ):
+        want = [(c.delta_token_ids, c.finish_reason, c.text) for o in plain.generate(ps, params) for c in o.outputs]
+        got = [(c.delta_token_ids, c.finish_reason, c.text) for o in ahead.generate(ps, params) for c in o.outputs]
+        assert got == want
+    assert ahead.ahead.num_launched > 20
+    assert ahead.block_manager.num_free_blocks == ahead.block_manager.num_blocks
+    # The context's end, five tokens past the longest prompt.
+    short = dict(max_model_len=max(map(len, ps)) + 5)
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    want = [c.delta_token_ids for o in make_engine(llama_dir, **short).generate(ps, params) for c in o.outputs]
+    ahead = make_engine(llama_dir, async_scheduling=True, **short)
+    assert [c.delta_token_ids for o in ahead.generate(ps, params) for c in o.outputs] == want
+    assert ahead.ahead.num_launched > 0
+
+
+def test_requests_it_cannot_run_ahead_drain_it(llama_dir):
+    """A sampled, penalised or logprobs request beside greedy ones: ordinary steps, the same outputs."""
+    ps = prompts(4, seed=22)
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    others = [
+        SamplingParams(temperature=0.8, seed=5, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=8, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=True),
+    ]
+    plain, ahead = make_engine(llama_dir), make_engine(llama_dir, async_scheduling=True)
+    for other in others:
+        params = [greedy, other, greedy, greedy]
+        want = [(c.delta_token_ids, c.delta_logprobs) for o in plain.generate(ps, params) for c in o.outputs]
+        got = [(c.delta_token_ids, c.delta_logprobs) for o in ahead.generate(ps, params) for c in o.outputs]
+        assert got == want
+    # Once the odd request (8 tokens) has finished, the greedy ones run ahead.
+    assert ahead.ahead.num_launched > 0
+
+
+def test_each_forward_is_launched_before_the_last_ones_tokens_are_read(llama_dir, monkeypatch):
+    engine = make_engine(llama_dir, async_scheduling=True)
+    events: list[str] = []
+    execute, tolist = engine.runner.execute, Ticket.tolist
+    monkeypatch.setattr(engine.runner, "execute", lambda *a, **k: events.append("launch") or execute(*a, **k))
+    monkeypatch.setattr(Ticket, "tolist", lambda self: events.append("read") or tolist(self))
+    engine.generate(prompts(3, seed=23), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    # The prefill (an ordinary step: token 1), then the forward of token 2 from token 1 on the host, then
+    # each of tokens 3-12 launched before the token before it is read; the last read drains.
+    assert events == ["launch", "launch"] + ["launch", "read"] * 10 + ["read"]
+
+
+def test_an_abort_with_a_forward_in_flight(llama_dir):
+    ps = prompts(3, seed=24)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    want = {o.request_id: o.outputs[0].delta_token_ids for o in make_engine(llama_dir).generate(ps[1:], params)}
+    engine = make_engine(llama_dir, async_scheduling=True)
+    for i, p in enumerate(ps):
+        engine.add_request(f"a{i}", p, params)
+    got = {f"a{i}": [] for i in range(3)}
+    for _ in range(5):
+        for o in engine.step():
+            got[o.request_id] += o.outputs[0].delta_token_ids
+    assert engine.ahead.pending is not None
+    assert engine.abort("a0")
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            got[o.request_id] += o.outputs[0].delta_token_ids
+    assert [got["a1"], got["a2"]] == [want["gen-0-0"], want["gen-0-1"]]
+    engine.step()  # what was still in flight for a0 is read and dropped
+    assert engine.ahead.pending is None
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("error", [RuntimeError("device fault"), torch.OutOfMemoryError("out of memory")])
+def test_a_forward_ahead_that_fails(llama_dir, monkeypatch, error):
+    """A failed forward ahead fails its requests (an out-of-memory one preempts them: recomputed, same
+    tokens); the engine serves on."""
+    ps = prompts(2, seed=25)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    want = [o.outputs[0].delta_token_ids for o in make_engine(llama_dir).generate(ps, params)]
+    engine = make_engine(llama_dir, async_scheduling=True)
+    execute, calls = engine.runner.execute, []
+
+    def failing(batch, input_ids=None, **kw):
+        calls.append(input_ids is not None)
+        if input_ids is not None and calls.count(True) == 3:
+            raise error
+        return execute(batch, input_ids=input_ids, **kw)
+
+    monkeypatch.setattr(engine.runner, "execute", failing)
+    outs = engine.generate(ps, params)
+    if isinstance(error, torch.OutOfMemoryError):
+        assert [o.outputs[0].delta_token_ids for o in outs] == want
+        assert engine.scheduler.num_preemptions == 2
+    else:
+        assert [(o.error, o.outputs[0].finish_reason) for o in outs] == [("RuntimeError: device fault", "error")] * 2
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert [o.outputs[0].delta_token_ids for o in engine.generate(ps, params)] == want
+    assert calls.count(True) > 3
+
+
+def test_engines_it_does_not_apply_to_run_ordinary_steps(llama_dir):
+    engine = make_engine(llama_dir, async_scheduling=True, speculative_method="ngram")
+    assert engine.ahead is None
+
+
+@pytest.mark.gpu
+def test_run_ahead_through_graphs_on_gpu(llama_dir):
+    """On CUDA, as served there (graphs, triton attention), with two tokens' readbacks in flight at once."""
+    ps = prompts(6, seed=27, lo=4, hi=30)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = by_request(make_engine(llama_dir, device="cuda"), ps, params)
+    engine = make_engine(llama_dir, device="cuda", async_scheduling=True)
+    assert engine.runner.graphs is not None
+    assert by_request(engine, ps, params) == want
+    assert engine.ahead.num_launched > 20
+
+
+@pytest.mark.parametrize("front", ["thread", "process"])
+def test_served_with_async_scheduling(llama_dir, monkeypatch, front):
+    """The OpenAI SDK, streaming and not, eight requests at once: the tokens of ordinary steps."""
+    if front == "process":
+        monkeypatch.setenv("AUGUR_TEST_FRONT", "process")
+    ps = prompts(8, seed=26, lo=4, hi=20)
+    params = SamplingParams(temperature=0.0, max_tokens=20)
+    want = [o.outputs[0].text for o in make_engine(llama_dir, max_model_len=512).generate(ps, params)]
+    app = create_app(ServerSettings(served_model_name="tiny"), engine_factory(llama_dir, async_scheduling=True))
+    with serve(app) as s:
+        client = openai.AsyncOpenAI(base_url=s.base + "/v1", api_key="x")
+
+        async def one(i: int) -> str:
+            kw = dict(model="tiny", prompt=ps[i], max_tokens=20, temperature=0.0)
+            if i % 2:
+                return "".join([c.choices[0].text async for c in await client.completions.create(stream=True, **kw)])
+            return (await client.completions.create(**kw)).choices[0].text
+
+        async def all_of_them():
+            try:
+                return await asyncio.gather(*(one(i) for i in range(len(ps))))
+            finally:
+                await client.close()
+
+        assert asyncio.run(all_of_them()) == want
