@@ -41,7 +41,7 @@ fi
     tests/test_staging.py tests/test_sampler.py::test_cuda_matches_cpu_and_seeds_reproduce \
     "tests/test_engine.py::test_logits_match_transformers_cuda" tests/test_loading.py::test_cuda_greedy_matches_cpu \
     tests/test_int4.py tests/test_bench_gpu.py tests/test_cuda_graphs.py tests/test_gpu_speculation.py \
-    tests/test_attention_backends.py 2>&1 | tee "$OUT/tests.log"
+    tests/test_attention_backends.py tests/test_run_ahead.py::test_run_ahead_through_graphs_on_gpu 2>&1 | tee "$OUT/tests.log"
 if [[ $stages == *" served "* ]]; then
     # `augur` as the peers tool starts it, without an installed package: python3 -c runs the CLI from the tree.
     mkdir -p /tmp/augur-bin
@@ -49,8 +49,8 @@ if [[ $stages == *" served "* ]]; then
         >/tmp/augur-bin/augur
     chmod +x /tmp/augur-bin/augur
     PATH=/tmp/augur-bin:$PATH timeout "${SERVED_TIMEOUT:-240}" python3 -m loadtest.peers \
-        --preset augur-plain-thread --preset augur-plain-process --preset augur-default-thread \
-        --preset augur-default-process \
+        --preset augur-plain-thread --preset augur-plain-async --preset augur-plain-process \
+        --preset augur-default-thread --preset augur-default-process \
         --num-prompts 16 --max-tokens 128 --concurrency 1 8 --no-progress --startup-timeout 120 \
         --log-dir "$OUT/logs" --output-md "$OUT/served.md" 2>&1
 fi

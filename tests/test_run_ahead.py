@@ -9,6 +9,7 @@ import openai
 import pytest
 import torch
 from test_engine import make_engine, prompts, run_staggered
+from test_spec import exact_joint, g_statistic, g_test_threshold, make, sample_counts, small_vocab_pair  # noqa: F401
 
 from engine.core.ahead import RunAhead
 from engine.request.sampling_params import SamplingParams
@@ -72,6 +73,54 @@ def test_requests_it_cannot_run_ahead_drain_it(llama_dir):
         assert got == want
     # Once the odd request (8 tokens) has finished, the greedy ones run ahead.
     assert ahead.ahead.num_launched > 0
+
+
+def test_seeded_sampling_ahead_draws_the_same_tokens(llama_dir):
+    """A seeded request's noise is that of (seed, output position): drawn a forward ahead, the same."""
+    ps = prompts(6, seed=28, lo=4, hi=30)
+    params = [
+        SamplingParams(
+            temperature=0.9, top_p=0.9, top_k=40, min_p=0.02, seed=100 + i, max_tokens=18 + i, ignore_eos=True
+        )
+        for i in range(6)
+    ]
+    plain, ahead = make_engine(llama_dir), make_engine(llama_dir, async_scheduling=True)
+    want = [c.delta_token_ids for o in plain.generate(ps, params) for c in o.outputs]
+    assert [c.delta_token_ids for o in ahead.generate(ps, params) for c in o.outputs] == want
+    assert ahead.ahead.num_launched > 10
+
+
+def test_unseeded_sampling_ahead_keeps_the_targets_distribution(small_vocab_pair, monkeypatch):  # noqa: F811
+    """The first three tokens of 20,480 choices (the second and third drawn ahead) against the target's
+    exact joint distribution; feeding each forward another row's token instead fails the same test."""
+    target, _ = small_vocab_pair
+    params = SamplingParams(temperature=0.9, top_k=6, top_p=0.95, max_tokens=3, ignore_eos=True)
+    prompt, n = [0, 3, 4, 5], 20_480
+    expected = exact_joint(target, prompt, params)
+
+    def samples() -> dict:
+        eng = make(target, num_kv_blocks=4096, max_num_seqs=1024, block_size=8, async_scheduling=True)
+        counts = sample_counts(eng, params, prompt, n)
+        assert eng.ahead.num_launched >= 2 * n // 1024  # tokens 2 and 3 of every wave of 1,024 choices
+        return counts
+
+    stat, dof = g_statistic(samples(), expected, n)
+    assert stat < g_test_threshold(dof), f"G={stat:.1f} dof={dof}"
+    right = RunAhead.launch
+    monkeypatch.setattr(
+        RunAhead, "launch", lambda self, seqs, ids: right(self, seqs, None if ids is None else ids.roll(1))
+    )
+    stat, dof = g_statistic(samples(), expected, n)
+    assert stat > g_test_threshold(dof), f"the wrong inputs went unnoticed: G={stat:.1f} dof={dof}"
+
+
+def test_a_full_house_runs_ahead_while_requests_wait_for_a_seat(llama_dir):
+    ps = prompts(9, seed=29, lo=4, hi=30)
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    want = [c.delta_token_ids for o in make_engine(llama_dir).generate(ps, params) for c in o.outputs]
+    ahead = make_engine(llama_dir, async_scheduling=True, max_num_seqs=4)
+    assert [c.delta_token_ids for o in ahead.generate(ps, params) for c in o.outputs] == want
+    assert ahead.ahead.num_launched >= 3 * 10  # three waves (4, 4, 1) of 12 tokens ahead at most
 
 
 def test_each_forward_is_launched_before_the_last_ones_tokens_are_read(llama_dir, monkeypatch):

@@ -3,14 +3,16 @@ tokens are read.
 
 A plain decode step waits for the device once, for its tokens, and between that wait and the next
 forward's launch the device idles while the host appends tokens, checks stops, publishes outputs
-and builds the next batch. Once every running sequence is a plain greedy decode, the engine keeps
-one forward *pending* instead: step k launches forward k + 1 with forward k's argmax as its input
-ids, still on the device, and only then reads forward k's tokens (engine/runner/readback.py: a wait
+and builds the next batch. Once every running sequence is a plain decode, the engine keeps one
+forward *pending* instead: step k launches forward k + 1 with forward k's tokens as its input ids,
+still on the device, and only then reads forward k's tokens (engine/runner/readback.py: a wait
 for forward k alone). Everything the host does for step k's tokens then runs while the device
 computes forward k + 1.
 
-Exact. The tokens are the same argmax of the same logits plain decoding takes; a forward's inputs are
-the token before and the positions and KV slots it would have had. A sequence that forward k's
+Exact. A forward's inputs are the token before and the positions and KV slots an ordinary step would
+give it, and its tokens are drawn as an ordinary step draws them (``sampled_tokens``,
+engine/sampling/accept.py): the argmax; for a seeded request the noise of (seed, output position),
+the same tokens; for an unseeded one a fresh uniform a row, the same distribution. A sequence that forward k's
 token ends (end of sequence, a stop token or string) already has a row in forward k + 1: that row
 is dropped, and the KV slot it wrote lies in blocks freed with the sequence, which only a later
 forward can reuse (the device runs forwards in launch order).
@@ -21,11 +23,12 @@ the device. The scheduler never sees that state: whenever the next step is not t
 again, the step *drains* instead (reads the pending tokens and hands them out, the sequences back to
 ordinary decodes) and the next step is an ordinary one (engine/core/step.py).
 
-The batch is "the same again" when ``S`` is every running sequence, nothing waits for admission,
-each sequence is a plain greedy decode (no grammar, logprobs, penalties, bias, ``min_tokens`` still
-to serve, beams or contrastive search), each may still generate two tokens (by ``max_tokens`` and
-the context; the pending one and the next) and the KV pool gives each the next slot. Engines with a
-proposer, sampled requests and tensor parallelism run ordinary steps only.
+The batch is "the same again" when ``S`` is every running sequence, nothing waits for a free seat,
+each sequence is a plain decode (no grammar, logprobs, penalties, bias, no-repeat n-grams,
+``min_tokens`` still to serve, beams or contrastive search) and all are of one kind (greedy, seeded
+or unseeded sampling), each may still generate two tokens (by ``max_tokens`` and the context; the
+pending one and the next) and the KV pool gives each the next slot. Engines with a proposer and
+tensor parallelism run ordinary steps only.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from engine.core.scheduler import Scheduler
 from engine.request.sequence import Sequence, SequenceStatus
 from engine.runner.model_runner import ForwardChunk, ModelRunner
 from engine.runner.readback import Readback, Ticket
+from engine.sampling.accept import sampled_tokens
+from engine.sampling.sampler import SamplingMetadata
 
 
 @dataclass
@@ -45,16 +50,16 @@ class Pending:
     """A forward launched and not read: one row per sequence, in this order."""
 
     seqs: list[Sequence]
-    tokens: torch.Tensor  # [len(seqs)] int64 argmax, on the device
+    tokens: torch.Tensor  # [len(seqs)] int64, on the device
     ticket: Ticket
 
 
-def plain_greedy(seq: Sequence) -> bool:
-    """Its next token is the raw logits' argmax and nothing else of it is read."""
+def kind(seq: Sequence) -> str | None:
+    """How its next token is drawn (greedy, seeded, random) where a forward ahead may draw it: nothing
+    but the temperature, top-k, top-p and min-p shape its row and only the token is read. Else None."""
     p = seq.params
-    return (
-        p.greedy
-        and seq.grammar is None
+    plain = (
+        seq.grammar is None
         and seq.search is None
         and seq.group.beam is None
         and p.logprobs is None
@@ -63,38 +68,51 @@ def plain_greedy(seq: Sequence) -> bool:
         and not p.no_repeat_ngram_size
         and seq.num_output_tokens >= p.min_tokens
     )
+    if not plain:
+        return None
+    return "greedy" if p.greedy else "seeded" if seq.seed is not None else "random"
+
+
+def one_kind(seqs: list[Sequence]) -> str | None:
+    """The kind all of ``seqs`` share, if they share one."""
+    kinds = {kind(s) for s in seqs}
+    return kinds.pop() if len(kinds) == 1 else None
 
 
 class RunAhead:
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, max_model_len: int, max_num_seqs: int) -> None:
+    def __init__(
+        self, runner: ModelRunner, scheduler: Scheduler, max_model_len: int, max_num_seqs: int, eos_token_ids: list[int]
+    ) -> None:
         self.runner, self.scheduler, self.max_model_len = runner, scheduler, max_model_len
+        self.eos_token_ids = eos_token_ids
         self.readback = Readback(runner.device, max_num_seqs)
         self.pending: Pending | None = None
         self.num_launched = 0  # forwards launched ahead of a read (the tests' witness that it ran)
 
+    def _may_wait(self) -> bool:
+        """Whether the waiting sequences (if any) could not be admitted now anyway: every seat is taken."""
+        return not self.scheduler.waiting or len(self.scheduler.running) >= self.scheduler.max_num_seqs
+
     def startable(self) -> list[Sequence] | None:
-        """After an ordinary step: the running sequences, if all are plain greedy decodes with a token
-        to go and nothing waits (the first forward ahead starts from their known last tokens)."""
+        """After an ordinary step: the running sequences, if all are plain decodes of one kind with a
+        token to go (the first forward ahead starts from their known last tokens)."""
         running = self.scheduler.running
-        if not running or self.scheduler.waiting or len(running) > self.scheduler.max_num_batched_tokens:
+        if not running or not self._may_wait() or len(running) > self.scheduler.max_num_batched_tokens:
             return None
         for seq in running:
-            if seq.num_uncomputed_tokens != 1 or seq.num_output_tokens == 0 or not plain_greedy(seq):
+            if seq.num_uncomputed_tokens != 1 or seq.num_output_tokens == 0 or seq.tokens_left(self.max_model_len) < 1:
                 return None
-            if seq.tokens_left(self.max_model_len) < 1:
-                return None
-        return list(running)
+        return list(running) if one_kind(running) is not None else None
 
     def steady(self, pending: Pending) -> bool:
         """May the forward after ``pending`` run ahead over the same sequences?"""
         seqs = pending.seqs
-        if self.scheduler.waiting or len(self.scheduler.running) != len(seqs):
+        if not self._may_wait() or len(self.scheduler.running) != len(seqs):
             return False
         # The pending token is the output's next one: two to go means one more after it.
-        return all(
-            s.status is SequenceStatus.RUNNING and plain_greedy(s) and s.tokens_left(self.max_model_len) >= 2
-            for s in seqs
-        )
+        if any(s.status is not SequenceStatus.RUNNING or s.tokens_left(self.max_model_len) < 2 for s in seqs):
+            return False
+        return one_kind(seqs) is not None
 
     def launch(self, seqs: list[Sequence], input_ids: torch.Tensor | None) -> Pending | None:
         """Launch one decode forward over ``seqs`` at their next uncomputed position, its input ids
@@ -111,7 +129,20 @@ class RunAhead:
             ForwardChunk([0 if input_ids is not None else s.token_ids[-1]], s.num_computed_tokens, s.block_table, 1)
             for s in seqs
         ]
-        out = self.runner.execute(self.runner.prepare(chunks), input_ids=input_ids)
-        tokens = out.logits.argmax(-1)
+        logits = self.runner.execute(self.runner.prepare(chunks), input_ids=input_ids).logits
+        tokens = self._draw(seqs, logits, ahead=int(input_ids is not None))
         self.num_launched += 1
         return Pending(seqs, tokens, self.readback.start(tokens))
+
+    def _draw(self, seqs: list[Sequence], logits: torch.Tensor, ahead: int) -> torch.Tensor:
+        """Each row's token, as an ordinary step draws it. ``ahead``: output tokens of each sequence still
+        on the device (the pending one), before the one drawn here (its seeded noise's position)."""
+        how = one_kind(seqs)
+        if how == "greedy":
+            return logits.argmax(-1)
+        n = len(seqs)
+        md = SamplingMetadata.from_state(
+            [s.params for s in seqs], [s.num_output_tokens + ahead for s in seqs], [None] * n, [None] * n,
+            [s.noise_key(ahead) for s in seqs], self.eos_token_ids, self.runner.vocab_size, self.runner.device,
+        )  # fmt: skip
+        return sampled_tokens(logits, md, seeded=how == "seeded")

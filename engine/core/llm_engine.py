@@ -143,7 +143,7 @@ class LLMEngine:
         self.ahead = None  # run-ahead decoding (engine/core/ahead.py)
         if config.async_scheduling:
             if self.proposer is None and tp.size == 1:
-                self.ahead = RunAhead(self.runner, self.scheduler, max_len, config.max_num_seqs)
+                self.ahead = RunAhead(self.runner, self.scheduler, max_len, config.max_num_seqs, self.eos_token_ids)
             else:
                 logger.warning("--async-scheduling runs plain decoding on one rank only: off for this engine")
         try:

@@ -90,6 +90,16 @@ def accept_greedy(samples: list, logits: torch.Tensor, rows_md: RowsMetadata) ->
     return _walk(samples, (apply_logits_processors(raw, md) if md.needs_processing else raw).argmax(-1))
 
 
+def sampled_tokens(raw: torch.Tensor, md: SamplingMetadata, seeded: bool) -> torch.Tensor:
+    """Each row's token as plain sampling draws it, on the device (``[rows, V]`` logits → ``[rows]``):
+    seeded rows ``argmax(p / E)`` with ``E`` the Exp(1) noise of (seed, position) alone, unseeded rows
+    one inverse-CDF draw of ``p`` each. Run-ahead decoding (engine/core/ahead.py) draws with it too."""
+    p = compute_probs(apply_logits_processors(raw, md) if md.needs_processing else raw, md)
+    if seeded:
+        return (p / exponential_noise(p, md.generators)).argmax(-1)
+    return draw(p, torch.rand(len(p), dtype=torch.float64, device=p.device))
+
+
 def accept_seeded(samples: list, logits: torch.Tensor, rows_md: RowsMetadata) -> list[tuple[list[int], int]]:
     """(accepted node indices, final token) per seeded sampling sample, drafter-invariantly: each row's
     token is the target's own sample for that output position, ``argmax(p / E)`` with ``E`` the noise
@@ -97,9 +107,7 @@ def accept_seeded(samples: list, logits: torch.Tensor, rows_md: RowsMetadata) ->
     therefore exactly what plain decoding with that seed emits, whatever was drafted or batched; it
     is a sample of ``p`` because ``E`` is i.i.d. Exp(1) for every key."""
     rows, md = rows_md(samples)
-    raw = logits[rows]
-    p = compute_probs(apply_logits_processors(raw, md) if md.needs_processing else raw, md)
-    return _walk(samples, (p / exponential_noise(p, md.generators)).argmax(-1))
+    return _walk(samples, sampled_tokens(logits[rows], md, seeded=True))
 
 
 def _walk(samples: list, targets: torch.Tensor) -> list[tuple[list[int], int]]:
@@ -115,9 +123,9 @@ def accept_random(samples: list, logits: torch.Tensor, rows_md: RowsMetadata) ->
     """(accepted node indices, final token) per unseeded sampling sample, by lossless rejection sampling."""
     rows, md = rows_md(samples)
     raw = logits[rows]
-    p = compute_probs(apply_logits_processors(raw, md) if md.needs_processing else raw, md)
     if not any(len(s.tree) for s in samples):  # plain sampling: one draw a row, nothing to verify
-        return [([], t) for t in draw(p, torch.rand(len(samples), dtype=torch.float64, device=p.device)).tolist()]
+        return [([], t) for t in sampled_tokens(raw, md, seeded=False).tolist()]
+    p = compute_probs(apply_logits_processors(raw, md) if md.needs_processing else raw, md)
     inp, roots = build_verify_input(p, [s.tree for s in samples], rows_md.vocab_size)
     res = verify(inp)
     accepted = [[r - root - 1 for r in acc] for acc, root in zip(res.accepted_rows, roots)]
