@@ -408,8 +408,9 @@ def small_vocab_pair(tmp_path_factory):
     return target, noisy_copy(target, root / "draft", 0.8)
 
 
-def exact_joint(target_dir, prompt: list[int], params: SamplingParams) -> dict[tuple, float]:
-    """The target's exact distribution of its first 3 sampled tokens under the request's shaping."""
+def exact_joint(target_dir, prompt: list[int], params: SamplingParams, skip: int = 0) -> dict[tuple, float]:
+    """The target's exact distribution of its sampled tokens ``skip + 1 .. skip + 3`` under the request's
+    shaping (the first ``skip`` summed out)."""
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     Vs = model.config.vocab_size
 
@@ -421,14 +422,17 @@ def exact_joint(target_dir, prompt: list[int], params: SamplingParams) -> dict[t
         )
         return compute_probs(apply_logits_processors(logits, md), md)
 
-    p1 = dist([[]])[0]
-    p2 = dist([[a] for a in range(Vs)])
-    p3 = dist([[a, b] for a in range(Vs) for b in range(Vs)]).view(Vs, Vs, Vs)
-    return {(a, b, c): (p1[a] * p2[a, b] * p3[a, b, c]).item() for a, b, c in itertools.product(range(Vs), repeat=3)}
+    joint, prefixes = torch.ones(()), [[]]  # over the tokens so far: [Vs] * level
+    for level in range(skip + 3):
+        joint = joint.unsqueeze(-1) * dist(prefixes).view(*[Vs] * (level + 1))
+        prefixes = [x + [a] for x in prefixes for a in range(Vs)]
+    joint = joint.sum(dim=tuple(range(skip))) if skip else joint
+    return {k: joint[k].item() for k in itertools.product(range(Vs), repeat=3)}
 
 
-def sample_counts(eng: LLMEngine, params: SamplingParams, prompt: list[int], n: int) -> dict:
-    """How often each first three tokens came out of ``n`` samples (requests of 64 choices each)."""
+def sample_counts(eng: LLMEngine, params: SamplingParams, prompt: list[int], n: int, skip: int = 0) -> dict:
+    """How often each three tokens after the first ``skip`` came out of ``n`` samples (requests of 64
+    choices each)."""
     for i in range(n // 64):
         eng.add_request(f"s{i}", prompt, SamplingParams(**{**params.__dict__, "n": 64}))
     toks: dict = {}
@@ -438,7 +442,8 @@ def sample_counts(eng: LLMEngine, params: SamplingParams, prompt: list[int], n: 
                 toks.setdefault((o.request_id, c.index), []).extend(c.delta_token_ids)
     counts: dict = {}
     for v in toks.values():
-        counts[tuple(v[:3])] = counts.get(tuple(v[:3]), 0) + 1
+        key = tuple(v[skip : skip + 3])
+        counts[key] = counts.get(key, 0) + 1
     return counts
 
 

@@ -95,12 +95,14 @@ class RunAhead:
 
     def startable(self) -> list[Sequence] | None:
         """After an ordinary step: the running sequences, if all are plain decodes of one kind with a
-        token to go (the first forward ahead starts from their known last tokens)."""
+        token to go (the first forward ahead starts from their known last tokens). Not after a step that
+        gave a sequence its first token: that token goes out without waiting for a launch (on a CPU,
+        launching is computing)."""
         running = self.scheduler.running
         if not running or not self._may_wait() or len(running) > self.scheduler.max_num_batched_tokens:
             return None
         for seq in running:
-            if seq.num_uncomputed_tokens != 1 or seq.num_output_tokens == 0 or seq.tokens_left(self.max_model_len) < 1:
+            if seq.num_uncomputed_tokens != 1 or seq.num_output_tokens < 2 or seq.tokens_left(self.max_model_len) < 1:
                 return None
         return list(running) if one_kind(running) is not None else None
 
