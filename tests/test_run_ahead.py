@@ -124,6 +124,20 @@ def test_a_full_house_runs_ahead_while_requests_wait_for_a_seat(llama_dir):
     assert ahead.ahead.num_launched >= 3 * 10  # three waves (4, 4, 1) of 12 tokens ahead at most
 
 
+def test_a_pool_that_runs_short_drains_to_ordinary_steps_that_preempt(llama_dir, monkeypatch):
+    """Two requests of 40 tokens in a pool of 64 slots: a forward ahead finds no slot, the step drains,
+    an ordinary step preempts one; the same tokens."""
+    ps = prompts(2, seed=30, lo=10, hi=11)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    want = [o.outputs[0].delta_token_ids for o in make_engine(llama_dir).generate(ps, params)]
+    tight = make_engine(llama_dir, num_kv_blocks=16, enable_prefix_caching=False, async_scheduling=True)
+    launch, short = tight.ahead.launch, []
+    monkeypatch.setattr(tight.ahead, "launch", lambda *a: launch(*a) or short.append(1))
+    assert [o.outputs[0].delta_token_ids for o in tight.generate(ps, params)] == want
+    assert short and tight.scheduler.num_preemptions > 0 and tight.ahead.num_launched > 0
+    assert tight.block_manager.num_free_blocks == 16
+
+
 def test_each_forward_is_launched_before_the_last_ones_tokens_are_read(llama_dir, monkeypatch):
     engine = make_engine(llama_dir, async_scheduling=True)
     events: list[str] = []

@@ -120,13 +120,16 @@ class RunAhead:
         """Launch one decode forward over ``seqs`` at their next uncomputed position, its input ids
         ``input_ids`` (the pending forward's tokens, on the device) or else each one's last token.
         None, with nothing launched, where the KV pool cannot give every sequence its slot."""
-        bm, copies = self.scheduler.bm, []
+        bm, copies, got = self.scheduler.bm, [], []
         for seq in seqs:
             got = bm.reserve(seq.block_table, seq.num_computed_tokens, seq.num_computed_tokens + 1)
-            if got is None:  # slots reserved for the others stay theirs: the next ordinary step uses them
-                return None
+            if got is None:
+                break
             copies.extend(got)
+        # Copy-on-write copies made are copied even if no forward follows: the tables point at them now.
         self.runner.copy_blocks(copies)
+        if got is None:  # slots reserved for the others stay theirs: the next ordinary step uses them
+            return None
         chunks = [
             ForwardChunk([0 if input_ids is not None else s.token_ids[-1]], s.num_computed_tokens, s.block_table, 1)
             for s in seqs

@@ -407,6 +407,7 @@ class LLMEngine:
             tokens = pending.ticket.tolist()
         except Exception as e:
             return self._step_failed(e)
+        self.scheduler.regrow()
         self.num_steps += 1
         touched: dict[str, SequenceGroup] = {}
         self._hand_out(
