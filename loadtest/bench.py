@@ -9,6 +9,9 @@ number of output tokens, greedily, in the same process on the same device:
   decoding the same number of tokens (its best case at that concurrency: no request waits for a
   longer batch mate, which real traffic with different output lengths would).
 
+With ``--async-scheduling`` Augur also runs with ordinary steps on the same engine, interleaved with its
+run-ahead steps ``--repeats`` times each (engine/core/ahead.py; medians): the ``vs ordinary`` ratio.
+
 Speed claims are the printed ratios, measured against those baselines in the same run.
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -33,6 +37,11 @@ class BenchResult:
     augur_tokens_per_s: float
     hf_sequential_tokens_per_s: float | None = None  # generate, one request at a time
     hf_batched_tokens_per_s: float | None = None  # generate on padded static batches of `concurrency`
+    ordinary_tokens_per_s: float | None = None  # Augur with ordinary steps (run-ahead measured: --async-scheduling)
+
+    @property
+    def ratio_vs_ordinary(self) -> float | None:
+        return self.augur_tokens_per_s / self.ordinary_tokens_per_s if self.ordinary_tokens_per_s else None
 
     @property
     def ratio_vs_sequential(self) -> float | None:
@@ -65,11 +74,29 @@ def run_bench(cfg: EngineConfig, args: argparse.Namespace) -> int:
     if hf is not None:
         run_hf(hf, prompts[:2], 4, 2, pad, engine.device)
 
+    ahead = engine.ahead
+
+    def augur(c: int, run_ahead: bool):
+        engine.ahead = ahead if run_ahead else None
+        r = run_augur(engine, prompts, args.max_tokens, c, plain)
+        while ahead is not None and ahead.pending is not None:  # (every request ended: drains, emits nothing)
+            engine.ahead = ahead
+            engine.step()
+        engine.ahead = ahead
+        return r
+
     results = []
     hf_sequential = None
     for c in sorted(args.concurrency):
-        r = run_augur(engine, prompts, args.max_tokens, c, plain)
-        row = BenchResult(c, r.tokens, r.tokens_per_s)
+        if ahead is None:
+            r = augur(c, True)
+            row = BenchResult(c, r.tokens, r.tokens_per_s)
+        else:  # run-ahead against ordinary steps, interleaved
+            runs = [(augur(c, False), augur(c, True)) for _ in range(max(1, args.repeats))]
+            r = runs[0][1]
+            median = lambda xs: statistics.median(x.tokens_per_s for x in xs)  # noqa: E731
+            row = BenchResult(c, r.tokens, median(b for _, b in runs))
+            row.ordinary_tokens_per_s = median(a for a, _ in runs)
         if hf is not None:
             if hf_sequential is None:
                 t_h, n_h = run_hf(hf, prompts, args.max_tokens, 1, pad, engine.device)
@@ -85,6 +112,8 @@ def run_bench(cfg: EngineConfig, args: argparse.Namespace) -> int:
     machine = machine_description(engine.device)
     print(f"augur bench: {engine.model_path} on {engine.device} ({engine.dtype}); {machine}")
     print(f"{args.num_prompts} prompts of {lo}-{hi} tokens, {args.max_tokens} output tokens each, greedy")
+    if ahead is not None:
+        print(f"augur: run-ahead steps (--async-scheduling) against ordinary steps, {max(1, args.repeats)} round(s)")
     quant = f", {cfg.quantization}" if cfg.quantization else ""
     print(
         f"memory{quant}: weights {memory['weights_bytes'] / 2**20:.1f} MiB, KV pool "
@@ -95,6 +124,8 @@ def run_bench(cfg: EngineConfig, args: argparse.Namespace) -> int:
         return "-" if x is None else f"{x:{spec}}{suffix}"
 
     header = ("concurrency", "augur tok/s", "hf seq tok/s", "hf batch tok/s", "vs seq", "vs batch")
+    if ahead is not None:
+        header += ("ordinary tok/s", "vs ordinary")
     print("  ".join(f"{h:>14}" for h in header))
     for r in results:
         cells = (
@@ -105,6 +136,8 @@ def run_bench(cfg: EngineConfig, args: argparse.Namespace) -> int:
             fmt(r.ratio_vs_sequential, ".2f", "x"),
             fmt(r.ratio_vs_batched, ".2f", "x"),
         )
+        if ahead is not None:
+            cells += (fmt(r.ordinary_tokens_per_s, ".1f"), fmt(r.ratio_vs_ordinary, ".2f", "x"))
         print("  ".join(f"{c:>14}" for c in cells))
     if args.output:
         report = {
@@ -118,7 +151,12 @@ def run_bench(cfg: EngineConfig, args: argparse.Namespace) -> int:
             "quantization": cfg.quantization,
             "memory": memory,
             "results": [
-                {**asdict(r), "ratio_vs_sequential": r.ratio_vs_sequential, "ratio_vs_batched": r.ratio_vs_batched}
+                {
+                    **asdict(r),
+                    "ratio_vs_sequential": r.ratio_vs_sequential,
+                    "ratio_vs_batched": r.ratio_vs_batched,
+                    "ratio_vs_ordinary": r.ratio_vs_ordinary,
+                }
                 for r in results
             ],
         }

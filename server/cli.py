@@ -637,7 +637,8 @@ def _bench_parser(sub, common: argparse.ArgumentParser) -> None:
         "--repeats",
         type=int,
         default=1,
-        help="with --speculative: rounds per cell, interleaved (plain, trees, chains, ...); medians are reported",
+        help="with --speculative: rounds per cell, interleaved (plain, trees, chains, ...); with --async-scheduling: "
+        "rounds of ordinary and run-ahead steps, interleaved; medians are reported",
     )
     bench.add_argument(
         "--methods",

@@ -101,6 +101,23 @@ def test_bench_command_reports_ratios(tmp_path, llama_dir):
     assert memory["peak_bytes"] > memory["weights_bytes"] and "memory: weights" in proc.stdout
 
 
+def test_bench_measures_run_ahead_against_ordinary_steps(tmp_path, llama_dir):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "server.cli", "bench", "--model", str(llama_dir), "--device", "cpu", "--no-hf",
+         "--num-prompts", "4", "--max-tokens", "6", "--concurrency", "1", "3", "--prompt-lens", "4", "12",
+         "--num-kv-blocks", "64", "--async-scheduling", "--repeats", "2", "--output", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    for r in json.loads(out.read_text())["results"]:
+        assert r["output_tokens"] == 24 and r["ordinary_tokens_per_s"] > 0
+        assert r["ratio_vs_ordinary"] == pytest.approx(r["augur_tokens_per_s"] / r["ordinary_tokens_per_s"])
+    assert "vs ordinary" in proc.stdout
+
+
 @pytest.mark.gpu
 def test_cuda_greedy_matches_cpu(llama_dir):
     cpu = greedy_tokens(str(llama_dir))
