@@ -12,10 +12,10 @@ computes forward k + 1.
 Exact. A forward's inputs are the token before and the positions and KV slots an ordinary step would
 give it, and its tokens are drawn as an ordinary step draws them (``sampled_tokens``,
 engine/sampling/accept.py): the argmax; for a seeded request the noise of (seed, output position),
-the same tokens; for an unseeded one a fresh uniform a row, the same distribution. A sequence that forward k's
-token ends (end of sequence, a stop token or string) already has a row in forward k + 1: that row
-is dropped, and the KV slot it wrote lies in blocks freed with the sequence, which only a later
-forward can reuse (the device runs forwards in launch order).
+the same tokens; for an unseeded one a fresh uniform a row, the same distribution. A sequence that
+forward k's token ends (end of sequence, a stop token or string) already has a row in forward k + 1:
+that row is dropped, and the KV slot it wrote lies in blocks freed with the sequence, which only a
+later forward can reuse (the device runs forwards in launch order).
 
 State between two steps while a forward is pending over sequences ``S``: each has ``L`` known
 tokens, all ``L`` computed (the pending forward computed position ``L - 1``) and its token ``L`` on
