@@ -57,7 +57,8 @@ AUGUR_PRESETS = {
     "augur-plain-process": " --speculative-method none --engine-process on",
     "augur-default-thread": " --engine-process off",
     "augur-plain-thread": " --speculative-method none --engine-process off",
-    "augur-plain-async": " --speculative-method none --async-scheduling",
+    "augur-plain-async": " --speculative-method none --async-scheduling on",
+    "augur-plain-ordinary": " --speculative-method none --async-scheduling off",
 }
 PEER_PRESETS = {f"{peer}-{mode}": (peer, mode) for peer in ("vllm", "llamacpp") for mode in ("draft", "plain", "ngram")}
 PRESETS = [*AUGUR_PRESETS, *PEER_PRESETS]

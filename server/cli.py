@@ -66,9 +66,12 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
     )
     g.add_argument(
         "--async-scheduling",
-        action="store_true",
-        help="plain greedy decoding: launch each forward before reading the last one's tokens, overlapping "
-        "output processing with the device (exact; no speculative method, one rank)",
+        nargs="?",
+        const="on",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="run-ahead decoding: launch each forward before reading the last one's tokens, overlapping output "
+        "processing with the device (exact; no speculative method, one rank; auto: on for CPUs; alone: on)",
     )
     g.add_argument(
         "--tensor-parallel-size",

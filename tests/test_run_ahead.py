@@ -11,6 +11,7 @@ import torch
 from test_engine import make_engine, prompts, run_staggered
 from test_spec import exact_joint, g_statistic, g_test_threshold, make, sample_counts, small_vocab_pair  # noqa: F401
 
+from engine.config import EngineConfig
 from engine.core.ahead import RunAhead
 from engine.request.sampling_params import SamplingParams
 from engine.runner.readback import Ticket
@@ -28,7 +29,7 @@ def test_the_same_tokens_as_ordinary_steps_with_requests_coming_and_going(llama_
     """Staggered arrivals drain the forward ahead and start it again; end of sequence, stop tokens,
     stop strings and max_tokens end sequences with a forward ahead of them in flight."""
     ps = prompts(7, seed=21, lo=4, hi=30)
-    plain, ahead = make_engine(llama_dir), make_engine(llama_dir, async_scheduling=True)
+    plain, ahead = make_engine(llama_dir, async_scheduling="off"), make_engine(llama_dir, async_scheduling="on")
     assert isinstance(ahead.ahead, RunAhead) and plain.ahead is None
     for params in (
         SamplingParams(temperature=0.0, max_tokens=24),
@@ -50,8 +51,12 @@ def test_the_same_tokens_as_ordinary_steps_with_requests_coming_and_going(llama_
     # The context's end, five tokens past the longest prompt.
     short = dict(max_model_len=max(map(len, ps)) + 5)
     params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
-    want = [c.delta_token_ids for o in make_engine(llama_dir, **short).generate(ps, params) for c in o.outputs]
-    ahead = make_engine(llama_dir, async_scheduling=True, **short)
+    want = [
+        c.delta_token_ids
+        for o in make_engine(llama_dir, async_scheduling="off", **short).generate(ps, params)
+        for c in o.outputs
+    ]
+    ahead = make_engine(llama_dir, async_scheduling="on", **short)
     assert [c.delta_token_ids for o in ahead.generate(ps, params) for c in o.outputs] == want
     assert ahead.ahead.num_launched > 0
 
@@ -65,7 +70,7 @@ def test_requests_it_cannot_run_ahead_drain_it(llama_dir):
         SamplingParams(temperature=0.0, max_tokens=8, repetition_penalty=1.3, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=True),
     ]
-    plain, ahead = make_engine(llama_dir), make_engine(llama_dir, async_scheduling=True)
+    plain, ahead = make_engine(llama_dir, async_scheduling="off"), make_engine(llama_dir, async_scheduling="on")
     for other in others:
         params = [greedy, other, greedy, greedy]
         want = [(c.delta_token_ids, c.delta_logprobs) for o in plain.generate(ps, params) for c in o.outputs]
@@ -84,7 +89,7 @@ def test_seeded_sampling_ahead_draws_the_same_tokens(llama_dir):
         )
         for i in range(6)
     ]
-    plain, ahead = make_engine(llama_dir), make_engine(llama_dir, async_scheduling=True)
+    plain, ahead = make_engine(llama_dir, async_scheduling="off"), make_engine(llama_dir, async_scheduling="on")
     want = [c.delta_token_ids for o in plain.generate(ps, params) for c in o.outputs]
     assert [c.delta_token_ids for o in ahead.generate(ps, params) for c in o.outputs] == want
     assert ahead.ahead.num_launched > 10
@@ -100,7 +105,7 @@ def test_unseeded_sampling_ahead_keeps_the_targets_distribution(small_vocab_pair
     expected = exact_joint(target, prompt, params, skip=2)
 
     def samples() -> dict:
-        eng = make(target, num_kv_blocks=4096, max_num_seqs=1024, block_size=8, async_scheduling=True)
+        eng = make(target, num_kv_blocks=4096, max_num_seqs=1024, block_size=8, async_scheduling="on")
         counts = sample_counts(eng, params, prompt, n, skip=2)
         assert eng.ahead.num_launched == 3 * n // 1024  # tokens 3, 4 and 5 of every wave of 1,024 choices
         return counts
@@ -118,8 +123,12 @@ def test_unseeded_sampling_ahead_keeps_the_targets_distribution(small_vocab_pair
 def test_a_full_house_runs_ahead_while_requests_wait_for_a_seat(llama_dir):
     ps = prompts(9, seed=29, lo=4, hi=30)
     params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
-    want = [c.delta_token_ids for o in make_engine(llama_dir).generate(ps, params) for c in o.outputs]
-    ahead = make_engine(llama_dir, async_scheduling=True, max_num_seqs=4)
+    want = [
+        c.delta_token_ids
+        for o in make_engine(llama_dir, async_scheduling="off").generate(ps, params)
+        for c in o.outputs
+    ]
+    ahead = make_engine(llama_dir, async_scheduling="on", max_num_seqs=4)
     assert [c.delta_token_ids for o in ahead.generate(ps, params) for c in o.outputs] == want
     assert ahead.ahead.num_launched >= 3 * 10  # three waves (4, 4, 1) of 12 tokens ahead at most
 
@@ -129,8 +138,8 @@ def test_a_pool_that_runs_short_drains_to_ordinary_steps_that_preempt(llama_dir,
     an ordinary step preempts one; the same tokens."""
     ps = prompts(2, seed=30, lo=10, hi=11)
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-    want = [o.outputs[0].delta_token_ids for o in make_engine(llama_dir).generate(ps, params)]
-    tight = make_engine(llama_dir, num_kv_blocks=16, enable_prefix_caching=False, async_scheduling=True)
+    want = [o.outputs[0].delta_token_ids for o in make_engine(llama_dir, async_scheduling="off").generate(ps, params)]
+    tight = make_engine(llama_dir, num_kv_blocks=16, enable_prefix_caching=False, async_scheduling="on")
     launch, short = tight.ahead.launch, []
     monkeypatch.setattr(tight.ahead, "launch", lambda *a: launch(*a) or short.append(1))
     assert [o.outputs[0].delta_token_ids for o in tight.generate(ps, params)] == want
@@ -139,7 +148,7 @@ def test_a_pool_that_runs_short_drains_to_ordinary_steps_that_preempt(llama_dir,
 
 
 def test_each_forward_is_launched_before_the_last_ones_tokens_are_read(llama_dir, monkeypatch):
-    engine = make_engine(llama_dir, async_scheduling=True)
+    engine = make_engine(llama_dir, async_scheduling="on")
     events: list[str] = []
     execute, tolist = engine.runner.execute, Ticket.tolist
     monkeypatch.setattr(engine.runner, "execute", lambda *a, **k: events.append("launch") or execute(*a, **k))
@@ -154,8 +163,11 @@ def test_each_forward_is_launched_before_the_last_ones_tokens_are_read(llama_dir
 def test_an_abort_with_a_forward_in_flight(llama_dir):
     ps = prompts(3, seed=24)
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-    want = {o.request_id: o.outputs[0].delta_token_ids for o in make_engine(llama_dir).generate(ps[1:], params)}
-    engine = make_engine(llama_dir, async_scheduling=True)
+    want = {
+        o.request_id: o.outputs[0].delta_token_ids
+        for o in make_engine(llama_dir, async_scheduling="off").generate(ps[1:], params)
+    }
+    engine = make_engine(llama_dir, async_scheduling="on")
     for i, p in enumerate(ps):
         engine.add_request(f"a{i}", p, params)
     got = {f"a{i}": [] for i in range(3)}
@@ -179,8 +191,8 @@ def test_a_forward_ahead_that_fails(llama_dir, monkeypatch, error):
     tokens); the engine serves on."""
     ps = prompts(2, seed=25)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    want = [o.outputs[0].delta_token_ids for o in make_engine(llama_dir).generate(ps, params)]
-    engine = make_engine(llama_dir, async_scheduling=True)
+    want = [o.outputs[0].delta_token_ids for o in make_engine(llama_dir, async_scheduling="off").generate(ps, params)]
+    engine = make_engine(llama_dir, async_scheduling="on")
     execute, calls = engine.runner.execute, []
 
     def failing(batch, input_ids=None, **kw):
@@ -202,8 +214,19 @@ def test_a_forward_ahead_that_fails(llama_dir, monkeypatch, error):
 
 
 def test_engines_it_does_not_apply_to_run_ordinary_steps(llama_dir):
-    engine = make_engine(llama_dir, async_scheduling=True, speculative_method="ngram")
+    engine = make_engine(llama_dir, async_scheduling="on", speculative_method="ngram")
     assert engine.ahead is None
+
+
+def test_the_setting():
+    """auto: on for CPUs (measured there), off on GPUs until measured; a YAML bool reads as on/off."""
+    assert EngineConfig(model="m", device="cpu").async_scheduling_enabled
+    assert not EngineConfig(model="m", device="cpu", async_scheduling=False).async_scheduling_enabled
+    assert EngineConfig(model="m", device="cpu", async_scheduling=True).async_scheduling == "on"
+    with pytest.raises(ValueError, match="async_scheduling must be auto, on or off"):
+        EngineConfig(model="m", async_scheduling="sometimes")
+    if torch.cuda.is_available():
+        assert not EngineConfig(model="m", device="cuda").async_scheduling_enabled
 
 
 @pytest.mark.gpu
@@ -211,8 +234,8 @@ def test_run_ahead_through_graphs_on_gpu(llama_dir):
     """On CUDA, as served there (graphs, triton attention), with two tokens' readbacks in flight at once."""
     ps = prompts(6, seed=27, lo=4, hi=30)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    want = by_request(make_engine(llama_dir, device="cuda"), ps, params)
-    engine = make_engine(llama_dir, device="cuda", async_scheduling=True)
+    want = by_request(make_engine(llama_dir, device="cuda", async_scheduling="off"), ps, params)
+    engine = make_engine(llama_dir, device="cuda", async_scheduling="on")
     assert engine.runner.graphs is not None
     assert by_request(engine, ps, params) == want
     assert engine.ahead.num_launched > 20
@@ -225,8 +248,11 @@ def test_served_with_async_scheduling(llama_dir, monkeypatch, front):
         monkeypatch.setenv("AUGUR_TEST_FRONT", "process")
     ps = prompts(8, seed=26, lo=4, hi=20)
     params = SamplingParams(temperature=0.0, max_tokens=20)
-    want = [o.outputs[0].text for o in make_engine(llama_dir, max_model_len=512).generate(ps, params)]
-    app = create_app(ServerSettings(served_model_name="tiny"), engine_factory(llama_dir, async_scheduling=True))
+    want = [
+        o.outputs[0].text
+        for o in make_engine(llama_dir, async_scheduling="off", max_model_len=512).generate(ps, params)
+    ]
+    app = create_app(ServerSettings(served_model_name="tiny"), engine_factory(llama_dir, async_scheduling="on"))
     with serve(app) as s:
         client = openai.AsyncOpenAI(base_url=s.base + "/v1", api_key="x")
 

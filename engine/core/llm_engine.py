@@ -141,10 +141,10 @@ class LLMEngine:
         )  # fmt: skip
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids, config.grammar_cache_size)
         self.ahead = None  # run-ahead decoding (engine/core/ahead.py)
-        if config.async_scheduling:
+        if config.async_scheduling_enabled:
             if self.proposer is None and tp.size == 1:
                 self.ahead = RunAhead(self.runner, self.scheduler, max_len, config.max_num_seqs, self.eos_token_ids)
-            else:
+            elif config.async_scheduling == "on":
                 logger.warning("--async-scheduling runs plain decoding on one rank only: off for this engine")
         try:
             self.grammars.tokenizer()
