@@ -81,8 +81,27 @@ def _has(frames, func: str | None = None, file: str | None = None) -> int:
     return -1
 
 
+def ahead_stage(frames: list[tuple[str, str]]) -> str:
+    """A run-ahead step (engine/core/ahead.py; no Step.run in it): the same stages, from its own calls."""
+    if _has(frames, "ModelRunner.prepare") >= 0:
+        return "batch metadata"
+    if _has(frames, "ModelRunner.execute") >= 0:
+        return "target forward"
+    if _has(frames, "RunAhead._draw") >= 0 or _has(frames, "Ticket.tolist") >= 0:
+        return "sampling and verification"  # (the read waits for the device, as an ordinary step's accept does)
+    if _has(frames, file="output_processor.py") >= 0 or _has(frames, file="detokenizer.py") >= 0:
+        return "output processing (detokenize, stops)"
+    if _has(frames, "LLMEngine._computed_ahead") >= 0 or _has(frames, "ModelRunner.copy_blocks") >= 0:
+        return "bookkeeping (commit, KV moves, hooks)"
+    if _has(frames, file="core/ahead.py") >= 0:  # whether the batch is the same again, its KV slots
+        return "scheduling"
+    return "other engine work"
+
+
 def engine_stage(frames: list[tuple[str, str]]) -> str:
     leaf = frames[-1][0] if frames else ""
+    if _has(frames, "LLMEngine._step_ahead") >= 0 or _has(frames, "LLMEngine._start_ahead") >= 0:
+        return ahead_stage(frames)
     if _has(frames, "Step.run") < 0:
         queue = ("_drain_commands", "_deliver", "_deliver_all", "_publish_load", "EngineCore._drain")
         queue += ("EngineCore._publish", "EngineCore._admit_compiled", "EngineCore._add")

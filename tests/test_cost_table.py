@@ -15,6 +15,7 @@ API = (
     "thread (11): MainThread;<module> (augur:8);Server.run (uvicorn/server.py:86);"
     "BaseEventLoop.run_forever (asyncio/base_events.py:607);BaseEventLoop._run_once (asyncio/base_events.py:1884)"
 )
+AHEAD = ENGINE + ";LLMEngine.step (engine/core/llm_engine.py:338);LLMEngine._step_ahead (engine/core/llm_engine.py:405)"
 RUNNER = "ModelRunner.execute (engine/runner/model_runner.py:421);Module._call_impl (torch/nn/modules/module.py:1784)"
 
 
@@ -86,6 +87,21 @@ RUNNER = "ModelRunner.execute (engine/runner/model_runner.py:421);Module._call_i
             "(engine/core/output_processor.py:60)",
             "output processing (detokenize, stops)",
         ),
+        # A run-ahead step (engine/core/ahead.py).
+        (AHEAD + ";RunAhead.launch (engine/core/ahead.py:138);" + RUNNER, "target forward"),
+        (
+            AHEAD
+            + ";RunAhead.launch (engine/core/ahead.py:137);ModelRunner.prepare (engine/runner/model_runner.py:300)",
+            "batch metadata",
+        ),
+        (AHEAD + ";Ticket.tolist (engine/runner/readback.py:30)", "sampling and verification"),
+        (AHEAD + ";RunAhead.steady (engine/core/ahead.py:110)", "scheduling"),
+        (
+            AHEAD + ";LLMEngine._hand_out (engine/core/llm_engine.py:370);OutputProcessor.append "
+            "(engine/core/output_processor.py:50)",
+            "output processing (detokenize, stops)",
+        ),
+        (AHEAD + ";LLMEngine._computed_ahead (engine/core/llm_engine.py:420)", "bookkeeping (commit, KV moves, hooks)"),
     ],
 )
 def test_engine_samples_land_in_their_stage(stack, stage):
