@@ -147,6 +147,26 @@ def test_a_pool_that_runs_short_drains_to_ordinary_steps_that_preempt(llama_dir,
     assert tight.block_manager.num_free_blocks == 16
 
 
+def test_an_arrival_with_a_seat_free_drains_and_one_still_to_serve_min_tokens_waits(llama_dir):
+    engine = make_engine(llama_dir, async_scheduling="on")
+    ps = prompts(2, seed=31)
+    engine.add_request("a", ps[0], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    assert engine.ahead.pending is not None
+    engine.add_request("b", ps[1], SamplingParams(temperature=0.0, max_tokens=30, min_tokens=8))
+    engine.step()  # drains: "b" may be admitted now
+    assert engine.ahead.pending is None and engine.num_requests_waiting == 1
+    engine.step()  # an ordinary step admits it
+    assert engine.num_requests_running == 2
+    b = next(s for s in engine.scheduler.running if s.group.request_id == "b")
+    while b.num_output_tokens < 8:  # its end-of-sequence ban is a logits processor: ordinary steps only
+        assert engine.ahead.pending is None
+        engine.step()
+    engine.step()
+    assert engine.ahead.pending is not None
+
+
 def test_each_forward_is_launched_before_the_last_ones_tokens_are_read(llama_dir, monkeypatch):
     engine = make_engine(llama_dir, async_scheduling="on")
     events: list[str] = []

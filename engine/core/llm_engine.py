@@ -413,8 +413,9 @@ class LLMEngine:
         self._hand_out(
             [Emit(s, [t]) for s, t in zip(pending.seqs, tokens) if s.status is SequenceStatus.RUNNING], touched
         )
-        if following is not None:
-            self._computed_ahead([s for s in following.seqs if s.status is SequenceStatus.RUNNING])
+        live = [s for s in following.seqs if s.status is SequenceStatus.RUNNING] if following is not None else []
+        if live:  # (a forward ahead of sequences that all ended is dropped unread)
+            self._computed_ahead(live)
             self.ahead.pending = following
         return [self._make_output(g) for g in touched.values()]
 

@@ -47,5 +47,5 @@ class Readback:
             self._next ^= 1
         host.copy_(tokens, non_blocking=True)
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(tokens.device))  # the copy's stream (cuda:N is not current)
         return Ticket(host, event, None)
