@@ -77,19 +77,19 @@ def run_bench(cfg: EngineConfig, args: argparse.Namespace) -> int:
     ahead = engine.ahead
 
     def augur(c: int, run_ahead: bool):
+        # Between two runs nothing is pending: a run ends when its last request has, and a forward ahead
+        # of sequences that all ended is dropped.
         engine.ahead = ahead if run_ahead else None
-        r = run_augur(engine, prompts, args.max_tokens, c, plain)
-        while ahead is not None and ahead.pending is not None:  # (every request ended: drains, emits nothing)
+        try:
+            return run_augur(engine, prompts, args.max_tokens, c, plain)
+        finally:
             engine.ahead = ahead
-            engine.step()
-        engine.ahead = ahead
-        return r
 
     results = []
     hf_sequential = None
     for c in sorted(args.concurrency):
         if ahead is None:
-            r = augur(c, True)
+            r = run_augur(engine, prompts, args.max_tokens, c, plain)
             row = BenchResult(c, r.tokens, r.tokens_per_s)
         else:  # run-ahead against ordinary steps, interleaved
             runs = [(augur(c, False), augur(c, True)) for _ in range(max(1, args.repeats))]

@@ -111,10 +111,9 @@ class RunAhead:
         seqs = pending.seqs
         if not self._may_wait() or len(self.scheduler.running) != len(seqs):
             return False
-        # The pending token is the output's next one: two to go means one more after it.
-        if any(s.status is not SequenceStatus.RUNNING or s.tokens_left(self.max_model_len) < 2 for s in seqs):
-            return False
-        return one_kind(seqs) is not None
+        # The pending token is the output's next one: two to go means one more after it. (Their kind
+        # still holds: it depends on their parameters, and on min_tokens only until it is served.)
+        return all(s.status is SequenceStatus.RUNNING and s.tokens_left(self.max_model_len) >= 2 for s in seqs)
 
     def launch(self, seqs: list[Sequence], input_ids: torch.Tensor | None) -> Pending | None:
         """Launch one decode forward over ``seqs`` at their next uncomputed position, its input ids
@@ -135,14 +134,14 @@ class RunAhead:
             for s in seqs
         ]
         logits = self.runner.execute(self.runner.prepare(chunks), input_ids=input_ids).logits
-        tokens = self._draw(seqs, logits, ahead=int(input_ids is not None))
+        tokens = self._draw(seqs, one_kind(seqs), logits, ahead=int(input_ids is not None))
         self.num_launched += 1
         return Pending(seqs, tokens, self.readback.start(tokens))
 
-    def _draw(self, seqs: list[Sequence], logits: torch.Tensor, ahead: int) -> torch.Tensor:
-        """Each row's token, as an ordinary step draws it. ``ahead``: output tokens of each sequence still
-        on the device (the pending one), before the one drawn here (its seeded noise's position)."""
-        how = one_kind(seqs)
+    def _draw(self, seqs: list[Sequence], how: str, logits: torch.Tensor, ahead: int) -> torch.Tensor:
+        """Each row's token, as an ordinary step draws it (``how``: their kind). ``ahead``: output tokens of
+        each sequence still on the device (the pending one), before the one drawn here (its seeded noise's
+        position)."""
         if how == "greedy":
             return logits.argmax(-1)
         n = len(seqs)

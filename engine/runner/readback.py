@@ -30,7 +30,6 @@ class Ticket:
 
 class Readback:
     def __init__(self, device: torch.device, capacity: int) -> None:
-        self.device = device
         self._buffers: list[torch.Tensor] = []
         if device.type == "cuda":
             self._buffers = [torch.empty(capacity, dtype=torch.int64, pin_memory=True) for _ in range(2)]
