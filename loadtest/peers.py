@@ -59,6 +59,7 @@ AUGUR_PRESETS = {
     "augur-plain-thread": " --speculative-method none --engine-process off",
     "augur-plain-async": " --speculative-method none --async-scheduling on",
     "augur-plain-ordinary": " --speculative-method none --async-scheduling off",
+    "augur-default-ordinary": " --async-scheduling off",
 }
 PEER_PRESETS = {f"{peer}-{mode}": (peer, mode) for peer in ("vllm", "llamacpp") for mode in ("draft", "plain", "ngram")}
 PRESETS = [*AUGUR_PRESETS, *PEER_PRESETS]

@@ -71,7 +71,8 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
         default="auto",
         choices=["auto", "on", "off"],
         help="run-ahead decoding: launch each forward before reading the last one's tokens, overlapping output "
-        "processing with the device (exact; no speculative method, one rank; auto: on for CPUs; alone: on)",
+        "processing with the device (exact; plain decoding, and speculative engines while they draft nothing, "
+        "EAGLE/Medusa/MTP excepted; one rank; auto: on for CPUs; alone: on)",
     )
     g.add_argument(
         "--tensor-parallel-size",

@@ -8,8 +8,10 @@ import asyncio
 import openai
 import pytest
 import torch
+from test_eagle import write_eagle
 from test_engine import make_engine, prompts, run_staggered
-from test_spec import exact_joint, g_statistic, g_test_threshold, make, sample_counts, small_vocab_pair  # noqa: F401
+from test_spec import exact_joint, g_statistic, g_test_threshold, make, pair, sample_counts, small_vocab_pair, staggered  # noqa: F401
+from test_spec import prompts as spec_prompts
 
 from engine.config import EngineConfig
 from engine.core.ahead import RunAhead
@@ -233,9 +235,77 @@ def test_a_forward_ahead_that_fails(llama_dir, monkeypatch, error):
     assert calls.count(True) > 3
 
 
-def test_engines_it_does_not_apply_to_run_ordinary_steps(llama_dir):
-    engine = make_engine(llama_dir, async_scheduling="on", speculative_method="ngram")
-    assert engine.ahead is None
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
+def test_a_speculative_engine_runs_ahead_while_its_controller_drafts_nothing(pair, monkeypatch, temperature):  # noqa: F811
+    """A draft-model engine whose controller is made to draft at full depth every fifth plan: the steps
+    between run ahead, a plan that drafts drains the forward ahead and its step runs as an ordinary one
+    on that plan. Every step is planned once: the roots of the plans asked are those of the target
+    forwards' decode rows, one for one. The tokens are the plain decoder's."""
+    ps = spec_prompts(10, seed=41)
+    params = SamplingParams(temperature=temperature, seed=3 if temperature else None, max_tokens=30, ignore_eos=True)
+    want = staggered(make(pair["target"], async_scheduling="off"), ps, params)
+    eng = make(pair["target"], pair["noisy"], async_scheduling="on")
+    assert eng.ahead is not None and eng.spec_method == "draft"
+    plan, planned = eng.controller.plan, []
+
+    def every_fifth(seqs, other_tokens, room):
+        # Room to draft in: a token ahead on the device (all computed) takes a place too.
+        assert room == [max(s.tokens_left(eng.max_model_len) - 1 - (s.num_uncomputed_tokens == 0), 0) for s in seqs]
+        depths = plan(seqs, other_tokens, room)
+        planned.extend((s.seq_id, s.num_computed_tokens) for s in seqs)  # (a decode's root: its first uncomputed)
+        return [min(eng.controller.max_depth, r) for r in room] if len(planned) % 5 == 0 else [0] * len(depths)
+
+    monkeypatch.setattr(eng.controller, "plan", every_fifth)
+    prepare, decoded = eng.runner.prepare, []
+
+    def decode_rows(chunks, *a, **k):
+        running = {id(s.block_table): s for s in eng.scheduler.running}
+        for c in chunks:
+            seq = running[id(c.block_table)]
+            if c.ctx_len >= seq.num_prompt_tokens:  # (no preemption here: nothing else starts past the prompt)
+                decoded.append((seq.seq_id, c.ctx_len))
+        return prepare(chunks, *a, **k)
+
+    monkeypatch.setattr(eng.runner, "prepare", decode_rows)
+    assert staggered(eng, ps, params) == want
+    assert sorted(planned) == sorted(decoded)
+    assert eng.ahead.num_launched > 20 and eng.spec_stats.num_drafts > 5
+    assert eng.scheduler.num_preemptions == 0
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def test_steps_ahead_feed_the_guards_plain_rate(pair, monkeypatch):  # noqa: F811
+    """The guard holds drafting to plain decoding as it runs: steps ahead are plain steps to it, beside
+    the ordinary ones."""
+    eng = make(pair["target"], pair["noisy"], async_scheduling="on")
+    eng.controller.guard.buckets.clear()
+    observe_step, ordinary = eng.controller.observe_step, []
+
+    def counted(num_seqs, tokens, seconds, forward_seconds, num_drafting, batch):
+        ordinary.append(batch.decode_only and not num_drafting)
+        observe_step(num_seqs, tokens, seconds, forward_seconds, num_drafting, batch)
+
+    launch, ahead = eng.ahead.launch, []  # forwards launched from a pending one's tokens: steps ahead
+
+    def launched(seqs, input_ids):
+        pending = launch(seqs, input_ids)
+        ahead.append(pending is not None and input_ids is not None)
+        return pending
+
+    monkeypatch.setattr(eng.controller, "observe_step", counted)
+    monkeypatch.setattr(eng.ahead, "launch", launched)
+    eng.generate(spec_prompts(1, seed=42), SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    (bucket,) = eng.controller.guard.buckets.values()
+    assert sum(ahead) > 5 and len(bucket.plain) < bucket.plain.maxlen
+    assert len(bucket.plain) == sum(ordinary) + sum(ahead)
+
+
+def test_engines_it_does_not_apply_to_run_ordinary_steps(llama_dir, tmp_path):
+    """A proposer that reads the target's features of every token (an EAGLE head) misses those of forwards ahead."""
+    head = write_eagle(llama_dir, tmp_path / "head")
+    engine = make_engine(llama_dir, async_scheduling="on", speculative_method="eagle", draft_model=str(head))
+    assert engine.spec_method == "eagle" and engine.ahead is None
+    assert make_engine(llama_dir, async_scheduling="on", speculative_method="ngram").ahead is not None
 
 
 def test_the_setting():

@@ -566,7 +566,8 @@ def test_controller_long_with_identical_draft_and_off_with_random_draft(pair):
     params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     # The drafts here cost as much as the target (same tiny model), so the real cost model is
     # replaced before each step by the timings of a small draft next to a big target.
-    good = make(pair["target"], pair["same"], spec_tree_topk=1, num_speculative_tokens=6)
+    # (Ordinary steps: the plans below are asked between steps, of sequences with their root uncomputed.)
+    good = make(pair["target"], pair["same"], spec_tree_topk=1, num_speculative_tokens=6, async_scheduling="off")
     for i, p in enumerate(ps):
         good.add_request(f"g{i}", p, params)
     for _ in range(30):
@@ -592,7 +593,7 @@ def test_controller_long_with_identical_draft_and_off_with_random_draft(pair):
     plans = [good.controller.plan(decode, 2000) for _ in range(4)]
     assert plans[-1] == [0] * len(decode)
 
-    bad = make(pair["target"], pair["random"], spec_tree_topk=1, num_speculative_tokens=6)
+    bad = make(pair["target"], pair["random"], spec_tree_topk=1, num_speculative_tokens=6, async_scheduling="off")
     for i, p in enumerate(ps):
         bad.add_request(f"b{i}", p, params)
     for _ in range(20):

@@ -25,10 +25,17 @@ ordinary decodes) and the next step is an ordinary one (engine/core/step.py).
 
 The batch is "the same again" when ``S`` is every running sequence, nothing waits for a free seat,
 each sequence is a plain decode (no grammar, logprobs, penalties, bias, no-repeat n-grams,
-``min_tokens`` still to serve, beams or contrastive search) and all are of one kind (greedy, seeded
+``min_tokens`` still to serve, beams, contrastive search or decoding) and all are of one kind (greedy, seeded
 or unseeded sampling), each may still generate two tokens (by ``max_tokens`` and the context; the
-pending one and the next) and the KV pool gives each the next slot. Engines with a proposer and
-tensor parallelism run ordinary steps only.
+pending one and the next) and the KV pool gives each the next slot.
+
+Speculative engines run ahead while the controller drafts nothing (the guard has turned drafting
+off; no request's trial or idle probe is due). Before each launch the engine asks the controller
+for the plan of the step that forward is (the step after the pending tokens); a plan that drafts
+drains and its step runs as an ordinary one on that plan, so no step is planned twice (trials,
+probes and the guard's bursts are counted once). Steps ahead feed the guard's plain rate: drafting
+is held to plain decoding as it runs here. Proposers that read the target's features of every
+computed token (EAGLE, Medusa, MTP) and tensor parallelism run ordinary steps only.
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ def kind(seq: Sequence) -> str | None:
     plain = (
         seq.grammar is None
         and seq.search is None
+        and p.contrastive is None  # contrastive decoding: the amateur's logits shape its rows
         and seq.group.beam is None
         and p.logprobs is None
         and not p.needs_penalties

@@ -142,10 +142,15 @@ class LLMEngine:
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids, config.grammar_cache_size)
         self.ahead = None  # run-ahead decoding (engine/core/ahead.py)
         if config.async_scheduling_enabled:
-            if self.proposer is None and tp.size == 1:
+            # A proposer that reads the target's features of every computed token (EAGLE, Medusa, MTP)
+            # would miss those of the forwards ahead.
+            if tp.size == 1 and (self.proposer is None or not self.proposer.hidden_layers):
                 self.ahead = RunAhead(self.runner, self.scheduler, max_len, config.max_num_seqs, self.eos_token_ids)
             elif config.async_scheduling == "on":
-                logger.warning("--async-scheduling runs plain decoding on one rank only: off for this engine")
+                logger.warning(
+                    "--async-scheduling runs on one rank, beside a proposer that does not read the target's "
+                    "features: off for this engine"
+                )
         try:
             self.grammars.tokenizer()
         except GrammarError as e:  # the server still serves; constrained requests get this as a 400
@@ -352,6 +357,7 @@ class LLMEngine:
         return outs
 
     def _step_failed(self, e: Exception) -> list[RequestOutput]:
+        self.step_runner.next_plan = None  # (planned for sequences this failure may preempt)
         if is_out_of_memory(e) and self.step_runner.scheduled:
             return self._shrink_after_oom(e)
         failed = {seq.group.request_id: seq.group for seq in self.step_runner.scheduled}
@@ -389,6 +395,8 @@ class LLMEngine:
             return []
         self.step_runner.scheduled = seqs
         try:
+            if not self._plans_plain(ahead=0):
+                return []
             pending = self.ahead.launch(seqs, None)
         except Exception as e:
             return self._step_failed(e)
@@ -400,24 +408,41 @@ class LLMEngine:
     def _step_ahead(self) -> list[RequestOutput]:
         """A forward is pending: launch the next over the same sequences from its tokens on the device
         if the batch is the same again, then read the pending tokens and hand them out (else: drain)."""
+        t0 = time.perf_counter()
         pending, self.ahead.pending = self.ahead.pending, None
         self.step_runner.scheduled = [s for s in pending.seqs if s.status is SequenceStatus.RUNNING]
         try:
-            following = self.ahead.launch(pending.seqs, pending.tokens) if self.ahead.steady(pending) else None
+            steady = self.ahead.steady(pending) and self._plans_plain(ahead=1)
+            following = self.ahead.launch(pending.seqs, pending.tokens) if steady else None
             tokens = pending.ticket.tolist()
         except Exception as e:
             return self._step_failed(e)
         self.scheduler.regrow()
         self.num_steps += 1
+        emits = [Emit(s, [t]) for s, t in zip(pending.seqs, tokens) if s.status is SequenceStatus.RUNNING]
+        if self.controller is not None and following is not None and emits:
+            # (A step that drains launched nothing: its time is the read's alone, the forward's was
+            # the step before's. On a CPU, where launching is computing, a step ahead's time is that
+            # of the forward it launched: one forward a token over a run of steps ahead.)
+            self.controller.observe_ahead([e.seq for e in emits], time.perf_counter() - t0)
         touched: dict[str, SequenceGroup] = {}
-        self._hand_out(
-            [Emit(s, [t]) for s, t in zip(pending.seqs, tokens) if s.status is SequenceStatus.RUNNING], touched
-        )
+        self._hand_out(emits, touched)
         live = [s for s in following.seqs if s.status is SequenceStatus.RUNNING] if following is not None else []
         if live:  # (a forward ahead of sequences that all ended is dropped unread)
             self._computed_ahead(live)
             self.ahead.pending = following
         return [self._make_output(g) for g in touched.values()]
+
+    def _plans_plain(self, ahead: int) -> bool:
+        """Whether the controller, if any, drafts nothing in the step after the running sequences'
+        ``ahead`` tokens on the device: then that step may run ahead. A plan that drafts is kept for
+        that step, which runs as an ordinary one (``Step.next_plan``): each step is planned once."""
+        if self.controller is None:
+            return True
+        want = self.step_runner.plan(ahead)
+        if want:
+            self.step_runner.next_plan = want
+        return not want
 
     def _computed_ahead(self, seqs: list[Sequence]) -> None:
         """A forward ahead computed each one's last known token (its own token is still on the device)."""

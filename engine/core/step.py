@@ -62,13 +62,17 @@ class Step:
         self._planned: dict[int, int] = {}  # seq_id → the depth its draft was granted, this step
         self.decoding = Strategies(beams, proposer, self.rows)  # beyond sampling: engine/decoding/
         self.scheduled: list[Sequence] = []  # this step's sequences (the engine fails them if it raises)
+        # A plan the engine asked for this step already (run-ahead decoding asks the controller whether
+        # a step drafts before it launches that step's forward; one that drafts runs as an ordinary
+        # step, on this plan: each step's plan is asked once, its exploration counted once).
+        self.next_plan: dict[int, int] | None = None
         self.forward_seconds = 0.0  # this step's target and proposer forwards (the rest is host work)
 
     def run(self) -> tuple[list[Emit], list[Sequence]]:
         """One step: what each sequence emitted, and sequences with news but no token of their own."""
         t0 = time.perf_counter()
         self.forward_seconds, self.scheduled = 0.0, []
-        want = self.plan()
+        want, self.next_plan = self.plan() if self.next_plan is None else self.next_plan, None
         sched = self.scheduler.schedule(lookahead=self._lookahead(want) if want else None)
         if not sched.scheduled:
             return [], []
@@ -89,18 +93,24 @@ class Step:
         return emits, [s for s, *_ in batch.prompt_spans] + batch.ended
 
     # 1. plan: a draft depth per decoding sequence (absent = none)
-    def plan(self) -> dict[int, int]:
+    def plan(self, ahead: int = 0) -> dict[int, int]:
+        """``ahead``: tokens each running sequence has on the device, not yet read (run-ahead decoding
+        asks for the step after them)."""
         if self.controller is None:
             return {}
         # A decode has output already: a prompt whose last chunk is one token samples its first token
         # (and forks its n > 1 choices) the plain way.
-        decode = [s for s in self.scheduler.running if s.num_uncomputed_tokens == 1 and s.num_output_tokens > 0]
+        decode = [
+            s
+            for s in self.scheduler.running
+            if s.num_uncomputed_tokens + ahead == 1 and s.num_output_tokens + ahead > 0
+        ]
         if not decode:
             return {}
         other = sum(s.num_uncomputed_tokens for s in self.scheduler.running if s.num_uncomputed_tokens > 1)
         other += sum(s.num_tokens for s in itertools.islice(self.scheduler.waiting, 4))  # likely admissions
         # Never draft past max_tokens or the context: the final token takes the last place.
-        room = [max(s.tokens_left(self.max_model_len) - 1, 0) for s in decode]
+        room = [max(s.tokens_left(self.max_model_len) - 1 - ahead, 0) for s in decode]
         depths = self.controller.plan(decode, min(other, self.scheduler.max_num_batched_tokens), room)
         return {s.seq_id: d for s, d in zip(decode, depths) if d > 0}
 

@@ -546,6 +546,15 @@ class SpecController:
                 if extra > 0:
                     self.cost.observe_spec_scale((seconds - plain) / extra)
 
+    def observe_ahead(self, seqs: list[Sequence], seconds: float) -> None:
+        """A run-ahead step (engine/core/ahead.py): a plain decode step, launch and read, which gave each
+        of ``seqs`` a token. Plain decoding's rate, which the guard holds speculation to, is then that
+        of these steps; the cost model keeps learning from ordinary steps only (a forward ahead is not
+        waited for, and its host work overlaps the device's)."""
+        greedy = all(s.params.greedy for s in seqs)
+        self.guard.observe(len(seqs), len(seqs), seconds, False, greedy, frozenset(s.seq_id for s in seqs))
+        self.budget.observe(seconds)
+
     def _plain_token_seconds(self, greedy: list[bool]) -> float:
         """Seconds a token takes by plain decoding in a batch like this one: the guard's measured
         plain rate at its size, or (none yet) the cost model's plain step."""
