@@ -16,7 +16,13 @@ import torch
 
 from engine.request.sequence import Sequence
 from engine.sampling.no_repeat import banned_tokens
-from engine.sampling.sampler import SamplingMetadata, apply_logits_processors, compute_probs, exponential_noise
+from engine.sampling.sampler import (
+    SamplingMetadata,
+    apply_logits_processors,
+    compute_probs,
+    exponential_noise,
+    take_rows,
+)
 from engine.sampling.verify import build_verify_input, draw, greedy_accept, verify
 from engine.structured import unpack
 
@@ -84,9 +90,9 @@ def accept_greedy(samples: list, logits: torch.Tensor, rows_md: RowsMetadata) ->
     """(accepted node indices, final token) per greedy sample: the target's argmax decides."""
     rows = rows_md.plain_rows(samples)
     if rows is not None:
-        return _walk(samples, logits[rows].argmax(-1))
+        return _walk(samples, take_rows(logits, rows).argmax(-1))
     rows, md = rows_md(samples)
-    raw = logits[rows]
+    raw = take_rows(logits, rows)
     return _walk(samples, (apply_logits_processors(raw, md) if md.needs_processing else raw).argmax(-1))
 
 
@@ -107,7 +113,7 @@ def accept_seeded(samples: list, logits: torch.Tensor, rows_md: RowsMetadata) ->
     therefore exactly what plain decoding with that seed emits, whatever was drafted or batched; it
     is a sample of ``p`` because ``E`` is i.i.d. Exp(1) for every key."""
     rows, md = rows_md(samples)
-    return _walk(samples, sampled_tokens(logits[rows], md, seeded=True))
+    return _walk(samples, sampled_tokens(take_rows(logits, rows), md, seeded=True))
 
 
 def _walk(samples: list, targets: torch.Tensor) -> list[tuple[list[int], int]]:
@@ -122,7 +128,7 @@ def _walk(samples: list, targets: torch.Tensor) -> list[tuple[list[int], int]]:
 def accept_random(samples: list, logits: torch.Tensor, rows_md: RowsMetadata) -> list[tuple[list[int], int]]:
     """(accepted node indices, final token) per unseeded sampling sample, by lossless rejection sampling."""
     rows, md = rows_md(samples)
-    raw = logits[rows]
+    raw = take_rows(logits, rows)
     if not any(len(s.tree) for s in samples):  # plain sampling: one draw a row, nothing to verify
         return [([], t) for t in sampled_tokens(raw, md, seeded=False).tolist()]
     p = compute_probs(apply_logits_processors(raw, md) if md.needs_processing else raw, md)
@@ -139,7 +145,7 @@ def accept_typical(samples: list, logits: torch.Tensor, rows_md: RowsMetadata) -
     token is sampled from ``p`` at its end. Accepts more than rejection sampling where ``p`` is flat,
     at the price of exactness: the output is not the target's distribution."""
     rows, md = rows_md(samples)
-    raw = logits[rows]
+    raw = take_rows(logits, rows)
     p = compute_probs(apply_logits_processors(raw, md) if md.needs_processing else raw, md)  # [R, V]
     entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)  # [R]
     eps_delta = [s.seq.params.typical_acceptance for s in samples for _ in range(len(s.tree) + 1)]

@@ -475,6 +475,17 @@ def _staging(device: torch.device) -> Staging:
     return Staging(device, capacity=1 << 16)
 
 
+def take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``logits[rows]`` without waiting for the device: all rows in order (a batch of decodes) are the
+    tensor itself, others are gathered by an index sent through the sampler's pinned ring (indexing
+    with a list copies it from pageable memory, a copy that waits for the device on a GPU)."""
+    if len(rows) == len(logits) and all(r == i for i, r in enumerate(rows)):
+        return logits
+    pack = _staging(logits.device).pack()
+    i = pack.add(np.asarray(rows, dtype=np.int64))
+    return logits.index_select(0, pack.send()[i])
+
+
 def _host_to_device(
     values: list[float] | list[int] | list[list[int]],
     device: torch.device,
