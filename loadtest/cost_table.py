@@ -83,6 +83,8 @@ def _has(frames, func: str | None = None, file: str | None = None) -> int:
 
 def ahead_stage(frames: list[tuple[str, str]]) -> str:
     """A run-ahead step (engine/core/ahead.py; no Step.run in it): the same stages, from its own calls."""
+    if _has(frames, "Step.plan") >= 0 or _has(frames, "SpecController.observe_ahead") >= 0:
+        return "controller (planning depths)"  # (a speculative engine's plan of the step launched ahead)
     if _has(frames, "ModelRunner.prepare") >= 0:
         return "batch metadata"
     if _has(frames, "ModelRunner.execute") >= 0:

@@ -102,6 +102,13 @@ RUNNER = "ModelRunner.execute (engine/runner/model_runner.py:421);Module._call_i
             "output processing (detokenize, stops)",
         ),
         (AHEAD + ";LLMEngine._computed_ahead (engine/core/llm_engine.py:420)", "bookkeeping (commit, KV moves, hooks)"),
+        # A speculative engine asks its controller for the plan of the step it launches ahead.
+        (
+            AHEAD + ";LLMEngine._plans_plain (engine/core/llm_engine.py:440);Step.plan (engine/core/step.py:112);"
+            "SpecController.plan (engine/speculative/controller.py:380)",
+            "controller (planning depths)",
+        ),
+        (AHEAD + ";SpecController.observe_ahead (engine/speculative/controller.py:560)", "controller (planning depths)"),
     ],
 )
 def test_engine_samples_land_in_their_stage(stack, stage):
