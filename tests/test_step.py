@@ -601,3 +601,47 @@ def test_dtype_auto_is_bf16_only_where_the_cpu_multiplies_bf16(monkeypatch):
     monkeypatch.setattr(engine.config, "cpu_has_bf16_units", lambda: True)
     assert cfg.torch_dtype == torch.bfloat16
     assert EngineConfig(model="unused", device="cpu", dtype="float32").torch_dtype == torch.float32
+
+
+def _device_costs(per_token: float) -> CostModel:
+    """Forward timings by batch shape: a fixed 10 ms a target forward (1 ms a draft forward) plus
+    ``per_token`` seconds for each token in it (a quarter of that for the draft)."""
+    cost = CostModel()
+    for num_seqs in (1, 2, 4, 8, 16, 32):
+        for per in (1, 2, 4, 8):
+            tokens = num_seqs * per
+            cost.observe("target", num_seqs, tokens, 0.010 + per_token * tokens)
+            cost.observe("draft", num_seqs, tokens, 0.001 + per_token / 4 * tokens)
+    return cost
+
+
+def test_under_load_the_plan_finds_the_depth_that_pays_and_prices_it_across_requests(target, tmp_path):
+    """Issue 33, item 4: with 8 and with 32 requests decoding, on a device whose forward costs little
+    more for more tokens (weights-bound, as a GPU's at these batch sizes), the plan drafts at a depth
+    that pays instead of turning drafting off; in one batch, requests whose drafts are kept more often
+    draft deeper than the others (one marginal price for the batch's target time); where every token
+    costs real time (compute-bound, as on this CPU), the same batch drafts nothing."""
+    eng, ctl = _controlled_engine(target, tmp_path)
+    ctl.guard.min_samples = 0  # the plan alone: no early plain probes
+    ctl.reuse_plans = 0
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    for i in range(32):
+        eng.add_request(f"r{i}", [5, 6, 7, 8 + i], params)
+    while len(eng.scheduler.running) < 32 or any(s.num_output_tokens == 0 for s in eng.scheduler.running):
+        eng.step()
+    seqs = sorted(eng.scheduler.running, key=lambda s: s.seq_id)
+
+    def settled(batch: list, alphas: list[float], per_token: float) -> list[int]:
+        ctl.cost = _device_costs(per_token)
+        for s, a in zip(batch, alphas):
+            ctl.estimate(s).alpha = [a] * ctl.max_depth
+        return [ctl.plan(batch, 0) for _ in range(ctl.patience + 1)][-1]
+
+    for n in (8, 32):
+        batch = seqs[:n]
+        depths = settled(batch, [0.8] * n, per_token=2e-5)
+        assert min(depths) >= 2 and len(set(depths)) == 1, (n, depths)
+        assert settled(batch, [0.8] * n, per_token=2e-3) == [0] * n
+        mixed = settled(batch, [0.9, 0.3] * (n // 2), per_token=2e-4)
+        assert min(mixed[0::2]) > max(mixed[1::2]), (n, mixed)
+        assert max(mixed[0::2]) >= 2, (n, mixed)
