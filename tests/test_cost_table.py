@@ -108,7 +108,10 @@ RUNNER = "ModelRunner.execute (engine/runner/model_runner.py:421);Module._call_i
             "SpecController.plan (engine/speculative/controller.py:380)",
             "controller (planning depths)",
         ),
-        (AHEAD + ";SpecController.observe_ahead (engine/speculative/controller.py:560)", "controller (planning depths)"),
+        (
+            AHEAD + ";SpecController.observe_ahead (engine/speculative/controller.py:560)",
+            "controller (planning depths)",
+        ),
     ],
 )
 def test_engine_samples_land_in_their_stage(stack, stage):

@@ -274,6 +274,35 @@ def test_a_speculative_engine_runs_ahead_while_its_controller_drafts_nothing(pai
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 
+def test_a_step_the_kv_pool_cannot_launch_ahead_is_not_planned_again(pair, monkeypatch):  # noqa: F811
+    """A pool too small for every sequence's next slot: the launch ahead fails after its step was planned,
+    and the ordinary step that follows runs on that plan. A sequence is planned twice at one root only
+    if it was preempted in between (recomputed, it decodes from that root again)."""
+    ps = spec_prompts(8, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = staggered(make(pair["target"], async_scheduling="off", num_kv_blocks=40), ps, params)
+    eng = make(pair["target"], pair["noisy"], async_scheduling="on", num_kv_blocks=40)
+    plan, events, short = eng.controller.plan, [], []
+
+    def never(seqs, other_tokens, room):
+        events.extend(("plan", s.seq_id, s.num_computed_tokens) for s in seqs)
+        return [0] * len(plan(seqs, other_tokens, room))
+
+    launch, preempt = eng.ahead.launch, eng.scheduler.preempt
+    monkeypatch.setattr(eng.controller, "plan", never)
+    monkeypatch.setattr(eng.ahead, "launch", lambda seqs, ids: launch(seqs, ids) or short.append(1))
+    monkeypatch.setattr(eng.scheduler, "preempt", lambda seq: events.append(("preempt", seq.seq_id, 0)) or preempt(seq))
+    assert staggered(eng, ps, params) == want
+    assert short and eng.ahead.num_launched > 10
+    seen: set[tuple[int, int]] = set()
+    for what, sid, root in events:
+        if what == "preempt":
+            seen = {k for k in seen if k[0] != sid}
+        else:
+            assert (sid, root) not in seen, f"sequence {sid} planned twice at root {root}"
+            seen.add((sid, root))
+
+
 def test_steps_ahead_feed_the_guards_plain_rate(pair, monkeypatch):  # noqa: F811
     """The guard holds drafting to plain decoding as it runs: steps ahead are plain steps to it, beside
     the ordinary ones."""

@@ -32,10 +32,11 @@ pending one and the next) and the KV pool gives each the next slot.
 Speculative engines run ahead while the controller drafts nothing (the guard has turned drafting
 off; no request's trial or idle probe is due). Before each launch the engine asks the controller
 for the plan of the step that forward is (the step after the pending tokens); a plan that drafts
-drains and its step runs as an ordinary one on that plan, so no step is planned twice (trials,
-probes and the guard's bursts are counted once). Steps ahead feed the guard's plain rate: drafting
-is held to plain decoding as it runs here. Proposers that read the target's features of every
-computed token (EAGLE, Medusa, MTP) and tensor parallelism run ordinary steps only.
+drains and its step runs as an ordinary one on that plan (so does one whose launch finds no KV
+slots), so no step is planned twice (trials, probes and the guard's bursts are counted once). Steps
+ahead feed the guard's plain rate: drafting is held to plain decoding as it runs here. Proposers
+that read the target's features of every computed token (EAGLE, Medusa, MTP) and tensor parallelism
+run ordinary steps only.
 """
 
 from __future__ import annotations

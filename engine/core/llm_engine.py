@@ -401,6 +401,7 @@ class LLMEngine:
         except Exception as e:
             return self._step_failed(e)
         if pending is not None:
+            self.step_runner.next_plan = None
             self._computed_ahead(pending.seqs)
             self.ahead.pending = pending
         return []
@@ -414,6 +415,8 @@ class LLMEngine:
         try:
             steady = self.ahead.steady(pending) and self._plans_plain(ahead=1)
             following = self.ahead.launch(pending.seqs, pending.tokens) if steady else None
+            if following is not None:
+                self.step_runner.next_plan = None
             tokens = pending.ticket.tolist()
         except Exception as e:
             return self._step_failed(e)
@@ -435,14 +438,12 @@ class LLMEngine:
 
     def _plans_plain(self, ahead: int) -> bool:
         """Whether the controller, if any, drafts nothing in the step after the running sequences'
-        ``ahead`` tokens on the device: then that step may run ahead. A plan that drafts is kept for
-        that step, which runs as an ordinary one (``Step.next_plan``): each step is planned once."""
+        ``ahead`` tokens on the device: then that step may run ahead. The plan is kept for that step
+        (``Step.next_plan``) until a forward is launched on it: a plan that drafts, or one whose launch
+        finds no KV slots, runs as an ordinary step on it. Each step is planned once."""
         if self.controller is None:
             return True
-        want = self.step_runner.plan(ahead)
-        if want:
-            self.step_runner.next_plan = want
-        return not want
+        return not self.step_runner.plan_ahead(ahead)
 
     def _computed_ahead(self, seqs: list[Sequence]) -> None:
         """A forward ahead computed each one's last known token (its own token is still on the device)."""

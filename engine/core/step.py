@@ -63,16 +63,21 @@ class Step:
         self.decoding = Strategies(beams, proposer, self.rows)  # beyond sampling: engine/decoding/
         self.scheduled: list[Sequence] = []  # this step's sequences (the engine fails them if it raises)
         # A plan the engine asked for this step already (run-ahead decoding asks the controller whether
-        # a step drafts before it launches that step's forward; one that drafts runs as an ordinary
-        # step, on this plan: each step's plan is asked once, its exploration counted once).
+        # a step drafts before it launches that step's forward; a step that drafts, or whose launch found
+        # no KV slots, runs as an ordinary step on this plan: each step's plan is asked once, its
+        # exploration counted once).
         self.next_plan: dict[int, int] | None = None
+        self.next_plan_seconds = 0.0  # (what making it took: part of that step's time)
         self.forward_seconds = 0.0  # this step's target and proposer forwards (the rest is host work)
 
     def run(self) -> tuple[list[Emit], list[Sequence]]:
         """One step: what each sequence emitted, and sequences with news but no token of their own."""
         t0 = time.perf_counter()
         self.forward_seconds, self.scheduled = 0.0, []
-        want, self.next_plan = self.plan() if self.next_plan is None else self.next_plan, None
+        if self.next_plan is None:
+            want = self.plan()
+        else:
+            want, self.next_plan, t0 = self.next_plan, None, t0 - self.next_plan_seconds
         sched = self.scheduler.schedule(lookahead=self._lookahead(want) if want else None)
         if not sched.scheduled:
             return [], []
@@ -113,6 +118,15 @@ class Step:
         room = [max(s.tokens_left(self.max_model_len) - 1 - ahead, 0) for s in decode]
         depths = self.controller.plan(decode, min(other, self.scheduler.max_num_batched_tokens), room)
         return {s.seq_id: d for s, d in zip(decode, depths) if d > 0}
+
+    def plan_ahead(self, ahead: int) -> dict[int, int]:
+        """Plan the step after the running sequences' ``ahead`` tokens on the device (run-ahead decoding
+        asks before it launches that step's forward) and keep the plan for that step, with its time,
+        until the engine launches the forward (then ``next_plan`` is cleared) or the step runs on it."""
+        t0 = time.perf_counter()
+        self.next_plan = self.plan(ahead)
+        self.next_plan_seconds = time.perf_counter() - t0
+        return self.next_plan
 
     def _lookahead(self, want: dict[int, int]) -> Callable[[Sequence], int]:
         return lambda seq: self.proposer.slots_needed(want.get(seq.seq_id, 0), seq.params.greedy)
