@@ -2,8 +2,8 @@
 # The GPU checks in one run, for a machine lent for minutes (docs/benchmarks.md, "GPU step costs"):
 # the step benchmark at the 8B shape (triton and sdpa attention, CUDA graphs on and off), then every
 # GPU-marked test and the test files whose tensors live on CUDA when it exists; on request, the demo pair
-# served through the engine thread (plain, plain with --async-scheduling, the default) and the engine
-# process (the default; loadtest.peers), and the kernel profile of a decode against chain verifies
+# served (plain and the default, each with ordinary steps and with --async-scheduling on; loadtest.peers),
+# and the kernel profile of a decode against chain verifies
 # (loadtest.profile_gpu).
 #   OUT=DIR [STAGES="bench tests served profile"] bash loadtest/gpu_checks.sh [SHAPES...]
 # (default stages: bench tests; default shape: llama-3.1-8b). Missing Python packages (openai, pydantic,
@@ -50,8 +50,7 @@ if [[ $stages == *" served "* ]]; then
         >/tmp/augur-bin/augur
     chmod +x /tmp/augur-bin/augur
     PATH=/tmp/augur-bin:$PATH timeout "${SERVED_TIMEOUT:-240}" python3 -m loadtest.peers \
-        --preset augur-plain-thread --preset augur-plain-async --preset augur-default-thread \
-        --preset augur-default-process \
+        --preset augur-plain --preset augur-plain-async --preset augur-default --preset augur-default-async \
         --num-prompts 16 --max-tokens 128 --concurrency 1 8 --no-progress --startup-timeout 120 \
         --log-dir "$OUT/logs" --output-md "$OUT/served.md" 2>&1
 fi

@@ -60,6 +60,7 @@ AUGUR_PRESETS = {
     "augur-plain-async": " --speculative-method none --async-scheduling on",
     "augur-plain-ordinary": " --speculative-method none --async-scheduling off",
     "augur-default-ordinary": " --async-scheduling off",
+    "augur-default-async": " --async-scheduling on",
 }
 PEER_PRESETS = {f"{peer}-{mode}": (peer, mode) for peer in ("vllm", "llamacpp") for mode in ("draft", "plain", "ngram")}
 PRESETS = [*AUGUR_PRESETS, *PEER_PRESETS]
