@@ -307,7 +307,7 @@ class Step:
             return
         rows = {}
         if hidden:
-            idx = torch.tensor(toks, device=self.runner.device)
+            (idx,) = self.runner.indices(toks)
             rows = {layer: h.index_select(0, idx) for layer, h in hidden.items()}
             self._hidden[seq.seq_id] = rows
         self.proposer.on_computed(seq, start, rows)

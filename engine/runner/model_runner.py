@@ -327,8 +327,7 @@ class ModelRunner:
         All sources are read before any destination is written, so overlapping moves are safe."""
         if not src:
             return
-        s = torch.tensor(src, device=self.device)
-        d = torch.tensor(dst, device=self.device)
+        s, d = self.indices(src, dst)
         self.kv_cache[:, :, d] = self.kv_cache[:, :, s].clone()
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -337,9 +336,17 @@ class ModelRunner:
             return
         bs = self.block_size
         offsets = torch.arange(bs, device=self.device)
-        src = (torch.tensor([s for s, _ in copies], device=self.device)[:, None] * bs + offsets).flatten()
-        dst = (torch.tensor([d for _, d in copies], device=self.device)[:, None] * bs + offsets).flatten()
+        src, dst = self.indices([s for s, _ in copies], [d for _, d in copies])
+        src, dst = (src[:, None] * bs + offsets).flatten(), (dst[:, None] * bs + offsets).flatten()
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    def indices(self, *lists: list[int]) -> list[torch.Tensor]:
+        """Host int lists as int64 tensors on the device, in one copy from the pinned ring: a tensor
+        built from a list on a GPU is a copy from pageable memory that waits for the device."""
+        pack = self.staging.pack()
+        ids = [pack.add(np.asarray(values, dtype=np.int64)) for values in lists]
+        pack.send()
+        return [pack[i] for i in ids]
 
     # -- forward ----------------------------------------------------------------------------------
     def prepare(self, chunks: list[ForwardChunk]) -> ForwardBatch:
