@@ -48,7 +48,8 @@ class EngineConfig:
     enforce_eager: bool = False
     # Run-ahead decoding (engine/core/ahead.py): while every running request decodes plainly, launch the
     # next forward before reading the last one's tokens, so that output processing overlaps the
-    # device's work. Exact; engines without a speculative method, one rank. auto | on | off (a bool is
+    # device's work. Exact; plain engines, and speculative ones while their controller drafts nothing
+    # (not beside EAGLE, Medusa or MTP heads); one rank. auto | on | off (a bool is
     # on/off); auto: on for CPUs, where served medians measured 1.03-1.22x at c = 1 and 1.00-1.09x at c = 8
     # (its leaner step: nothing overlaps there), off on GPUs until measured there (docs/benchmarks.md).
     async_scheduling: str = "auto"
