@@ -49,9 +49,9 @@ class EngineConfig:
     # Run-ahead decoding (engine/core/ahead.py): while every running request decodes plainly, launch the
     # next forward before reading the last one's tokens, so that output processing overlaps the
     # device's work. Exact; plain engines, and speculative ones while their controller drafts nothing
-    # (not beside EAGLE, Medusa or MTP heads); one rank. auto | on | off (a bool is
-    # on/off); auto: on for CPUs, where served medians measured 1.03-1.22x at c = 1 and 1.00-1.09x at c = 8
-    # (its leaner step: nothing overlaps there), off on GPUs until measured there (docs/benchmarks.md).
+    # (not beside EAGLE, Medusa or MTP heads); one rank. auto | on | off (a bool is on/off); auto: on
+    # for CPUs, where served medians measured 1.03-1.22x at c = 1 and 1.00-1.09x at c = 8 (its leaner
+    # step: nothing overlaps there), off on GPUs until measured there (docs/benchmarks.md).
     async_scheduling: str = "auto"
     # Attention backend: auto | sdpa | triton (engine/attention). auto: triton on CUDA where Triton imports,
     # else sdpa (the CPU path and the reference).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -110,8 +111,6 @@ def test_bench_measures_run_ahead_against_ordinary_steps(tmp_path, llama_dir):
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    import json
-
     for r in json.loads(out.read_text())["results"]:
         assert r["output_tokens"] == 24 and r["ordinary_tokens_per_s"] > 0
         assert r["ratio_vs_ordinary"] == pytest.approx(r["augur_tokens_per_s"] / r["ordinary_tokens_per_s"])

@@ -343,10 +343,7 @@ class ModelRunner:
     def indices(self, *lists: list[int]) -> list[torch.Tensor]:
         """Host int lists as int64 tensors on the device, in one copy from the pinned ring: a tensor
         built from a list on a GPU is a copy from pageable memory that waits for the device."""
-        pack = self.staging.pack()
-        ids = [pack.add(np.asarray(values, dtype=np.int64)) for values in lists]
-        pack.send()
-        return [pack[i] for i in ids]
+        return self.staging.send([np.asarray(values, dtype=np.int64) for values in lists])
 
     # -- forward ----------------------------------------------------------------------------------
     def prepare(self, chunks: list[ForwardChunk]) -> ForwardBatch:

@@ -469,6 +469,9 @@ def _penalty_rows(params: Sequence[SamplingParams], device: torch.device) -> tup
     )
 
 
+_NP_DTYPES = {torch.float32: np.float32, torch.int64: np.int64}
+
+
 @functools.cache
 def _staging(device: torch.device) -> Staging:
     """The sampler's ring on ``device`` (one a device: sampling metadata is built by the engine's loop)."""
@@ -481,9 +484,7 @@ def take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     with a list copies it from pageable memory, a copy that waits for the device on a GPU)."""
     if len(rows) == len(logits) and all(r == i for i, r in enumerate(rows)):
         return logits
-    pack = _staging(logits.device).pack()
-    i = pack.add(np.asarray(rows, dtype=np.int64))
-    return logits.index_select(0, pack.send()[i])
+    return logits.index_select(0, _host_to_device(rows, logits.device, torch.int64))
 
 
 def _host_to_device(
@@ -491,8 +492,11 @@ def _host_to_device(
     device: torch.device,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """A small per-row list as a tensor on ``device``, built on the host and copied once."""
-    return torch.tensor(values, dtype=dtype).to(device)
+    """A small per-row list as a tensor on ``device``, built on the host and sent through the sampler's
+    pinned ring (a tensor built from a list on a GPU is a copy from pageable memory that waits for the
+    device)."""
+    (t,) = _staging(torch.device(device)).send([np.asarray(values, dtype=_NP_DTYPES[dtype])])
+    return t
 
 
 def _flat_token_index(rows: list[int], token_ids: Sequence[Sequence[int]], vocab_size: int) -> torch.Tensor:
