@@ -67,29 +67,47 @@ def test_every_method_is_exact_through_graphs_on_gpu(pair):
     check_methods_match_plain(pair, "cuda")
 
 
-def test_a_decode_step_waits_for_the_device_once(pair):
-    """Issue 33, item 3: a plain greedy decode step syncs the host with the device once (the accepted
-    tokens' transfer); its forward is timed by CUDA events read after that sync, not by a wait of its
-    own. Counted with torch's sync debug mode, which warns at every synchronizing call."""
+def device_waits(eng: LLMEngine, steps: int) -> list[str]:
+    """The synchronizing calls of ``steps`` steps (after 8 that capture graphs and grow buffers),
+    counted with torch's sync debug mode, which warns at every one."""
     import warnings
 
     import torch
 
-    eng = engine(pair[0], "cuda")
-    eng.add_request("a", [5, 6, 7, 8, 9, 10], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
-    for _ in range(8):  # the prefill and the first decodes (graphs captured, buffers grown)
+    for _ in range(8):
         eng.step()
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for _ in range(16):
+            for _ in range(steps):
                 eng.step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
-    assert len(syncs) <= 16, [str(w.message) for w in syncs[:4]]
+    return [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+
+
+def test_a_decode_step_waits_for_the_device_once(pair):
+    """Issue 33, item 3: a plain greedy decode step syncs the host with the device once (the accepted
+    tokens' transfer); its forward is timed by CUDA events read after that sync, not by a wait of its
+    own. (tests/test_device_waits.py counts the calls that would wait on the CPU.)"""
+    eng = engine(pair[0], "cuda")
+    eng.add_request("a", [5, 6, 7, 8, 9, 10], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    syncs = device_waits(eng, 16)
+    assert len(syncs) <= 16, syncs[:4]
     assert eng.runner.graphs is not None  # as served on a GPU
+
+
+def test_a_drafting_step_waits_for_the_device_twice(pair):
+    """A draft model's greedy chains (levels past the first in one graph call): the draft's tokens
+    reach the host once, then the accepted ones."""
+    eng = engine(pair[0], "cuda", speculative_method="draft", draft_model=str(pair[1]), spec_tree_topk=1)
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, num_draft_tokens=3)
+    eng.add_request("a", [5, 6, 7, 8, 9, 10], params)
+    drafts = eng.spec_stats.num_drafts
+    syncs = device_waits(eng, 16)
+    assert eng.spec_stats.num_drafts - drafts >= 16
+    assert len(syncs) <= 2 * 16, syncs[:4]
 
 
 @pytest.mark.parametrize("topk", [0, 1, 2], ids=["plain", "chains", "trees"])

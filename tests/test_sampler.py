@@ -22,7 +22,6 @@ from engine.sampling.sampler import (
     apply_logits_processors,
     compute_probs,
     sample_from_probs,
-    take_rows,
 )
 from engine.sampling.verify import draw
 
@@ -649,13 +648,3 @@ def test_cuda_matches_cpu_and_seeds_reproduce() -> None:
     assert out.token_ids[1].item() == int(cpu_probs[1].argmax())
     _, again = run(cuda, 3)
     assert again.token_ids[0].item() == out.token_ids[0].item()
-
-
-def test_take_rows_gathers_without_a_list_index():
-    """A batch of decodes reads its logits as they are; other rows go by an index tensor (indexing a
-    CUDA tensor with a list copies the list from pageable memory and waits for the device: the extra
-    sync a GPU decode step once showed)."""
-    logits = torch.randn(5, 11)
-    assert take_rows(logits, [0, 1, 2, 3, 4]) is logits
-    for rows in ([4, 0, 2], [0, 1, 2], [3, 3], []):
-        assert torch.equal(take_rows(logits, rows), logits[rows])

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from engine.attention.common import triton_interpreted
-from engine.attention.staging import Staging
+from engine.attention.staging import Staging, take_rows, to_device
 from engine.runner.loader import load_config, load_model
 from engine.runner.model_runner import ForwardBatch, ForwardChunk, ModelRunner
+from engine.runner.readback import to_host
 from engine.sampling.tree import DraftTree, tree_layout
 
 BS = 4
@@ -79,6 +80,50 @@ def test_on_a_cpu_arrays_are_handed_over_without_a_copy():
 
 
 # -- a runner's forwards through the ring -------------------------------------------------------------
+def test_take_rows_gathers_without_a_list_index():
+    """A batch of decodes reads its logits as they are; other rows go by an index tensor (indexing a
+    CUDA tensor with a list copies the list from pageable memory and waits for the device: the extra
+    sync a GPU decode step once showed)."""
+    logits = torch.randn(5, 11)
+    assert take_rows(logits, [0, 1, 2, 3, 4]) is logits
+    for rows in ([4, 0, 2], [0, 1, 2], [3, 3], []):
+        assert torch.equal(take_rows(logits, rows), logits[rows])
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float32, torch.bool])
+def test_to_device_builds_what_torch_tensor_builds(dtype):
+    values = {
+        torch.int64: [[3, -(2**40), 7], [0, 1, 2]],
+        torch.float32: [0.1, -2.5, 1e-30, 3.0],
+        torch.bool: [True, False, True],
+    }[dtype]
+    got = to_device(values, "cpu", dtype)
+    assert got.dtype == dtype and torch.equal(got, torch.tensor(values, dtype=dtype))
+    assert to_device([], "cpu", dtype).shape == (0,)
+
+
+def test_to_host_reads_several_tensors_as_each_tolist_would():
+    """One transfer, each tensor back as its own ``tolist()``: shapes (a scalar, empty and nested ones
+    included), ints past 2**31, bools, and float32, bfloat16 and float16 values exactly."""
+    g = torch.Generator().manual_seed(0)
+    ts = [
+        torch.randn(3, 4, generator=g),
+        torch.randint(-(2**40), 2**40, (2, 3, 2), generator=g),
+        torch.tensor(5),
+        torch.zeros(2, 0, dtype=torch.int64),
+        torch.tensor([True, False]),
+        torch.randn(2, 2, generator=g).bfloat16(),
+        torch.randn(3, generator=g).half(),
+        torch.empty(0, 3),
+    ]
+    got = to_host(*ts)
+    assert len(got) == len(ts)
+    for t, values in zip(ts, got):
+        assert values == t.tolist() and type(values) is type(t.tolist())
+    assert type(got[1][0][0][0]) is int and type(got[4][0]) is bool
+    assert to_host() == []
+
+
 def runner(path, copy: bool, compiled: bool = False, backend: str = "sdpa") -> ModelRunner:
     cfg = load_config(path)
     model = load_model(path, cfg, torch.float32, torch.device("cpu"), 128, pack=not compiled)

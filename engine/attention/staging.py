@@ -22,6 +22,7 @@ copy at all). ``Staging(device, copy=True)`` runs the ring on a CPU anyway: how 
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import deque
 
@@ -36,6 +37,7 @@ _TORCH_DTYPES = {
     np.dtype(np.bool_): torch.bool,
     np.dtype(np.float32): torch.float32,
 }
+_NP_DTYPES = {t: n for n, t in _TORCH_DTYPES.items()}
 
 
 class Pack:
@@ -155,3 +157,26 @@ def direct_pack(device: torch.device | str) -> Pack:
     """A pack for a caller without a runner's ring (tests, tools): one copy from pageable memory
     where the device is not the host (no pinned ring to allocate for one forward)."""
     return Staging(device, capacity=4096, pin=False).pack()
+
+
+@functools.cache
+def ring(device: torch.device) -> Staging:
+    """The ring for the small lists the engine's loop sends between forwards (sampling metadata, rows
+    to keep, drafting indices): one a device. A runner's forward inputs go through its own."""
+    return Staging(device, capacity=1 << 16)
+
+
+def to_device(values, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+    """A host list (nested lists: rows of equal length) as a ``dtype`` tensor on ``device``, sent through
+    :func:`ring`: ``torch.tensor(values, device=...)`` on a GPU is a copy from pageable memory that
+    waits for the device, and indexing a device tensor with a list is the same copy."""
+    (t,) = ring(torch.device(device)).send([np.asarray(values, dtype=_NP_DTYPES[dtype])])
+    return t
+
+
+def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``t[rows]`` without waiting for the device: all rows in order (a batch of decodes) are the tensor
+    itself, others are gathered by an index sent through :func:`ring`."""
+    if len(rows) == len(t) and all(r == i for i, r in enumerate(rows)):
+        return t
+    return t.index_select(0, to_device(rows, t.device, torch.int64))

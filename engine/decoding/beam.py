@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.attention.staging import take_rows, to_device
 from engine.request.sequence import FinishReason, Hypothesis, Sequence, SequenceGroup, SequenceStatus
 from engine.sampling.sampler import apply_logits_processors
 
@@ -64,7 +65,7 @@ class BeamSearch:
         """Take the beams' logits rows of this step; run the step of every group whose beams all have
         theirs. Returns the groups whose search ended (their choices are ``group.seqs``)."""
         rows, md = rows_md(samples)
-        scores = torch.log_softmax(logits[rows].float(), dim=-1)  # [B, V]
+        scores = torch.log_softmax(take_rows(logits, rows).float(), dim=-1)  # [B, V]
         if md.needs_processing:
             scores = apply_logits_processors(scores, md)
         groups: dict[str, SequenceGroup] = {}
@@ -87,7 +88,7 @@ class BeamSearch:
         total = torch.stack([st.rows.pop(b.seq_id) for b in beams])  # [k, V]
         for b in beams:
             b.parked = False
-        total += torch.tensor(st.scores, device=total.device).unsqueeze(1)
+        total += to_device(st.scores, total.device, torch.float32).unsqueeze(1)
         stops = (set() if p.ignore_eos else self.eos) | set(p.stop_token_ids)
         k = min(max(2, 1 + len(stops)) * width, total.numel())
         values, index = total.flatten().topk(k)

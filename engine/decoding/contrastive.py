@@ -23,6 +23,8 @@ import math
 
 import torch
 
+from engine.attention.staging import to_device
+
 # The amateur's log-probabilities are floored here (1e-30): a token it cannot produce at all (outside
 # a narrower draft vocabulary) is then very unlikely to it, not impossible, and beta = 0 never meets
 # 0 * inf.
@@ -50,14 +52,9 @@ def apply_contrast(logits: torch.Tensor, samples: list, proposer) -> torch.Tenso
     seqs = [s.seq for s in samples]
     amateur = proposer.next_token_logits(seqs)
     proposer.timings()  # the amateur's forwards are no draft: keep them out of the drafting cost model
-    rows = torch.tensor([s.row for s in samples], dtype=torch.int64, device=logits.device)
-    alpha, beta = zip(*(s.seq.params.contrastive for s in samples))
     dev = logits.device
+    rows = to_device([s.row for s in samples], dev, torch.int64)
+    alpha, beta = to_device([s.seq.params.contrastive for s in samples], dev, torch.float32).unbind(-1)
     shaped = logits.clone()
-    shaped[rows] = contrastive_logits(
-        logits.index_select(0, rows),
-        amateur.to(dev),
-        torch.tensor(alpha, dtype=torch.float32, device=dev),
-        torch.tensor(beta, dtype=torch.float32, device=dev),
-    )
+    shaped[rows] = contrastive_logits(logits.index_select(0, rows), amateur.to(dev), alpha, beta)
     return shaped

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.attention.staging import take_rows, to_device
 from engine.request.sequence import Sequence
 from engine.sampling.no_repeat import banned_tokens
 from engine.sampling.sampler import (
@@ -21,7 +22,6 @@ from engine.sampling.sampler import (
     apply_logits_processors,
     compute_probs,
     exponential_noise,
-    take_rows,
 )
 from engine.sampling.verify import build_verify_input, draw, greedy_accept, verify
 from engine.structured import unpack
@@ -149,15 +149,14 @@ def accept_typical(samples: list, logits: torch.Tensor, rows_md: RowsMetadata) -
     p = compute_probs(apply_logits_processors(raw, md) if md.needs_processing else raw, md)  # [R, V]
     entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)  # [R]
     eps_delta = [s.seq.params.typical_acceptance for s in samples for _ in range(len(s.tree) + 1)]
-    eps, delta = torch.tensor(eps_delta, dtype=torch.float32, device=p.device).unbind(-1)
+    eps, delta = to_device(eps_delta, p.device, torch.float32).unbind(-1)
     threshold = torch.minimum(eps, delta * torch.exp(-entropy))  # [R]
     parent_rows, tokens, r = [], [], 0
     for s in samples:
         parent_rows.extend(r + par + 1 for par in s.tree.parents)
         tokens.extend(s.tree.tokens)
         r += len(s.tree) + 1
-    par = torch.tensor(parent_rows, dtype=torch.int64, device=p.device)
-    tok = torch.tensor(tokens, dtype=torch.int64, device=p.device)
+    par, tok = to_device([parent_rows, tokens], p.device, torch.int64)
     typical = p[par, tok] > threshold[par]  # [nodes]
     draws = (p / exponential_noise(p, md.generators)).argmax(-1)  # [R] a sample of p at every row
     host = torch.cat([typical.long(), draws]).tolist()  # one transfer
@@ -207,12 +206,12 @@ def penalty_state(seq: Sequence, vocab_size: int, device: torch.device) -> tuple
         if p.repetition_penalty != 1.0:
             seq.prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
             ids = [t for t in seq.prompt_ids if 0 <= t < vocab_size]
-            seq.prompt_mask[torch.tensor(ids, dtype=torch.int64, device=device)] = True
+            seq.prompt_mask[to_device(ids, device, torch.int64)] = True
     return seq.token_counts, seq.prompt_mask
 
 
 def count_tokens(seq: Sequence, tokens: list[int], vocab_size: int) -> None:
     if seq.token_counts is not None and tokens:
         dev = seq.token_counts.device
-        idx = torch.tensor([t for t in tokens if 0 <= t < vocab_size], dtype=torch.int64, device=dev)
+        idx = to_device([t for t in tokens if 0 <= t < vocab_size], dev, torch.int64)
         seq.token_counts.index_put_((idx,), torch.ones((), device=dev), accumulate=True)

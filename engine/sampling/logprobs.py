@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from engine.attention.staging import take_rows, to_device
 from engine.request.sequence import Sequence, TokenLogprob
+from engine.runner.readback import to_host
 
 
 def token_logprobs(
@@ -20,14 +22,15 @@ def token_logprobs(
         return []
     rows = [r for rs, _, _ in requests for r in rs]
     tokens = [t for _, ts, _ in requests for t in ts]
-    lp = torch.log_softmax(logits[rows].float(), dim=-1)  # [R, V]
-    idx = torch.tensor(tokens, dtype=torch.int64, device=lp.device)
-    chosen = lp.gather(1, idx[:, None])[:, 0].tolist()
+    lp = torch.log_softmax(take_rows(logits, rows).float(), dim=-1)  # [R, V]
+    chosen = lp.gather(1, to_device(tokens, lp.device, torch.int64)[:, None])[:, 0]
     k = max(k for *_, k in requests)
     top_v = top_i = None
     if k > 0:
         v, i = lp.topk(min(k, lp.shape[1]), dim=-1)
-        top_v, top_i = v.tolist(), i.tolist()
+        chosen, top_v, top_i = to_host(chosen, v, i)  # one transfer
+    else:
+        (chosen,) = to_host(chosen)
     out, j = [], 0
     for _, ts, kk in requests:
         lps = []

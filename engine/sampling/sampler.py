@@ -19,7 +19,6 @@ Terms used throughout:
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention.staging import Staging
+from engine.attention.staging import ring, to_device
 from engine.request.sampling_params import NoiseKey, SamplingParams
 from engine.sampling.no_repeat import banned_in
 
@@ -116,14 +115,14 @@ class SamplingMetadata:
         penalised = [i for i, p in enumerate(params) if p.needs_penalties]
         if penalised:
             repetition, presence, frequency = _penalty_rows(params, device)
-            flat = _flat_token_index(penalised, output_ids, vocab_size).to(device)  # [N]
+            flat = to_device(_flat_token_index(penalised, output_ids, vocab_size), device, torch.int64)  # [N]
             output_counts = torch.zeros(batch * vocab_size, dtype=torch.float32, device=device)
             # index_put_ with accumulate has a deterministic CUDA path; sums of 1.0 are exact anyway.
             output_counts.index_put_((flat,), torch.ones((), device=device), accumulate=True)
             output_counts = output_counts.view(batch, vocab_size)
             repeating = [i for i in penalised if params[i].repetition_penalty != 1.0]
             if repeating:
-                flat = _flat_token_index(repeating, prompt_ids, vocab_size).to(device)  # [N]
+                flat = to_device(_flat_token_index(repeating, prompt_ids, vocab_size), device, torch.int64)
                 prompt_mask = torch.zeros(batch * vocab_size, dtype=torch.bool, device=device)
                 prompt_mask[flat] = True
                 prompt_mask = prompt_mask.view(batch, vocab_size)
@@ -141,7 +140,7 @@ class SamplingMetadata:
         """The metadata of a subset of rows (a drafting level where some sequences stopped early)."""
         if len(rows) == self.temperature.shape[0]:
             return self
-        idx = torch.tensor(rows, dtype=torch.int64, device=self.temperature.device)
+        idx = to_device(rows, self.temperature.device, torch.int64)
 
         def pick(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.index_select(0, idx)
@@ -190,7 +189,7 @@ class SamplingMetadata:
             zeros = torch.zeros(vocab_size, dtype=torch.float32, device=device)
             output_counts = torch.stack([c if c is not None else zeros for c in counts])  # [B, V]
             if extra_tokens:
-                idx = _host_to_device([list(x) for x in zip(*extra_tokens)], device, torch.int64)  # [2, N]
+                idx = to_device([list(x) for x in zip(*extra_tokens)], device, torch.int64)  # [2, N]
                 output_counts.index_put_((idx[0], idx[1]), torch.ones((), device=device), accumulate=True)
             if any(m is not None for m in prompt_masks):
                 none = torch.zeros(vocab_size, dtype=torch.bool, device=device)
@@ -223,7 +222,7 @@ class SamplingMetadata:
             ps.append(1.0 if g else p.top_p)
             min_ps.append(0.0 if g else p.min_p)
         # The rows' knobs in one copy from the device's pinned ring (engine/attention/staging.py).
-        pack = _staging(torch.device(device)).pack()
+        pack = ring(torch.device(device)).pack()
         staged = [
             pack.add(np.asarray(temps, dtype=np.float32)),
             pack.add(np.asarray(ks, dtype=np.int64)) if any(k < vocab_size for k in ks) else None,
@@ -243,8 +242,8 @@ class SamplingMetadata:
         logit_bias = None
         if bias_rows:
             logit_bias = torch.zeros(batch, vocab_size, dtype=torch.float32, device=device)
-            index = _host_to_device([bias_rows, bias_tokens], device, torch.int64)  # [2, N]
-            logit_bias[index[0], index[1]] = _host_to_device(bias_values, device)
+            index = to_device([bias_rows, bias_tokens], device, torch.int64)  # [2, N]
+            logit_bias[index[0], index[1]] = to_device(bias_values, device, torch.float32)
 
         # min_tokens: EOS is suppressed even with ignore_eos, which only changes when a row stops.
         sup_rows, sup_tokens = [], []
@@ -262,7 +261,7 @@ class SamplingMetadata:
         suppress_mask = None
         if sup_rows:
             suppress_mask = torch.zeros(batch, vocab_size, dtype=torch.bool, device=device)
-            index = _host_to_device([sup_rows, sup_tokens], device, torch.int64)  # [2, N]
+            index = to_device([sup_rows, sup_tokens], device, torch.int64)  # [2, N]
             suppress_mask[index[0], index[1]] = True
         if forbidden is not None:
             suppress_mask = forbidden if suppress_mask is None else suppress_mask | forbidden
@@ -463,44 +462,14 @@ def _penalty_rows(params: Sequence[SamplingParams], device: torch.device) -> tup
     the largest of them takes all the mass, as it does when the penalty tends to 0), negative ones
     fall to about 0. Below it, float32 would divide by 0 and sample from NaNs."""
     return (
-        _host_to_device([max(p.repetition_penalty, _MIN_REPETITION_PENALTY) for p in params], device),
-        _host_to_device([p.presence_penalty for p in params], device),
-        _host_to_device([p.frequency_penalty for p in params], device),
+        to_device([max(p.repetition_penalty, _MIN_REPETITION_PENALTY) for p in params], device, torch.float32),
+        to_device([p.presence_penalty for p in params], device, torch.float32),
+        to_device([p.frequency_penalty for p in params], device, torch.float32),
     )
 
 
-_NP_DTYPES = {torch.float32: np.float32, torch.int64: np.int64}
-
-
-@functools.cache
-def _staging(device: torch.device) -> Staging:
-    """The sampler's ring on ``device`` (one a device: sampling metadata is built by the engine's loop)."""
-    return Staging(device, capacity=1 << 16)
-
-
-def take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """``logits[rows]`` without waiting for the device: all rows in order (a batch of decodes) are the
-    tensor itself, others are gathered by an index sent through the sampler's pinned ring (indexing
-    with a list copies it from pageable memory, a copy that waits for the device on a GPU)."""
-    if len(rows) == len(logits) and all(r == i for i, r in enumerate(rows)):
-        return logits
-    return logits.index_select(0, _host_to_device(rows, logits.device, torch.int64))
-
-
-def _host_to_device(
-    values: list[float] | list[int] | list[list[int]],
-    device: torch.device,
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """A small per-row list as a tensor on ``device``, built on the host and sent through the sampler's
-    pinned ring (a tensor built from a list on a GPU is a copy from pageable memory that waits for the
-    device)."""
-    (t,) = _staging(torch.device(device)).send([np.asarray(values, dtype=_NP_DTYPES[dtype])])
-    return t
-
-
-def _flat_token_index(rows: list[int], token_ids: Sequence[Sequence[int]], vocab_size: int) -> torch.Tensor:
-    """``row * vocab_size + token`` for every token of the chosen rows, as a host ``[N]`` int64 tensor.
+def _flat_token_index(rows: list[int], token_ids: Sequence[Sequence[int]], vocab_size: int) -> np.ndarray:
+    """``row * vocab_size + token`` for every token of the chosen rows, as a host ``[N]`` int64 array.
 
     Indexing the flattened ``[B * V]`` tensor lets one scatter fill every row at once, without
     padding rows to a common length. ``np.fromiter`` is used because building a tensor from a
@@ -513,7 +482,7 @@ def _flat_token_index(rows: list[int], token_ids: Sequence[Sequence[int]], vocab
     )
     row_ids = np.repeat(np.asarray(rows, dtype=np.int64), lengths)
     valid = (tokens >= 0) & (tokens < vocab_size)
-    return torch.from_numpy(row_ids[valid] * vocab_size + tokens[valid])
+    return row_ids[valid] * vocab_size + tokens[valid]
 
 
 def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:

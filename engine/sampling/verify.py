@@ -22,7 +22,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from engine.attention.staging import ring
+from engine.runner.readback import to_host
 
 
 @dataclass
@@ -126,8 +130,8 @@ def verify(inp: VerifyInput) -> VerifyOutput:
         alive &= took
         cur = nxt
         P = torch.where(took[:, None], p[cur], P)
-    rows = torch.stack(accepted_by_depth, 1).tolist() if accepted_by_depth else [[] for _ in range(B)]
-    return VerifyOutput([[r for r in seq_rows if r >= 0] for seq_rows in rows], final.tolist())
+    rows, final_host = to_host(torch.stack(accepted_by_depth, 1), final)  # one transfer
+    return VerifyOutput([[r for r in seq_rows if r >= 0] for seq_rows in rows], final_host)
 
 
 def verify_chains(inp: VerifyInput) -> VerifyOutput:
@@ -190,18 +194,23 @@ def build_verify_input(
             q_rows.append(t.q.to(device) if t.q is not None else torch.zeros(n, vocab_size, device=device))
         row += n + 1
     C = max(1, max(len(k) for k in child_lists))
-    table = torch.full((row, C), -1, dtype=torch.int64)
+    table = np.full((row, C), -1, dtype=np.int64)
     for r, kids in enumerate(child_lists):
         if kids:
-            table[r, : len(kids)] = torch.tensor(kids)
+            table[r, : len(kids)] = kids
+    # one copy from the pinned ring (lists sent one by one would each wait for the device)
+    row_tokens, children, roots_t, sampled_t = ring(device).send(
+        [np.maximum(np.asarray(tokens, dtype=np.int64), 0), table, np.asarray(roots, dtype=np.int64),
+         np.asarray(sampled, dtype=np.bool_)]
+    )  # fmt: skip
     inp = VerifyInput(
         p=p,
-        row_tokens=torch.tensor(tokens, dtype=torch.int64).clamp(min=0).to(device),
-        children=table.to(device),
-        roots=torch.tensor(roots, dtype=torch.int64, device=device),
+        row_tokens=row_tokens,
+        children=children,
+        roots=roots_t,
         max_depth=max_depth,
         q=torch.cat(q_rows) if any_q else None,
-        sampled=torch.tensor(sampled, device=device) if any_q else None,
+        sampled=sampled_t if any_q else None,
     )
     return inp, roots
 

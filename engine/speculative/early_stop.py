@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.attention.staging import to_device
+
 
 class EarlyStop:
     """``gamma`` per kind of request (greedy / sampling), moved by the observed acceptance rate.
@@ -44,7 +46,7 @@ class EarlyStop:
 
     def thresholds(self, greedy: list[bool], device: torch.device) -> torch.Tensor:
         """``[B]`` the threshold of each row's kind."""
-        return torch.tensor([self.gamma[g] for g in greedy], dtype=torch.float32, device=device)
+        return to_device([self.gamma[g] for g in greedy], device, torch.float32)
 
     def observe(self, greedy: bool, drafted: int, accepted: int) -> None:
         if drafted <= 0:
@@ -70,4 +72,4 @@ def draft_confidence(logits: torch.Tensor, q: torch.Tensor, greedy: list[bool]) 
     top = torch.softmax(logits.float(), -1).amax(-1)
     if all(greedy):
         return top
-    return torch.where(torch.tensor(greedy, device=q.device), top, q.amax(-1))
+    return torch.where(to_device(greedy, q.device, torch.bool), top, q.amax(-1))

@@ -29,8 +29,10 @@ from abc import abstractmethod
 
 import torch
 
+from engine.attention.staging import to_device
 from engine.request.sequence import Sequence
 from engine.runner.model_runner import chain_pick
+from engine.runner.readback import to_host
 from engine.runner.timing import Lap
 from engine.sampling.sampler import SamplingMetadata, apply_logits_processors, compute_probs, exponential_noise
 from engine.sampling.tree import DraftTree
@@ -148,7 +150,7 @@ class LevelDrafter(Proposer):
             groups[self.tree and seqs[i].params.greedy].append((i, j))
         for as_tree, members in groups.items():
             if members:
-                idx = torch.tensor([j for _, j in members], device=logits.device)
+                idx = to_device([j for _, j in members], logits.device, torch.int64)
                 draft = self._greedy_trees if as_tree else self._sampled
                 seqs_, depths_ = [seqs[i] for i, _ in members], [depths[i] for i, _ in members]
                 for (i, _), tree in zip(members, draft(seqs_, depths_, logits[idx], _rows(state, idx))):
@@ -209,15 +211,18 @@ class LevelDrafter(Proposer):
             nxt = [b for b in rows if depths[b] > d + 1]
             if not nxt:
                 break
-            keep = torch.tensor([at[b] for b in nxt], device=cur.device)
+            keep = to_device([at[b] for b in nxt], cur.device, torch.int64)
             spine = order[keep, 0]
             cur, state = self._level([seqs[b] for b in nxt], spine, 1, [d] * len(nxt), d + 1, None, _rows(state, keep))
             for b in nxt:
                 fed[b] += 1
             rows = nxt
         # One transfer: tokens and the probability each sibling had, for every level.
-        tok_host = [t.tolist() for t in level_tokens]
-        p_host = [None if q is None else q.gather(2, t[..., None]).tolist() for q, t in zip(level_q, level_tokens)]
+        with_p = [d for d, q in enumerate(level_q) if q is not None]
+        host = to_host(*level_tokens, *(level_q[d].gather(2, level_tokens[d][..., None]) for d in with_p))
+        tok_host, p_host = host[: len(level_tokens)], [None] * len(level_q)
+        for d, p in zip(with_p, host[len(level_tokens) :]):
+            p_host[d] = p
         trees = []
         for b in range(B):
             toks, parents, qrows, spine_node, spine = [], [], [], -1, []
@@ -256,7 +261,7 @@ class LevelDrafter(Proposer):
         deeper = []
         for d, members in by_depth.items():
             if d > 1:
-                idx = torch.tensor(members, device=first.device)
+                idx = to_device(members, first.device, torch.int64)
                 group = [seqs[b] for b in members]
                 temperature = noise = None
                 if not greedy:  # each level's noise from the request's key for that level, as _draw's
@@ -264,10 +269,11 @@ class LevelDrafter(Proposer):
                     keys = [[s.noise_key(j) for s in group] for j in range(1, d)]
                     noise = torch.stack([exponential_noise(q0[idx], level) for level in keys])
                 deeper.append((members, *self._chain_levels(group, first[idx], d - 1, temperature, noise)))
-        tokens = [[t] for t in first.tolist()]  # one transfer per depth
+        first_host, *rest_host = to_host(first, *(rest for _, rest, _ in deeper))  # one transfer
+        tokens = [[t] for t in first_host]
         qs: list[list[torch.Tensor]] = [[] if greedy else [q0[b : b + 1]] for b in range(len(seqs))]
-        for members, rest, q in deeper:
-            for j, (b, row) in enumerate(zip(members, rest.tolist())):
+        for (members, _, q), rest in zip(deeper, rest_host):
+            for j, (b, row) in enumerate(zip(members, rest)):
                 tokens[b] += row
                 if q is not None:
                     qs[b].append(q[j])
@@ -287,7 +293,7 @@ class LevelDrafter(Proposer):
             if len(sure) < len(rows):
                 if not sure:
                     return [], cur, None, None, state
-                idx = torch.tensor(sure, device=cur.device)
+                idx = to_device(sure, cur.device, torch.int64)
                 rows, cur, q, state = [rows[a] for a in sure], cur[idx], q[idx], _rows(state, idx)
                 mdl = md.select(rows)
         # A seeded request drafts with the noise its verification samples the same position with
@@ -326,15 +332,15 @@ class LevelDrafter(Proposer):
             if not nxt:
                 break
             at = {b: a for a, b in enumerate(rows)}
-            keep = torch.tensor([at[b] for b in nxt], device=dev)
+            keep, seq_rows = to_device([[at[b] for b in nxt], nxt], dev, torch.int64)
             f_ids, f_tok, f_score, f_state = f_ids[keep], f_tok[keep], f_score[keep], _rows(f_state, keep)
             first = (level - 2) * k  # run rows of the frontier fed now
             new = torch.arange(first, first + k, device=dev)
-            sub = anc[nxt]  # [A, R, R]
+            sub = anc[seq_rows]  # [A, R, R]
             if f_run is not None:
                 sub[:, first : first + k] = sub.gather(1, f_run[keep][:, :, None].expand(-1, -1, run_max))
             sub[:, new, new] = True
-            anc[nxt] = sub
+            anc[seq_rows] = sub
             masks = [sub[a, first : first + k, : first + k] for a in range(len(nxt))]
             fed_state = None if f_state is None else f_state.flatten(0, 1)
             fed = [seqs[b] for b in nxt]
@@ -348,7 +354,7 @@ class LevelDrafter(Proposer):
                     if not sure:
                         break
                     at = {b: a for a, b in enumerate(nxt)}
-                    keep = torch.tensor([at[b] for b in sure], device=dev)
+                    keep = to_device([at[b] for b in sure], dev, torch.int64)
                     cv, ci, f_ids, f_score = cv[keep], ci[keep], f_ids[keep], f_score[keep]
                     out_state = _rows(out_state, keep)
                     nxt = sure
@@ -363,7 +369,8 @@ class LevelDrafter(Proposer):
                 idx = (sel // k).view(*sel.shape, *[1] * (out_state.dim() - 2))
                 f_state = out_state.gather(1, idx.expand(*sel.shape, *out_state.shape[2:]))
             rows = nxt
-        host = [(r, t.tolist(), s.tolist(), p.tolist()) for r, t, s, p in levels]  # one transfer
+        read = to_host(*(x for _, t, s, p in levels for x in (t, s, p)))  # one transfer
+        host = [(r, *read[3 * i : 3 * i + 3]) for i, (r, *_) in enumerate(levels)]
         trees = []
         for b in range(B):
             nodes: dict[int, tuple[int, int, float, int]] = {}  # id → (token, parent id, score, depth)

@@ -36,6 +36,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from engine.attention.staging import take_rows
 from engine.request.sequence import Sequence
 from engine.sampling.tree import DraftTree
 from engine.speculative.ngram_pool import NgramPool
@@ -190,7 +191,7 @@ class LookaheadProposer(Proposer):
         widths = [(len(r.extra) + 1) // (self.N - 1) for r in rows]
         ends = [r.extra_row + len(r.extra) for r in rows]
         top = [r for end, w in zip(ends, widths) for r in range(end - w, end)]
-        guesses = logits[torch.tensor(top, device=logits.device)].argmax(-1).tolist()
+        guesses = take_rows(logits, top).argmax(-1).tolist()
         at = 0
         for r, width in zip(rows, widths):
             seq = r.seq

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engine.attention.staging import to_device
 from engine.models.llama import RMSNorm
 from engine.request.sequence import Sequence
 from engine.runner.loader import check_state, read_state_file, resolve_model_path
@@ -142,7 +143,7 @@ class ChainedHeadsProposer(LevelDrafter):
         if not ready:
             return [], torch.empty(0, self.vocab_size, device=self.device), None
         h = torch.stack([ctx.hidden_states[seqs[i].seq_id][layer][-1] for i in ready])  # before the root
-        roots = torch.tensor([seqs[i].token_ids[-1] for i in ready], device=self.device)
+        roots = to_device([seqs[i].token_ids[-1] for i in ready], self.device, torch.int64)
         return ready, *self._run(0, h, roots, len(ready))
 
     @torch.inference_mode()

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.attention.staging import take_rows, to_device
 from engine.request.sequence import Sequence
 from engine.runner.model_runner import ForwardChunk, ModelRunner
 from engine.sampling.sampler import SamplingMetadata, apply_logits_processors, compute_probs, exponential_noise
@@ -151,7 +152,7 @@ class OuroborosProposer(DraftModelProposer):
         if not todo:
             return
         index = [r.row + 1 + a + i for r, a, chain in todo for i in range(chain - a)]
-        said = logits[torch.tensor(index, device=logits.device)].argmax(-1).tolist()
+        said = take_rows(logits, index).argmax(-1).tolist()
         at = 0
         for r, a, chain in todo:
             out = said[at : at + chain - a]  # the target's argmax after nodes a, a + 1, ... chain - 1
@@ -272,7 +273,7 @@ class OuroborosProposer(DraftModelProposer):
         q = torch.zeros(len(tokens), self.vocab_size, device=qrows[0].device)
         q[: len(chain)] = torch.stack(qrows[: len(chain)])
         if len(tokens) > len(chain):  # a branch's nodes are certain: q is one-hot at its token
-            branch = torch.tensor(tokens[len(chain) :], device=q.device)
+            branch = to_device(tokens[len(chain) :], q.device, torch.int64)
             q[len(chain) :].scatter_(1, branch[:, None], 1.0)
         return DraftTree(tokens, parents, q)
 
