@@ -34,6 +34,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 ENGINE = str(Path(__file__).resolve().parent.parent / "engine")
 RING = str(Path(ENGINE) / "attention" / "staging.py")
+READBACK = str(Path(ENGINE) / "runner" / "readback.py")
 # The CPU attention backend writes a tree's mask into its host-side mask where the mask is a host tensor
 # (on a GPU it stays on the device: build_sdpa_metadata's other branch); that read is the CPU's alone.
 CPU_ONLY = str(Path(ENGINE) / "attention" / "sdpa.py")
@@ -51,20 +52,32 @@ def _by_list(index) -> bool:
     return any(isinstance(p, list) or (isinstance(p, torch.Tensor) and p.dtype == torch.bool) for p in parts)
 
 
+def _site(frame) -> str | None:
+    where = frame.f_code.co_filename
+    return f"{where[len(ENGINE) - len('engine') :]}:{frame.f_lineno}" if where.startswith(ENGINE) else None
+
+
 class Crossings(TorchFunctionMode):
     """Every read of a tensor on the host and every tensor built from host data, called by the engine's
-    own code (the frame that calls torch is in engine/, not torch's or Triton's), by ``file:line``."""
+    own code (the frame that calls torch is in engine/, not torch's or Triton's), by ``file:line``.
+    A call of ``readback.to_host`` is one read: its transfer is one copy (``in_one_copy``), and on a
+    CPU, where nothing moves, it reads each tensor as it is (so its own calls are not counted)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.reads: Counter[str] = Counter()
         self.builds: Counter[str] = Counter()
+        self._to_host = None  # the frame of the to_host call counted last
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         caller = sys._getframe(1)
         where = caller.f_code.co_filename
-        if where.startswith(ENGINE) and where not in (RING, CPU_ONLY):
-            site = f"{where[len(ENGINE) - len('engine') :]}:{caller.f_lineno}"
+        if where == READBACK and caller.f_code.co_name == "to_host":
+            if caller is not self._to_host:
+                self._to_host = caller
+                self.reads[_site(caller.f_back)] += 1
+        elif where.startswith(ENGINE) and where not in (RING, CPU_ONLY):
+            site = _site(caller)
             if func in READS:
                 self.reads[site] += 1
             elif func in BUILDS or (func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and _by_list(args[1])):

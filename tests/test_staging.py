@@ -13,7 +13,7 @@ from engine.attention.common import triton_interpreted
 from engine.attention.staging import Staging, take_rows, to_device
 from engine.runner.loader import load_config, load_model
 from engine.runner.model_runner import ForwardBatch, ForwardChunk, ModelRunner
-from engine.runner.readback import to_host
+from engine.runner.readback import in_one_copy, to_host
 from engine.sampling.tree import DraftTree, tree_layout
 
 BS = 4
@@ -103,8 +103,8 @@ def test_to_device_builds_what_torch_tensor_builds(dtype):
 
 
 def test_to_host_reads_several_tensors_as_each_tolist_would():
-    """One transfer, each tensor back as its own ``tolist()``: shapes (a scalar, empty and nested ones
-    included), ints past 2**31, bools, and float32, bfloat16 and float16 values exactly."""
+    """Each tensor back as its own ``tolist()``, through one transfer: shapes (a scalar, empty and
+    nested ones included), ints past 2**31, bools, and float32, bfloat16 and float16 values exactly."""
     g = torch.Generator().manual_seed(0)
     ts = [
         torch.randn(3, 4, generator=g),
@@ -116,11 +116,11 @@ def test_to_host_reads_several_tensors_as_each_tolist_would():
         torch.randn(3, generator=g).half(),
         torch.empty(0, 3),
     ]
-    got = to_host(*ts)
-    assert len(got) == len(ts)
-    for t, values in zip(ts, got):
-        assert values == t.tolist() and type(values) is type(t.tolist())
-    assert type(got[1][0][0][0]) is int and type(got[4][0]) is bool
+    for got in (in_one_copy(ts), to_host(*ts)):  # the transfer a GPU makes; a CPU's tolist() apiece
+        assert len(got) == len(ts)
+        for t, values in zip(ts, got):
+            assert values == t.tolist() and type(values) is type(t.tolist())
+        assert type(got[1][0][0][0]) is int and type(got[4][0]) is bool and type(got[0][0][0]) is float
     assert to_host() == []
 
 
