@@ -21,6 +21,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from test_eagle import write_eagle
@@ -41,15 +42,27 @@ CPU_ONLY = str(Path(ENGINE) / "attention" / "sdpa.py")
 
 READS = {
     torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.nonzero,
-    torch.nonzero, torch.masked_select, torch.unique, torch.Tensor.__bool__, torch.Tensor.__int__,
-    torch.Tensor.__float__, torch.Tensor.__index__,
+    torch.nonzero, torch.masked_select, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
+    torch.Tensor.__index__,
 }  # fmt: skip
-BUILDS = {torch.tensor, torch.as_tensor, torch.from_numpy}
+# (torch.from_numpy never reaches a function mode; the ring is where the engine calls it.)
+BUILDS = {torch.tensor, torch.as_tensor}
+MOVES = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.copy_}
 
 
 def _by_list(index) -> bool:
     parts = index if isinstance(index, tuple) else (index,)
-    return any(isinstance(p, list) or (isinstance(p, torch.Tensor) and p.dtype == torch.bool) for p in parts)
+    return any(
+        isinstance(p, (list, np.ndarray)) or (isinstance(p, torch.Tensor) and p.dtype == torch.bool) for p in parts
+    )
+
+
+def _to_a_device(func, args, kwargs) -> bool:
+    """``t.to(device)`` (a device given), ``t.cuda()``, ``dst.copy_(src)``: on a GPU each is a copy,
+    from pageable memory where the source is a host tensor (on a CPU every tensor is one)."""
+    if func is torch.Tensor.to:
+        return "device" in kwargs or any(isinstance(a, (torch.device, str)) for a in args[1:])
+    return True
 
 
 def _site(frame) -> str | None:
@@ -80,7 +93,11 @@ class Crossings(TorchFunctionMode):
             site = _site(caller)
             if func in READS:
                 self.reads[site] += 1
-            elif func in BUILDS or (func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and _by_list(args[1])):
+            elif (
+                func in BUILDS
+                or (func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and _by_list(args[1]))
+                or (func in MOVES and _to_a_device(func, args, kwargs or {}))
+            ):
                 self.builds[site] += 1
         return func(*args, **(kwargs or {}))
 

@@ -33,6 +33,7 @@ import torch
 
 from engine.attention.staging import take_rows, to_device
 from engine.request.sequence import FinishReason, Hypothesis, Sequence, SequenceGroup, SequenceStatus
+from engine.runner.readback import to_host
 from engine.sampling.sampler import apply_logits_processors
 
 _LOST = -1.0e9  # transformers' score for a candidate that may not be chosen
@@ -92,7 +93,7 @@ class BeamSearch:
         stops = (set() if p.ignore_eos else self.eos) | set(p.stop_token_ids)
         k = min(max(2, 1 + len(stops)) * width, total.numel())
         values, index = total.flatten().topk(k)
-        cands = [_Candidate(v, i // vocab, i % vocab) for v, i in zip(values.tolist(), index.tolist())]
+        cands = [_Candidate(v, i // vocab, i % vocab) for v, i in zip(*to_host(values, index))]  # one transfer
 
         generated = beams[0].num_output_tokens + 1  # every running beam has the same length
         limit = self._max_generated(beams[0])

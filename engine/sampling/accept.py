@@ -12,6 +12,7 @@ row costs O(vocab), never O(context).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.attention.staging import take_rows, to_device
@@ -80,10 +81,10 @@ class RowsMetadata:
     def _forbidden(self, num_rows: int, grammar_rows: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
         """``[rows, V]`` bool: True where a grammar forbids the token (rows without one: nothing)."""
         words = grammar_rows[0][1].shape[1]
-        packed = torch.full((num_rows, words), -1, dtype=torch.int32)  # all allowed
-        for first, m in grammar_rows:
+        packed = np.full((num_rows, words), -1, dtype=np.int32)  # all allowed
+        for first, m in grammar_rows:  # (host bitmasks, from the grammar engine)
             packed[first : first + m.shape[0]] = m
-        return ~unpack(packed.to(self.device, non_blocking=True), self.vocab_size)
+        return ~unpack(to_device(packed, self.device, torch.int32), self.vocab_size)
 
 
 def accept_greedy(samples: list, logits: torch.Tensor, rows_md: RowsMetadata) -> list[tuple[list[int], int]]:

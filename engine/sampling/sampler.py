@@ -461,11 +461,9 @@ def _penalty_rows(params: Sequence[SamplingParams], device: torch.device) -> tup
     limit: seen tokens' positive logits are scaled by 1e30 (finite in float32 for any real logit, so
     the largest of them takes all the mass, as it does when the penalty tends to 0), negative ones
     fall to about 0. Below it, float32 would divide by 0 and sample from NaNs."""
-    return (
-        to_device([max(p.repetition_penalty, _MIN_REPETITION_PENALTY) for p in params], device, torch.float32),
-        to_device([p.presence_penalty for p in params], device, torch.float32),
-        to_device([p.frequency_penalty for p in params], device, torch.float32),
-    )
+    rows = [(max(p.repetition_penalty, _MIN_REPETITION_PENALTY), p.presence_penalty, p.frequency_penalty)
+            for p in params]  # fmt: skip
+    return tuple(to_device(rows, device, torch.float32).unbind(-1))  # one send
 
 
 def _flat_token_index(rows: list[int], token_ids: Sequence[Sequence[int]], vocab_size: int) -> np.ndarray:

@@ -191,7 +191,7 @@ def build_verify_input(
         if any_q:
             sampled.extend([False] + [t.q is not None] * n)
             q_rows.append(torch.zeros(1, vocab_size, device=device))
-            q_rows.append(t.q.to(device) if t.q is not None else torch.zeros(n, vocab_size, device=device))
+            q_rows.append(t.q if t.q is not None else torch.zeros(n, vocab_size, device=device))  # q: on the device
         row += n + 1
     C = max(1, max(len(k) for k in child_lists))
     table = np.full((row, C), -1, dtype=np.int64)

@@ -35,6 +35,7 @@ from engine.parallel import SINGLE, TensorParallel
 from engine.request.sequence import Sequence
 from engine.runner.loader import check_state, read_state_file, resolve_model_path, take_slice
 from engine.runner.model_runner import ModelRunner
+from engine.runner.readback import to_host
 from engine.sampling.tree import DraftTree
 from engine.speculative.proposer import CostShape, ProposeContext, Proposer
 
@@ -194,8 +195,7 @@ class MedusaProposer(Proposer):
                 trees[i] = DraftTree.chain(best[b][: depths[i]])
         else:
             logp, tok = torch.log_softmax(logits, -1).topk(self.topk, dim=-1)  # [B, D, k]
-            logp, tok = torch.stack([logp, tok.float()]).tolist()  # one transfer (ids < 2^24 are exact)
-            tok = [[[int(t) for t in level] for level in row] for row in tok]
+            logp, tok = to_host(logp, tok)  # one transfer
             for b, i in enumerate(have):
                 d = min(depths[i], D)
                 trees[i] = best_first_tree(logp[b], tok[b], d, self.slots_needed(d))
