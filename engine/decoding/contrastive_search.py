@@ -27,7 +27,7 @@ from engine.request.sequence import Sequence
 from engine.request.state import SearchState
 from engine.runner.model_runner import ForwardChunk
 from engine.sampling.batch import Sample
-from engine.sampling.sampler import apply_logits_processors
+from engine.sampling.sampler import processed
 from engine.sampling.tree import DraftTree
 
 
@@ -58,7 +58,7 @@ class ContrastiveSearch:
             return {}
         _, md = rows_md([Sample(s, DraftTree(), i, 0) for i, s in enumerate(seqs)])
         logits = torch.stack([s.search.next_logits for s in seqs])  # [B, V]
-        probs = torch.softmax(apply_logits_processors(logits, md) if md.needs_processing else logits, dim=-1)
+        probs = torch.softmax(processed(logits, md), dim=-1)
         k = max(s.params.top_k for s in seqs)
         top, ids = probs.topk(k, dim=-1)  # [B, k]
         out = {}

@@ -20,9 +20,9 @@ from engine.request.sequence import Sequence
 from engine.sampling.no_repeat import banned_tokens
 from engine.sampling.sampler import (
     SamplingMetadata,
-    apply_logits_processors,
-    compute_probs,
     exponential_noise,
+    processed,
+    processed_probs,
 )
 from engine.sampling.verify import build_verify_input, draw, greedy_accept, verify
 from engine.structured import unpack
@@ -94,14 +94,14 @@ def accept_greedy(samples: list, logits: torch.Tensor, rows_md: RowsMetadata) ->
         return _walk(samples, take_rows(logits, rows).argmax(-1))
     rows, md = rows_md(samples)
     raw = take_rows(logits, rows)
-    return _walk(samples, (apply_logits_processors(raw, md) if md.needs_processing else raw).argmax(-1))
+    return _walk(samples, processed(raw, md).argmax(-1))
 
 
 def sampled_tokens(raw: torch.Tensor, md: SamplingMetadata, seeded: bool) -> torch.Tensor:
     """Each row's token as plain sampling draws it, on the device (``[rows, V]`` logits → ``[rows]``):
     seeded rows ``argmax(p / E)`` with ``E`` the Exp(1) noise of (seed, position) alone, unseeded rows
     one inverse-CDF draw of ``p`` each. Run-ahead decoding (engine/core/ahead.py) draws with it too."""
-    p = compute_probs(apply_logits_processors(raw, md) if md.needs_processing else raw, md)
+    p = processed_probs(raw, md)
     if seeded:
         return (p / exponential_noise(p, md.generators)).argmax(-1)
     return draw(p, torch.rand(len(p), dtype=torch.float64, device=p.device))
@@ -132,7 +132,7 @@ def accept_random(samples: list, logits: torch.Tensor, rows_md: RowsMetadata) ->
     raw = take_rows(logits, rows)
     if not any(len(s.tree) for s in samples):  # plain sampling: one draw a row, nothing to verify
         return [([], t) for t in sampled_tokens(raw, md, seeded=False).tolist()]
-    p = compute_probs(apply_logits_processors(raw, md) if md.needs_processing else raw, md)
+    p = processed_probs(raw, md)
     inp, roots = build_verify_input(p, [s.tree for s in samples], rows_md.vocab_size)
     res = verify(inp)
     accepted = [[r - root - 1 for r in acc] for acc, root in zip(res.accepted_rows, roots)]
@@ -147,7 +147,7 @@ def accept_typical(samples: list, logits: torch.Tensor, rows_md: RowsMetadata) -
     at the price of exactness: the output is not the target's distribution."""
     rows, md = rows_md(samples)
     raw = take_rows(logits, rows)
-    p = compute_probs(apply_logits_processors(raw, md) if md.needs_processing else raw, md)  # [R, V]
+    p = processed_probs(raw, md)  # [R, V]
     entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)  # [R]
     eps_delta = [s.seq.params.typical_acceptance for s in samples for _ in range(len(s.tree) + 1)]
     eps, delta = to_device(eps_delta, p.device, torch.float32).unbind(-1)

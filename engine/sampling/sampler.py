@@ -334,6 +334,16 @@ def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch
     return out
 
 
+def processed(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """``logits`` after :func:`apply_logits_processors` where any row has a processor, else as they are."""
+    return apply_logits_processors(logits, md) if md.needs_processing else logits
+
+
+def processed_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Raw logits to each row's sampling distribution: :func:`processed`, then :func:`compute_probs`."""
+    return compute_probs(processed(logits, md), md)
+
+
 def compute_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """The sampling distribution of each row: ``[B, V]`` float32, each row summing to 1.
 
@@ -435,11 +445,11 @@ class Sampler:
         if md.all_greedy and not md.needs_processing:
             tokens = logits.argmax(dim=-1)  # [B] fast path: nothing but an argmax to do
         else:
-            processed = apply_logits_processors(logits, md) if md.needs_processing else logits
+            shaped = processed(logits, md)
             if md.all_greedy:
-                tokens = processed.argmax(dim=-1)
+                tokens = shaped.argmax(dim=-1)
             else:
-                tokens = sample_from_probs(compute_probs(processed, md), md)
+                tokens = sample_from_probs(compute_probs(shaped, md), md)
         if md.max_num_logprobs < 0:
             return SamplerOutput(token_ids=tokens, logprobs=None, top_token_ids=None, top_logprobs=None)
         raw = torch.log_softmax(logits.float(), dim=-1)  # [B, V]

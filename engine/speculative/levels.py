@@ -34,7 +34,7 @@ from engine.request.sequence import Sequence
 from engine.runner.model_runner import chain_pick
 from engine.runner.readback import to_host
 from engine.runner.timing import Lap
-from engine.sampling.sampler import SamplingMetadata, apply_logits_processors, compute_probs, exponential_noise
+from engine.sampling.sampler import SamplingMetadata, compute_probs, exponential_noise, processed
 from engine.sampling.tree import DraftTree
 from engine.speculative.early_stop import EarlyStop, draft_confidence
 from engine.speculative.proposer import ProposeContext, Proposer
@@ -197,7 +197,7 @@ class LevelDrafter(Proposer):
         fed = [0] * B  # spine tokens fed back per sequence (at their final slots)
         for d in range(D):
             mdl = md.select(rows)
-            cur = apply_logits_processors(cur, mdl) if mdl.needs_processing else cur
+            cur = processed(cur, mdl)
             if k == 1 and mdl.all_greedy and self.early_stop is None:
                 order, qs = cur.argmax(-1, keepdim=True), None  # greedy chains: q is one-hot there, read by nothing
             else:

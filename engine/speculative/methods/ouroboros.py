@@ -38,7 +38,7 @@ import torch
 from engine.attention.staging import take_rows, to_device
 from engine.request.sequence import Sequence
 from engine.runner.model_runner import ForwardChunk, ModelRunner
-from engine.sampling.sampler import SamplingMetadata, apply_logits_processors, compute_probs, exponential_noise
+from engine.sampling.sampler import SamplingMetadata, exponential_noise, processed_probs
 from engine.sampling.tree import DraftTree
 from engine.speculative.methods.draft_model import DraftModelProposer, load_draft_runner
 from engine.speculative.ngram_pool import NgramPool
@@ -249,7 +249,7 @@ class OuroborosProposer(DraftModelProposer):
             self.vocab_size,
             self.device,
         )
-        q = compute_probs(apply_logits_processors(logits, md) if md.needs_processing else logits, md)
+        q = processed_probs(logits, md)
         noise = [None if seqs[b].params.greedy else seqs[b].noise_key(j) for b, j in zip(row_of, ahead)]
         return (q / exponential_noise(q, noise)).argmax(-1).tolist(), q
 
