@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # The GPU checks in one run, for a machine lent for minutes (docs/benchmarks.md, "GPU step costs"):
 # the step benchmark at the 8B shape (triton and sdpa attention, CUDA graphs on and off), then every
-# GPU-marked test and the test files whose tensors live on CUDA when it exists; on request, the demo pair
-# served (plain and the default, each with ordinary steps and with --async-scheduling on; loadtest.peers),
-# and the kernel profile of a decode against chain verifies
+# GPU-marked test and the test files whose tensors live on CUDA when it exists; on request, where each
+# method's steps wait for the device on the demo pair (loadtest.device_waits: reads, builds and the syncs
+# themselves, with their lines), the demo pair served (plain and the default, each with ordinary steps and
+# with --async-scheduling on; loadtest.peers), and the kernel profile of a decode against chain verifies
 # (loadtest.profile_gpu).
-#   OUT=DIR [STAGES="bench tests served profile"] bash loadtest/gpu_checks.sh [SHAPES...]
+#   OUT=DIR [STAGES="bench tests waits served profile"] bash loadtest/gpu_checks.sh [SHAPES...]
 # (default stages: bench tests; default shape: llama-3.1-8b). Missing Python packages (openai, pydantic,
 # FastAPI, uvicorn, pyzmq, msgspec and their needs: that machine's image has none of them) install from
 # ./.whl if present: `bash loadtest/gpu_wheels.sh` fills it here, and the device call carries it.
 # Each failing test's traceback goes to $OUT/failures.log as it fails (tests/conftest.py), so a run
 # cut short by its time limit still says why.
-# In a 15-minute lease (a start costs 1-2 minutes): one call with STAGES="tests bench" (6-9 minutes: timeout_s 600),
-# then STAGES=served if 4 minutes are left; carry .whl in both.
+# In a 15-minute lease (a start costs 1-2 minutes): one call with STAGES="tests waits" (timeout_s 600), then
+# STAGES=served if 5 minutes are left, else STAGES=bench; carry .whl in every call.
 set -u
 OUT=${OUT:-/tmp/augur-gpu-checks}
 mkdir -p "$OUT"
@@ -43,6 +44,8 @@ fi
     "tests/test_engine.py::test_logits_match_transformers_cuda" tests/test_loading.py::test_cuda_greedy_matches_cpu \
     tests/test_int4.py tests/test_bench_gpu.py tests/test_cuda_graphs.py tests/test_gpu_speculation.py \
     tests/test_attention_backends.py tests/test_run_ahead.py::test_run_ahead_through_graphs_on_gpu 2>&1 | tee "$OUT/tests.log"
+[[ $stages == *" waits "* ]] && timeout "${WAITS_TIMEOUT:-180}" python3 -m loadtest.device_waits --device cuda \
+    --output-md "$OUT/waits.md" 2>&1 | tee "$OUT/waits.log"
 if [[ $stages == *" served "* ]]; then
     # `augur` as the peers tool starts it, without an installed package: python3 -c runs the CLI from the tree.
     mkdir -p /tmp/augur-bin
