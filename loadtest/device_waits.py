@@ -32,7 +32,9 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
-ENGINE = str(Path(__file__).resolve().parent.parent / "engine")
+import engine
+
+ENGINE = str(Path(engine.__file__).parent)  # as the engine's frames name their files
 RING = str(Path(ENGINE) / "attention" / "staging.py")  # where host lists are sent, in one pinned copy
 READBACK = str(Path(ENGINE) / "runner" / "readback.py")  # to_host: one read for several tensors
 # The CPU attention backend writes a tree's mask into its host-side mask where the mask is a host tensor
