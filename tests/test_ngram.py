@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_spec import exact_joint, g_statistic, g_test_threshold, small_vocab_pair  # noqa: F401
+from test_spec import exact_joint, g_statistic, g_test_threshold, sample_counts, small_vocab_pair  # noqa: F401
 from test_step import make
 from test_step import prompts as repetitive_prompts
 
@@ -58,18 +58,8 @@ def test_a_request_whose_lookup_finds_nothing_costs_no_draft_work(target):
 def samples(target, params: SamplingParams, prompt: list[int], n: int, method: str = "ngram", **kw) -> dict:
     """The first 3 tokens of ``n`` sampled continuations of ``prompt``, counted, through ``method``."""
     eng = make(target, method, num_kv_blocks=4096, max_num_seqs=1024, block_size=8, **kw)
-    per = 64
-    for i in range(n // per):
-        eng.add_request(f"s{i}", prompt, SamplingParams(**{**params.__dict__, "n": per}))
-    toks: dict = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            for c in o.outputs:
-                toks.setdefault((o.request_id, c.index), []).extend(c.delta_token_ids)
+    counts = sample_counts(eng, params, prompt, n)
     assert eng.spec_stats.num_drafts > 0 and eng.spec_stats.num_accepted_tokens > 0
-    counts: dict = {}
-    for v in toks.values():
-        counts[tuple(v[:3])] = counts.get(tuple(v[:3]), 0) + 1
     return counts
 
 

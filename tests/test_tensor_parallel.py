@@ -21,7 +21,15 @@ import openai
 import pytest
 import torch
 from test_gemma2 import build_gemma2_dir
-from test_spec import exact_joint, g_statistic, g_test_threshold, noisy_copy, small_vocab_pair, staggered  # noqa: F401
+from test_spec import (  # noqa: F401
+    exact_joint,
+    g_statistic,
+    g_test_threshold,
+    noisy_copy,
+    sample_counts,
+    small_vocab_pair,
+    staggered,
+)
 from test_step import prompts as repetitive_prompts
 from tp_ranks import model_logits, sharded_logits, weight_bytes
 
@@ -229,19 +237,10 @@ def _tp_samples(target, draft, params: SamplingParams, prompt: list[int], n: int
     """Counts of the first 3 tokens of ``n`` sampled choices at 2 ranks, a draft model speculating."""
     eng = _engine(target, 2, draft_model=str(draft), num_kv_blocks=4096, max_num_seqs=1024, block_size=8)
     try:
-        per, toks = 64, {}
-        for i in range(n // per):
-            eng.add_request(f"s{i}", prompt, SamplingParams(**{**params.__dict__, "n": per}))
-        while eng.has_unfinished_requests():
-            for o in eng.step():
-                for c in o.outputs:
-                    toks.setdefault((o.request_id, c.index), []).extend(c.delta_token_ids)
+        counts = sample_counts(eng, params, prompt, n)
         assert eng.spec_stats.num_drafts > 0
     finally:
         eng.close()
-    counts: dict = {}
-    for v in toks.values():
-        counts[tuple(v[:3])] = counts.get(tuple(v[:3]), 0) + 1
     return counts
 
 
