@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from engine.attention.staging import to_device
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.decoding.beam import BeamSearch
 from engine.decoding.strategies import Strategies
@@ -307,7 +308,7 @@ class Step:
             return
         rows = {}
         if hidden:
-            (idx,) = self.runner.indices(toks)
+            idx = to_device(toks, self.runner.device, torch.int64)
             rows = {layer: h.index_select(0, idx) for layer, h in hidden.items()}
             self._hidden[seq.seq_id] = rows
         self.proposer.on_computed(seq, start, rows)

@@ -20,7 +20,7 @@ import torch
 from engine.attention import AttentionMetadata, metadata_builder, resolve_backend
 from engine.attention.common import PersistentBlockTables
 from engine.attention.cpu_kernel import load_cpu_kernel
-from engine.attention.staging import Staging
+from engine.attention.staging import Staging, to_device
 from engine.models.layer_skip import LayerSkip
 from engine.models.packed import linear_weight_bytes
 from engine.parallel import SINGLE, TensorParallel
@@ -327,7 +327,7 @@ class ModelRunner:
         All sources are read before any destination is written, so overlapping moves are safe."""
         if not src:
             return
-        s, d = self.indices(src, dst)
+        s, d = to_device([src, dst], self.device, torch.int64)
         self.kv_cache[:, :, d] = self.kv_cache[:, :, s].clone()
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -336,14 +336,9 @@ class ModelRunner:
             return
         bs = self.block_size
         offsets = torch.arange(bs, device=self.device)
-        src, dst = self.indices([s for s, _ in copies], [d for _, d in copies])
+        src, dst = to_device(copies, self.device, torch.int64).unbind(1)
         src, dst = (src[:, None] * bs + offsets).flatten(), (dst[:, None] * bs + offsets).flatten()
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
-
-    def indices(self, *lists: list[int]) -> list[torch.Tensor]:
-        """Host int lists as int64 tensors on the device, in one copy from the pinned ring: a tensor
-        built from a list on a GPU is a copy from pageable memory that waits for the device."""
-        return self.staging.send([np.asarray(values, dtype=np.int64) for values in lists])
 
     # -- forward ----------------------------------------------------------------------------------
     def prepare(self, chunks: list[ForwardChunk]) -> ForwardBatch:
