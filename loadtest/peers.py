@@ -5,6 +5,13 @@ same model pair, prompts and machine. This tool starts each server in turn, wait
 drives it with the same closed-loop streaming load (``loadtest.runner``), stops its whole process group
 and only then starts the next: two servers sharing a few CPU cores would measure each other.
 
+A host whose speed drifts (a shared VM: ±25% over minutes here) blurs ratios of runs minutes apart.
+``--resident`` starts every server once and keeps them up, then alternates the load between them, run by
+run and round by round (seconds apart, not minutes): still one server under load at a time, the others
+idle, and the CPU seconds the idle ones spent during each run are counted and reported, so a server that
+burns CPU while idle (a polling engine loop) shows up rather than skewing the others. Each round's ratio
+pairs runs seconds apart; the table of medians gives the median of those ratios too.
+
 A server is a shell command that serves an OpenAI-compatible API on ``{port}`` (substituted as plain
 text, so JSON braces in the command are safe): ``--server NAME=COMMAND``, or a built-in ``--preset``.
 Peer presets call ``$AUGUR_PEERS_SCRIPTS/serve_{vllm,llamacpp}.sh MODE {port}`` (default: the
@@ -68,7 +75,8 @@ DESCRIPTION = "Start each server in turn (never two at once), drive it with the 
 tabulate tok/s, TTFT, TPOT and acceptance length. Servers run in command-line order; the baseline is the first. \
 With --rounds N the list runs N times, every other time in reverse (a host whose speed drifts, or a server that pays \
 for starting first, then weighs on every server alike), each round's ratios against its own baseline run, and a \
-second table gives each server's median over the rounds."
+second table gives each server's median over the rounds. With --resident every server starts once and stays up \
+(idle between its runs, the idle ones' CPU counted), so rounds are seconds apart rather than minutes."
 PEER_FILES = {  # what setup_<peer>.sh leaves under $PEERS
     "vllm": ["vllm/venv/bin/python"],
     "llamacpp": [
@@ -168,6 +176,19 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
+def group_cpu_seconds(pgid: int) -> float:
+    """User and system CPU seconds the live processes of a group have spent (Linux ``/proc``)."""
+    ticks = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, ValueError, IndexError):
+            continue  # exited meanwhile
+        if int(fields[2]) == pgid:
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
     """SIGTERM the whole process group (vLLM forks engine workers), SIGKILL what outlives the grace
     period, and return only once the group is gone, so the next server has the cores to itself."""
@@ -223,17 +244,20 @@ def summarize_run(report: dict) -> dict:
     }
 
 
-async def measure(spec: ServerSpec, args: argparse.Namespace, prompts: list[Prompt], log_dir: Path) -> ServerResult:
-    """Start one server, wait for it, run the load at each concurrency, and stop it whatever happens."""
-    result = ServerResult(spec.name, spec.command)
-    if spec.skip:
-        result.status, result.reason = "skipped", spec.skip
-        return result
+@dataclass
+class Live:
+    """A started server: its process (group leader), base URL and log."""
+
+    spec: ServerSpec
+    proc: subprocess.Popen
+    url: str
+    log_path: Path
+
+
+def start(spec: ServerSpec, log_dir: Path) -> Live:
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log_path = log_dir / f"{spec.name}.log"
     print(f"peers: starting {spec.name} on port {port} (log: {log_path})", file=sys.stderr)
-    started = time.monotonic()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             spec.command.replace("{port}", str(port)),
@@ -243,12 +267,34 @@ async def measure(spec: ServerSpec, args: argparse.Namespace, prompts: list[Prom
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+    return Live(spec, proc, f"http://127.0.0.1:{port}", log_path)
+
+
+async def ready(live: Live, args: argparse.Namespace, result: ServerResult) -> bool:
+    """Wait for a started server to answer; False (the result marked failed) when it does not."""
+    started = time.monotonic()
     try:
-        result.model = await wait_ready(url, proc, args.startup_timeout, args.model)
-        result.startup_s = time.monotonic() - started
+        result.model = await wait_ready(live.url, live.proc, args.startup_timeout, args.model)
+    except RuntimeError as e:
+        fail(result, e, live)
+        return False
+    result.startup_s = time.monotonic() - started
+    return True
+
+
+def fail(result: ServerResult, error: Exception, live: Live) -> None:
+    result.status, result.reason = "failed", f"{error} (log: {live.log_path})"
+    tail = "\n".join(live.log_path.read_text(errors="replace").strip().splitlines()[-15:])
+    print(f"peers: {result.name} failed: {result.reason}; its last lines:\n{tail}", file=sys.stderr)
+
+
+async def drive(live: Live, args: argparse.Namespace, prompts: list[Prompt], result: ServerResult, idle=()) -> None:
+    """Run the load at each concurrency against a ready server; ``idle``: the other resident servers,
+    whose CPU seconds during each run go into it as ``others_cpu_s``."""
+    try:
         for c in args.concurrency:
             config = LoadTestConfig(
-                url=url,
+                url=live.url,
                 num_requests=args.num_prompts,
                 concurrency=c,
                 api="completions",
@@ -261,16 +307,60 @@ async def measure(spec: ServerSpec, args: argparse.Namespace, prompts: list[Prom
                 progress=not args.no_progress,
                 seed=args.seed,
             )
-            run = await run_load(config, prompts, result.model, label=f"{spec.name} c={c}")
-            result.runs.append(summarize_run(build_report(run, config)))
+            before = sum(group_cpu_seconds(other.proc.pid) for other in idle)
+            run = await run_load(config, prompts, result.model, label=f"{result.name} c={c}")
+            summary = summarize_run(build_report(run, config))
+            if idle:
+                summary["others_cpu_s"] = sum(group_cpu_seconds(other.proc.pid) for other in idle) - before
+            result.runs.append(summary)
         result.status = "ok"
     except RuntimeError as e:
-        result.status, result.reason = "failed", f"{e} (log: {log_path})"
-        tail = "\n".join(log_path.read_text(errors="replace").strip().splitlines()[-15:])
-        print(f"peers: {spec.name} failed: {result.reason}; its last lines:\n{tail}", file=sys.stderr)
+        fail(result, e, live)
+
+
+async def measure(spec: ServerSpec, args: argparse.Namespace, prompts: list[Prompt], log_dir: Path) -> ServerResult:
+    """Start one server, wait for it, run the load at each concurrency, and stop it whatever happens."""
+    result = ServerResult(spec.name, spec.command)
+    if spec.skip:
+        result.status, result.reason = "skipped", spec.skip
+        return result
+    live = start(spec, log_dir)
+    try:
+        if await ready(live, args, result):
+            await drive(live, args, prompts, result)
     finally:
-        stop(proc)
+        stop(live.proc)
     return result
+
+
+def measure_resident(specs: list[ServerSpec], args, prompts: list[Prompt], log_dir: Path, results: list) -> None:
+    """``--resident``: start every server once, then ``args.rounds`` rounds of the load, one server at a
+    time (every other round in reverse), the others idle; stop them all whatever happens. Appends to
+    ``results`` as it goes (an interrupted run reports what finished)."""
+    lives: dict[str, tuple[Live, ServerResult]] = {}  # by name: the server and what its start found
+    try:
+        for spec in specs:  # one at a time: a server compiling beside another would slow its start
+            first = ServerResult(spec.name, spec.command)
+            if spec.skip:
+                first.status, first.reason = "skipped", spec.skip
+            else:
+                live = start(spec, log_dir)
+                if asyncio.run(ready(live, args, first)):
+                    lives[spec.name] = (live, first)
+                    continue
+                stop(live.proc)
+            results.append(first)
+        order = list(lives.values())
+        for rnd in range(1, args.rounds + 1):
+            for live, first in order if rnd % 2 else order[::-1]:
+                result = ServerResult(first.name, first.command, model=first.model, startup_s=first.startup_s)
+                result.round = rnd
+                others = [other for other, _ in order if other is not live]
+                asyncio.run(drive(live, args, prompts, result, others))
+                results.append(result)
+    finally:
+        for live, _ in lives.values():
+            stop(live.proc)
 
 
 # -- the table -----------------------------------------------------------------------------------------
@@ -297,12 +387,15 @@ def add_ratios(results: list[ServerResult], baseline: str | None) -> str | None:
 
 
 def medians(results: list[ServerResult], baseline: str | None) -> list[dict]:
-    """Per server and concurrency, in first-round order: every round's tok/s, their median, and that
-    median over the baseline's."""
+    """Per server and concurrency, in first-round order: every round's tok/s, their median, that median
+    over the baseline's, and the median of the rounds' own ratios (each against its round's baseline run)."""
     table: dict[tuple[str, int], list[float]] = {}
+    paired: dict[tuple[str, int], list[float]] = {}  # each round's ratio against that round's baseline run
     for r in results:
         for run in r.runs if r.status == "ok" else ():
             table.setdefault((r.name, run["concurrency"]), []).append(run["output_tok_s"])
+            if run.get("ratio") is not None:
+                paired.setdefault((r.name, run["concurrency"]), []).append(run["ratio"])
     mid = {key: statistics.median(v) for key, v in table.items()}
     return [
         {
@@ -311,6 +404,8 @@ def medians(results: list[ServerResult], baseline: str | None) -> list[dict]:
             "tok_s": v,
             "median_tok_s": mid[name, c],
             "ratio": mid[name, c] / mid[baseline, c] if (baseline, c) in mid else None,
+            "round_ratios": paired.get((name, c), []),
+            "median_round_ratio": statistics.median(paired[name, c]) if (name, c) in paired else None,
         }
         for (name, c), v in table.items()
     ]
@@ -338,16 +433,28 @@ def markdown(results: list[ServerResult], baseline: str | None, info: dict) -> s
     if rounds > 1:
         lines += [
             "",
-            f"Over {rounds} rounds (every other one in reverse order):",
+            f"Over {rounds} rounds (every other one in reverse order"
+            f"{'; servers resident, one under load at a time' if info.get('resident') else ''}):",
             "",
-            f"| server | concurrency | tok/s, round by round | median | vs {baseline or '-'} |",
-            "| --- | ---: | --- | ---: | ---: |",
+            f"| server | concurrency | tok/s, round by round | median | vs {baseline or '-'} | "
+            "median of the rounds' ratios |",
+            "| --- | ---: | --- | ---: | ---: | ---: |",
         ]
         for m in medians(results, baseline):
             each = ", ".join(f"{x:.1f}" for x in m["tok_s"])
             lines.append(
-                f"| {m['server']} | {m['concurrency']} | {each} | {m['median_tok_s']:.1f} | {_f(m['ratio'], '.2f')} |"
+                f"| {m['server']} | {m['concurrency']} | {each} | {m['median_tok_s']:.1f} | {_f(m['ratio'], '.2f')} | "
+                f"{_f(m['median_round_ratio'], '.2f')} |"
             )
+    idle = [(run["others_cpu_s"], run["duration_s"]) for r in results for run in r.runs if "others_cpu_s" in run]
+    if idle:
+        cpu, dur = max(idle, key=lambda x: x[0] / max(x[1], 1e-9))
+        share = 100 * cpu / max(dur, 1e-9)
+        lines += [
+            "",
+            f"The idle resident servers used at most {cpu:.2f} CPU-seconds during one run ({share:.1f}% of a core "
+            f"over its {dur:.1f} s).",
+        ]
     lines.append("")
     for r in results:
         if r.round == 1 or r.status != "ok":
@@ -384,6 +491,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-json", help="write every number here")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--rounds", type=int, default=1, help="run the servers this many times, every other in reverse")
+    p.add_argument(
+        "--resident",
+        action="store_true",
+        help="start every server once and keep them up, alternating the load between them (one at a time, "
+        "the others idle, their CPU seconds counted): rounds seconds apart rather than minutes",
+    )
     return p
 
 
@@ -409,15 +522,18 @@ def main(argv: list[str] | None = None) -> int:
         k: getattr(args, k)
         for k in ("prompts", "num_prompts", "max_tokens", "concurrency", "temperature", "warmup", "seed")
     }
-    info = {"machine": machine(), "load": load, "date": time.strftime("%Y-%m-%d %H:%M %Z")}
+    info = {"machine": machine(), "load": load, "date": time.strftime("%Y-%m-%d %H:%M %Z"), "resident": args.resident}
     results = []
     try:
-        for rnd in range(1, args.rounds + 1):
-            round_dir = log_dir if args.rounds == 1 else log_dir / f"round{rnd}"
-            round_dir.mkdir(parents=True, exist_ok=True)
-            for spec in specs if rnd % 2 else specs[::-1]:
-                results.append(asyncio.run(measure(spec, args, prompts, round_dir)))
-                results[-1].round = rnd
+        if args.resident:
+            measure_resident(specs, args, prompts, log_dir, results)
+        else:
+            for rnd in range(1, args.rounds + 1):
+                round_dir = log_dir if args.rounds == 1 else log_dir / f"round{rnd}"
+                round_dir.mkdir(parents=True, exist_ok=True)
+                for spec in specs if rnd % 2 else specs[::-1]:
+                    results.append(asyncio.run(measure(spec, args, prompts, round_dir)))
+                    results[-1].round = rnd
     except KeyboardInterrupt:
         print("peers: interrupted; reporting what finished", file=sys.stderr)
     baseline = add_ratios(results, args.baseline)

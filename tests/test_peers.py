@@ -87,3 +87,35 @@ def test_rounds_reverse_the_order_and_report_medians(tiny_demo, tmp_path):
     assert "| tiny (round 1) | 1 |" in table and "| tiny (round 2) | 1 |" in table
     assert "Over 2 rounds" in table
     assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["round1", "round2"]
+
+
+def test_resident_servers_start_once_and_take_the_load_in_turn(tiny_demo, tmp_path):
+    """``--resident --rounds 2``: both servers start once (one log each, one "starting" line each) and
+    stay up; the rounds alternate the load between them (the second in reverse), each run counting the
+    CPU seconds the idle one spent meanwhile; every process is gone at the end."""
+    target = tiny_demo / "target"
+    plain = (
+        f"{shlex.quote(AUGUR_EXE)} serve --port {{port}} --model {shlex.quote(str(target))} "
+        "--speculative-method none --served-model-name tiny --device cpu --dtype float32 --num-kv-blocks 256 "
+        "--block-size 4 --max-model-len 256"
+    )
+    proc, md, js = run_peers(
+        tiny_demo, tmp_path, "--server", f"plain={plain}", "--resident", "--rounds", "2", "--concurrency", "1"
+    )
+    report = json.loads(js.read_text())
+    order = [(s["round"], s["name"], s["status"]) for s in report["servers"]]
+    assert order == [(1, "vllm-plain", "skipped"), (1, "tiny", "ok"), (1, "plain", "ok"), (2, "plain", "ok"),
+                     (2, "tiny", "ok")]  # fmt: skip
+    assert proc.stderr.count("peers: starting tiny ") == 1 and proc.stderr.count("peers: starting plain ") == 1
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["plain.log", "tiny.log"]
+    for server in report["servers"][1:]:
+        [run] = server["runs"]
+        assert run["completed"] == 4 and run["output_tokens"] == 4 * 8 and server["startup_s"] > 0
+        assert 0 <= run["others_cpu_s"] < run["duration_s"]  # the other server idled beside the load
+    medians = {m["server"]: m for m in report["medians"]}
+    assert medians["tiny"]["median_round_ratio"] == 1.0 and len(medians["plain"]["round_ratios"]) == 2
+    ratios = medians["plain"]["round_ratios"]
+    assert min(ratios) <= medians["plain"]["median_round_ratio"] <= max(ratios)
+    table = md.read_text()
+    assert "servers resident, one under load at a time" in table and "The idle resident servers used" in table
+    assert processes_mentioning(str(target)) == []
