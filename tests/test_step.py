@@ -322,17 +322,47 @@ def test_guard_turns_off_a_losing_bucket_and_bursts_back_at_full_depth():
             guard.observe(1, 5, 0.020, speculated=True)  # the burst wins: 250 tok/s
     assert limits == [0] * 6 + [4] * 4 + [4] and exploring == [False] * 6 + [True] * 4 + [False]
     assert b.on and len(b.spec) == 3 + 1  # judged at the plan after the burst (3 judged steps): back on
-    # A burst that loses doubles the interval before the next one.
+    assert b.probation == guard.window - 1  # on probation (one step of it run): the burst may have kept up by luck
+    # Speculation loses during the probation: the burst's verdict was wrong, so the bucket turns off
+    # as after a lost burst, the interval doubled (not back to probe_every: no flapping).
     for _ in range(4):
         guard.observe(1, 1, 0.050, speculated=True)
-    assert not b.on
+    assert not b.on and b.probation == 0 and b.interval == 16
     limits = []
-    for _ in range(8 + 4 + 16):
+    for _ in range(16 + 4 + 32):
         limits.append(guard.limit(1))
         if limits[-1]:
             guard.observe(1, 1, 0.030, speculated=True)  # 33 tok/s: still losing
-    assert limits[:8] == [0] * 7 + [4] and b.interval == 16 and limits[-1] == 4 and not b.on
+    # A burst that loses doubles the interval before the next one.
+    assert limits[:16] == [0] * 15 + [4] and b.interval == 32 and limits[-1] == 4 and not b.on
     assert limits.count(4) < 4 + 4  # the second burst stopped early (below `abort` x plain)
+
+
+def test_a_bucket_on_probation_is_charged_and_turned_off_when_the_budget_cannot_pay():
+    """After a burst turns a bucket on: its probation steps are exploration to the controller (charged
+    to the budget); a probation the budget can no longer pay for ends like a lost burst; one that runs
+    its course makes the bucket's next loss a fresh one (the next burst probe_every plans away)."""
+    guard = Guard(max_depth=4, min_samples=2, probe_every=4, burst=2, window=4)
+    b = guard.bucket(1)
+    for _ in range(2):
+        guard.observe(1, 1, 0.010, speculated=False)
+    b.on, b.interval, b.wait = False, 8, 1
+    limits = []
+    for _ in range(3):
+        limits.append(guard.limit(1))
+        if limits[-1]:
+            guard.observe(1, 2, 0.010, speculated=True)  # a burst that wins: 200 tok/s
+    assert limits == [4, 4, 4] and b.on and b.probation == 3  # on probation, one step of it run
+    assert guard.limit(1, may_probe=False) == 0  # the budget is spent: the probation ends, off
+    assert not b.on and b.interval == 16 and b.wait == 16
+    # A probation that runs its course: the bucket stays on, and a later loss starts over at probe_every.
+    b.on, b.probation = True, 2
+    for _ in range(2):
+        guard.observe(1, 2, 0.010, speculated=True)
+    assert b.on and b.probation == 0 and guard.limit(1, may_probe=False) == 4  # no budget needed now
+    for _ in range(4):
+        guard.observe(1, 1, 0.050, speculated=True)
+    assert not b.on and b.interval == 4
 
 
 def test_guard_learns_plain_early_and_keeps_it_current():
@@ -509,6 +539,38 @@ def test_exploration_budget_keeps_losing_exploration_to_its_share(target, tmp_pa
         ctl.observe_step(1, 4, 2 * plain, 2 * plain, 1, Batch(samples=[Sample(seq, DraftTree(), 0, 0, depth=4)]))
         eng.abort(f"w{r}")
     assert wins == [4] * 30 and ctl.budget.spent < 0
+
+
+
+def test_controller_charges_a_probation_to_the_exploration_budget_and_lets_the_guard_judge_it(target, tmp_path):
+    """A bucket a burst turned on: the controller's drafting steps are charged to the budget (what they
+    lose against plain decoding) and still judged by the guard; once the probation is over they are not
+    charged."""
+    from test_spec import cheap_draft_costs
+
+    eng, ctl = _controlled_engine(target, tmp_path)
+    ctl.cost = cheap_draft_costs()
+    ctl.guard = Guard(4, min_samples=8, probe_every=10**9)  # 3 speculating steps: no verdict yet
+    ctl.budget = ExplorationBudget(fraction=0.5, decay=1.0)
+    eng.add_request("x", [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+    eng.step()
+    seq = eng.groups["x"].seqs[0]
+    b = ctl.guard.bucket(1)
+    b.probation = 2
+    plain = 0.010
+    for _ in range(20):
+        ctl.observe_step(1, 1, plain, plain, 0, Batch(samples=[Sample(seq, DraftTree(), 0, 0, depth=0)]))
+    charged = []
+    for _ in range(3):
+        ctl.estimate(seq).alpha = [0.9] * 4  # the plan drafts
+        depth = ctl.plan([seq], 0)[0]
+        assert depth > 0 and ctl.on_probation == (b.probation > 0) and not ctl.exploring
+        spent, judged = ctl.budget.spent, len(b.spec)
+        # two tokens in three plain tokens' time: a loss of one plain token's time
+        ctl.observe_step(1, 2, 3 * plain, 3 * plain, 1, Batch(samples=[Sample(seq, DraftTree(), 0, 0, depth=depth)]))
+        charged.append(round(ctl.budget.spent - spent, 6))
+        assert len(b.spec) == judged + 1  # the guard judged it
+    assert charged == [plain, plain, 0.0] and b.probation == 0
 
 
 def test_guard_burst_waits_for_the_exploration_budget():

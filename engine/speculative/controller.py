@@ -21,9 +21,10 @@ notices when it wins again). Exploration — a new request's first drafts, an id
 both at full depth — happens only where it could pay, and the guard does not judge it.
 
 Exploring and probing cost real time wherever speculation loses, and traffic of many short requests
-would explore all the time (each new request trials, each new batch earns a burst): an
-:class:`ExplorationBudget` keeps what they lose against plain decoding to a small share of the
-time, so a server where drafting never pays runs within that share of plain decoding.
+would explore all the time (each new request trials, each new batch earns a burst, and a burst
+that kept up by luck turns speculation back on): an :class:`ExplorationBudget` keeps what they lose
+against plain decoding to a small share of the time, so a server where drafting never pays runs
+within that share of plain decoding.
 """
 
 from __future__ import annotations
@@ -164,6 +165,7 @@ class _Bucket:
         self.probing = False  # a burst ran: judge it at the next plan, when all its steps are observed
         self.skip_next = False  # a burst's first step pays the proposer's catch-up: not judged
         self.judged: frozenset = frozenset()  # while off: the requests the last verdict was about
+        self.probation = 0  # after a burst turned it on: speculating steps still on trial (see Guard)
 
 
 class ExplorationBudget:
@@ -218,6 +220,13 @@ class Guard:
     the next burst is at most ``probe_every`` plans away. Plain rates are learnt early (every 4th step
     of a bucket is plain until it has ``min_samples`` of them) and kept current (one plain step every
     ``probe_every`` plans while on).
+
+    A burst that turns a bucket back on may have kept up by luck (a few steps against a window of
+    plain ones, on a host whose speed drifts). Its next ``window`` speculating steps are a
+    *probation*: still exploration, so the controller charges them to the exploration budget, and a
+    probation the budget can no longer pay for, or one the guard judges losing, turns the bucket off
+    with the interval doubled, as a lost burst would. Without it a bucket where speculation loses
+    flaps (burst, on, off, burst 64 plans later), and the on-phases' losses escape the budget.
     """
 
     def __init__(
@@ -260,11 +269,19 @@ class Guard:
         else:
             b.spec.append((tokens, seconds))
             if b.on and min(len(b.spec), len(b.plain)) >= self.min_samples and not self._keeps_up(b):
-                b.on, b.interval, b.wait = False, self.probe_every, self.probe_every
-                b.spec.clear()  # the next burst is judged on its own steps
-                b.judged = members
+                self._turn_off(b, members)
+            elif b.on and b.probation:
+                b.probation -= 1
             elif b.burst_left and len(b.spec) >= 3 and _rate(b.spec) < self.abort * _rate(b.plain):
                 b.burst_left = 0  # a burst that is clearly losing stops early
+
+    def _turn_off(self, b: _Bucket, members: frozenset) -> None:
+        """Speculation lost: plain steps, and the next burst ``probe_every`` plans away, or (a probation
+        that failed: the burst's verdict was wrong) twice the last interval."""
+        b.interval = min(2 * b.interval, self.max_interval) if b.probation else self.probe_every
+        b.on, b.wait, b.probation = False, b.interval, 0
+        b.spec.clear()  # the next burst is judged on its own steps
+        b.judged = members
 
     def _keeps_up(self, b: _Bucket) -> bool:
         return _rate(b.spec) >= self.margin * _rate(b.plain)
@@ -282,6 +299,9 @@ class Guard:
         if len(b.plain) < self.min_samples and b.plans % 4 == 0:
             return 0  # learn plain decoding's rate at this batch size early
         if b.on:
+            if b.probation and not may_probe:  # a probation the exploration budget can no longer pay for
+                self._turn_off(b, members)
+                return 0
             return 0 if b.plans % self.probe_every == 0 else self.max_depth
         if b.burst_left:
             if may_probe:
@@ -291,7 +311,7 @@ class Guard:
         if b.probing:  # every step of the burst has been observed by now
             b.probing = False
             if len(b.spec) >= self.min_samples // 2 and self._keeps_up(b):
-                b.on = True
+                b.on, b.probation = True, self.window
                 return self.max_depth
             b.interval = min(2 * b.interval, self.max_interval)
             b.wait = b.interval
@@ -336,6 +356,7 @@ class SpecController:
         self._last_key, self._last_plan, self._reused = None, (), 0
         self.exploring = False  # this step's plan holds a trial or an idle probe (see observe_step)
         self.bursting = False  # this step's plan is a guard's probe burst
+        self.on_probation = False  # this step's bucket is on probation (see Guard): its drafting is charged
 
     def estimate(self, seq: Sequence) -> AcceptanceEstimate:
         if seq.spec_estimate is None:
@@ -352,6 +373,8 @@ class SpecController:
         cap = self.guard.limit(len(seqs), kind, members, self.budget.allows())
         self._memo = {}
         self.exploring = self.bursting = False
+        bucket = self.guard.bucket(len(seqs), kind)
+        self.on_probation = bucket.on and bucket.probation > 0
         fixed: dict[int, int] = {}
         free: list[int] = []
         for i, seq in enumerate(seqs):
@@ -364,7 +387,7 @@ class SpecController:
                 free.append(i)
         depths = [fixed.get(i, 0) for i in range(len(seqs))]
         kinds = ("target",) + ((self.proposer.cost.kind,) if self.proposer.cost.kind else ())
-        bursting = cap > 0 and not self.guard.bucket(len(seqs), kind).on  # the guard's probe burst
+        bursting = cap > 0 and not bucket.on  # the guard's probe burst
         if free and (bursting or not self.cost.ready(kinds)):
             # Before any timing exists, and in the guard's probe bursts: draft at full depth, so that
             # the costs, the acceptance estimates and the guard all learn what deep drafts achieve.
@@ -522,8 +545,8 @@ class SpecController:
     ) -> None:
         """A whole step's outcome: host time for the cost model; realised tokens/s of decode-only
         steps (``batch.decode_only``) for the guard, which judges the controller's own choices: a step
-        with a trial or an idle probe in it is exploration, paid for on purpose, and not judged; it
-        and a burst's steps are charged to the exploration budget.
+        with a trial or an idle probe in it is exploration, paid for on purpose, and not judged; it,
+        a burst's steps and a probation's (see Guard) are charged to the exploration budget.
 
         A drafting step whose proposer caught up more than a steady step can (a request's first
         drafts feed the draft its whole prompt; a probe after plain steps, all of them) teaches the
@@ -539,7 +562,7 @@ class SpecController:
             members = frozenset(s.seq.seq_id for s in batch.samples)
             if not (num_drafting and self.exploring):
                 self.guard.observe(num_seqs, tokens, seconds, num_drafting > 0, all(greedy), members)
-            explored = num_drafting and (self.exploring or self.bursting)
+            explored = num_drafting and (self.exploring or self.bursting or self.on_probation)
             self.budget.observe(seconds, seconds - tokens * self._plain_token_seconds(greedy) if explored else None)
             if num_drafting and steady:  # how the whole step compared with the sum of its predicted parts
                 plain, extra = self._step_parts([s.depth for s in batch.samples], 0, greedy)
