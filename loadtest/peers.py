@@ -6,11 +6,13 @@ drives it with the same closed-loop streaming load (``loadtest.runner``), stops 
 and only then starts the next: two servers sharing a few CPU cores would measure each other.
 
 A host whose speed drifts (a shared VM: ±25% over minutes here) blurs ratios of runs minutes apart.
-``--resident`` starts every server once and keeps them up, then alternates the load between them, run by
-run and round by round (seconds apart, not minutes): still one server under load at a time, the others
-idle, and the CPU seconds the idle ones spent during each run are counted and reported, so a server that
-burns CPU while idle (a polling engine loop) shows up rather than skewing the others. Each round's ratio
-pairs runs seconds apart; the table of medians gives the median of those ratios too.
+``--resident`` starts every server once and keeps them up; in each round every concurrency level is
+run by every server in turn, so the runs a ratio compares are back to back (seconds apart at one
+request a time, not minutes). Still one server is under load at a time; the CPU seconds the idle ones
+spend during each run are counted and the worst share printed, so a server that burns CPU while idle (a
+polling engine loop) is seen, though it still slows the one under load. A server that dies is reported
+failed and left out of later runs. The table of medians (any ``--rounds`` above 1) also gives the median
+of each round's own ratio.
 
 A server is a shell command that serves an OpenAI-compatible API on ``{port}`` (substituted as plain
 text, so JSON braces in the command are safe): ``--server NAME=COMMAND``, or a built-in ``--preset``.
@@ -189,6 +191,17 @@ def group_cpu_seconds(pgid: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    """:func:`stop` several servers: every group is sent SIGTERM first, so they all shut down at once."""
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    for proc in procs:
+        stop(proc)
+
+
 def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
     """SIGTERM the whole process group (vLLM forks engine workers), SIGKILL what outlives the grace
     period, and return only once the group is gone, so the next server has the cores to itself."""
@@ -288,11 +301,14 @@ def fail(result: ServerResult, error: Exception, live: Live) -> None:
     print(f"peers: {result.name} failed: {result.reason}; its last lines:\n{tail}", file=sys.stderr)
 
 
-async def drive(live: Live, args: argparse.Namespace, prompts: list[Prompt], result: ServerResult, idle=()) -> None:
-    """Run the load at each concurrency against a ready server; ``idle``: the other resident servers,
-    whose CPU seconds during each run go into it as ``others_cpu_s``."""
+async def drive(
+    live: Live, args: argparse.Namespace, prompts: list[Prompt], result: ServerResult, levels: list[int], idle=()
+) -> None:
+    """Run the load at each concurrency of ``levels`` against a ready server; ``idle``: the other
+    resident servers, whose CPU seconds over each run (warm-up included) go into it as ``others_cpu_s``,
+    and that window's length as ``others_window_s``."""
     try:
-        for c in args.concurrency:
+        for c in levels:
             config = LoadTestConfig(
                 url=live.url,
                 num_requests=args.num_prompts,
@@ -307,11 +323,14 @@ async def drive(live: Live, args: argparse.Namespace, prompts: list[Prompt], res
                 progress=not args.no_progress,
                 seed=args.seed,
             )
-            before = sum(group_cpu_seconds(other.proc.pid) for other in idle)
+            before, t0, started_at = sum(group_cpu_seconds(o.proc.pid) for o in idle), time.monotonic(), time.time()
             run = await run_load(config, prompts, result.model, label=f"{result.name} c={c}")
-            summary = summarize_run(build_report(run, config))
-            if idle:
-                summary["others_cpu_s"] = sum(group_cpu_seconds(other.proc.pid) for other in idle) - before
+            summary = {**summarize_run(build_report(run, config)), "started_at": started_at}
+            if not summary["completed"]:  # no measurement: a server that died or answers nothing but errors
+                raise RuntimeError(f"no request completed at concurrency {c}: {str(summary['errors'])[:200]}")
+            if idle:  # (a process that exits meanwhile takes its seconds with it: never below 0)
+                spent = sum(group_cpu_seconds(other.proc.pid) for other in idle) - before
+                summary["others_cpu_s"], summary["others_window_s"] = max(spent, 0.0), time.monotonic() - t0
             result.runs.append(summary)
         result.status = "ok"
     except RuntimeError as e:
@@ -327,40 +346,52 @@ async def measure(spec: ServerSpec, args: argparse.Namespace, prompts: list[Prom
     live = start(spec, log_dir)
     try:
         if await ready(live, args, result):
-            await drive(live, args, prompts, result)
+            await drive(live, args, prompts, result, args.concurrency)
     finally:
         stop(live.proc)
     return result
 
 
 def measure_resident(specs: list[ServerSpec], args, prompts: list[Prompt], log_dir: Path, results: list) -> None:
-    """``--resident``: start every server once, then ``args.rounds`` rounds of the load, one server at a
-    time (every other round in reverse), the others idle; stop them all whatever happens. Appends to
-    ``results`` as it goes (an interrupted run reports what finished)."""
-    lives: dict[str, tuple[Live, ServerResult]] = {}  # by name: the server and what its start found
+    """``--resident``: start every server once, then ``args.rounds`` rounds; in a round each concurrency
+    level is run by every server in turn (every other round in reverse order), one under load at a time,
+    the others idle. A server that dies is reported failed and left out of later runs. Every server is
+    stopped whatever happens; ``results`` gets each result as it is made (an interrupted run reports
+    what finished)."""
+    lives: list[tuple[Live, ServerResult]] = []  # each server and what its start found
     try:
         for spec in specs:  # one at a time: a server compiling beside another would slow its start
             first = ServerResult(spec.name, spec.command)
             if spec.skip:
                 first.status, first.reason = "skipped", spec.skip
-            else:
-                live = start(spec, log_dir)
-                if asyncio.run(ready(live, args, first)):
-                    lives[spec.name] = (live, first)
-                    continue
-                stop(live.proc)
-            results.append(first)
-        order = list(lives.values())
+                results.append(first)
+                continue
+            lives.append((start(spec, log_dir), first))  # in the list before waiting: stopped however that ends
+            if not asyncio.run(ready(lives[-1][0], args, first)):
+                stop(lives.pop()[0].proc)
+                results.append(first)
+        gone: set[str] = set()
         for rnd in range(1, args.rounds + 1):
-            for live, first in order if rnd % 2 else order[::-1]:
-                result = ServerResult(first.name, first.command, model=first.model, startup_s=first.startup_s)
-                result.round = rnd
-                others = [other for other, _ in order if other is not live]
-                asyncio.run(drive(live, args, prompts, result, others))
-                results.append(result)
+            order = lives if rnd % 2 else lives[::-1]
+            made: dict[str, ServerResult] = {}
+            for c in args.concurrency:  # a level's runs back to back, server after server
+                for live, first in order:
+                    name = first.name
+                    if name in gone:
+                        continue
+                    if name not in made:
+                        made[name] = ServerResult(name, first.command, model=first.model, startup_s=first.startup_s)
+                        made[name].round = rnd
+                        results.append(made[name])
+                    if live.proc.poll() is not None:
+                        fail(made[name], RuntimeError(f"exited with status {live.proc.returncode}"), live)
+                    else:
+                        others = [other for other, o in lives if other is not live and o.name not in gone]
+                        asyncio.run(drive(live, args, prompts, made[name], [c], others))
+                    if made[name].status == "failed":
+                        gone.add(name)
     finally:
-        for live, _ in lives.values():
-            stop(live.proc)
+        stop_all([live.proc for live, _ in lives])
 
 
 # -- the table -----------------------------------------------------------------------------------------
@@ -446,14 +477,14 @@ def markdown(results: list[ServerResult], baseline: str | None, info: dict) -> s
                 f"| {m['server']} | {m['concurrency']} | {each} | {m['median_tok_s']:.1f} | {_f(m['ratio'], '.2f')} | "
                 f"{_f(m['median_round_ratio'], '.2f')} |"
             )
-    idle = [(run["others_cpu_s"], run["duration_s"]) for r in results for run in r.runs if "others_cpu_s" in run]
+    idle = [(run["others_cpu_s"], run["others_window_s"]) for r in results for run in r.runs if "others_cpu_s" in run]
     if idle:
         cpu, dur = max(idle, key=lambda x: x[0] / max(x[1], 1e-9))
         share = 100 * cpu / max(dur, 1e-9)
         lines += [
             "",
-            f"The idle resident servers used at most {cpu:.2f} CPU-seconds during one run ({share:.1f}% of a core "
-            f"over its {dur:.1f} s).",
+            f"While one server ran, the idle resident ones used at most {share:.1f}% of a core ({cpu:.2f} CPU-seconds "
+            f"over a run's {dur:.1f} s, warm-up included; every run's figure is in --output-json).",
         ]
     lines.append("")
     for r in results:

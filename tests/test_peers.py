@@ -91,8 +91,8 @@ def test_rounds_reverse_the_order_and_report_medians(tiny_demo, tmp_path):
 
 def test_resident_servers_start_once_and_take_the_load_in_turn(tiny_demo, tmp_path):
     """``--resident --rounds 2``: both servers start once (one log each, one "starting" line each) and
-    stay up; the rounds alternate the load between them (the second in reverse), each run counting the
-    CPU seconds the idle one spent meanwhile; every process is gone at the end."""
+    stay up; in each round every level is run by both in turn (the second round in reverse), each run
+    counting the CPU seconds the idle one spent meanwhile; every process is gone at the end."""
     target = tiny_demo / "target"
     plain = (
         f"{shlex.quote(AUGUR_EXE)} serve --port {{port}} --model {shlex.quote(str(target))} "
@@ -100,7 +100,7 @@ def test_resident_servers_start_once_and_take_the_load_in_turn(tiny_demo, tmp_pa
         "--block-size 4 --max-model-len 256"
     )
     proc, md, js = run_peers(
-        tiny_demo, tmp_path, "--server", f"plain={plain}", "--resident", "--rounds", "2", "--concurrency", "1"
+        tiny_demo, tmp_path, "--server", f"plain={plain}", "--resident", "--rounds", "2", "--concurrency", "1", "2"
     )
     report = json.loads(js.read_text())
     order = [(s["round"], s["name"], s["status"]) for s in report["servers"]]
@@ -109,13 +109,48 @@ def test_resident_servers_start_once_and_take_the_load_in_turn(tiny_demo, tmp_pa
     assert proc.stderr.count("peers: starting tiny ") == 1 and proc.stderr.count("peers: starting plain ") == 1
     assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["plain.log", "tiny.log"]
     for server in report["servers"][1:]:
-        [run] = server["runs"]
-        assert run["completed"] == 4 and run["output_tokens"] == 4 * 8 and server["startup_s"] > 0
-        assert 0 <= run["others_cpu_s"] < run["duration_s"]  # the other server idled beside the load
-    medians = {m["server"]: m for m in report["medians"]}
-    assert medians["tiny"]["median_round_ratio"] == 1.0 and len(medians["plain"]["round_ratios"]) == 2
-    ratios = medians["plain"]["round_ratios"]
-    assert min(ratios) <= medians["plain"]["median_round_ratio"] <= max(ratios)
+        assert [run["concurrency"] for run in server["runs"]] == [1, 2]
+        for run in server["runs"]:
+            assert run["completed"] == 4 and run["output_tokens"] == 4 * 8 and server["startup_s"] > 0
+            assert 0 <= run["others_cpu_s"] < run["others_window_s"]  # the other server idled beside the load
+            assert run["others_window_s"] >= run["duration_s"]  # the window holds the measured run (and warm-up)
+    # Each level is run by both servers back to back before the next level starts.
+    starts = sorted((run["started_at"], s["round"], s["name"], run["concurrency"]) for s in report["servers"]
+                    for run in s["runs"])  # fmt: skip
+    assert [x[1:] for x in starts] == [(1, "tiny", 1), (1, "plain", 1), (1, "tiny", 2), (1, "plain", 2),
+                                       (2, "plain", 1), (2, "tiny", 1), (2, "plain", 2), (2, "tiny", 2)]  # fmt: skip
+    medians = {(m["server"], m["concurrency"]): m for m in report["medians"]}
+    for c in (1, 2):
+        assert medians["tiny", c]["median_round_ratio"] == 1.0 and len(medians["plain", c]["round_ratios"]) == 2
+        ratios = medians["plain", c]["round_ratios"]
+        assert min(ratios) <= medians["plain", c]["median_round_ratio"] <= max(ratios)
     table = md.read_text()
-    assert "servers resident, one under load at a time" in table and "The idle resident servers used" in table
+    assert "servers resident, one under load at a time" in table and "the idle resident ones used at most" in table
     assert processes_mentioning(str(target)) == []
+
+
+def test_resident_servers_are_stopped_when_interrupted_while_one_starts(tmp_path):
+    """SIGTERM while a resident server is still starting: the tool reports and exits, and the server it
+    was waiting for is gone with it."""
+    import signal
+    import time
+
+    marker = f"sleep {os.getpid() % 1000 + 1000}.5"  # a command line no other process has
+    cmd = [
+        sys.executable, "-m", "loadtest.peers", "--server", f"slow=exec {marker} # {{port}}", "--resident",
+        "--prompts", str(REPO / "engine" / "assets" / "demo" / "prompts.jsonl"), "--num-prompts", "1",
+        "--startup-timeout", "120", "--no-progress", "--log-dir", str(tmp_path / "logs"),
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def server() -> list[str]:  # the sleep itself (the tool's own command line mentions it too)
+        return [c for c in processes_mentioning(marker) if c.startswith("sleep")]
+
+    deadline = time.monotonic() + 60
+    while not server() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert server(), "the server never started"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=90)
+    assert "interrupted" in err
+    assert processes_mentioning(marker) == []
