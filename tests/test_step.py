@@ -353,6 +353,18 @@ def test_a_bucket_on_probation_is_charged_and_turned_off_when_the_budget_cannot_
         if limits[-1]:
             guard.observe(1, 2, 0.010, speculated=True)  # a burst that wins: 200 tok/s
     assert limits == [4, 4, 4] and b.on and b.probation == 3  # on probation, one step of it run
+    # A burst that kept up while the budget is spent waits for it: no step drafts unpaid, and it is not
+    # mistaken for a lost one.
+    waiting = Guard(max_depth=4, min_samples=2, probe_every=4, burst=2, window=4)
+    w = waiting.bucket(1)
+    for _ in range(2):
+        waiting.observe(1, 1, 0.010, speculated=False)
+    w.on, w.interval, w.wait = False, 8, 1
+    for _ in range(2):  # a burst of two steps that wins (its first, the catch-up, is not judged)
+        assert waiting.limit(1) == 4
+        waiting.observe(1, 2, 0.010, speculated=True)
+    assert [waiting.limit(1, may_probe=False) for _ in range(3)] == [0, 0, 0] and not w.on and w.interval == 8
+    assert waiting.limit(1) == 4 and w.on and w.probation == 4
     assert guard.limit(1, may_probe=False) == 0  # the budget is spent: the probation ends, off
     assert not b.on and b.interval == 16 and b.wait == 16
     # A probation that runs its course: the bucket stays on, and a later loss starts over at probe_every.
@@ -510,6 +522,7 @@ def test_exploration_budget_keeps_losing_exploration_to_its_share(target, tmp_pa
     for r in range(120):
         eng.add_request(f"r{r}", [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
         eng.step()
+        ctl.cost = cheap_draft_costs()  # the real prefill's timing would move the plan with the host's load
         seq = eng.groups[f"r{r}"].seqs[0]
         for _ in range(8):  # eight steps of each request
             ctl.estimate(seq).alpha = [0.05] * 4  # the plan alone would keep it at 0
@@ -533,13 +546,13 @@ def test_exploration_budget_keeps_losing_exploration_to_its_share(target, tmp_pa
     for r in range(30):
         eng.add_request(f"w{r}", [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
         eng.step()
+        ctl.cost = cheap_draft_costs()
         seq = eng.groups[f"w{r}"].seqs[0]
         ctl.estimate(seq).alpha = [0.05] * 4
         wins.append(ctl.plan([seq], 0)[0])
         ctl.observe_step(1, 4, 2 * plain, 2 * plain, 1, Batch(samples=[Sample(seq, DraftTree(), 0, 0, depth=4)]))
         eng.abort(f"w{r}")
     assert wins == [4] * 30 and ctl.budget.spent < 0
-
 
 
 def test_controller_charges_a_probation_to_the_exploration_budget_and_lets_the_guard_judge_it(target, tmp_path):

@@ -225,8 +225,10 @@ class Guard:
     plain ones, on a host whose speed drifts). Its next ``window`` speculating steps are a
     *probation*: still exploration, so the controller charges them to the exploration budget, and a
     probation the budget can no longer pay for, or one the guard judges losing, turns the bucket off
-    with the interval doubled, as a lost burst would. Without it a bucket where speculation loses
-    flaps (burst, on, off, burst 64 plans later), and the on-phases' losses escape the budget.
+    with the interval doubled, as a lost burst would (a burst that kept up while the budget is spent
+    waits for it). Without it a bucket where speculation loses flaps (burst, on, off, burst 64 plans
+    later), and the on-phases' losses escape the budget; with it they are charged, which is what bounds
+    them where verdicts keep expiring (one request at a time).
     """
 
     def __init__(
@@ -309,10 +311,12 @@ class Guard:
                 return self.max_depth
             b.burst_left = 0  # a burst the budget can no longer pay for ends here, judged on what it ran
         if b.probing:  # every step of the burst has been observed by now
-            b.probing = False
             if len(b.spec) >= self.min_samples // 2 and self._keeps_up(b):
-                b.on, b.probation = True, self.window
+                if not may_probe:
+                    return 0  # a burst that kept up: its probation starts when the budget can pay for it
+                b.probing, b.on, b.probation = False, True, self.window
                 return self.max_depth
+            b.probing = False
             b.interval = min(2 * b.interval, self.max_interval)
             b.wait = b.interval
             b.spec.clear()
