@@ -8,10 +8,11 @@ and only then starts the next: two servers sharing a few CPU cores would measure
 A host whose speed drifts (a shared VM: ±25% over minutes here) blurs ratios of runs minutes apart.
 ``--resident`` starts every server once and keeps them up; in each round every concurrency level is
 run by every server in turn, so the runs a ratio compares are back to back (seconds apart at one
-request a time, not minutes). Still one server is under load at a time; the CPU seconds the idle ones
-spend during each run are counted and the worst share printed, so a server that burns CPU while idle (a
-polling engine loop) is seen, though it still slows the one under load. A server that dies is reported
-failed and left out of later runs. The table of medians (any ``--rounds`` above 1) also gives the median
+request a time, not minutes). Still one server is under load at a time; the CPU seconds each idle one
+spends during each run are counted, the worst named in the table, and one over ``IDLE_WARN`` of a core
+called out: a server that burns CPU while idle (vLLM's polling engine loop) slows the one under load,
+and is to be measured without ``--resident``. A server that dies is reported failed and left out of
+later runs. The table of medians (any ``--rounds`` above 1) also gives the median
 of each round's own ratio.
 
 A server is a shell command that serves an OpenAI-compatible API on ``{port}`` (substituted as plain
@@ -79,6 +80,7 @@ With --rounds N the list runs N times, every other time in reverse (a host whose
 for starting first, then weighs on every server alike), each round's ratios against its own baseline run, and a \
 second table gives each server's median over the rounds. With --resident every server starts once and stays up \
 (idle between its runs, the idle ones' CPU counted), so rounds are seconds apart rather than minutes."
+IDLE_WARN = 0.10  # --resident: an idle server using more of a core than this beside a run is called out
 PEER_FILES = {  # what setup_<peer>.sh leaves under $PEERS
     "vllm": ["vllm/venv/bin/python"],
     "llamacpp": [
@@ -323,14 +325,21 @@ async def drive(
                 progress=not args.no_progress,
                 seed=args.seed,
             )
-            before, t0, started_at = sum(group_cpu_seconds(o.proc.pid) for o in idle), time.monotonic(), time.time()
+            before = {o.spec.name: group_cpu_seconds(o.proc.pid) for o in idle}
+            t0, started_at = time.monotonic(), time.time()
             run = await run_load(config, prompts, result.model, label=f"{result.name} c={c}")
             summary = {**summarize_run(build_report(run, config)), "started_at": started_at}
             if not summary["completed"]:  # no measurement: a server that died or answers nothing but errors
                 raise RuntimeError(f"no request completed at concurrency {c}: {str(summary['errors'])[:200]}")
             if idle:  # (a process that exits meanwhile takes its seconds with it: never below 0)
-                spent = sum(group_cpu_seconds(other.proc.pid) for other in idle) - before
-                summary["others_cpu_s"], summary["others_window_s"] = max(spent, 0.0), time.monotonic() - t0
+                each = {o.spec.name: max(group_cpu_seconds(o.proc.pid) - before[o.spec.name], 0.0) for o in idle}
+                summary["idle_cpu_s"], summary["others_cpu_s"] = each, sum(each.values())
+                summary["others_window_s"] = time.monotonic() - t0
+                for name, spent in each.items():
+                    if spent > IDLE_WARN * summary["others_window_s"]:
+                        print(f"peers: {name} used {100 * spent / summary['others_window_s']:.0f}% of a core while "
+                              f"idle beside {result.name}'s run: it slows the server under load; measure it "
+                              "without --resident", file=sys.stderr)  # fmt: skip
             result.runs.append(summary)
         result.status = "ok"
     except RuntimeError as e:
@@ -477,14 +486,21 @@ def markdown(results: list[ServerResult], baseline: str | None, info: dict) -> s
                 f"| {m['server']} | {m['concurrency']} | {each} | {m['median_tok_s']:.1f} | {_f(m['ratio'], '.2f')} | "
                 f"{_f(m['median_round_ratio'], '.2f')} |"
             )
-    idle = [(run["others_cpu_s"], run["others_window_s"]) for r in results for run in r.runs if "others_cpu_s" in run]
+    idle = [
+        (spent, run["others_window_s"], name)
+        for r in results
+        for run in r.runs
+        for name, spent in run.get("idle_cpu_s", {}).items()
+    ]
     if idle:
-        cpu, dur = max(idle, key=lambda x: x[0] / max(x[1], 1e-9))
-        share = 100 * cpu / max(dur, 1e-9)
+        cpu, dur, name = max(idle, key=lambda x: x[0] / max(x[1], 1e-9))
+        share = cpu / max(dur, 1e-9)
+        verdict = ": **it slowed the server under load; measure it without --resident**." if share > IDLE_WARN else "."
         lines += [
             "",
-            f"While one server ran, the idle resident ones used at most {share:.1f}% of a core ({cpu:.2f} CPU-seconds "
-            f"over a run's {dur:.1f} s, warm-up included; every run's figure is in --output-json).",
+            f"While one server ran, an idle resident one used at most {100 * share:.1f}% of a core ({name}: {cpu:.2f} "
+            f"CPU-seconds over a run's {dur:.1f} s, warm-up included; every run's figures are in --output-json)"
+            + verdict,
         ]
     lines.append("")
     for r in results:

@@ -112,6 +112,8 @@ def test_resident_servers_start_once_and_take_the_load_in_turn(tiny_demo, tmp_pa
         assert [run["concurrency"] for run in server["runs"]] == [1, 2]
         for run in server["runs"]:
             assert run["completed"] == 4 and run["output_tokens"] == 4 * 8 and server["startup_s"] > 0
+            other = "plain" if server["name"] == "tiny" else "tiny"
+            assert list(run["idle_cpu_s"]) == [other] and run["others_cpu_s"] == run["idle_cpu_s"][other]
             assert 0 <= run["others_cpu_s"] < run["others_window_s"]  # the other server idled beside the load
             assert run["others_window_s"] >= run["duration_s"]  # the window holds the measured run (and warm-up)
     # Each level is run by both servers back to back before the next level starts.
@@ -125,7 +127,7 @@ def test_resident_servers_start_once_and_take_the_load_in_turn(tiny_demo, tmp_pa
         ratios = medians["plain", c]["round_ratios"]
         assert min(ratios) <= medians["plain", c]["median_round_ratio"] <= max(ratios)
     table = md.read_text()
-    assert "servers resident, one under load at a time" in table and "the idle resident ones used at most" in table
+    assert "servers resident, one under load at a time" in table and "an idle resident one used at most" in table
     assert processes_mentioning(str(target)) == []
 
 
