@@ -389,8 +389,9 @@ def measure_resident(specs: list[ServerSpec], args, prompts: list[Prompt], log_d
                     if name in gone:
                         continue
                     if name not in made:
-                        made[name] = ServerResult(name, first.command, model=first.model, startup_s=first.startup_s)
-                        made[name].round = rnd
+                        made[name] = ServerResult(
+                            name, first.command, model=first.model, startup_s=first.startup_s, round=rnd
+                        )
                         results.append(made[name])
                     if live.proc.poll() is not None:
                         fail(made[name], RuntimeError(f"exited with status {live.proc.returncode}"), live)
