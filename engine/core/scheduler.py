@@ -194,10 +194,10 @@ class Scheduler:
             need_seats = seq.group.width if seq.num_output_tokens == 0 and seq.index == 0 else 1
             if need_seats > seats:
                 break
-            if (seq.params.prompt_logprobs is not None and not seq.group.prompt_logprobs) or seq.search is not None:
+            if seq.search is not None:
                 prefix_blocks, prefix_hashes = [], []  # every prompt position must be computed
             else:
-                prefix_blocks, prefix_hashes = self.bm.match_prefix(seq.token_ids)
+                prefix_blocks, prefix_hashes = self.bm.match_prefix(seq.token_ids[: self._cacheable(seq)])
             cached = len(prefix_blocks) * self.bm.block_size
             n = min(seq.num_tokens - cached, budget)
             new_blocks = self.bm.blocks_needed(len(prefix_blocks), cached + n)
@@ -226,6 +226,17 @@ class Scheduler:
             out.block_copies.extend(copies)
             budget -= n
             seats -= need_seats
+
+    @staticmethod
+    def _cacheable(seq: Sequence) -> int:
+        """How many leading tokens a cached prefix may stand for, plus one (``match_prefix`` leaves the
+        last token it is given to compute). A prompt whose logprobs are asked for computes every position
+        not yet scored: none on its first admission, those after the ones it scored before a preemption
+        cut its prefill short."""
+        group = seq.group
+        if seq.params.prompt_logprobs is not None and len(group.prompt_logprobs) < group.num_prompt_tokens:
+            return len(group.prompt_logprobs)
+        return seq.num_tokens
 
     def _preempt_parked(self, out: SchedulerOutput) -> bool:
         """Free the newest running parked sequence's blocks for the admission (its beam mates may be the

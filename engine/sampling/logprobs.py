@@ -65,8 +65,10 @@ def record_prompt_logprobs(logits: torch.Tensor, spans: list[tuple[Sequence, int
         group = seq.group
         if start == 0 and not group.prompt_logprobs:
             group.prompt_logprobs.append(None)
-        # the logits at `pos` predict the token at pos + 1
-        pos = [start + i for i in range(n) if start + i + 1 < group.num_prompt_tokens]
+        # the logits at `pos` predict the token at pos + 1; positions scored already (before a
+        # preemption made the prompt be recomputed) are not scored twice
+        first = max(start, len(group.prompt_logprobs) - 1)
+        pos = [p for p in range(first, start + n) if p + 1 < group.num_prompt_tokens]
         if pos:
             rows = [first_row + p - start for p in pos]
             per_seq.append((rows, [seq.token_ids[p + 1] for p in pos], seq.params.prompt_logprobs))
