@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import threading
@@ -14,6 +15,7 @@ from engine.config import EngineConfig
 from engine.quant import QUANTIZATIONS
 from engine.speculative.methods import known_methods
 from server.metrics import COMPAT
+from server.reasoning import SYNTAXES as REASONING_SYNTAXES
 
 
 def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> None:
@@ -276,6 +278,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # Several keys: --api-key given more than once, or AUGUR_API_KEY with commas between them.
     env_keys = os.environ.get("AUGUR_API_KEY") or ""
     api_key = args.api_key or [k.strip() for k in env_keys.split(",") if k.strip()]
+    from server.protocol import check_template_kwargs
+
+    check_template_kwargs(args.default_chat_template_kwargs, "--default-chat-template-kwargs")
     settings = ServerSettings(
         served_model_name=name,
         api_key=api_key,
@@ -287,6 +292,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics_compat=args.metrics_compat,
         responses_store_max=args.responses_store_max,
         responses_store_bytes=int(args.responses_store_mb * 2**20),
+        chat_template=args.chat_template,
+        default_chat_template_kwargs=args.default_chat_template_kwargs,
+        reasoning_parser=args.reasoning_parser,
+        generation_config=args.generation_config,
     )
     server: uvicorn.Server | None = None
 
@@ -582,6 +591,34 @@ def _serve_parser(sub, common: argparse.ArgumentParser) -> None:
         default="auto",
         help="how the model writes tool calls (auto: from its chat template; Hermes-style where it says nothing)",
     )
+    serve.add_argument(
+        "--chat-template",
+        type=_chat_template,
+        default=None,
+        help="chat template to serve instead of the tokenizer's: a file, or the Jinja text itself",
+    )
+    serve.add_argument(
+        "--default-chat-template-kwargs",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help="chat template variables for every request, e.g. '{\"enable_thinking\": false}' (a request's own "
+        "chat_template_kwargs win)",
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        choices=list(REASONING_SYNTAXES),
+        default=None,
+        help="split a reasoning model's thinking into reasoning_content (qwen3: Qwen3/QwQ <think>; deepseek_r1: "
+        "DeepSeek-R1, which thinks first); enables reasoning_effort and thinking_token_budget",
+    )
+    serve.add_argument(
+        "--generation-config",
+        choices=["auto", "none"],
+        default="auto",
+        help="auto: requests' missing sampling fields (temperature, top_p, top_k, min_p, repetition_penalty, "
+        "max tokens) come from the model's generation_config.json; none: OpenAI's defaults",
+    )
     serve.add_argument("--config", default=None, help="YAML file of flags (the command line overrides it)")
     serve.set_defaults(func=cmd_serve)
 
@@ -799,6 +836,29 @@ def _method_spec(spec: str) -> str:
     if method not in known_methods():
         raise argparse.ArgumentTypeError(f"unknown method {method!r}; known: {', '.join(known_methods())}")
     return spec
+
+
+def _chat_template(value: str) -> str:
+    """--chat-template: a file's text, or the value itself when it is no file (Jinja has braces)."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{" not in value:
+        raise argparse.ArgumentTypeError(f"{value!r} is neither a file nor a Jinja template")
+    return value
+
+
+def _json_object(value) -> dict:
+    """A JSON object given as text (the command line) or as a mapping (a YAML config)."""
+    if isinstance(value, dict):
+        return value
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return parsed
 
 
 def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:

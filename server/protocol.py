@@ -175,6 +175,27 @@ class StructuredOutputs(BaseModel):
         return StructuredOutput("grammar", self.grammar, None, param)
 
 
+# apply_chat_template's own parameters: a template variable of one of these names would be taken for
+# the parameter (the request has fields for those that a request may set).
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})  # fmt: skip
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None, param: str = "chat_template_kwargs") -> None:
+    """The chat template's own variables (``enable_thinking`` ...): names of apply_chat_template's
+    parameters are refused, naming the request field that sets them where there is one."""
+    for key in kwargs or {}:
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise FieldError(f"{param} may not set {key!r}: it is not a template variable (use the request's own "
+                             "field where it has one)", param)  # fmt: skip
+
+
+Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
 class _Sampling(BaseModel):
     """Fields shared by both endpoints; Augur's extensions come through the SDK's ``extra_body``."""
 
@@ -268,20 +289,30 @@ class _Sampling(BaseModel):
         opt = TypicalAcceptance() if opt is True else opt
         return (opt.epsilon, opt.delta)
 
+    def default(self, name: str, defaults: dict | None, fallback):
+        """A sampling field's value: the request's, else the model's default (generation_config.json,
+        ``--generation-config auto``), else ``fallback``."""
+        value = getattr(self, name) if name in self.model_fields_set else None
+        if value is not None:
+            return value
+        return (defaults or {}).get(name, fallback)
+
     def sampling_params(
         self,
         max_tokens: int | None,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
         typical_default: tuple[float, float] | None = None,
+        defaults: dict | None = None,
     ):
+        """``defaults``: the model's own sampling defaults, for the fields the request leaves out."""
         params = SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
+            temperature=float(self.default("temperature", defaults, 1.0)),
+            top_p=float(self.default("top_p", defaults, 1.0)),
+            top_k=int(self.default("top_k", defaults, 0)),
+            min_p=float(self.default("min_p", defaults, 0.0)),
+            repetition_penalty=float(self.default("repetition_penalty", defaults, 1.0)),
             no_repeat_ngram_size=self.no_repeat_ngram_size,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
@@ -401,6 +432,9 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # assistant: the calls it made
     tool_call_id: str | None = None  # tool: the call this result answers
+    # assistant: its thinking, replayed (vLLM's reasoning_content, and its newer name reasoning)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -432,6 +466,19 @@ def check_messages(messages: list[ChatMessage]) -> None:
             raise ValueError(f"messages[{i}]: only assistant messages carry tool_calls")
 
 
+def check_continuation(req, last_role: str) -> None:
+    """``continue_final_message``: the output continues the last message, which must be the
+    assistant's, and no new turn is opened (``add_generation_prompt`` true is a contradiction)."""
+    if not req.continue_final_message:
+        return
+    if "add_generation_prompt" in req.model_fields_set and req.add_generation_prompt:
+        raise FieldError("continue_final_message and add_generation_prompt cannot both be true",
+                         "continue_final_message")  # fmt: skip
+    if last_role != "assistant":
+        raise FieldError("continue_final_message continues an assistant message: the last message must be one",
+                         "continue_final_message")  # fmt: skip
+
+
 def template_messages(messages: list[ChatMessage]) -> list[dict]:
     """Messages as chat templates expect them: 'developer' is OpenAI's newer name for 'system'; an
     assistant's tool calls carry their arguments as an object (what templates serialise), a tool
@@ -441,6 +488,9 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
         d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
         if m.tool_calls:
             d["tool_calls"] = [template_call(c.id, c.function.name, c.function.arguments) for c in m.tool_calls]
+        thinking = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if m.role == "assistant" and thinking is not None:
+            d["reasoning_content"] = thinking  # what reasoning models' templates read (Qwen3's)
         if m.role == "tool":
             d["tool_call_id"] = m.tool_call_id or ""
             if m.name:
@@ -513,10 +563,18 @@ class ChatCompletionRequest(_Sampling, ToolChoiceRules):
     functions: Any = None
     function_call: Any = None
     add_generation_prompt: StrictBool = True
+    # vLLM's: the output continues the final (assistant) message, rendered without its end.
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # the template's own variables (enable_thinking, ...)
+    reasoning_effort: Effort | None = None
+    thinking_token_budget: StrictInt | None = Field(default=None, ge=0)  # vLLM's: thinking tokens, then its end
+    include_reasoning: StrictBool = True  # vLLM's: false leaves reasoning_content out
 
     @model_validator(mode="after")
     def _check(self):
         check_messages(self.messages)
+        check_continuation(self, self.messages[-1].role)
+        check_template_kwargs(self.chat_template_kwargs)
         for name in ("functions", "function_call"):
             if getattr(self, name) is not None:
                 raise UnsupportedError(f"{name} (the legacy function calling) is not supported: use tools", name)
@@ -565,6 +623,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: StrictBool | None = None
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: StrictBool = False
 
     @model_validator(mode="after")
@@ -576,6 +635,9 @@ class TokenizeRequest(BaseModel):
         both = self.continue_final_message and self.add_generation_prompt
         if both and "add_generation_prompt" in self.model_fields_set:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        if self.chat_template_kwargs is not None and self.messages is None:
+            raise FieldError("chat_template_kwargs apply to messages, not to a prompt", "chat_template_kwargs")
+        check_template_kwargs(self.chat_template_kwargs)
         return self
 
     @property

@@ -34,8 +34,11 @@ from server.state import ServerState
 
 # -- before the engine: parameters, prompts, queue places ---------------------------------------------------
 def sampling_params(state: ServerState, req, max_tokens, logprobs, prompt_logprobs=None) -> SamplingParams:
+    """The request's sampling parameters, its missing fields from the model's defaults (a 400 if
+    they are wrong)."""
     try:
-        return req.sampling_params(max_tokens, logprobs, prompt_logprobs, state.settings.typical_acceptance)
+        typical = state.settings.typical_acceptance
+        return req.sampling_params(max_tokens, logprobs, prompt_logprobs, typical, state.sampling_defaults)
     except ValueError as e:
         raise bad_request(str(e), getattr(e, "param", None)) from None
 
@@ -132,6 +135,9 @@ class Format(Protocol):
     def choice(self, idx: int, text: str, logprobs: list, reason: str | None, prompt_out: RequestOutput | None) -> dict:
         """Choice ``idx`` of the whole response."""
 
+    def usage(self, usage: dict) -> dict:
+        """The response's ``usage`` with what this API adds (chat: reasoning tokens)."""
+
 
 async def respond(job: Job, fmt: Format):
     if job.stream:
@@ -181,7 +187,7 @@ async def _stream(job: Job, fmt: Format) -> AsyncIterator[str]:
                 finals[i] = out
         else:
             if job.include_usage:
-                yield _chunk(job, fmt, [], usage=job.usage(tokens, list(finals.values())))
+                yield _chunk(job, fmt, [], usage=fmt.usage(job.usage(tokens, list(finals.values()))))
     except EngineDeadError as e:
         yield sse(error_body(str(e), "internal_error"))
     yield "data: [DONE]\n\n"
@@ -215,7 +221,7 @@ async def _collect(job: Job, fmt: Format) -> dict:
         "created": job.created,
         "model": job.state.settings.served_model_name,
         "choices": choices,
-        "usage": job.usage(tokens, list(finals.values())),
+        "usage": fmt.usage(job.usage(tokens, list(finals.values()))),
     }
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.core.async_engine import EngineFront
 from server.metrics import Metrics
+from server.reasoning import SYNTAXES, ReasoningSyntax
 from server.responses.store import ResponseStore
 from server.tokens import TokenTexts
 from server.tools import FORMATS, ToolFormat, detect_format
@@ -30,6 +31,15 @@ class ServerSettings:
     # The Responses API's store (store: true): oldest out first past either bound.
     responses_store_max: int = 1024
     responses_store_bytes: int = 128 * 2**20
+    # Chat templates: the template to serve instead of the tokenizer's (its text), and variables every
+    # request's template gets unless the request sets them (chat_template_kwargs).
+    chat_template: str | None = None
+    default_chat_template_kwargs: dict | None = None
+    # A reasoning model's thinking convention (server.reasoning.SYNTAXES), or None.
+    reasoning_parser: str | None = None
+    # Where requests' missing sampling fields come from: "auto", the model's generation_config.json;
+    # "none", OpenAI's defaults (temperature 1, top_p 1).
+    generation_config: str = "auto"
 
     @property
     def api_keys(self) -> list[str]:
@@ -49,6 +59,7 @@ class ServerState:
     metrics: Metrics = field(init=False)
     created: int = field(default_factory=lambda: int(time.time()))
     responses: ResponseStore = field(init=False)
+    reasoning: ReasoningSyntax | None = None  # set by attach when --reasoning-parser names one
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.settings.served_model_name, self.settings.metrics_compat)
@@ -60,7 +71,17 @@ class ServerState:
         name = self.settings.tool_call_parser
         return detect_format(self.engine.chat_template) if name == "auto" else FORMATS[name]
 
+    @property
+    def sampling_defaults(self) -> dict:
+        """The model's sampling defaults for requests' missing fields (none under --generation-config none)."""
+        return self.engine.generation_config if self.settings.generation_config == "auto" else {}
+
     def attach(self, engine: EngineFront) -> None:
+        if self.settings.chat_template is not None:
+            engine.use_chat_template(self.settings.chat_template)
+        if self.settings.reasoning_parser is not None:
+            self.reasoning = SYNTAXES[self.settings.reasoning_parser]
+            self.reasoning.token_ids(engine.tokenizer)  # ValueError: not this model's markers
         self.metrics.bind_engine(engine)
         engine.step_hooks.append(self.metrics.on_step)
         engine.start()

@@ -120,46 +120,52 @@ class ToolFormat:
             return len(text) - len(stripped) if stripped.startswith(self.marker) else -1
         return text.find(self.marker)
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, calls) of a whole output. Text that is not a well-formed run of calls up to the
-        end of the output is content, with no calls (a model that only talks about calling)."""
+    def parse(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a whole output. Every whole call in the run of calls that begins where
+        the calls begin is a call, never content, however the output ended; text after the run is
+        content. ``cut``: the output was cut short (``max_tokens``), so what follows the whole calls
+        is a call it was writing, dropped: neither call nor content (its markup is no answer). An
+        output that ended by itself with no whole call is content (a model that only talks about
+        calling)."""
         i = self.start_of_calls(text)
         if i < 0:
             return text, []
-        calls = self._calls(text[i:].strip())
-        if calls is None:
+        calls, end = self._calls(text, i)
+        if not calls and not cut:
             return text, []
-        content = text[:i].strip()
+        parts = [text[:i].strip()] + ([] if cut else [text[end:].strip()])
+        content = "\n".join(x for x in parts if x)
         return content or None, calls
 
-    def _calls(self, text: str) -> list[ToolCall] | None:
+    def _calls(self, text: str, pos: int) -> tuple[list[ToolCall], int]:
+        """The whole calls of the run from ``pos`` (where the calls begin) and where they end (past
+        the closing text, where it came)."""
         dec = json.JSONDecoder()
         out: list[ToolCall] = []
-        pos = _expect(text, 0, self.open)
-        while pos is not None:
-            pos = _expect(text, pos, self.call_open)
-            if pos is None or not text.startswith("{", _skip_ws(text, pos)):
-                return None
-            try:
-                obj, pos = dec.raw_decode(text, _skip_ws(text, pos))
-            except json.JSONDecodeError:
-                return None
-            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-                return None
-            args = obj.get(self.args_key, obj.get("arguments", obj.get("parameters")))
-            if not isinstance(args, dict):
-                return None
-            out.append(ToolCall(obj["name"], json.dumps(args, ensure_ascii=False), call_id()))
-            pos = _expect(text, pos, self.call_close)
-            if pos is None:
-                return None
-            nxt = _expect(text, pos, self.sep)
-            more = nxt is not None and (after := _expect(text, nxt, self.call_open)) is not None
-            if not (more and text.startswith("{", _skip_ws(text, after))):
+        at = _expect(text, pos, self.open)
+        end = pos
+        while at is not None:
+            q = _expect(text, at, self.call_open) if not out else _expect(text, at, self.sep)
+            if out and q is not None:
+                q = _expect(text, q, self.call_open)
+            if q is None or not text.startswith("{", _skip_ws(text, q)):
                 break
-            pos = nxt
-        end = _expect(text, pos, self.close) if pos is not None else None
-        return out if end is not None and _skip_ws(text, end) == len(text) else None
+            try:
+                obj, q = dec.raw_decode(text, _skip_ws(text, q))
+            except (json.JSONDecodeError, RecursionError):
+                break
+            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+                break
+            args = obj.get(self.args_key, obj.get("arguments", obj.get("parameters")))
+            q = _expect(text, q, self.call_close)
+            if q is None or not isinstance(args, dict):
+                break
+            out.append(ToolCall(obj["name"], json.dumps(args, ensure_ascii=False), call_id()))
+            at = end = q
+        if out:
+            close = _expect(text, end, self.close)
+            end = close if close is not None else end
+        return out, end
 
 
 FORMATS = {
@@ -180,6 +186,76 @@ def detect_format(chat_template: str | None) -> ToolFormat:
     if "<|python_tag|>" in t or "ipython" in t:
         return FORMATS["llama3_json"]
     return FORMATS["hermes"]
+
+
+class CallScanner:
+    """Forced calls read as they are written: ``feed`` returns ``("call", name)`` once a call's name
+    is complete, ``("args", text)`` for each new piece of its arguments (the exact text written), and
+    ``("end",)`` when its arguments value closes. The grammar guarantees the layout
+    (``{"name": ..., "<args_key>": <value>}`` in the format's wrapping), so no text is held back."""
+
+    def __init__(self, fmt: ToolFormat) -> None:
+        key = re.escape(fmt.args_key)
+        self.header = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"' + key + r'"\s*:\s*(?=\S)')
+        self.text = ""
+        self.pos = 0  # where the next call's header is looked for
+        self.open = False  # inside a call's arguments
+        self.scanned = 0  # how far its arguments were scanned
+        self.sent = 0  # how far its arguments went out
+        self.depth, self.in_string, self.escaped, self.started = 0, False, False, False
+
+    def feed(self, delta: str) -> list[tuple]:
+        self.text += delta
+        events: list[tuple] = []
+        while True:
+            if not self.open:
+                m = self.header.search(self.text, self.pos)
+                if m is None:
+                    return events
+                events.append(("call", json.loads(f'"{m.group(1)}"')))
+                self.open, self.scanned, self.sent = True, m.end(), m.end()
+                self.depth, self.in_string, self.escaped, self.started = 0, False, False, False
+            end = self._scan()
+            upto = len(self.text) if end is None else end
+            if upto > self.sent:
+                events.append(("args", self.text[self.sent : upto]))
+                self.sent = upto
+            if end is None:
+                return events
+            events.append(("end",))
+            self.open, self.pos = False, end
+
+    def _scan(self) -> int | None:
+        """Where the open call's arguments value ends (past its last character), or None if not yet."""
+        text = self.text
+        for i in range(self.scanned, len(text)):
+            ch = text[i]
+            if not self.in_string and self.depth == 0 and self.started and (ch in ",}]" or ch.isspace()):
+                self.scanned = i
+                return i  # a bare scalar (a number, true, false, null) ended
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+                    if self.depth == 0:  # a string value
+                        self.scanned = i + 1
+                        return i + 1
+            elif ch == '"':
+                self.in_string, self.started = True, True
+            elif ch in "{[":
+                self.depth, self.started = self.depth + 1, True
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.scanned = i + 1
+                    return i + 1
+            elif not ch.isspace():
+                self.started = True
+        self.scanned = len(text)
+        return None
 
 
 # -- models whose chat template takes no tools ---------------------------------------------------------------

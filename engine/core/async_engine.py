@@ -98,8 +98,9 @@ class EngineFront(abc.ABC):
         # Grammars compile here, two at a time at most, whatever the requests ask.
         self._grammar_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="augur-grammar")
 
-    def _bind(self, tokenizer, limits: RequestLimits, grammars) -> None:
+    def _bind(self, tokenizer, limits: RequestLimits, grammars, generation_defaults: dict | None = None) -> None:
         self.tokenizer = tokenizer
+        self._generation_defaults = dict(generation_defaults or {})
         self.limits = limits
         self.grammars = grammars
         self._text_fit = TextFit(tokenizer, limits.max_model_len)
@@ -176,25 +177,57 @@ class EngineFront(abc.ABC):
     def chat_template(self) -> str | None:
         return getattr(self.tokenizer, "chat_template", None)
 
+    def use_chat_template(self, template: str) -> None:
+        """Serve with ``template`` instead of the tokenizer's own (``--chat-template``): chat, the
+        Responses API, ``/tokenize`` and ``/tokenizer_info`` all see it."""
+        self.tokenizer.chat_template = template
+
     @property
     def chat_template_takes_tools(self) -> bool:
         """The template renders a ``tools`` list (and tool calls and results in the history)."""
         return "tools" in (self.chat_template or "")
 
-    def render_chat(
-        self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
-    ) -> list[int]:
+    def render_chat_text(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        continue_final_message: bool = False,
+        template_kwargs: dict | None = None,
+    ) -> str:
         """Chat messages (and the offered ``tools``, for a template that takes them) through the
-        model's chat template, as token ids; a text that cannot fit the context is refused before it
-        is tokenized (InvalidRequestError)."""
-        tok = self.tokenizer
-        kw = {"tools": tools} if tools else {}
+        model's chat template, as text; ``template_kwargs`` are the template's own variables
+        (``enable_thinking`` ...). A text that cannot fit the context is refused before it is
+        tokenized (InvalidRequestError), as is one the template itself refuses."""
+        kw = dict(template_kwargs or {})
+        if tools:
+            kw["tools"] = tools
         try:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kw)
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
+                **kw,
+            )
         except jinja2.TemplateError as e:  # the template's own checks (roles that must alternate, ...)
             raise InvalidRequestError(f"the model's chat template refused these messages: {e}", "messages") from None
+        except ValueError as e:  # transformers' own (nothing to continue, ...)
+            raise InvalidRequestError(f"the chat template refused these messages: {e}", "messages") from None
         self._text_fit.check(text)
-        return tok.encode(text, add_special_tokens=False)
+        return text
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                    **kw) -> list[int]:  # fmt: skip
+        """:meth:`render_chat_text` as token ids."""
+        text = self.render_chat_text(messages, add_generation_prompt, tools, **kw)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    @property
+    def generation_config(self) -> dict:
+        """The model's ``generation_config.json`` sampling defaults (``temperature``, ``top_p``,
+        ``top_k``, ``min_p``, ``repetition_penalty``, ``max_tokens``), those it sets."""
+        return dict(self._generation_defaults)
 
     # -- requests -----------------------------------------------------------------------------------
     async def generate(
@@ -307,7 +340,7 @@ class AsyncEngine(EngineFront):
         super().__init__()
         self.engine = engine
         self.tensor_parallel_size = engine.config.tensor_parallel_size
-        self._bind(engine.tokenizer, engine.limits, engine.grammars)
+        self._bind(engine.tokenizer, engine.limits, engine.grammars, engine.generation_defaults)
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._thread: threading.Thread | None = None

@@ -276,7 +276,7 @@ class ProcessEngine(EngineFront):
 
     def __init__(self, config: EngineConfig, startup_timeout: float = STARTUP_TIMEOUT_S) -> None:
         super().__init__()
-        from engine.runner.loader import load_tokenizer, resolve_model_path
+        from engine.runner.loader import generation_defaults, load_tokenizer, resolve_model_path
 
         self.config = config
         self.tensor_parallel_size = config.tensor_parallel_size
@@ -309,7 +309,7 @@ class ProcessEngine(EngineFront):
         self._spec = SpecStats(self.info.spec_depth)
         info = self.info
         grammars = Grammars(tokenizer, info.limits.vocab_size, info.eos_token_ids, info.grammar_cache_size)
-        self._bind(tokenizer, info.limits, grammars)
+        self._bind(tokenizer, info.limits, grammars, generation_defaults(resolve_model_path(config.model)))
         try:  # built now, as the engine builds its own: no first structured request waits for it
             grammars.tokenizer()
         except GrammarError as e:  # constrained requests get this as a 400

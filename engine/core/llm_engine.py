@@ -30,7 +30,14 @@ from engine.request.outputs import CompletionOutput, RequestOutput, RequestStats
 from engine.request.sampling_params import SamplingParams
 from engine.request.sequence import BeamState, FinishReason, Sequence, SequenceGroup, SequenceStatus, TokenLogprob
 from engine.request.state import SearchState
-from engine.runner.loader import eos_token_ids, load_config, load_model, load_tokenizer, resolve_model_path
+from engine.runner.loader import (
+    eos_token_ids,
+    generation_defaults,
+    load_config,
+    load_model,
+    load_tokenizer,
+    resolve_model_path,
+)
 from engine.runner.model_runner import ModelRunner, kv_pool_blocks
 from engine.sampling.batch import Emit
 from engine.speculative.controller import SpecController, profile_costs
@@ -69,6 +76,7 @@ class LLMEngine:
         self.hf_config = load_config(self.model_path)
         self.tokenizer = load_tokenizer(resolve_model_path(config.tokenizer) if config.tokenizer else self.model_path)
         self.eos_token_ids = eos_token_ids(self.model_path, self.hf_config, self.tokenizer)
+        self.generation_defaults = generation_defaults(self.model_path)  # the model's sampling defaults
         model_max = int(getattr(self.hf_config, "max_position_embeddings", 2048))
         if config.max_model_len is not None and config.max_model_len > model_max:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {model_max} positions")

@@ -8,7 +8,25 @@ import json
 from dataclasses import dataclass
 from typing import Literal
 
-Kind = Literal["json", "regex", "choice", "grammar"]
+Kind = Literal["json", "regex", "choice", "grammar", "text"]
+
+
+@dataclass(frozen=True)
+class Thinking:
+    """A reasoning model's thinking before the answer that a grammar constrains: the grammar applies
+    after the thinking ends, and the thinking itself is free text (up to ``budget`` tokens). The
+    markers are single tokens of the vocabulary (``<think>`` and ``</think>`` for Qwen3 and
+    DeepSeek-R1)."""
+
+    start_id: int  # the token that opens thinking
+    end_id: int  # the token that closes it
+    end_text: str  # its text (never part of the thinking, even written in pieces)
+    # True: the prompt opened thinking, so the output starts inside it (DeepSeek-R1's templates,
+    # Qwen3's thinking-only models); False: the model may open it with ``start_id`` as its first token.
+    opened: bool
+    # Thinking tokens (after the opening one) before ``end_id`` is forced (None: no bound). The budget
+    # shapes the masks, not the grammar: it is not part of the compiled grammar's key.
+    budget: int | None = None
 
 
 @dataclass(frozen=True)
@@ -18,15 +36,18 @@ class StructuredOutput:
     - ``json``: a JSON schema as JSON text (``{"type": "object"}`` for OpenAI's ``json_object``);
     - ``regex``: a regular expression the whole output matches;
     - ``choice``: a JSON list of strings, the output being exactly one of them;
-    - ``grammar``: a Lark grammar (GBNF, with ``::=`` rules, is converted to Lark).
+    - ``grammar``: a Lark grammar (GBNF, with ``::=`` rules, is converted to Lark);
+    - ``text``: any text (``spec`` empty): for a ``thinking`` budget on an unconstrained answer.
 
     ``param`` names the request field it came from, so that an invalid one is refused by name.
+    ``thinking``: the output starts with a reasoning model's thinking, which the grammar leaves free.
     """
 
     kind: Kind
     spec: str
     whitespace_pattern: str | None = None  # json only: the whitespace allowed between tokens
     param: str = "structured_outputs"
+    thinking: Thinking | None = None
 
     @classmethod
     def json_schema(cls, schema: dict | bool, param: str, whitespace_pattern: str | None = None) -> StructuredOutput:
@@ -37,7 +58,14 @@ class StructuredOutput:
     def choice(cls, options: list[str], param: str) -> StructuredOutput:
         return cls("choice", json.dumps(list(options)), None, param)
 
+    @classmethod
+    def free_text(cls, thinking: Thinking, param: str) -> StructuredOutput:
+        """No constraint on the answer: only the thinking's budget (which needs the grammar's masks)."""
+        return cls("text", "", None, param, thinking)
+
     @property
-    def key(self) -> tuple[str, str, str | None]:
-        """What identifies the compiled grammar (the field it came from does not)."""
-        return (self.kind, self.spec, self.whitespace_pattern)
+    def key(self) -> tuple:
+        """What identifies the compiled grammar (the field it came from and a thinking budget do not)."""
+        t = self.thinking
+        frame = None if t is None else (t.start_id, t.end_id, t.end_text, t.opened)
+        return (self.kind, self.spec, self.whitespace_pattern, frame)

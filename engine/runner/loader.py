@@ -83,6 +83,35 @@ def eos_token_ids(path: Path, config, tokenizer) -> list[int]:
     return ids
 
 
+# generation_config.json's sampling fields, by the request field each is a default for (vLLM's set).
+GENERATION_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def generation_defaults(path: Path) -> dict:
+    """The sampling defaults a checkpoint's ``generation_config.json`` sets (by request field name):
+    those present in the file itself, not transformers' class defaults."""
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return {}
+    out = {}
+    for key, field in GENERATION_DEFAULTS.items():
+        value = raw.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[field] = value
+    return out
+
+
 def _weight_files(path: Path, tensor: str | None = None) -> list[Path]:
     """The checkpoint's safetensors files (a sharded one's from its index), or the one that holds
     ``tensor`` where the index says which."""

@@ -23,13 +23,13 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from engine.request.checks import InvalidRequestError
-from engine.request.structured import StructuredOutput
+from engine.request.structured import StructuredOutput, Thinking
 
 MAX_SPEC_CHARS = 256 * 1024  # a schema, regex or grammar longer than this is refused unread
 MAX_CHOICES = 4096
@@ -49,8 +49,13 @@ def _llguidance():
 
 
 def grammar_text(so: StructuredOutput) -> str:
-    """The llguidance grammar (its JSON form) for a spec; raises GrammarError for what is not even
-    well-formed (the matcher's construction checks the rest)."""
+    """The llguidance grammar (its JSON form, or Lark) for a spec; raises GrammarError for what is not
+    even well-formed (the matcher's construction checks the rest)."""
+    answer = _answer_grammar(so)
+    return answer if so.thinking is None else _after_thinking(answer, so.thinking, free=so.kind == "text")
+
+
+def _answer_grammar(so: StructuredOutput) -> str:
     llg = _llguidance()
     if len(so.spec) > MAX_SPEC_CHARS:
         raise GrammarError(f"the {so.kind} is {len(so.spec)} characters long; at most {MAX_SPEC_CHARS}", so.param)
@@ -75,7 +80,48 @@ def grammar_text(so: StructuredOutput) -> str:
             return llg.grammar_from("grammar", so.spec)
         except ValueError as e:
             raise GrammarError(f"invalid grammar: {e}", so.param) from None
+    if so.kind == "text" and so.thinking is not None:
+        return ""  # the answer is free: _after_thinking writes it
     raise GrammarError(f"unknown structured output kind {so.kind!r}", so.param)
+
+
+ANSWER = "augur_answer"  # the answer's grammar, as the thinking frame refers to it (``@augur_answer``)
+
+
+def _after_thinking(answer: str, t: Thinking, free: bool) -> str:
+    """The answer's grammar behind a reasoning model's thinking: the thinking is any text without its
+    end marker (the opening marker may come first), closed by the end marker token, then a little
+    whitespace and the answer. With ``opened`` the output starts inside the thinking; otherwise the
+    model may open it with its first token, or answer at once. A ``free`` answer is any text or
+    token but the markers, and the output may end anywhere, in the thinking too (as it may with no
+    grammar): only the budget's forcing needs this grammar."""
+    s, e = f"<[{t.start_id}]>", f"<[{t.end_id}]>"
+    # The body never holds the end marker's text either (written in pieces): where the text reads
+    # "</think>", the thinking has ended, for the grammar as for the parser that splits the output.
+    lines = ["BODY: /(?s:.*)/ & ~/(?s:.*)" + _regex_literal(t.end_text) + "(?s:.*)/"]
+    if free:
+        lines += [f"answer: (TEXT | <[^{t.start_id},{t.end_id}]>)*", "TEXT: /(?s:.+)/"]
+        thinking = f"{s} BODY ({e} answer)?"
+        start = f"{s}? BODY ({e} answer)?" if t.opened else f"answer | {thinking}"
+        return json.dumps({"grammars": [{"lark_grammar": "\n".join([f"start: {start}", *lines]) + "\n"}]})
+    lines.append("WS: /[ \\t\\r\\n]{0,8}/")
+    start = f"{s}? BODY {e} WS @{ANSWER}" if t.opened else f"({s} BODY {e} WS)? @{ANSWER}"
+    grammars = _grammar_list(answer)
+    grammars[0] = {**grammars[0], "name": ANSWER}
+    top = {"lark_grammar": "\n".join([f"start: {start}", *lines]) + "\n"}
+    return json.dumps({"grammars": [top, *grammars]})
+
+
+def _regex_literal(text: str) -> str:
+    """``text`` as a regex matching it literally, inside a Lark ``/.../`` (every other character escaped)."""
+    return "".join(c if c.isalnum() else f"\\x{{{ord(c):x}}}" for c in text)
+
+
+def _grammar_list(text: str) -> list[dict]:
+    """A grammar in either of llguidance's forms (its JSON, or bare Lark) as its list of grammars."""
+    if text.lstrip().startswith("{"):
+        return list(json.loads(text)["grammars"])
+    return [{"lark_grammar": text}]
 
 
 class Grammars:
@@ -145,7 +191,56 @@ class Grammars:
 
     def start(self, so: StructuredOutput) -> GrammarState:
         """A request's own grammar state, at the start of its output."""
-        return GrammarState(self.compile(so).deep_copy(), self.words)
+        budget = ThinkingBudget.of(so.thinking)
+        return GrammarState(self.compile(so).deep_copy(), self.words, budget)
+
+
+@dataclass(frozen=True)
+class ThinkingBudget:
+    """Where one path of the output stands in a reasoning model's thinking, for a budget on it:
+    ``phase`` BEFORE (the model may still open it), IN or AFTER it, and ``tokens`` the thinking
+    tokens so far. Once they reach the budget inside the thinking, the end marker is the only token
+    a row allows, so the end of thinking is forced (where the grammar allows it: the thinking is
+    whole characters, so a budget spent in the middle of one ends a token or three later), on every row of a draft tree as on a plain decoding row, and emitted without
+    a forward where it is forced outright (jump-forward)."""
+
+    thinking: Thinking
+    phase: int
+    tokens: int = 0
+
+    BEFORE, IN, AFTER = 0, 1, 2
+
+    @classmethod
+    def of(cls, thinking: Thinking | None) -> ThinkingBudget | None:
+        if thinking is None or thinking.budget is None:
+            return None
+        return cls(thinking, cls.IN if thinking.opened else cls.BEFORE)
+
+    def after(self, token: int) -> ThinkingBudget:
+        t = self.thinking
+        if self.phase == self.BEFORE:
+            return replace(self, phase=self.IN if token == t.start_id else self.AFTER)
+        if self.phase == self.IN:
+            if token == t.end_id:
+                return replace(self, phase=self.AFTER)
+            if token == t.start_id and self.tokens == 0:  # an opened thinking's own opening marker
+                return self
+            return replace(self, tokens=self.tokens + 1)
+        return self
+
+    @property
+    def spent(self) -> bool:
+        return self.phase == self.IN and self.tokens >= self.thinking.budget
+
+    def restrict(self, row: torch.Tensor) -> bool:
+        """Narrow a spent budget's mask row to the end marker, if the row allows it; True if it did."""
+        end = self.thinking.end_id
+        word, bit = end >> 5, end & 31
+        if word >= row.shape[-1] or not (int(row[word]) >> bit) & 1:
+            return False
+        row.zero_()
+        row[word] = (1 << bit) - (1 << 32 if bit == 31 else 0)  # the int32 word with that bit alone
+        return True
 
 
 @dataclass
@@ -161,8 +256,9 @@ class Walk:
 class GrammarState:
     """One sequence's grammar state: what it has emitted so far, matched."""
 
-    def __init__(self, matcher, words: int) -> None:
+    def __init__(self, matcher, words: int, budget: ThinkingBudget | None = None) -> None:
         self.matcher, self.words = matcher, words
+        self.budget = budget  # a thinking budget's count, at the emitted output's end
         self.masks_computed = 0  # rows masked (metrics: mask work per request)
         # Set when the grammar failed mid-output (a step limit, a refused token): the engine fails the
         # request alone at the end of the step; its rows are left unmasked until then.
@@ -171,7 +267,7 @@ class GrammarState:
 
     def copy(self) -> GrammarState:
         """An independent state at the same point (a forked choice or beam)."""
-        return GrammarState(self.matcher.deep_copy(), self.words)
+        return GrammarState(self.matcher.deep_copy(), self.words, self.budget)
 
     @property
     def terminated(self) -> bool:
@@ -191,15 +287,21 @@ class GrammarState:
                 self._failed(f"the grammar refused emitted token {tok}")
                 break
             n += 1
+            if self.budget is not None:
+                self.budget = self.budget.after(tok)
         self.seconds += time.perf_counter() - t0
         return n
 
-    def _fill(self, row: torch.Tensor) -> None:
+    def _fill(self, row: torch.Tensor, budget: ThinkingBudget | None = None) -> bool:
+        """The row's mask at the matcher's state (``budget``: the thinking count there). True if a
+        spent thinking budget narrowed it to the end marker."""
         self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), self.words * 4)
         self.masks_computed += 1
         if self.matcher.is_error():  # over a step limit (llguidance's fuel): this request fails alone
             self._failed("the grammar failed")
             row.fill_(-1)  # a harmless row until the engine ends the request, after this step
+            return False
+        return budget is not None and budget.spent and budget.restrict(row)
 
     def _failed(self, what: str) -> None:
         if self.error is None:
@@ -228,9 +330,9 @@ class GrammarState:
             for child in children[node + 1]:
                 unreachable(child)
 
-        def visit(node: int) -> None:
+        def visit(node: int, budget: ThinkingBudget | None) -> None:
             row = out_row[node]
-            self._fill(masks[row])
+            self._fill(masks[row], budget)
             for child in children[node + 1]:
                 tok = tokens[child]
                 if not 0 <= tok < self.words * 32 or not (int(bits[row, tok >> 5]) >> (tok & 31)) & 1:
@@ -241,10 +343,10 @@ class GrammarState:
                     self._failed(f"the grammar refused allowed token {tok}")
                     continue
                 keep(child)
-                visit(child)
+                visit(child, None if budget is None else budget.after(tok))
                 self.matcher.rollback(1)
 
-        visit(-1)
+        visit(-1, self.budget)
         order = sorted(range(len(kept)), key=lambda j: kept[j])  # the cut tree keeps the tree's order
         if order != list(range(len(kept))):
             rows = [0] + [out_row[kept[j]] for j in order]
@@ -261,15 +363,12 @@ class GrammarState:
         t0 = time.perf_counter()
         out: list[int] = []
         row = torch.empty(1, self.words, dtype=torch.int32)
-        while (
-            len(out) < limit
-            and self.error is None
-            and not self.matcher.is_stopped()
-            and self.matcher.compute_ff_bytes()
-        ):
+        while len(out) < limit and self.error is None and not self.matcher.is_stopped():
             # Forced bytes are necessary for a forced token, not sufficient (they may be split into
-            # tokens more than one way): the mask decides.
-            self._fill(row[0])
+            # tokens more than one way): the mask decides. A spent thinking budget forces its end.
+            if not (self.budget is not None and self.budget.spent) and not self.matcher.compute_ff_bytes():
+                break
+            self._fill(row[0], self.budget)
             words = row[0].numpy().view(np.uint32)
             nonzero = np.flatnonzero(words)
             if len(nonzero) != 1:
@@ -282,6 +381,8 @@ class GrammarState:
                 self._failed(f"the grammar refused its own forced token {tok}")
                 break
             out.append(tok)
+            if self.budget is not None:
+                self.budget = self.budget.after(tok)
         self.seconds += time.perf_counter() - t0
         return out
 

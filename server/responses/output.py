@@ -9,6 +9,9 @@ collected one run the same builder, so their items are equal by construction.
 - **Tool calls under** ``auto`` are parsed out of the text (the model's own syntax): text is held back
   from where a call may begin, and the calls are sent when the output ends, since only then is it
   known that the text was a well-formed run of calls (as on chat completions).
+- **Reasoning** (a reasoning model's thinking, with ``--reasoning-parser``) comes first, as a
+  ``reasoning`` item with one ``reasoning_text`` part, its text sent as it comes; it closes where
+  the thinking ends (``incomplete`` if the output was cut inside it).
 - **Forced calls** (``required`` or a named function) are written by a grammar in a known layout:
   each ``function_call`` item is announced once its name is written, and its arguments go out as
   they are written (:class:`CallScanner`). A call cut short by ``max_output_tokens`` ends
@@ -18,84 +21,16 @@ collected one run the same builder, so their items are equal by construction.
 from __future__ import annotations
 
 import json
-import re
 
+from server.reasoning import ReasoningStream
 from server.responses.protocol import new_id
-from server.tools import ToolFormat, argument_pieces
-
-
-class CallScanner:
-    """Forced calls read as they are written: ``feed`` returns ``("call", name)`` once a call's name
-    is complete, ``("args", text)`` for each new piece of its arguments (the exact text written), and
-    ``("end",)`` when its arguments value closes. The grammar guarantees the layout
-    (``{"name": ..., "<args_key>": <value>}`` in the format's wrapping), so no text is held back."""
-
-    def __init__(self, fmt: ToolFormat) -> None:
-        key = re.escape(fmt.args_key)
-        self.header = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"' + key + r'"\s*:\s*(?=\S)')
-        self.text = ""
-        self.pos = 0  # where the next call's header is looked for
-        self.open = False  # inside a call's arguments
-        self.scanned = 0  # how far its arguments were scanned
-        self.sent = 0  # how far its arguments went out
-        self.depth, self.in_string, self.escaped, self.started = 0, False, False, False
-
-    def feed(self, delta: str) -> list[tuple]:
-        self.text += delta
-        events: list[tuple] = []
-        while True:
-            if not self.open:
-                m = self.header.search(self.text, self.pos)
-                if m is None:
-                    return events
-                events.append(("call", json.loads(f'"{m.group(1)}"')))
-                self.open, self.scanned, self.sent = True, m.end(), m.end()
-                self.depth, self.in_string, self.escaped, self.started = 0, False, False, False
-            end = self._scan()
-            upto = len(self.text) if end is None else end
-            if upto > self.sent:
-                events.append(("args", self.text[self.sent : upto]))
-                self.sent = upto
-            if end is None:
-                return events
-            events.append(("end",))
-            self.open, self.pos = False, end
-
-    def _scan(self) -> int | None:
-        """Where the open call's arguments value ends (past its last character), or None if not yet."""
-        text = self.text
-        for i in range(self.scanned, len(text)):
-            ch = text[i]
-            if not self.in_string and self.depth == 0 and self.started and (ch in ",}]" or ch.isspace()):
-                self.scanned = i
-                return i  # a bare scalar (a number, true, false, null) ended
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif ch == "\\":
-                    self.escaped = True
-                elif ch == '"':
-                    self.in_string = False
-                    if self.depth == 0:  # a string value
-                        self.scanned = i + 1
-                        return i + 1
-            elif ch == '"':
-                self.in_string, self.started = True, True
-            elif ch in "{[":
-                self.depth, self.started = self.depth + 1, True
-            elif ch in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    self.scanned = i + 1
-                    return i + 1
-            elif not ch.isspace():
-                self.started = True
-        self.scanned = len(text)
-        return None
+from server.tools import CallScanner, ToolFormat, argument_pieces
 
 
 class OutputBuilder:
-    def __init__(self, tools: ToolFormat | None, forced: bool) -> None:
+    def __init__(self, tools: ToolFormat | None, forced: bool, reasoning: ReasoningStream | None = None) -> None:
+        self.reasoning = reasoning  # splits a reasoning model's thinking off (None: no reasoning parser)
+        self.thinking: dict | None = None  # the open reasoning item
         self.tools = tools  # calls are read from the text (None: plain text)
         self.scanner = CallScanner(tools) if tools is not None and forced else None
         self.items: list[dict] = []
@@ -107,6 +42,18 @@ class OutputBuilder:
 
     # -- feeding ---------------------------------------------------------------------------------------
     def feed(self, delta: str) -> list[dict]:
+        if self.reasoning is None:
+            return self._answer(delta)
+        thought, delta = self.reasoning.feed(delta)
+        events = self._think(thought)
+        if delta:
+            events += self._close_thinking("completed")
+        return events + self._answer(delta)
+
+    def _answer(self, delta: str) -> list[dict]:
+        """The events for a delta of the answer (the text after any thinking)."""
+        if not delta:
+            return []
         self.text += delta
         if self.scanner is not None:
             return self._forced(self.scanner.feed(delta))
@@ -121,11 +68,17 @@ class OutputBuilder:
         """The closing events; ``reason`` is the engine's finish reason."""
         status = "completed" if reason == "stop" else "incomplete"
         events: list[dict] = []
+        if self.reasoning is not None:
+            thought, rest = self.reasoning.finish()
+            events += self._think(thought)
+            ended = self.reasoning.phase == ReasoningStream.AFTER
+            events += self._close_thinking("completed" if ended or reason == "stop" else "incomplete")
+            events += self._answer(rest)
         if self.scanner is not None:
             # Calls only, by grammar: a call cut short ends incomplete; text before any call is none.
-            return self._end_call(status) if self.call is not None else []
+            return events + (self._end_call(status) if self.call is not None else [])
         if self.tools is not None:
-            _, calls = self.tools.parse(self.text)
+            content, calls = self.tools.parse(self.text, cut=reason == "length")
             if calls:
                 start = self.tools.start_of_calls(self.text)
                 events += self._say(self.text[:start].rstrip()[self.sent :])
@@ -136,12 +89,45 @@ class OutputBuilder:
                         events += self._args(piece)
                     events += self._end_call("completed")
                 return events
-            events += self._say(self.text[self.sent :])
-        if self.message is None:  # nothing was said: an empty message still answers
+            events += self._say((content or "")[self.sent :])  # a call cut short is no content
+        if self.message is None and not self.items:  # nothing was said: an empty message still answers
             events += self._open_message()
         return events + self._close_message(status)
 
     # -- items -----------------------------------------------------------------------------------------
+    def _think(self, text: str) -> list[dict]:
+        if not text:
+            return []
+        events = []
+        if self.thinking is None:
+            self.thinking = {"id": new_id("rs"), "type": "reasoning", "summary": [], "content": [],
+                             "encrypted_content": None, "status": "in_progress"}  # fmt: skip
+            self.index[self.thinking["id"]] = len(self.items)
+            self.items.append(self.thinking)
+            events.append({"type": "response.output_item.added", "output_index": len(self.items) - 1,
+                           "item": _copy(self.thinking)})  # fmt: skip
+            part = {"type": "reasoning_text", "text": ""}
+            self.thinking["content"].append(part)
+            events.append({"type": "response.content_part.added", **self._where(self.thinking), "content_index": 0,
+                           "part": _copy(part)})  # fmt: skip
+        self.thinking["content"][0]["text"] += text
+        events.append({"type": "response.reasoning_text.delta", **self._where(self.thinking), "content_index": 0,
+                       "delta": text})  # fmt: skip
+        return events
+
+    def _close_thinking(self, status: str) -> list[dict]:
+        item, self.thinking = self.thinking, None
+        if item is None:
+            return []
+        item["status"] = status
+        part = item["content"][0]
+        where = self._where(item)
+        return [
+            {"type": "response.reasoning_text.done", **where, "content_index": 0, "text": part["text"]},
+            {"type": "response.content_part.done", **where, "content_index": 0, "part": _copy(part)},
+            {"type": "response.output_item.done", "output_index": where["output_index"], "item": _copy(item)},
+        ]
+
     def _say(self, text: str) -> list[dict]:
         if not text:
             return []

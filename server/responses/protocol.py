@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, model_validator
 
 from server.protocol import (
+    Effort,
     FieldError,
     FunctionDef,
     JsonSchemaFormat,
@@ -22,6 +23,7 @@ from server.protocol import (
     ToolChoiceRules,
     UnsupportedError,
     _Sampling,
+    check_template_kwargs,
 )
 from server.tools import template_call
 
@@ -40,7 +42,8 @@ RENAMED = {
 # Hints that change nothing in what is generated here: accepted, echoed where OpenAI echoes them.
 HINTS = {"prompt_cache_key", "prompt_cache_retention", "safety_identifier", "service_tier", "max_tool_calls",
          "client_metadata"}  # fmt: skip
-# ``include`` values about output this server never makes (reasoning items): true of every response.
+# ``include`` values that change nothing here: reasoning items carry their text in the clear, never
+# encrypted (so a client asking for the encrypted form, to replay it, gets items it can replay as they are).
 VACUOUS_INCLUDES = {"reasoning.encrypted_content"}
 # OpenAI's fields that Augur does not build: refused unless absent, null, or their default.
 UNBUILT = {
@@ -86,6 +89,17 @@ class TextFormat(BaseModel):
         return self.model_dump(by_alias=True, exclude_none=True)
 
 
+class ReasoningConfig(BaseModel):
+    """``reasoning``: ``effort`` maps to the chat template's thinking switch (as chat's
+    ``reasoning_effort``); a ``summary`` asked for is not written (the reasoning item carries the
+    reasoning text itself, and an empty summary)."""
+
+    model_config = ConfigDict(extra="forbid")
+    effort: Effort | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # the deprecated name of summary
+
+
 class TextConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     format: TextFormat | None = None
@@ -107,7 +121,7 @@ class ResponsesRequest(_Sampling, ToolChoiceRules):
     store: StrictBool = True
     previous_response_id: str | None = None
     include: list[str] | None = None
-    reasoning: dict[str, Any] | None = None
+    reasoning: ReasoningConfig | None = None
     truncation: Literal["disabled", "auto"] | None = None
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     # Hints (HINTS): nothing to do for them here.
@@ -117,6 +131,9 @@ class ResponsesRequest(_Sampling, ToolChoiceRules):
     service_tier: str | None = None
     max_tool_calls: StrictInt | None = Field(default=None, ge=1)
     client_metadata: dict[str, Any] | None = None  # Codex CLI's description of itself
+    # Extensions, as on chat completions: the chat template's variables, a thinking budget.
+    chat_template_kwargs: dict[str, Any] | None = None
+    thinking_token_budget: StrictInt | None = Field(default=None, ge=0)
     # Validated once, by _check: the tools as function tools, the input as chat messages.
     _function_tools: list[FunctionTool] = PrivateAttr(default_factory=list)
     _messages: list[dict] = PrivateAttr(default_factory=list)
@@ -163,10 +180,7 @@ class ResponsesRequest(_Sampling, ToolChoiceRules):
             raise UnsupportedError("top_logprobs is not supported on the Responses API", "top_logprobs")
         if self.truncation == "auto":
             raise UnsupportedError("truncation 'auto' is not supported: the input must fit the context", "truncation")
-        # A model that does not reason takes no effort, and has no reasoning to summarise (a summary
-        # asked for is empty, as for any response without reasoning items).
-        if (self.reasoning or {}).get("effort") not in (None, "none"):
-            raise UnsupportedError("this model does not reason: reasoning.effort must be none or absent", "reasoning")
+        check_template_kwargs(self.chat_template_kwargs)
         if self.metadata is not None and (
             len(self.metadata) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in self.metadata.items())
         ):
@@ -197,12 +211,16 @@ class ResponsesRequest(_Sampling, ToolChoiceRules):
         return self.max_output_tokens
 
     @property
+    def effort(self) -> str | None:
+        return self.reasoning.effort if self.reasoning is not None else None
+
+    @property
     def input_items(self) -> list[dict]:
         """The input as items (a string is one user message), for ``GET .../input_items``."""
         if isinstance(self.input, str):
             text = [{"type": "input_text", "text": self.input}]
             return [{"id": new_id("msg"), "type": "message", "role": "user", "content": text}]
-        prefixes = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+        prefixes = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
         out = []
         for item in self.input:
             kind = item.get("type", "message")
@@ -219,7 +237,7 @@ class ResponsesRequest(_Sampling, ToolChoiceRules):
             "metadata": self.metadata or {},
             "parallel_tool_calls": self.parallel_tool_calls is not False,
             "previous_response_id": self.previous_response_id,
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": {"effort": self.effort, "summary": None},
             "store": self.store,
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "text": {"format": fmt, "verbosity": "medium"},
@@ -256,7 +274,7 @@ def _function_tools(tools: list[dict]) -> list[FunctionTool]:
 
 
 # -- input items -> chat messages --------------------------------------------------------------------------
-TEXT_PARTS = {"input_text", "output_text", "text"}
+TEXT_PARTS = {"input_text", "output_text", "text", "reasoning_text"}
 
 
 def input_messages(input_: str | list[dict]) -> list[dict]:
@@ -277,16 +295,23 @@ def input_messages(input_: str | list[dict]) -> list[dict]:
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise FieldError(f"{where}: unknown role {role!r}", "input")
-            out.append(
-                {"role": "system" if role == "developer" else role, "content": _text(item.get("content"), where)}
-            )
+            text = _text(item.get("content"), where)
+            if role == "assistant" and last_kind == "reasoning":  # the turn its reasoning item opened
+                out[-1]["content"] = text
+            else:
+                out.append({"role": "system" if role == "developer" else role, "content": text})
         elif kind == "function_call":
             call_id, name, args = (_string(item, k, where) for k in ("call_id", "name", "arguments"))
             names[call_id] = name
             call = template_call(call_id, name, args)
-            if not (out and out[-1]["role"] == "assistant" and last_kind in ("message", "function_call")):
+            if not (out and out[-1]["role"] == "assistant" and last_kind in ("message", "function_call", "reasoning")):
                 out.append({"role": "assistant", "content": ""})
             out[-1].setdefault("tool_calls", []).append(call)
+        elif kind == "reasoning":
+            # An earlier turn's reasoning item, replayed: its text goes with the assistant turn that
+            # follows it (where reasoning models' templates read it), opened here if none is yet.
+            text = _text(item.get("content") or [], where) or _summary(item.get("summary"), where)
+            out.append({"role": "assistant", "content": "", "reasoning_content": text})
         elif kind == "function_call_output":
             call_id = _string(item, "call_id", where)
             output = item.get("output")
@@ -297,7 +322,7 @@ def input_messages(input_: str | list[dict]) -> list[dict]:
             out.append(message)
         else:
             raise UnsupportedError(f"{where}: items of type {kind!r} are not supported (message, function_call, "
-                                   "function_call_output)", "input")  # fmt: skip
+                                   "function_call_output, reasoning)", "input")  # fmt: skip
         last_kind = kind
     return out
 
@@ -318,6 +343,16 @@ def _text(content: Any, where: str, field: str = "content") -> str:
             raise UnsupportedError(f"{where}.{field}[{j}]: content parts of type {kind!r} are not supported "
                                    "(only text)", "input")  # fmt: skip
     return "".join(parts)
+
+
+def _summary(summary: Any, where: str) -> str:
+    """A reasoning item's summary parts as text (what it has where its content was left out)."""
+    if summary is None:
+        return ""
+    if not isinstance(summary, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
+                                                for p in summary):  # fmt: skip
+        raise FieldError(f"{where}.summary must be a list of summary_text parts", "input")
+    return "\n".join(p["text"] for p in summary)
 
 
 def _string(item: dict, key: str, where: str) -> str:

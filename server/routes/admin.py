@@ -22,9 +22,17 @@ def add_admin_routes(app: FastAPI, state: ServerState, version: str) -> None:
 
     @app.get("/version")
     async def get_version():
+        """The version; once the model is loaded, also how it is served: the sampling defaults that
+        requests' missing fields take (``--generation-config``) and the reasoning parser."""
         if state.engine is None:
             return {"version": version}
-        return {"version": version, "tensor_parallel_size": state.engine.tensor_parallel_size}
+        return {
+            "version": version,
+            "tensor_parallel_size": state.engine.tensor_parallel_size,
+            "generation_config": state.settings.generation_config,
+            "sampling_defaults": state.sampling_defaults,
+            "reasoning_parser": state.settings.reasoning_parser,
+        }
 
     @app.get("/metrics")
     async def metrics():

@@ -14,10 +14,11 @@ from engine.request.sequence import TokenLogprob
 from engine.request.structured import StructuredOutput
 from server.common import bad_request, check_model, off_loop, parse_request, ready_engine, request_body
 from server.protocol import ChatCompletionRequest, UnsupportedError
+from server.reasoning import OFF_EFFORTS, ReasoningReader, ReasoningStream, effort_switch, reasoning_token_count
 from server.relay import Job, prepare, respond, sampling_params
 from server.state import ServerState
 from server.tokens import TokenTexts
-from server.tools import ToolFormat, argument_pieces, fallback_messages
+from server.tools import CallScanner, ToolFormat, argument_pieces, call_id, fallback_messages
 
 
 @dataclass
@@ -29,36 +30,101 @@ class ChatTurn:
     logprobs: int | None = None  # top logprobs per token (None: no logprobs)
     add_generation_prompt: bool = True
     param: str = "messages"  # the request field the conversation came in (errors name it)
+    continue_final_message: bool = False  # the output continues the last (assistant) message
+    template_kwargs: dict | None = None  # the request's own chat template variables
+    effort: str | None = None  # reasoning effort, mapped to the template's thinking switch
+    effort_param: str = "reasoning_effort"
+    thinking_budget: int | None = None  # thinking tokens before the end of thinking is forced
 
 
-async def chat_job(state: ServerState, request: Request, req, turn: ChatTurn, prefix: str) -> Job:
+def template_kwargs(state: ServerState, chat_template: str | None, turn: ChatTurn) -> dict:
+    """The chat template's variables for one request: the server's defaults, then what the reasoning
+    effort sets, then the request's own ``chat_template_kwargs`` (which win)."""
+    kw = dict(state.settings.default_chat_template_kwargs or {})
+    if turn.effort is not None:
+        off = turn.effort in OFF_EFFORTS
+        if state.reasoning is None and not off:
+            raise bad_request(f"{turn.effort_param} {turn.effort!r}: this model does not reason (the server was "
+                              "started without --reasoning-parser)", turn.effort_param)  # fmt: skip
+        switch = effort_switch(chat_template)
+        if switch is not None:
+            kw[switch] = not off
+        elif off and state.reasoning is not None:
+            raise bad_request(f"{turn.effort_param} {turn.effort!r}: this model's chat template has no switch that "
+                              "turns its thinking off", turn.effort_param)  # fmt: skip
+        kw["reasoning_effort"] = turn.effort  # templates that read the level itself (gpt-oss's)
+    kw.update(turn.template_kwargs or {})
+    return kw
+
+
+async def chat_job(state: ServerState, request: Request, req, turn: ChatTurn, prefix: str
+                   ) -> tuple[Job, ReasoningReader | None]:  # fmt: skip
     """The one path from a chat-shaped request to an admitted :class:`Job`: the messages rendered
     with the chat template (tools through it, or the fallback), the sampling parameters, a forced
-    call's grammar, the prompt checked and the grammar compiled, queue places reserved. ``req`` is the
-    request model: its sampling fields, ``n``, ``stream``, ``completion_limit``, its offered
-    ``tool_functions`` and its :class:`~server.protocol.ToolChoiceRules`."""
+    call's grammar behind the thinking of a reasoning model, the prompt checked and the grammar
+    compiled, queue places reserved. ``req`` is the request model: its sampling fields, ``n``,
+    ``stream``, ``completion_limit``, its offered ``tool_functions`` and its
+    :class:`~server.protocol.ToolChoiceRules`. Also returns how its outputs' thinking is read
+    (None: the server has no reasoning parser)."""
     eng = ready_engine(state)
     if not eng.has_chat_template:
-        raise bad_request("this model has no chat template; use /v1/completions", turn.param)
+        raise bad_request("this model has no chat template (serve it with --chat-template, or use /v1/completions)",
+                          turn.param)  # fmt: skip
+    if turn.thinking_budget is not None and state.reasoning is None:
+        raise bad_request("thinking_token_budget bounds a reasoning model's thinking: the server was started "
+                          "without --reasoning-parser", "thinking_token_budget")  # fmt: skip
     messages = turn.messages
     functions = req.tool_functions
     tools = [{"type": "function", "function": f} for f in functions] or None
     if not eng.chat_template_takes_tools:  # described in a system message, history in the Hermes style
         messages, tools = fallback_messages(messages, functions), None
+    kwargs = template_kwargs(state, eng.chat_template, turn)
+
+    def render() -> tuple[list[int], str]:
+        text = eng.render_chat_text(messages, turn.add_generation_prompt, tools, turn.continue_final_message, kwargs)
+        opening = _opening(eng, messages, tools, turn, kwargs, text) if state.reasoning is not None else ""
+        return eng.tokenizer.encode(text, add_special_tokens=False), opening
+
     try:
-        render = lambda: eng.render_chat(messages, turn.add_generation_prompt, tools)  # noqa: E731
-        prompt_ids = await off_loop(render, sum(len(m["content"]) for m in messages))
+        prompt_ids, opening = await off_loop(render, sum(len(m["content"]) for m in messages))
     except InvalidRequestError as e:
         raise bad_request(str(e), turn.param) from None
+    reader = thinking = None
+    if state.reasoning is not None:
+        frame = state.reasoning.frame(opening)
+        reader = ReasoningReader(state.reasoning, frame, state.reasoning.token_ids(eng.tokenizer)[1])
+        thinking = state.reasoning.thinking(eng.tokenizer, frame, turn.thinking_budget)
     max_tokens = req.completion_limit
-    if max_tokens is None:  # as long as the context allows
-        max_tokens = max(1, eng.max_model_len - len(prompt_ids))
+    if max_tokens is None:  # the model's default, else as long as the context allows
+        max_tokens = state.sampling_defaults.get("max_tokens") or max(1, eng.max_model_len - len(prompt_ids))
     params = sampling_params(state, req, max_tokens, turn.logprobs)
+    structured = params.structured
     if req.forces_tool_call:  # required / a named function: the calls are the output, by grammar
-        grammar = StructuredOutput("grammar", state.tool_format.grammar(functions, req.parallel), None, "tool_choice")
-        params = dataclasses.replace(params, structured=grammar)
+        calls = state.tool_format.grammar(functions, req.parallel)
+        structured = StructuredOutput("grammar", calls, None, "tool_choice")
+    if thinking is not None:  # the grammar applies to the answer, after the thinking; a budget needs one
+        if structured is not None:
+            structured = dataclasses.replace(structured, thinking=thinking)
+        elif thinking.budget is not None:
+            structured = StructuredOutput.free_text(thinking, "thinking_token_budget")
+    params = dataclasses.replace(params, structured=structured)
     ids = await prepare(eng, [prompt_ids], params)
-    return Job.admit(state, eng, request, prefix, ids, params, req.n, req.stream, req.include_usage)
+    return Job.admit(state, eng, request, prefix, ids, params, req.n, req.stream, req.include_usage), reader
+
+
+def _opening(eng, messages: list[dict], tools, turn: ChatTurn, kwargs: dict, text: str) -> str:
+    """The text the template wrote for the output's own turn: what decides whether the output starts
+    inside a reasoning model's thinking. The generation prompt (the rendering less the rendering
+    without it), or the final message being continued."""
+    if turn.continue_final_message:
+        return messages[-1].get("content") or ""
+    if not turn.add_generation_prompt:
+        return ""
+    try:
+        base = eng.render_chat_text(messages, False, tools, False, kwargs)
+    except InvalidRequestError:
+        return text
+    return text[len(base) :] if text.startswith(base) else text
 
 
 def add_chat_routes(app: FastAPI, state: ServerState) -> None:
@@ -71,9 +137,30 @@ def add_chat_routes(app: FastAPI, state: ServerState) -> None:
         except UnsupportedError as e:
             raise bad_request(str(e), e.param) from None
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        job = await chat_job(state, request, req, ChatTurn(messages, logprobs, req.add_generation_prompt), "chatcmpl")
+        turn = ChatTurn(
+            messages, logprobs, req.add_generation_prompt,
+            continue_final_message=req.continue_final_message, template_kwargs=req.chat_template_kwargs,
+            effort=req.reasoning_effort, thinking_budget=req.thinking_token_budget,
+        )  # fmt: skip
+        job, reader = await chat_job(state, request, req, turn, "chatcmpl")
         tools = state.tool_format if req.parses_tool_calls else None
-        return await respond(job, ChatFormat(req.logprobs, state.token_texts, tools))
+        fmt = ChatFormat(req.logprobs, state.token_texts, tools, req.forces_tool_call, reader, req.include_reasoning)
+        return await respond(job, fmt)
+
+
+@dataclass
+class ChoiceState:
+    """One choice of a chat response, as its outputs arrive."""
+
+    reasoning: ReasoningStream | None = None  # splits its thinking off (a reasoning model's)
+    started: bool = False  # streamed: its role chunk was sent
+    token_ids: list[int] = field(default_factory=list)
+    thought: bool = False  # its output had a thinking part
+    content: str = ""  # streamed with tools: the content so far, and how much of it went out
+    sent: int = 0
+    scanner: CallScanner | None = None  # streamed forced calls: read as they are written
+    calls: int = 0  # streamed forced calls opened so far
+    logprobs: list = field(default_factory=list)  # streamed: logprobs not yet sent with a chunk
 
 
 @dataclass
@@ -81,65 +168,136 @@ class ChatFormat:
     logprobs: bool
     texts: TokenTexts
     tools: ToolFormat | None = None  # tool calls are parsed out of the text (tool_choice not none)
-    started: set[int] = field(default_factory=set)  # streamed choices whose role chunk was sent
-    # Streams with tools: each choice's text so far, and how much of it went out as content.
-    text: dict[int, str] = field(default_factory=dict)
-    sent: dict[int, int] = field(default_factory=dict)
+    forced: bool = False  # required / a named function: the answer is calls only, by grammar
+    reader: ReasoningReader | None = None  # a reasoning model's thinking is split off
+    include_reasoning: bool = True
+    choices: dict[int, ChoiceState] = field(default_factory=dict)
 
     chunk_object = "chat.completion.chunk"
     object = "chat.completion"
 
+    def _state(self, idx: int) -> ChoiceState:
+        st = self.choices.get(idx)
+        if st is None:
+            st = self.choices[idx] = ChoiceState(self.reader.stream() if self.reader is not None else None)
+            if self.forced and self.tools is not None:
+                st.scanner = CallScanner(self.tools)
+        return st
+
     def adjust(self, c: CompletionOutput) -> CompletionOutput:
+        self._state(c.index).token_ids.extend(c.delta_token_ids)  # one prompt: the choice's index is its own
         return c
 
+    def usage(self, usage: dict) -> dict:
+        if self.reader is not None:
+            end = self.reader.end_id
+            count = sum(reasoning_token_count(s.token_ids, end, s.thought) for s in self.choices.values())
+            usage["completion_tokens_details"] = {"reasoning_tokens": count}
+        return usage
+
+    # -- streamed -----------------------------------------------------------------------------------------
     def stream_choices(self, i: int, idx: int, out: RequestOutput, c: CompletionOutput) -> list[dict]:
+        st = self._state(idx)
         choices = []
-        if idx not in self.started:  # the role comes first, alone, once per choice
-            self.started.add(idx)
+        if not st.started:  # the role comes first, alone, once per choice
+            st.started = True
             role = {"role": "assistant", "content": ""}
             choices.append({"index": idx, "delta": role, "logprobs": None, "finish_reason": None})
         if not c.delta_text and not c.finished and not c.delta_token_ids:
             return choices
-        lp = {"content": self._logprobs(c.delta_logprobs or [])} if self.logprobs else None
-        if self.tools is not None:
-            return choices + self._tool_stream(idx, c, lp)
-        delta = {"content": c.delta_text} if (c.delta_text or not c.finished) else {}
-        choices.append({"index": idx, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason})
+        st.logprobs.extend(c.delta_logprobs or [])
+        reasoning, content = c.delta_text, ""
+        if st.reasoning is not None:
+            reasoning, content = st.reasoning.feed(c.delta_text)
+            if c.finished:
+                more_reasoning, more_content = st.reasoning.finish()
+                reasoning, content = reasoning + more_reasoning, content + more_content
+            st.thought = st.reasoning.thought
+        else:
+            reasoning, content = "", c.delta_text
+        deltas: list[dict] = []
+        if reasoning and self.include_reasoning:
+            deltas.append({"reasoning_content": reasoning, "reasoning": reasoning})
+        reason = c.finish_reason
+        if st.scanner is not None:
+            deltas += self._forced_stream(st, content)
+            reason = "tool_calls" if reason == "stop" and st.calls else reason
+        elif self.tools is not None:
+            more, reason = self._tool_stream(st, content, c.finish_reason)
+            deltas += more
+        elif content:
+            deltas.append({"content": content})
+        if c.finished:
+            deltas.append({})
+        for k, delta in enumerate(deltas):
+            last = c.finished and k == len(deltas) - 1
+            lp = self._take_logprobs(st) if ("content" in delta or "reasoning" in delta or last) else None
+            choices.append({"index": idx, "delta": delta, "logprobs": lp, "finish_reason": reason if last else None})
         return choices
 
-    def _tool_stream(self, idx: int, c: CompletionOutput, lp: dict | None) -> list[dict]:
-        """Content as it comes, held back from where calls may begin; at the end, each call: its id,
-        type and name in one delta, then its arguments in pieces (every delta with its ``index``)."""
-        text = self.text[idx] = self.text.get(idx, "") + c.delta_text
-        sent = self.sent.get(idx, 0)
+    def _take_logprobs(self, st: ChoiceState) -> dict | None:
+        """The logprobs of the tokens since the last chunk that carried some (None without logprobs)."""
+        if not self.logprobs:
+            return None
+        entries, st.logprobs = st.logprobs, []
+        return {"content": self._logprobs(entries)}
+
+    def _forced_stream(self, st: ChoiceState, content: str) -> list[dict]:
+        """Forced calls as they are written: each call's id, type and name in one delta once its name
+        is complete, then its arguments piece by piece (every delta with the call's ``index``)."""
+        deltas = []
+        for kind, *value in st.scanner.feed(content):
+            if kind == "call":
+                head = {"index": st.calls, "id": call_id(), "type": "function",
+                        "function": {"name": value[0], "arguments": ""}}  # fmt: skip
+                deltas.append({"tool_calls": [head]})
+                st.calls += 1
+            elif kind == "args":
+                deltas.append({"tool_calls": [{"index": st.calls - 1, "function": {"arguments": value[0]}}]})
+        return deltas
+
+    def _tool_stream(self, st: ChoiceState, content: str, reason: str | None) -> tuple[list[dict], str | None]:
+        """Content as it comes, held back from where calls may begin; at the end, each whole call: its
+        id, type and name in one delta, then its arguments in pieces (every delta with its ``index``)."""
+        text = st.content = st.content + content
         out = []
-        if not c.finished:
+        if reason is None:
             safe = self.tools.content_end(text)
-            if safe > sent:
-                out.append({"index": idx, "delta": {"content": text[sent:safe]}, "logprobs": lp, "finish_reason": None})
-                self.sent[idx] = safe
-            return out
-        content, calls = self.tools.parse(text)
-        rest = (text if not calls else (content or ""))[sent:]
+            if safe > st.sent:
+                out.append({"content": text[st.sent : safe]})
+                st.sent = safe
+            return out, reason
+        parsed, calls = self.tools.parse(text, cut=reason == "length")
+        rest = (text if not calls else (parsed or ""))[st.sent :]  # what went out is the start of either
         if rest:
-            out.append({"index": idx, "delta": {"content": rest}, "logprobs": lp, "finish_reason": None})
+            out.append({"content": rest})
         for k, call in enumerate(calls):
             head = {"index": k, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
-            out.append({"index": idx, "delta": {"tool_calls": [head]}, "logprobs": None, "finish_reason": None})
+            out.append({"tool_calls": [head]})
             for args in argument_pieces(call.arguments):
-                piece = {"index": k, "function": {"arguments": args}}
-                out.append({"index": idx, "delta": {"tool_calls": [piece]}, "logprobs": None, "finish_reason": None})
-        reason = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
-        out.append({"index": idx, "delta": {}, "logprobs": None, "finish_reason": reason})
-        return out
+                out.append({"tool_calls": [{"index": k, "function": {"arguments": args}}]})
+        return out, ("tool_calls" if calls and reason == "stop" else reason)
 
+    # -- whole ----------------------------------------------------------------------------------------------
     def choice(self, idx: int, text: str, logprobs: list, reason: str | None, prompt_out: RequestOutput | None) -> dict:
-        message: dict = {"role": "assistant", "content": text}
+        st = self._state(idx)
+        reasoning, content = self.reader.split(text) if self.reader is not None else (None, text)
+        st.thought = reasoning is not None
+        message: dict = {"role": "assistant", "content": content}
         if self.tools is not None:
-            content, calls = self.tools.parse(text)
+            parsed, calls = self.tools.parse(content, cut=reason == "length")
+            if self.forced:
+                parsed = None  # the answer is calls alone (a call cut short is dropped, not shown)
+            if calls or self.forced:
+                message["content"] = parsed
             if calls:
-                message = {"role": "assistant", "content": content, "tool_calls": [c.openai() for c in calls]}
+                message["tool_calls"] = [c.openai() for c in calls]
                 reason = "tool_calls" if reason == "stop" else reason
+        if reasoning is not None:
+            if not message["content"]:
+                message["content"] = None
+            if self.include_reasoning:
+                message["reasoning_content"] = message["reasoning"] = reasoning
         return {
             "index": idx,
             "message": message,

@@ -23,8 +23,11 @@ def add_completion_routes(app: FastAPI, state: ServerState) -> None:
         check_model(state, req.model)
         eng = ready_engine(state)
         lp = req.logprobs
-        # Scoring (max_tokens 0) runs one token, the least the engine generates, and drops it.
-        max_tokens = 1 if req.scores_only else req.max_tokens
+        # Scoring (max_tokens 0) runs one token, the least the engine generates, and drops it. A model's
+        # generation_config.json max_new_tokens replaces OpenAI's default of 16 when the request says nothing.
+        given = "max_tokens" in req.model_fields_set  # null: as long as the context allows
+        max_tokens = req.max_tokens if given else state.sampling_defaults.get("max_tokens", req.max_tokens)
+        max_tokens = 1 if req.scores_only else max_tokens
         params = sampling_params(state, req, max_tokens, lp, lp if req.echo and lp is not None else None)
         prompts = req.prompts()
         check_queue_bound(state, len(prompts))  # before tokenizing thousands of prompts for nothing
@@ -55,16 +58,23 @@ class CompletionFormat:
             stop_reason=None,
         )  # fmt: skip
 
+    def usage(self, usage: dict) -> dict:
+        return usage
+
     def stream_choices(self, i: int, idx: int, out: RequestOutput, c: CompletionOutput) -> list[dict]:
         text, lp = c.delta_text, None
         if self.req.logprobs is not None:
             lp = self._logprobs(c.delta_logprobs or [], len(c.text) - len(c.delta_text))
-        if self.req.echo and idx not in self.echoed:
+        if out.prompt_logprobs is not None and i not in self.prompt_lps:  # they come once, for all n choices
+            self.prompt_lps[i] = self._prompt_logprobs(out)
+        # A prompt prefilled over several steps has outputs before its logprobs: it is echoed with them.
+        waiting = lp is not None and i not in self.prompt_lps and not c.delta_token_ids and not c.finished
+        if self.req.echo and idx not in self.echoed and not waiting:
             self.echoed.add(idx)
             prompt = self._prompt_text(i)
             text = prompt + text
             if lp is not None:
-                lp = _joined(self._prompt_logprobs(out), len(prompt), lp)
+                lp = _joined(self.prompt_lps.get(i), len(prompt), lp)
         if not text and not c.finished and not c.delta_token_ids:
             return []
         return [{"index": idx, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}]

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.core.async_engine import EngineDeadError
 from server.common import APIError, check_model, parse_request, request_body
+from server.reasoning import ReasoningReader, reasoning_token_count
 from server.relay import Job, outputs, until_disconnect
 from server.responses.output import OutputBuilder
 from server.responses.protocol import ResponsesRequest
@@ -38,8 +39,16 @@ def add_response_routes(app: FastAPI, state: ServerState) -> None:
             history = list(_stored(state, req.previous_response_id, owner, "previous_response_id").history)
         new = req.messages
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-        job = await chat_job(state, request, req, ChatTurn(system + history + new, param="input"), "resp")
-        run = ResponseRun(state, req, job, history + new, owner)
+        turn = ChatTurn(
+            system + history + new,
+            param="input",
+            template_kwargs=req.chat_template_kwargs,
+            effort=req.effort,
+            effort_param="reasoning.effort",
+            thinking_budget=req.thinking_token_budget,
+        )
+        job, reader = await chat_job(state, request, req, turn, "resp")
+        run = ResponseRun(state, req, job, history + new, owner, reader)
         if req.stream:
             return StreamingResponse(run.stream(), media_type="text/event-stream")
         return JSONResponse(await until_disconnect(job, run.collect()))
@@ -82,14 +91,16 @@ class ResponseRun:
     """One response: the engine's outputs made into items and events, the final object, the store."""
 
     def __init__(self, state: ServerState, req: ResponsesRequest, job: Job, history: list[dict],
-                 owner: str | None) -> None:  # fmt: skip
+                 owner: str | None, reader: ReasoningReader | None = None) -> None:  # fmt: skip
         self.state, self.req, self.job = state, req, job
-        self.history, self.owner = history, owner
+        self.history, self.owner, self.reader = history, owner, reader
         self.id = "resp_" + job.id.rsplit("-", 1)[-1]
         self.created = time.time()
-        self.builder = OutputBuilder(state.tool_format if req.parses_tool_calls else None, req.forces_tool_call)
+        tools = state.tool_format if req.parses_tool_calls else None
+        self.builder = OutputBuilder(tools, req.forces_tool_call, reader.stream() if reader is not None else None)
         self.seq = 0
         self.tokens = 0
+        self.token_ids: list[int] = []
         self.reason: str | None = None
         self.finals = []
 
@@ -116,10 +127,16 @@ class ResponseRun:
             "input_tokens": chat["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written},
             "output_tokens": chat["completion_tokens"],
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
             "total_tokens": chat["total_tokens"],
             "speculative": chat["speculative"],
         }
+
+    @property
+    def reasoning_tokens(self) -> int:
+        if self.reader is None or self.builder.reasoning is None:
+            return 0
+        return reasoning_token_count(self.token_ids, self.reader.end_id, self.builder.reasoning.thought)
 
     async def _events(self) -> AsyncIterator[dict]:
         """The output's events as they happen, then the closing ones (without the framing ones)."""
@@ -128,6 +145,7 @@ class ResponseRun:
                 raise _EngineFailure(out.error)
             for c in out.outputs:
                 self.tokens += len(c.delta_token_ids)
+                self.token_ids.extend(c.delta_token_ids)
                 for event in self.builder.feed(c.delta_text):
                     yield event
                 if c.finished:
@@ -180,10 +198,14 @@ class _EngineFailure(Exception):
 
 
 def _output_messages(items: list[dict]) -> list[dict]:
-    """A response's output items as the assistant turn they are in the conversation."""
+    """A response's output items as the assistant turn they are in the conversation (its reasoning
+    where reasoning models' templates read it)."""
     text = "".join(p["text"] for i in items if i["type"] == "message" for p in i["content"])
     calls = [template_call(i["call_id"], i["name"], i["arguments"]) for i in items if i["type"] == "function_call"]
     message: dict = {"role": "assistant", "content": text}
+    thought = "".join(p["text"] for i in items if i["type"] == "reasoning" for p in i["content"])
+    if thought:
+        message["reasoning_content"] = thought
     if calls:
         message["tool_calls"] = calls
     return [message]

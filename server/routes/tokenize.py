@@ -9,6 +9,7 @@ together); a big one is tokenized off the event loop.
 
 from __future__ import annotations
 
+import jinja2
 from fastapi import FastAPI, Request
 
 from server.common import bad_request, check_model, off_loop, parse_request, ready_engine, request_body
@@ -40,21 +41,24 @@ def add_tokenizer_routes(app: FastAPI, state: ServerState) -> None:
         except UnsupportedError as e:
             raise bad_request(str(e), e.param) from None
 
+        kwargs = {**(state.settings.default_chat_template_kwargs or {}), **(req.chat_template_kwargs or {})}
+
         def work() -> list[int]:
             text = req.prompt
-            if messages is not None:
+            if messages is not None:  # rendered as chat completions render them (the length is not checked)
                 text = tok.apply_chat_template(
                     messages,
                     tokenize=False,
                     add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
                     continue_final_message=req.continue_final_message,
+                    **kwargs,
                 )
             return tok.encode(text, add_special_tokens=req.special_tokens)
 
         size = len(req.prompt) if messages is None else sum(len(m["content"]) for m in messages)
         try:
             ids = await off_loop(work, size)
-        except ValueError as e:  # the template refused the messages (e.g. nothing to continue)
+        except (ValueError, jinja2.TemplateError) as e:  # the template refused the messages (nothing to continue)
             raise bad_request(f"the chat template refused these messages: {e}", "messages") from None
         strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": eng.max_model_len, "tokens": ids, "token_strs": strs}
