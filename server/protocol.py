@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_
 
 from engine.request.sampling_params import SamplingParams
 from engine.request.structured import StructuredOutput
+from server.fields import Refused, screen
 from server.tools import template_call
 
 
@@ -94,7 +95,10 @@ class Contrastive(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM's (guidellm sends it): usage so far on every chunk
+    include_obfuscation: StrictBool = False  # OpenAI's padding against side channels: none is added here
 
 
 class JsonSchemaFormat(BaseModel):
@@ -202,7 +206,7 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    n: StrictInt = Field(default=1, ge=1, le=64)
+    n: StrictInt = Field(default=1, ge=1, le=128)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
@@ -219,7 +223,7 @@ class _Sampling(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
     no_repeat_ngram_size: StrictInt = Field(default=0, ge=0)
     use_beam_search: StrictBool = False
-    best_of: StrictInt | None = Field(default=None, ge=1, le=64)
+    best_of: StrictInt | None = Field(default=None, ge=1, le=128)
     length_penalty: float = Field(default=1.0, ge=-100.0, le=100.0)
     early_stopping: StrictBool | Literal["never"] = False
     contrastive: Contrastive | None = None
@@ -233,6 +237,13 @@ class _Sampling(BaseModel):
     # Structured outputs: OpenAI's response_format, or vLLM's structured_outputs (not both).
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    # A structure (forced tool calls, a schema) that max_tokens would cut is closed within it; false:
+    # cut as any text is (docs/structured.md).
+    close_at_max_tokens: StrictBool = True
+    # SGLang's names: a regex or an EBNF (GBNF) grammar for the output; no_stop_trim keeps the stop string.
+    regex: str | None = None
+    ebnf: str | None = None
+    no_stop_trim: StrictBool = False
 
     @field_validator("stop")
     @classmethod
@@ -267,18 +278,22 @@ class _Sampling(BaseModel):
             raise UnsupportedError("beam search does not stream: its beams are not its answers until it ends", "stream")
         if not self.use_beam_search and self.best_of is not None and self.best_of != self.n:
             raise UnsupportedError("best_of other than n needs use_beam_search (sampling returns all n)", "best_of")
-        if (
-            self.structured_outputs is not None
-            and self.response_format is not None
-            and self.response_format.type != "text"
-        ):
-            raise ValueError("give response_format or structured_outputs, not both")
+        given = [name for name in ("structured_outputs", "regex", "ebnf") if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            given.append("response_format")
+        if len(given) > 1:
+            raise FieldError(f"give one of response_format, structured_outputs, regex, ebnf (got {', '.join(given)})",
+                             given[-1])  # fmt: skip
         return self
 
     def structured(self) -> StructuredOutput | None:
         """What the output must match, if the request constrains it."""
         if self.structured_outputs is not None:
             return self.structured_outputs.structured()
+        if self.regex is not None:
+            return StructuredOutput("regex", self.regex, None, "regex")
+        if self.ebnf is not None:
+            return StructuredOutput("grammar", self.ebnf, None, "ebnf")
         return self.response_format.structured() if self.response_format is not None else None
 
     def typical(self) -> tuple[float, float] | None:
@@ -288,6 +303,16 @@ class _Sampling(BaseModel):
             return None
         opt = TypicalAcceptance() if opt is True else opt
         return (opt.epsilon, opt.delta)
+
+    @classmethod
+    def _screened(cls, body, endpoint: str):
+        """The body less the fields that change nothing here (server/fields.py); a 400 naming any field
+        that asks for what is not built, or that nothing knows."""
+        declared = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+        try:
+            return screen(body, declared, endpoint)
+        except Refused as e:
+            raise UnsupportedError(str(e), e.param) from None
 
     def default(self, name: str, defaults: dict | None, fallback):
         """A sampling field's value: the request's, else the model's default (generation_config.json,
@@ -323,7 +348,7 @@ class _Sampling(BaseModel):
             stop=list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
-            include_stop_str_in_output=self.include_stop_str_in_output,
+            include_stop_str_in_output=self.include_stop_str_in_output or self.no_stop_trim,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
@@ -339,6 +364,7 @@ class _Sampling(BaseModel):
             contrastive=(self.contrastive.alpha, self.contrastive.beta) if self.contrastive is not None else None,
             penalty_alpha=self.penalty_alpha,
             structured=self.structured(),
+            close_at_max_tokens=self.close_at_max_tokens,
         )
         unsaid = self.speculative is None or self.speculative.typical_acceptance is None
         plain = not (params.use_beam_search or params.contrastive or params.contrastive_search)
@@ -351,9 +377,14 @@ class _Sampling(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    json_schema: str | None = None  # SGLang's: a JSON schema (as text) for the output
     # 0 with echo scores the prompt (its logprobs, nothing generated): the classic way to score a text.
     max_tokens: StrictInt | None = Field(default=16, ge=0)
     logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
@@ -388,8 +419,18 @@ class CompletionRequest(_Sampling):
             raise ValueError("token-id prompts must not be empty")
         return v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _fields(cls, body):
+        return cls._screened(body, "completions")
+
     @model_validator(mode="after")
     def _unsupported(self):
+        if self.json_schema is not None:  # SGLang's field: the schema as structured_outputs' json
+            if self.structured() is not None:
+                raise FieldError("give one of response_format, structured_outputs, regex, ebnf, json_schema",
+                                 "json_schema")  # fmt: skip
+            self.structured_outputs = StructuredOutputs(json=self.json_schema)
         if self.suffix:
             raise UnsupportedError("suffix is not supported", "suffix")
         if self.max_tokens == 0 and not self.echo:
@@ -569,6 +610,12 @@ class ChatCompletionRequest(_Sampling, ToolChoiceRules):
     reasoning_effort: Effort | None = None
     thinking_token_budget: StrictInt | None = Field(default=None, ge=0)  # vLLM's: thinking tokens, then its end
     include_reasoning: StrictBool = True  # vLLM's: false leaves reasoning_content out
+    separate_reasoning: StrictBool = True  # SGLang's: false leaves the thinking inside content, as written
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fields(cls, body):
+        return cls._screened(body, "chat")
 
     @model_validator(mode="after")
     def _check(self):

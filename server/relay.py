@@ -76,6 +76,7 @@ class Job:
     stream: bool
     include_usage: bool
     created: int = field(default_factory=lambda: int(time.time()))
+    continuous_usage: bool = False  # streamed: every chunk carries the usage so far (vLLM's continuous_usage_stats)
 
     @classmethod
     def admit(cls, state: ServerState, eng: AsyncEngine, request: Request, prefix: str, prompt_ids, params, n, stream,
@@ -93,6 +94,12 @@ class Job:
                 headers={"Retry-After": "1"},
             )
         return job
+
+    def running_usage(self, completion_tokens: int) -> dict:
+        """The token counts so far, as a stream's chunks carry them with ``continuous_usage_stats``."""
+        prompt_tokens = sum(len(p) for p in self.prompt_ids)
+        total = prompt_tokens + completion_tokens
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": total}
 
     def usage(self, completion_tokens: int, outputs: list[RequestOutput]) -> dict:
         prompt_tokens = sum(len(p) for p in self.prompt_ids)
@@ -182,7 +189,10 @@ async def _stream(job: Job, fmt: Format) -> AsyncIterator[str]:
                     ended.add(idx)
                 tokens += len(c.delta_token_ids)
                 for choice in fmt.stream_choices(i, idx, out, c):
-                    yield _chunk(job, fmt, [choice])
+                    if job.continuous_usage:
+                        yield _chunk(job, fmt, [choice], usage=job.running_usage(tokens))
+                    else:
+                        yield _chunk(job, fmt, [choice])
             if out.finished:
                 finals[i] = out
         else:

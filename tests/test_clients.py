@@ -128,12 +128,11 @@ def test_contrastive_search_that_just_fits_finishes(pool, http):
 @pytest.mark.parametrize(
     "body, param",
     [
-        (completion(max_tokens=4, n=SEQS + 1), "choices (n)"),
         (completion(max_tokens=4, use_beam_search=True, best_of=SEQS + 1), "beams"),
         (completion(max_tokens=4, top_k=BATCH + 1, penalty_alpha=0.5), "--max-num-batched-tokens"),
         (completion(max_tokens=CONTEXT), "context length"),
     ],
-    ids=["n", "beams", "search-candidates", "context"],
+    ids=["beams", "search-candidates", "context"],  # sampled choices beyond the seats wait (test_many_choices)
 )
 def test_requests_beyond_the_batch_limits_are_refused(pool, http, body, param):
     assert param in error_of(http.post("/v1/completions", json=body), 400)["message"]

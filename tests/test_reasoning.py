@@ -133,6 +133,7 @@ def test_chat_template_kwargs_render_per_request(client, tok):
     r = chat(client, budget=None, max_tokens=2, extra={"chat_template_kwargs": {"enable_thinking": False}})
     assert r.usage.prompt_tokens == len(off)
 
+
 def test_tokenize_renders_them_the_same_way(http, tok):
     body = {"messages": ASK, "chat_template_kwargs": {"enable_thinking": False}}
     assert http.post("/tokenize", json=body).json()["tokens"] == rendered(tok, ASK, enable_thinking=False)
@@ -203,11 +204,14 @@ def test_streamed_deltas_join_to_the_whole_message(client, spec):
 
 
 def test_speculation_is_exact_through_the_thinking_and_the_answer(client):
+    schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": Answer.model_json_schema()}}
     for budget in (0, 3, 7):
-        on = chat(client, budget=budget, extra={**OPEN, **SPEC_ON}, max_tokens=30)
-        off = chat(client, budget=budget, extra={**OPEN, **SPEC_OFF}, max_tokens=30)
-        assert on.choices[0].message == off.choices[0].message
-    assert on.usage.speculative["draft_tokens"] > 0
+        for fmt in (None, schema):  # a free answer, and a schema's after the thinking
+            kw = dict(budget=budget, max_tokens=40) | ({"response_format": fmt} if fmt else {})
+            on = chat(client, extra={**OPEN, **SPEC_ON}, **kw)
+            off = chat(client, extra={**OPEN, **SPEC_OFF}, **kw)
+            assert on.choices[0].message == off.choices[0].message
+            assert on.usage.speculative["draft_tokens"] > 0
 
 
 def test_a_schema_applies_after_the_thinking(client):
@@ -317,7 +321,7 @@ def test_generation_config_defaults_are_applied_and_overridden(tmp_path, tokeniz
         assert httpx.get(s.base + "/version").json()["sampling_defaults"] == {"temperature": 0.0, "max_tokens": 5}
         with openai.OpenAI(base_url=s.base + "/v1", api_key="x", max_retries=0) as c:
             full = {"ignore_eos": True}
-            default = c.chat.completions.create(model=MODEL, messages=ASK, extra_body=full)  # the model's: T 0, 5 tokens
+            default = c.chat.completions.create(model=MODEL, messages=ASK, extra_body=full)  # the model's T 0, 5 tokens
             greedy = c.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=5, extra_body=full)
             assert default.usage.completion_tokens == 5 and default.choices[0].finish_reason == "length"
             assert default.choices[0].message.content == greedy.choices[0].message.content
@@ -325,7 +329,8 @@ def test_generation_config_defaults_are_applied_and_overridden(tmp_path, tokeniz
                        .choices[0].message.content for i in range(4)}  # fmt: skip
             assert len(sampled) > 1  # the request's temperature wins
             text = c.completions.create(model=MODEL, prompt="Hello").choices[0].text  # completions too
-            assert text == c.completions.create(model=MODEL, prompt="Hello", temperature=0, max_tokens=5).choices[0].text
+            greedy = c.completions.create(model=MODEL, prompt="Hello", temperature=0, max_tokens=5)
+            assert text == greedy.choices[0].text
     off = ServerSettings(served_model_name=MODEL, generation_config="none")
     with serve(create_app(off, engine_factory(d))) as s:
         assert httpx.get(s.base + "/version").json()["sampling_defaults"] == {}
@@ -350,7 +355,8 @@ def test_chat_template_override(tmp_path, tokenizer_dir, llama_dir):
         r = httpx.post(s.base + "/v1/chat/completions", json=body)
         tok = transformers.AutoTokenizer.from_pretrained(d)
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(
-            tok.encode("[user] Think, then answer.\n[assistant] ", add_special_tokens=False))
+            tok.encode("[user] Think, then answer.\n[assistant] ", add_special_tokens=False)
+        )
         assert httpx.get(s.base + "/tokenizer_info").json()["chat_template"] == template
 
 

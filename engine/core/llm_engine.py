@@ -302,8 +302,9 @@ class LLMEngine:
         seq = group.seqs[0]
         if params.contrastive_search:
             seq.search = SearchState()
-        if params.structured is not None:
-            seq.grammar = self.grammars.start(params.structured)  # GrammarError: an invalid spec
+        if params.structured is not None:  # GrammarError: an invalid spec
+            left = seq.tokens_left(self.max_model_len) if params.close_at_max_tokens else None
+            seq.grammar = self.grammars.start(params.structured, left)
         self._init_seq(seq, seed_offset=0)
         self.groups[request_id] = group
         self.scheduler.add(seq)
@@ -526,8 +527,8 @@ class LLMEngine:
 
     def _fork_one(self, parent: Sequence, index: int | None = None) -> Sequence:
         """A new sequence of ``parent``'s request with its tokens, sharing its KV blocks (copy-on-write)
-        and its penalty counts; it runs (or waits, if ``parent`` was preempted) beside it. The caller
-        puts it in ``group.seqs``."""
+        and its penalty counts; it runs beside it, or waits (``parent`` was preempted, or a choice
+        beyond the seats its request held: ``Scheduler.add_forked``). The caller puts it in ``group.seqs``."""
         child = Sequence(parent.group, parent.prompt_ids, index=parent.index if index is None else index)
         child.token_ids = list(parent.token_ids)
         child.block_table = self.block_manager.fork(parent.block_table)
@@ -545,10 +546,7 @@ class LLMEngine:
         except Exception:
             self.block_manager.free(child.block_table)  # its shared references, not yet anyone's
             raise
-        if parent.status is SequenceStatus.RUNNING:
-            self.scheduler.add_running(child)
-        else:
-            self.scheduler.add(child)
+        self.scheduler.add_forked(child, parent)
         return child
 
     def _make_output(self, group: SequenceGroup) -> RequestOutput:

@@ -59,14 +59,14 @@ class OutputProcessor:
                 matched = seq.detok.append([tok])
                 if matched is not None:
                     reason, seq.stop_reason = FinishReason.STOP, matched
+            if reason is None and j == len(tokens) - 1 and seq.grammar is not None and seq.grammar.terminated:
+                # Its grammar is complete (the step cut the emit there): nothing may follow, even with
+                # ignore_eos. The output ended by itself, even on its last allowed token.
+                reason = FinishReason.STOP
             if reason is None and p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
                 reason = FinishReason.LENGTH
             if reason is None and seq.num_tokens >= self.max_model_len:
                 reason = FinishReason.LENGTH
-            if reason is None and j == len(tokens) - 1 and seq.grammar is not None and seq.grammar.terminated:
-                # Its grammar is complete (the step cut the emit there): nothing may follow, even with
-                # ignore_eos.
-                reason = FinishReason.STOP
             if reason is not None:
                 seq.finish_reason = reason
                 self.finish(seq)

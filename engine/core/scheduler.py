@@ -26,7 +26,16 @@ Policy, in three passes:
    the token budget, ``max_num_seqs`` and free blocks (less the watermark while anything runs)
    allow, reusing cached prefix blocks; parked ones are skipped (they wait for their group, not for
    compute). Where blocks are short, running parked sequences are preempted to admit a beam (maybe
-   their missing mate), or anyone when nothing but parked sequences runs.
+   their missing mate), or anyone when nothing but parked sequences runs; when nothing runs at all,
+   waiting choices give up the KV they hold (below).
+
+*Seats*: a request's first sequence, while on its prompt, holds a seat for each sequence its request
+runs once the prompt is done: its beams (they step together, so all of them), or its ``n`` choices up
+to ``max_num_seqs``. The choices beyond are forked all the same, sharing the prompt's blocks, but
+*wait for a seat* in the queue, KV in hand: admitted, they decode at once, nothing recomputed. When
+one is admitted, its request's other seat-waiting choices go behind the rest of the queue, so a
+request with many choices takes the seats that free round-robin with the requests queued after it,
+one request among others rather than the head of the queue until its last choice runs.
 
 Every pass costs O(number of sequences) (lookahead also O(its blocks) per sequence).
 """
@@ -38,7 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.kv import BlockManager
-from engine.request.sequence import Sequence, SequenceStatus
+from engine.request.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 @dataclass
@@ -80,6 +89,16 @@ class Scheduler:
         """A sequence that already holds blocks (a forked ``n > 1`` choice)."""
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+
+    def add_forked(self, seq: Sequence, parent: Sequence) -> None:
+        """A sequence just forked from ``parent``, sharing its blocks: it runs beside a running parent
+        (a beam, or a choice in a seat its request's first sequence held for it), else it waits."""
+        group = seq.group
+        seated = group.beam is not None or seq.index < self._seats_held(group)
+        if parent.status is SequenceStatus.RUNNING and seated:
+            self.add_running(seq)
+        else:
+            self.add(seq)  # a choice beyond the seats waits for one, KV in hand
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its blocks at once."""
@@ -185,40 +204,47 @@ class Scheduler:
             spare -= cost
         return budget
 
+    def _seats_held(self, group: SequenceGroup) -> int:
+        """Seats a request's first sequence holds on its prompt (module docstring: *seats*)."""
+        return group.width if group.beam is not None else min(group.width, self.max_num_seqs)
+
+    def _seats(self, seq: Sequence) -> int:
+        return self._seats_held(seq.group) if seq.index == 0 and seq.num_output_tokens == 0 else 1
+
     def _admit(self, budget: int, out: SchedulerOutput) -> None:
         """Pass 3: admit waiting sequences in arrival order, keeping the watermark free."""
-        seats = self.max_num_seqs - sum(s.group.width if s.num_output_tokens == 0 else 1 for s in self.running)
-        queue = [s for s in self.waiting if not s.parked]  # a parked one has nothing to compute yet
+        seats = self.max_num_seqs - sum(self._seats(s) for s in self.running)
+        queue = deque(s for s in self.waiting if not s.parked)  # a parked one has nothing to compute yet
         while queue and budget > 0:
             seq = queue[0]
-            need_seats = seq.group.width if seq.num_output_tokens == 0 and seq.index == 0 else 1
+            need_seats = self._seats(seq)
             if need_seats > seats:
                 break
-            if seq.search is not None:
-                prefix_blocks, prefix_hashes = [], []  # every prompt position must be computed
-            else:
-                prefix_blocks, prefix_hashes = self.bm.match_prefix(seq.token_ids[: self._cacheable(seq)])
-            cached = len(prefix_blocks) * self.bm.block_size
-            n = min(seq.num_tokens - cached, budget)
-            new_blocks = self.bm.blocks_needed(len(prefix_blocks), cached + n)
-            reserve = self.watermark_blocks if self.running else 0  # an idle engine may use every block
-            if not self.bm.can_allocate(prefix_blocks, new_blocks + reserve):
+            held = seq.awaits_seat
+            plan = self._kv_in_hand(seq, budget) if held else self._kv_to_take(seq, budget)
+            if plan is None:
                 # Parked beams give way to a beam (perhaps their missing mate), or when nothing else
                 # runs: parked sequences alone would wait for each other forever.
                 stuck = seq.group.beam is not None or all(s.parked for s in self.running)
                 if stuck and self._preempt_parked(out):
                     seats += 1
                     continue  # parked blocks were freed: try again
+                if not self.running and self._drop_waiting_kv(seq, out):
+                    continue
                 break
-            queue.pop(0)
+            queue.popleft()
             self.waiting.remove(seq)
-            self.bm.take_prefix(seq.block_table, seq.block_hashes, prefix_blocks, prefix_hashes)
-            seq.num_computed_tokens = cached
-            if seq.group.num_cached_prompt_tokens is None:  # the request's first admission (not a return
-                seq.group.num_cached_prompt_tokens = min(cached, seq.num_prompt_tokens)  # after preemption)
-            self.prefix_queries += seq.num_tokens
-            self.prefix_hits += cached
-            copies = self.bm.reserve(seq.block_table, cached, cached + n)
+            n, prefix_blocks, prefix_hashes = plan
+            if not held:
+                cached = len(prefix_blocks) * self.bm.block_size
+                self.bm.take_prefix(seq.block_table, seq.block_hashes, prefix_blocks, prefix_hashes)
+                seq.num_computed_tokens = cached
+                if seq.group.num_cached_prompt_tokens is None:  # the request's first admission (not a return
+                    seq.group.num_cached_prompt_tokens = min(cached, seq.num_prompt_tokens)  # after preemption)
+                self.prefix_queries += seq.num_tokens
+                self.prefix_hits += cached
+            start = seq.num_computed_tokens
+            copies = self.bm.reserve(seq.block_table, start, start + n)
             assert copies is not None, "can_allocate promised these blocks"
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -226,6 +252,60 @@ class Scheduler:
             out.block_copies.extend(copies)
             budget -= n
             seats -= need_seats
+            if held and self._requeue_mates(seq):
+                queue = deque(s for s in self.waiting if not s.parked)
+
+    def _kv_to_take(self, seq: Sequence, budget: int) -> tuple[int, list[int], list[int]] | None:
+        """(tokens it feeds, cached prefix blocks and their hashes) for a sequence that holds no KV, or
+        None when the blocks it needs are short."""
+        if seq.search is not None:
+            prefix_blocks, prefix_hashes = [], []  # every prompt position must be computed
+        else:
+            prefix_blocks, prefix_hashes = self.bm.match_prefix(seq.token_ids[: self._cacheable(seq)])
+        cached = len(prefix_blocks) * self.bm.block_size
+        n = min(seq.num_tokens - cached, budget)
+        new_blocks = self.bm.blocks_needed(len(prefix_blocks), cached + n)
+        reserve = self.watermark_blocks if self.running else 0  # an idle engine may use every block
+        if not self.bm.can_allocate(prefix_blocks, new_blocks + reserve):
+            return None
+        return n, prefix_blocks, prefix_hashes
+
+    def _kv_in_hand(self, seq: Sequence, budget: int) -> tuple[int, list[int], list[int]] | None:
+        """The same for a choice that waited for a seat with its KV: its next chunk (its next token)
+        costs a block past its table, or a private copy of a shared one."""
+        bm, bs, table = self.bm, self.bm.block_size, seq.block_table
+        start = seq.num_computed_tokens
+        n = min(seq.num_uncomputed_tokens, budget)
+        blocks = range(start // bs, -(-(start + n) // bs))
+        cost = sum(1 for b in blocks if b >= len(table) or bm.ref_count(table[b]) > 1)
+        reserve = self.watermark_blocks if self.running else 0
+        return (n, [], []) if bm.can_allocate([], cost + reserve) else None
+
+    def _requeue_mates(self, seq: Sequence) -> bool:
+        """Move the seat-waiting choices of ``seq``'s request behind the rest of the queue (module
+        docstring: *seats*). False if it has none."""
+        mates = [s for s in self.waiting if s.group is seq.group and s.awaits_seat]
+        if not mates:
+            return False
+        rest = [s for s in self.waiting if s.group is not seq.group or not s.awaits_seat]
+        self.waiting.clear()
+        self.waiting.extend(rest + mates)
+        return True
+
+    def _drop_waiting_kv(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Nothing runs and ``seq`` does not fit: the newest other choice waiting with KV in hand gives it
+        up (it is recomputed when admitted, as after a preemption). Once none holds any, the sequence
+        fits: one sequence's chunk always fits an idle pool. False if none holds any."""
+        holder = next((s for s in reversed(self.waiting) if s.awaits_seat and s is not seq), None)
+        if holder is None:
+            return False
+        self.bm.free(holder.block_table)
+        holder.block_hashes.clear()
+        holder.num_computed_tokens = 0
+        holder.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(holder)
+        return True
 
     @staticmethod
     def _cacheable(seq: Sequence) -> int:

@@ -32,16 +32,18 @@ def check_request(
     What a request needs at worst, by strategy: one sequence (sampling, greedy, speculation) holds at
     most ``max_model_len`` tokens of KV, which the pool always holds, and drafts take only the
     lookahead the scheduler can spare; ``n`` choices and beams run side by side when they fit and
-    are preempted and recomputed when they do not, so they need ``max_num_seqs`` seats (beams step
-    in lockstep), not ``n`` contexts of KV; contrastive search feeds its ``top_k`` candidates in
-    one step, past the context: ``prompt + max_tokens + top_k - 1`` slots and ``top_k`` tokens of
-    the step's budget."""
+    are preempted and recomputed when they do not, so they need seats, not ``n`` contexts of KV:
+    choices beyond ``max_num_seqs`` wait for a seat (any ``n`` is served), but beams step in
+    lockstep, so all of them need a seat in one batch; contrastive search feeds its ``top_k``
+    candidates in one step, past the context: ``prompt + max_tokens + top_k - 1`` slots and
+    ``top_k`` tokens of the step's budget."""
     if not prompt_ids:
         raise InvalidRequestError("the prompt must not be empty")
-    if params.beam_width > max_num_seqs:
-        what = "beams" if params.use_beam_search else "choices (n)"
+    if params.use_beam_search and params.beam_width > max_num_seqs:
         raise InvalidRequestError(
-            f"{params.beam_width} {what} exceed the {max_num_seqs} sequences one batch can hold (--max-num-seqs)"
+            f"{params.beam_width} beams exceed the {max_num_seqs} sequences one batch can hold (--max-num-seqs): "
+            "beams step together",
+            "best_of" if params.best_of is not None else "n",
         )
     if params.contrastive is not None and not has_amateur:
         raise InvalidRequestError(

@@ -62,6 +62,9 @@ class SamplingParams:
     # Structured outputs: the output must match this JSON schema, regex, choice or grammar; every row the
     # request samples or verifies is masked by it (engine/structured), speculation stays exact.
     structured: StructuredOutput | None = None
+    # ... and a structure that max_tokens (or the context) would cut is closed within it instead: the
+    # one place where the budget shapes the text (engine/structured/closing.py).
+    close_at_max_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

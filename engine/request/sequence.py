@@ -1,7 +1,8 @@
 """One object per sequence carries all of its state.
 
 A request with ``n > 1`` is a :class:`SequenceGroup` of ``n`` sequences; only the first is prefilled,
-and the others are forked from it (sharing its KV blocks) when its prompt is done.
+and the others are forked from it (sharing its KV blocks) when its prompt is done: those beyond the
+batch's seats wait for one (``Sequence.awaits_seat``, engine/core/scheduler.py).
 """
 
 from __future__ import annotations
@@ -110,6 +111,13 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def awaits_seat(self) -> bool:
+        """A choice forked beyond the seats its request held, waiting for one with its KV in hand (the
+        prompt's blocks, shared with its mates): admitted, it decodes at once. (A waiting sequence holds
+        no KV otherwise: a preempted one gave it up.)"""
+        return self.status is SequenceStatus.WAITING and self.num_computed_tokens > 0
 
     def noise_key(self, ahead: int = 0) -> NoiseKey | None:
         """The randomness of the output token ``ahead`` places past those emitted (seeded only)."""

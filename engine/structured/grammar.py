@@ -30,6 +30,7 @@ import torch
 
 from engine.request.checks import InvalidRequestError
 from engine.request.structured import StructuredOutput, Thinking
+from engine.structured.closing import Closing, ClosingVocab, close, ending
 
 MAX_SPEC_CHARS = 256 * 1024  # a schema, regex or grammar longer than this is refused unread
 MAX_CHOICES = 4096
@@ -137,6 +138,7 @@ class Grammars:
         self._cache: OrderedDict[tuple, object] = OrderedDict()
         self._lock = threading.Lock()
         self.limits = None  # llguidance.LLParserLimits, built with the tokenizer
+        self._closing: ClosingVocab | None = None  # what closing structures needs of the tokenizer
         self.seconds_compiling = 0.0
 
     @property
@@ -189,10 +191,27 @@ class Grammars:
                 self._cache.popitem(last=False)
         return matcher
 
-    def start(self, so: StructuredOutput) -> GrammarState:
-        """A request's own grammar state, at the start of its output."""
+    def start(self, so: StructuredOutput, left: int | None = None) -> GrammarState:
+        """A request's own grammar state, at the start of its output. ``left``: the tokens it may
+        generate, for closing its structure within them (engine/structured/closing.py; None: not)."""
         budget = ThinkingBudget.of(so.thinking)
-        return GrammarState(self.compile(so).deep_copy(), self.words, budget)
+        matcher = self.compile(so).deep_copy()
+        closing = None
+        if left is not None and so.kind != "text":  # free text has no structure to close
+            first = [so.thinking.end_id] if so.thinking is not None else []
+            closing = Closing(self.closing_vocab(), first, left)
+            shortest = ending(matcher, closing.vocab, first, torch.empty(self.words, dtype=torch.int32))
+            if shortest is None:  # a grammar beyond the closers: not closed
+                closing = None
+            else:
+                closing.horizon = Closing.horizon_for(len(shortest))
+        return GrammarState(matcher, self.words, budget, closing)
+
+    def closing_vocab(self) -> ClosingVocab:
+        with self._lock:
+            if self._closing is None:
+                self._closing = ClosingVocab(self._tokenizer, self.eos_token_ids, self.words)
+            return self._closing
 
 
 @dataclass(frozen=True)
@@ -201,8 +220,9 @@ class ThinkingBudget:
     ``phase`` BEFORE (the model may still open it), IN or AFTER it, and ``tokens`` the thinking
     tokens so far. Once they reach the budget inside the thinking, the end marker is the only token
     a row allows, so the end of thinking is forced (where the grammar allows it: the thinking is
-    whole characters, so a budget spent in the middle of one ends a token or three later), on every row of a draft tree as on a plain decoding row, and emitted without
-    a forward where it is forced outright (jump-forward)."""
+    whole characters, so a budget spent in the middle of one ends a token or three later), on every
+    row of a draft tree as on a plain decoding row, and emitted without a forward where it is forced
+    outright (jump-forward)."""
 
     thinking: Thinking
     phase: int
@@ -256,9 +276,11 @@ class Walk:
 class GrammarState:
     """One sequence's grammar state: what it has emitted so far, matched."""
 
-    def __init__(self, matcher, words: int, budget: ThinkingBudget | None = None) -> None:
+    def __init__(self, matcher, words: int, budget: ThinkingBudget | None = None,
+                 closing: Closing | None = None) -> None:  # fmt: skip
         self.matcher, self.words = matcher, words
         self.budget = budget  # a thinking budget's count, at the emitted output's end
+        self.closing = closing  # closing its structure within its tokens (None: not asked)
         self.masks_computed = 0  # rows masked (metrics: mask work per request)
         # Set when the grammar failed mid-output (a step limit, a refused token): the engine fails the
         # request alone at the end of the step; its rows are left unmasked until then.
@@ -267,7 +289,8 @@ class GrammarState:
 
     def copy(self) -> GrammarState:
         """An independent state at the same point (a forked choice or beam)."""
-        return GrammarState(self.matcher.deep_copy(), self.words, self.budget)
+        closing = None if self.closing is None else replace(self.closing)
+        return GrammarState(self.matcher.deep_copy(), self.words, self.budget, closing)
 
     @property
     def terminated(self) -> bool:
@@ -287,21 +310,37 @@ class GrammarState:
                 self._failed(f"the grammar refused emitted token {tok}")
                 break
             n += 1
-            if self.budget is not None:
-                self.budget = self.budget.after(tok)
+            self._step(tok)
         self.seconds += time.perf_counter() - t0
         return n
 
-    def _fill(self, row: torch.Tensor, budget: ThinkingBudget | None = None) -> bool:
-        """The row's mask at the matcher's state (``budget``: the thinking count there). True if a
-        spent thinking budget narrowed it to the end marker."""
+    def _step(self, tok: int) -> None:
+        """The counts that follow the emitted output: the thinking's, the tokens left."""
+        if self.budget is not None:
+            self.budget = self.budget.after(tok)
+        if self.closing is not None:
+            self.closing.left -= 1
+
+    @property
+    def left(self) -> int | None:
+        return None if self.closing is None else self.closing.left
+
+    def _fill(self, row: torch.Tensor, budget: ThinkingBudget | None = None, left: int | None = None
+              ) -> list[int] | None:  # fmt: skip
+        """The row's mask at the matcher's state (``budget``: the thinking count there; ``left``: the
+        tokens left there): the grammar's, narrowed by a spent thinking budget (to the end marker) or by
+        closing within the tokens left. Returns the ending where closing forces it."""
         self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), self.words * 4)
         self.masks_computed += 1
         if self.matcher.is_error():  # over a step limit (llguidance's fuel): this request fails alone
             self._failed("the grammar failed")
             row.fill_(-1)  # a harmless row until the engine ends the request, after this step
-            return False
-        return budget is not None and budget.spent and budget.restrict(row)
+            return None
+        if budget is not None and budget.spent and budget.restrict(row):
+            return None
+        if self.closing is not None and left is not None:
+            return close(self.matcher, row, left, self.closing)
+        return None
 
     def _failed(self, what: str) -> None:
         if self.error is None:
@@ -330,9 +369,9 @@ class GrammarState:
             for child in children[node + 1]:
                 unreachable(child)
 
-        def visit(node: int, budget: ThinkingBudget | None) -> None:
+        def visit(node: int, budget: ThinkingBudget | None, left: int | None) -> None:
             row = out_row[node]
-            self._fill(masks[row], budget)
+            self._fill(masks[row], budget, left)
             for child in children[node + 1]:
                 tok = tokens[child]
                 if not 0 <= tok < self.words * 32 or not (int(bits[row, tok >> 5]) >> (tok & 31)) & 1:
@@ -343,10 +382,10 @@ class GrammarState:
                     self._failed(f"the grammar refused allowed token {tok}")
                     continue
                 keep(child)
-                visit(child, None if budget is None else budget.after(tok))
+                visit(child, None if budget is None else budget.after(tok), None if left is None else left - 1)
                 self.matcher.rollback(1)
 
-        visit(-1, self.budget)
+        visit(-1, self.budget, self.left)
         order = sorted(range(len(kept)), key=lambda j: kept[j])  # the cut tree keeps the tree's order
         if order != list(range(len(kept))):
             rows = [0] + [out_row[kept[j]] for j in order]
@@ -365,10 +404,22 @@ class GrammarState:
         row = torch.empty(1, self.words, dtype=torch.int32)
         while len(out) < limit and self.error is None and not self.matcher.is_stopped():
             # Forced bytes are necessary for a forced token, not sufficient (they may be split into
-            # tokens more than one way): the mask decides. A spent thinking budget forces its end.
-            if not (self.budget is not None and self.budget.spent) and not self.matcher.compute_ff_bytes():
+            # tokens more than one way): the mask decides. A spent thinking budget forces its end;
+            # closing, the ending of a structure that has just the tokens left for it.
+            spent = self.budget is not None and self.budget.spent
+            closing = self.closing is not None and self.left <= self.closing.horizon
+            if not spent and not closing and not self.matcher.compute_ff_bytes():
                 break
-            self._fill(row[0], self.budget)
+            end = self._fill(row[0], self.budget, self.left)
+            if end is not None:  # all of it is forced: each of its rows allows its next token alone
+                end = end[: limit - len(out)]
+                if not self.matcher.consume_tokens(end):
+                    self._failed("the grammar refused its own ending")
+                    break
+                out += end
+                for tok in end:
+                    self._step(tok)
+                continue
             words = row[0].numpy().view(np.uint32)
             nonzero = np.flatnonzero(words)
             if len(nonzero) != 1:
@@ -381,8 +432,7 @@ class GrammarState:
                 self._failed(f"the grammar refused its own forced token {tok}")
                 break
             out.append(tok)
-            if self.budget is not None:
-                self.budget = self.budget.after(tok)
+            self._step(tok)
         self.seconds += time.perf_counter() - t0
         return out
 

@@ -109,7 +109,9 @@ async def chat_job(state: ServerState, request: Request, req, turn: ChatTurn, pr
             structured = StructuredOutput.free_text(thinking, "thinking_token_budget")
     params = dataclasses.replace(params, structured=structured)
     ids = await prepare(eng, [prompt_ids], params)
-    return Job.admit(state, eng, request, prefix, ids, params, req.n, req.stream, req.include_usage), reader
+    job = Job.admit(state, eng, request, prefix, ids, params, req.n, req.stream, req.include_usage)
+    job.continuous_usage = req.continuous_usage
+    return job, reader
 
 
 def _opening(eng, messages: list[dict], tools, turn: ChatTurn, kwargs: dict, text: str) -> str:
@@ -144,6 +146,7 @@ def add_chat_routes(app: FastAPI, state: ServerState) -> None:
         )  # fmt: skip
         job, reader = await chat_job(state, request, req, turn, "chatcmpl")
         tools = state.tool_format if req.parses_tool_calls else None
+        reader = reader if req.separate_reasoning else None  # SGLang's false: the thinking stays in content
         fmt = ChatFormat(req.logprobs, state.token_texts, tools, req.forces_tool_call, reader, req.include_reasoning)
         return await respond(job, fmt)
 

@@ -33,6 +33,7 @@ def add_completion_routes(app: FastAPI, state: ServerState) -> None:
         check_queue_bound(state, len(prompts))  # before tokenizing thousands of prompts for nothing
         ids = await prepare(eng, prompts, params)
         job = Job.admit(state, eng, request, "cmpl", ids, params, req.n, req.stream, req.include_usage)
+        job.continuous_usage = req.continuous_usage
         return await respond(job, CompletionFormat(req, prompts, state.token_texts))
 
 

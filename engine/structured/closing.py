@@ -1,0 +1,216 @@
+"""Closing a structure within ``max_tokens``: a grammar-constrained output that would be cut mid-structure
+(a tool call's arguments, a JSON object) is closed instead.
+
+At each row the request masks, with ``left`` tokens still allowed (this row's among them), the grammar
+state's *ending* is the token sequence that completes the grammar from there: the text the grammar
+forces where it forces one, else the first closing token it allows (inside a reasoning model's thinking
+its end marker; ``"``, ``}``, ``]``), else the first short value or character it allows that this ending
+has not used yet (``0``, ``null``, ``false``, ... then any printable character), until the grammar
+accepts. Then
+
+- where ``left`` is no more than the ending's length, the row allows only the ending's first token: the
+  output finishes the structure in the tokens it has (and the ending, forced outright, is emitted without
+  forwards);
+- at a row of few choices (the end of a call: another call or the end; the end of an item: another
+  item or the list's end), a choice is allowed only if its own ending fits in what is left after it:
+  another call is not started unless it can be finished;
+- at a row of many choices (inside a string or a number) within :data:`MARGIN` tokens of it, tokens that
+  open structure (``{``, ``[``, ``,``, ``"``, ``\\``, ``<``) are left out, so the ending cannot grow there.
+
+Every rule is a function of the row's grammar state and ``left`` alone, so a draft tree's rows get the
+masks plain decoding's rows would: speculation stays exact. An ending that completes a grammar which
+would take more (another call could follow) ends with the end-of-text token, so the output stops by
+itself, not at the budget. A row whose ending is not found within :data:`MAX_ENDING` tokens is left as it
+is, and a grammar with no ending from its start (one beyond these closers) is not closed at all. The
+request field ``close_at_max_tokens: false`` turns it off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+# Tokens an ending tries where the grammar forces nothing: first what closes strings, objects and lists
+# (again and again), then the shortest values and what a pattern may need, each preferred until this
+# ending has used it (a pattern that takes one token again and again, as digits before an "@", would
+# never get on otherwise), then any printable character.
+CLOSERS = ('"', "}", "]")
+VALUES = ("0", "null", "false", "true", '""', "[]", "{}", "1", "a", " ", "\n", ",")
+OPENING_BYTES = frozenset(b'{[,"\\<')  # a token holding one of these may open structure
+MARGIN = 4  # ... at which a row of many choices leaves out tokens that open structure
+SMALL = 16  # a row allowing at most this many tokens is a row of few choices
+HORIZON = 256  # the most tokens from the budget at which a row is checked (nor is an ending longer sought)
+MAX_ENDING = HORIZON  # an ending longer than this is not looked for: it could not fit anyway
+
+
+class ClosingVocab:
+    """What closing needs of a tokenizer, built once per :class:`~engine.structured.grammar.Grammars`: the
+    closing tokens, the single printable characters (the last resort of an ending), the end-of-text ids
+    and, lazily, the bitmask of tokens that may open structure."""
+
+    def __init__(self, llg_tokenizer, eos_ids: list[int], words: int) -> None:
+        self.tokenizer, self.eos, self.words = llg_tokenizer, list(eos_ids), words
+        self.closers = self._single_tokens(CLOSERS)
+        self.values = [t for t in self._single_tokens(VALUES) if t not in self.closers]
+        chars = self._single_tokens([chr(c) for c in range(0x20, 0x7F)])
+        self.chars = [t for t in chars if t not in self.closers and t not in self.values]
+        self._opening: np.ndarray | None = None
+
+    def _single_tokens(self, texts) -> list[int]:
+        out = []
+        for text in texts:
+            ids = self.tokenizer.tokenize_str(text)
+            if len(ids) == 1 and ids[0] not in out:
+                out.append(ids[0])
+        return out
+
+    @property
+    def opening(self) -> np.ndarray:
+        """``[words]`` uint32: bit t set where token t's bytes hold one of :data:`OPENING_BYTES` (built on
+        first use: a pass over the vocabulary, about 0.3 s for 150k tokens)."""
+        if self._opening is None:
+            words = np.zeros(self.words, dtype=np.uint32)
+            tok = self.tokenizer
+            for t in range(min(tok.vocab_size, self.words * 32)):
+                if not tok.is_special_token(t) and OPENING_BYTES.intersection(tok.decode_bytes([t])):
+                    words[t >> 5] |= np.uint32(1 << (t & 31))
+            self._opening = words
+        return self._opening
+
+
+@dataclass
+class Closing:
+    """A sequence's closing within its token budget: the tokenizer's closing tokens, the tokens its
+    endings try first (a thinking's end marker), and ``left``, the tokens it may still emit."""
+
+    vocab: ClosingVocab
+    first: list[int]
+    left: int
+    # Rows with more tokens left than this are not checked: twice the grammar's shortest output (its
+    # ending from the start) and some, so the ending of any choice's new structure (another call, another
+    # item) is weighed before it is due, up to HORIZON.
+    horizon: int = 0
+
+    @staticmethod
+    def horizon_for(shortest: int) -> int:
+        return min(HORIZON, 2 * shortest + 32)
+
+
+def allowed(row: torch.Tensor, token: int) -> bool:
+    word, bit = token >> 5, token & 31
+    return word < row.shape[-1] and bool((int(row[word]) >> bit) & 1)
+
+
+def only(row: torch.Tensor, tokens: list[int]) -> None:
+    """Narrow ``row`` to those of ``tokens`` it allows."""
+    keep = [t for t in tokens if allowed(row, t)]
+    row.zero_()
+    for t in keep:
+        word, bit = t >> 5, t & 31
+        value = (int(row[word]) & 0xFFFFFFFF) | (1 << bit)
+        row[word] = value - (1 << 32) if value >= 1 << 31 else value
+
+
+def tokens_of(row: torch.Tensor, limit: int) -> list[int] | None:
+    """The tokens ``row`` allows, if there are at most ``limit`` of them (None: more)."""
+    words = row.numpy().view(np.uint32)
+    nonzero = np.flatnonzero(words)
+    if len(nonzero) > limit:
+        return None
+    out = []
+    for w in nonzero:
+        value = int(words[w])
+        while value:
+            low = value & -value
+            out.append(int(w) * 32 + low.bit_length() - 1)
+            if len(out) > limit:
+                return None
+            value ^= low
+    return out
+
+
+def ending(matcher, vocab: ClosingVocab, first: list[int], scratch: torch.Tensor) -> list[int] | None:
+    """The tokens that complete the grammar from ``matcher``'s state, with the end-of-text token where
+    the grammar would still take more (tool calls: another call could follow), so that the output ends
+    by itself (``stop``), not at the budget; ``[]`` where it is complete already. None if no ending is
+    found within :data:`MAX_ENDING`; the matcher is left as it was. ``first``: tokens tried before the
+    closers (a thinking's end marker)."""
+    out: list[int] = []
+    used: set[int] = set()
+    try:
+        while len(out) <= MAX_ENDING:
+            if matcher.is_stopped():
+                return out
+            if matcher.is_accepting():
+                return out + vocab.eos[:1]
+            forced = matcher.compute_ff_tokens()
+            if forced:
+                n = matcher.try_consume_tokens(forced)
+                if n == 0:
+                    return None
+                out += forced[:n]
+                used.update(forced[:n])
+                continue
+            matcher.unsafe_compute_mask_ptr(scratch.data_ptr(), scratch.numel() * 4)
+            if matcher.is_error():
+                return None
+            words = scratch.numpy().view(np.uint32)
+            tok = next((t for t in (*first, *vocab.closers) if (int(words[t >> 5]) >> (t & 31)) & 1), None)
+            if tok is None:
+                again = None
+                for t in (*vocab.values, *vocab.chars):
+                    if (int(words[t >> 5]) >> (t & 31)) & 1:
+                        if t not in used:
+                            tok = t
+                            break
+                        again = t if again is None else again
+                tok = tok if tok is not None else again
+            if tok is None or tok in vocab.eos or not matcher.consume_token(tok):
+                return None
+            out.append(tok)
+            used.add(tok)
+        return None
+    finally:
+        if out:
+            matcher.rollback(len(out))
+
+
+def close(matcher, row: torch.Tensor, left: int, closing: Closing) -> list[int] | None:
+    """Narrow a row's mask (computed at ``matcher``'s state, ``left`` tokens still allowed) by the rules
+    of this module's docstring. Returns the ending where it is due (the row then allows its first token
+    alone, and the rest of it is forced in turn)."""
+    if left > closing.horizon:
+        return None
+    vocab, first = closing.vocab, closing.first
+    scratch = torch.empty_like(row)
+    end = ending(matcher, vocab, first, scratch)  # [] where the output is complete
+    if end is None or (end and not allowed(row, end[0])):
+        return None
+    if end and left <= len(end):
+        only(row, end[:1])
+        return end
+    choices = tokens_of(row, SMALL)
+    if choices is not None:  # e.g. another call or the end: each choice only if its own ending fits
+        keep = []
+        for t in choices:
+            if (end and t == end[0]) or t in vocab.eos:
+                keep.append(t)
+                continue
+            if not matcher.consume_token(t):
+                continue
+            after = ending(matcher, vocab, first, scratch)
+            matcher.rollback(1)
+            if after is not None and 1 + len(after) <= left:
+                keep.append(t)
+        only(row, keep)
+        return None
+    elif end and left <= len(end) + MARGIN:
+        words = row.numpy().view(np.uint32)
+        first_word, first_bit = end[0] >> 5, end[0] & 31
+        keep_first = (int(words[first_word]) >> first_bit) & 1
+        words &= ~vocab.opening
+        if keep_first:
+            words[first_word] |= np.uint32(1 << first_bit)
+    return None

@@ -1,0 +1,177 @@
+"""Structures closed within ``max_tokens`` (engine/structured/closing.py), through a real server with the
+official openai SDK: forced tool calls with parallel calls on, under a budget too small for a second
+call, end with whole calls only, on chat and the Responses API, streamed and not; a schema's JSON is
+closed instead of cut; ``close_at_max_tokens: false`` cuts as before (the proof that these budgets do
+bite); speculation stays exact with it; openai-agents' default model runs a required tool with parallel
+calls on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+
+import openai
+import pytest
+import torch
+import transformers
+from pydantic import BaseModel
+
+from conftest import build_model_dir
+from engine.request.structured import StructuredOutput
+from engine.structured.closing import ending
+from server.app import ServerSettings, create_app
+from servers import Served, engine_factory, serve
+
+MODEL = "tiny-llama"
+SPEC_ON = {"speculative": {"num_draft_tokens": 3}}
+SPEC_OFF = {"speculative": {"enabled": False}}
+NO_CLOSING = {"close_at_max_tokens": False}
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+class Note(BaseModel):  # a list without bounds: a model may write it without end
+    flags: list[bool]
+
+
+TOOLS = [{"type": "function", "function": {"name": "note", "parameters": Note.model_json_schema()}}]
+ASK = [{"role": "user", "content": "Write notes."}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer_dir):
+    """A tiny Llama with room for the tools' description in its prompt (2,048 positions)."""
+    return build_model_dir(tmp_path_factory.mktemp("closing") / "m", tokenizer_dir, "LlamaForCausalLM",
+                           max_position_embeddings=2048)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def srv(model_dir) -> Iterator[Served]:
+    factory = engine_factory(model_dir, draft_model=str(model_dir), num_speculative_tokens=3, max_model_len=2048)
+    with serve(create_app(ServerSettings(served_model_name=MODEL), factory)) as s:
+        yield s
+
+
+def shortest(srv: Served, structured: StructuredOutput) -> int:
+    """The tokens of the ending from the start: the shortest output the grammar takes, as closing finds it."""
+    state = srv.engine.grammars.start(structured, left=10_000)
+    return len(ending(state.matcher, state.closing.vocab, [], torch.empty(state.words, dtype=torch.int32)))
+
+
+@pytest.fixture(scope="module")
+def one_call(srv) -> int:
+    grammar = srv.app.state.augur.tool_format.grammar([t["function"] for t in TOOLS], True)
+    return shortest(srv, StructuredOutput("grammar", grammar, None, "tool_choice"))
+
+
+@pytest.fixture(scope="module")
+def long_writer(model_dir) -> dict:
+    """A logit bias that makes the model write lists without end and never end its output: what a budget
+    cuts. Where a mask allows one token alone it is still picked (a bias cannot undo a mask)."""
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    closers = [t for t in range(len(tok)) if "]" in tok.decode([t])]
+    return {"logit_bias": {str(t): -100 for t in [tok.eos_token_id, *closers]}}
+
+
+def calls_of(message) -> list[dict]:
+    return [Note.model_validate_json(c.function.arguments).model_dump() for c in message.tool_calls or []]
+
+
+NAMED = {"type": "function", "function": {"name": "note"}}
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+@pytest.mark.parametrize("extra", [6, 30, 72])  # tokens beyond the shortest call: a second does not fit
+def test_forced_calls_end_whole_under_a_budget_too_small_for_a_second(client, one_call, long_writer, extra, choice):
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required" if choice == "required" else NAMED,
+              temperature=0, max_tokens=one_call + min(extra, one_call))  # fmt: skip
+    cut = client.chat.completions.create(**kw, extra_body={**SPEC_ON, **NO_CLOSING, **long_writer})
+    assert cut.choices[0].finish_reason == "length" and cut.usage.completion_tokens == kw["max_tokens"]
+    assert len(calls_of(cut.choices[0].message)) == 0  # the budget bites: the one call was cut
+    r = client.chat.completions.create(**kw, extra_body={**SPEC_ON, **long_writer})
+    whole = r.choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    assert len(calls_of(whole.message)) == 1  # closed within the budget, and no second call begun
+    # streamed: the same calls, their arguments as written
+    chunks = list(client.chat.completions.create(**kw, stream=True, extra_body={**SPEC_ON, **long_writer}))
+    streamed: dict[int, list[str]] = {}
+    for ch in (c for chunk in chunks for c in chunk.choices):
+        assert not ch.delta.content
+        for d in ch.delta.tool_calls or []:
+            streamed.setdefault(d.index, ["", ""])
+            streamed[d.index][0] += d.function.name or ""
+            streamed[d.index][1] += d.function.arguments or ""
+    assert [tuple(v) for v in streamed.values()] == [(c.function.name, c.function.arguments)
+                                                     for c in whole.message.tool_calls]  # fmt: skip
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_forced_calls_complete(client, one_call, long_writer, stream):
+    tools = [{"type": "function", "name": "note", "parameters": Note.model_json_schema()}]
+    kw = dict(model=MODEL, input="Write notes.", tools=tools, tool_choice="required", temperature=0,
+              max_output_tokens=one_call + 20, extra_body={**SPEC_ON, **long_writer})  # fmt: skip
+    if stream:
+        with client.responses.stream(**kw) as s:
+            r = s.get_final_response()  # raises unless the response completed
+    else:
+        r = client.responses.create(**kw)
+    assert r.status == "completed" and [i.type for i in r.output] == ["function_call"]
+    assert r.output[0].status == "completed" and Note.model_validate_json(r.output[0].arguments)
+    cut = client.responses.create(**{**kw, "extra_body": {**SPEC_ON, **NO_CLOSING, **long_writer}})
+    assert cut.status == "incomplete" and cut.output[-1].status == "incomplete"
+
+
+def test_a_schema_is_closed_instead_of_cut(srv, client, long_writer):
+    need = shortest(srv, StructuredOutput.json_schema(Note.model_json_schema(), "response_format"))
+    kw = dict(model=MODEL, messages=ASK, temperature=0, max_tokens=need + 8)
+    r = client.chat.completions.parse(**kw, response_format=Note, extra_body={**SPEC_ON, **long_writer})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.parsed is not None
+    schema = {"type": "json_schema", "json_schema": {"name": "n", "schema": Note.model_json_schema()}}
+    cut = client.chat.completions.create(**kw, response_format=schema,
+                                         extra_body={**SPEC_ON, **NO_CLOSING, **long_writer})  # fmt: skip
+    assert cut.choices[0].finish_reason == "length"
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(cut.choices[0].message.content)
+
+
+@pytest.mark.parametrize("budget", [0, 7, 23])
+def test_speculation_is_exact_with_closing(client, one_call, long_writer, budget):
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", temperature=0,
+              max_tokens=one_call + budget)  # fmt: skip
+    on = client.chat.completions.create(**kw, extra_body={**SPEC_ON, **long_writer})
+    off = client.chat.completions.create(**kw, extra_body={**SPEC_OFF, **long_writer})
+    assert [(c.function.name, c.function.arguments) for c in on.choices[0].message.tool_calls] == [
+        (c.function.name, c.function.arguments) for c in off.choices[0].message.tool_calls
+    ]
+    assert on.usage.completion_tokens == off.usage.completion_tokens
+    assert on.usage.speculative["draft_tokens"] > 0 or budget < 20  # little room: nearly all of it is forced
+    seeded = dict(kw, temperature=1.0, seed=5)
+    on = client.chat.completions.create(**seeded, extra_body={**SPEC_ON, **long_writer}).choices[0].message
+    off = client.chat.completions.create(**seeded, extra_body={**SPEC_OFF, **long_writer}).choices[0].message
+    assert [c.function.arguments for c in on.tool_calls] == [c.function.arguments for c in off.tool_calls]
+
+
+def test_openai_agents_default_model_runs_a_required_tool_with_parallel_calls(srv, one_call, long_writer):
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)  # the SDK would export traces to OpenAI's servers
+    calls = []
+
+    @agents.function_tool
+    def note(flags: list[bool]) -> str:
+        """Keep a note."""
+        calls.append(flags)
+        return "kept"
+
+    client = openai.AsyncOpenAI(base_url=srv.base + "/v1", api_key="unused")
+    model = agents.OpenAIProvider(openai_client=client).get_model(MODEL)
+    assert type(model).__name__ == "OpenAIResponsesModel"
+    # A model that would write calls without end: the budget closes the first and begins no second, so
+    # the response completes (the SDK fails an incomplete one).
+    settings = agents.ModelSettings(tool_choice="required", parallel_tool_calls=True, max_tokens=one_call + 20,
+                                    temperature=0, extra_body=long_writer)  # fmt: skip
+    agent = agents.Agent(name="a", instructions="Keep notes.", tools=[note], model=model, model_settings=settings,
+                         tool_use_behavior="stop_on_first_tool")  # fmt: skip
+    result = asyncio.run(agents.Runner.run(agent, "Note this.", max_turns=2))
+    assert len(calls) == 1 and result.final_output == "kept"
