@@ -13,13 +13,15 @@ Terms, per request (all times in seconds, from the moment the request is sent):
 
 ``completion_tokens`` comes from the stream's usage chunk (requested with
 ``stream_options.include_usage``); servers that send none fall back to counting content chunks.
+
+Times are read from the running event loop's clock (``loop.time()``, monotonic), the clock its
+timers keep: a test's virtual-time loop makes every measured time exact.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import time
 from dataclasses import dataclass, field
 
 import httpx
@@ -140,11 +142,18 @@ def _content(api: str, choice: dict) -> str:
 
 
 async def send_request(
-    client: httpx.AsyncClient, api: str, payload: dict, record: RequestRecord, run_start: float
+    client: httpx.AsyncClient,
+    api: str,
+    payload: dict,
+    record: RequestRecord,
+    run_start: float,
+    sent: float | None = None,
 ) -> RequestRecord:
     """Send one streaming request and fill ``record`` in. Never raises, except to pass on cancellation
-    (then ``record.status`` is "cancelled")."""
-    sent = time.perf_counter()
+    (then ``record.status`` is "cancelled"). ``run_start``: the run's start on the loop's clock;
+    ``sent``: when it was issued on that clock (default: now)."""
+    clock = asyncio.get_running_loop().time
+    sent = clock() if sent is None else sent
     record.start_s = sent - run_start
     received = False  # any byte of the response: tells a broken stream from a failed connection
     last = sent
@@ -163,7 +172,7 @@ async def send_request(
                 if data.strip() == "[DONE]":
                     done = True
                     break
-                now = time.perf_counter()
+                now = clock()
                 try:
                     chunk = json.loads(data)
                 except json.JSONDecodeError:
@@ -196,7 +205,7 @@ async def send_request(
                     record.tokens_from_usage = True
                     spec = usage.get("speculative")
                     record.speculative = spec if isinstance(spec, dict) else None
-            record.e2e_s = time.perf_counter() - sent
+            record.e2e_s = clock() - sent
             record.text = "".join(parts)
             if not done:
                 record.fail("stream_error", "the stream ended before data: [DONE]")

@@ -4,7 +4,8 @@ Closed loop: ``concurrency`` workers each send a request, wait for it to finish,
 so the server sets the pace. Open loop: requests are sent at exponentially distributed intervals
 (mean ``1/rate``) whether or not earlier ones have finished, so a slow server builds a queue, as
 real traffic would. Both stop issuing at ``num_requests``; ``duration`` is a hard cap on the whole
-run, after which requests still in flight are cancelled (and recorded as "cancelled").
+run, after which requests still in flight are cancelled (and recorded as "cancelled"). Every time is
+the running event loop's (``loop.time()``), the clock that its sleeps and timeouts keep.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import random
 import sys
-import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -69,8 +69,12 @@ async def scrape_metrics(client: httpx.AsyncClient) -> str | None:
     return resp.text if resp.status_code == 200 else None
 
 
+def _now() -> float:
+    return asyncio.get_running_loop().time()
+
+
 def _remaining(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.perf_counter())
+    return None if deadline is None else max(0.0, deadline - _now())
 
 
 async def _cancel(tasks) -> None:
@@ -130,16 +134,18 @@ async def _run(config, prompts, model, speculative, label, client) -> RunResult:
         dynamic_ncols=True,
     )
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    run_start = time.perf_counter()
+    run_start = _now()
     deadline = run_start + config.duration if config.duration is not None else None
 
     async def one(i: int) -> None:
-        if deadline is not None and time.perf_counter() >= deadline:
+        now = _now()
+        if deadline is not None and now >= deadline:
             return  # a late-scheduled arrival: nothing is sent after the deadline
         prompt_index = order[i % len(order)]
         record = RequestRecord(index=i, prompt_index=prompt_index)
         records.append(record)
-        await send_request(client, config.api, payload(i, prompt_index), record, run_start)
+        # Sent "now": the time the deadline was checked against, so a start never reads past it.
+        await send_request(client, config.api, payload(i, prompt_index), record, run_start, sent=now)
         bar.update(1)
 
     try:
@@ -148,7 +154,7 @@ async def _run(config, prompts, model, speculative, label, client) -> RunResult:
         else:
             await _open_loop(config, one, deadline, arrivals, run_start)
     finally:
-        duration = time.perf_counter() - run_start
+        duration = _now() - run_start
         bar.close()
     metrics_after = await scrape_metrics(client)
     records.sort(key=lambda r: r.index)
@@ -169,7 +175,7 @@ async def _closed_loop(config: LoadTestConfig, one, deadline: float | None) -> N
 
     async def worker() -> None:
         nonlocal next_index
-        while next_index < config.num_requests and (deadline is None or time.perf_counter() < deadline):
+        while next_index < config.num_requests and (deadline is None or _now() < deadline):
             i, next_index = next_index, next_index + 1
             await one(i)
 
@@ -190,7 +196,7 @@ async def _open_loop(config: LoadTestConfig, one, deadline: float | None, rng: r
                 at += rng.expovariate(config.rate)
             if deadline is not None and at >= deadline:
                 return
-            delay = at - time.perf_counter()
+            delay = at - _now()
             if delay > 0:
                 await asyncio.sleep(delay)
             task = asyncio.create_task(one(i))

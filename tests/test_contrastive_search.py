@@ -110,15 +110,15 @@ def test_penalty_alpha_zero_keeps_greedy_and_bad_combinations_are_refused(model_
     plain = engine.generate(PROMPTS, GREEDY)
     same = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, top_k=4))
     assert [o.outputs[0].delta_token_ids for o in plain] == [o.outputs[0].delta_token_ids for o in same]
-    for bad in [
-        dict(top_k=1),
-        dict(top_k=4, n=2),
-        dict(top_k=4, top_p=0.5),
-        dict(top_k=4, logprobs=1),
-        dict(top_k=4, use_beam_search=True, best_of=2),
-        dict(top_k=4, penalty_alpha=1.5),
+    for bad, match in [
+        (dict(top_k=1), "chooses among top_k >= 2 candidates, got top_k 1"),
+        (dict(top_k=4, n=2), "contrastive search is deterministic: n > 1"),
+        (dict(top_k=4, top_p=0.5), "top_p does not apply to contrastive search"),
+        (dict(top_k=4, logprobs=1), "logprobs does not apply to contrastive search"),
+        (dict(top_k=4, use_beam_search=True, best_of=2), "contrastive search combines with no other search"),
+        (dict(top_k=4, penalty_alpha=1.5), r"penalty_alpha must be in \[0, 1\], got 1.5"),
     ]:
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=match):
             SamplingParams(**{"penalty_alpha": 0.5, **bad})
 
 

@@ -27,15 +27,16 @@ def graphs_everywhere(monkeypatch):
     monkeypatch.setattr(EngineConfig, "cuda_graph_max_seqs", property(lambda self: self.max_num_seqs))
 
 
-def runners(model_dir, **kw):
-    """The same model twice on the triton backend: without graphs, and with them (buckets 1, 2, 4)."""
+def runners(model_dir, pick=lambda engine: engine.runner, **kw):
+    """The same model twice on the triton backend: without graphs, and with them (buckets 1, 2, 4);
+    ``pick`` chooses the engine's runner (the target's, or its proposer's)."""
     kw.setdefault("max_num_seqs", 4)
     with pytest.MonkeyPatch.context() as m:  # (on a GPU engines capture by default)
         m.setattr(EngineConfig, "cuda_graph_max_seqs", property(lambda self: 0))
-        eager = make_engine(model_dir, device=str(DEVICE), attention_backend="triton", **kw).runner
+        eager = pick(make_engine(model_dir, device=str(DEVICE), attention_backend="triton", **kw))
     with pytest.MonkeyPatch.context() as m:
         m.setattr(EngineConfig, "cuda_graph_max_seqs", property(lambda self: self.max_num_seqs))
-        graphed = make_engine(model_dir, device=str(DEVICE), attention_backend="triton", **kw).runner
+        graphed = pick(make_engine(model_dir, device=str(DEVICE), attention_backend="triton", **kw))
     assert eager.graphs is None and graphed.graphs is not None
     return eager, graphed
 
@@ -111,14 +112,34 @@ def test_padded_forwards_match_the_unpadded_ones(llama_dir):
     assert {(k[0], k[1]) for k in graphed.graphs.graphs} == {(4, 16), (4, 1), (4, 8)}
 
 
-def test_input_ids_and_features_from_the_device(llama_dir):
-    """Tokens fed from the device (a draft level's) land at their padded rows."""
-    eager, graphed = runners(llama_dir)
+def test_input_ids_and_features_from_the_device(llama_dir, tmp_path, monkeypatch):
+    """Tokens and per-token features fed from the device (an EAGLE head's drafting level: its tokens,
+    its parents' states) land at their padded rows."""
+    from test_eagle import write_eagle
+
+    import engine.core.llm_engine as llm_engine_mod
+
+    # Only the head's runners are used: the controller's timed cost profile (seconds of forwards in
+    # Triton's interpreter) is not needed.
+    monkeypatch.setattr(llm_engine_mod, "profile_costs", lambda *args: None)
+    head = write_eagle(llama_dir, tmp_path / "head")
+    spec = dict(speculative_method="eagle", draft_model=str(head), num_speculative_tokens=3)
+    eager, graphed = runners(llama_dir, pick=lambda engine: engine.proposer.runner, **spec)
     ctx = prompts(2, seed=3, lo=6, hi=9)
+    g = torch.Generator().manual_seed(3)
     for chunks in steps(ctx, 4)[:2]:
-        ids = torch.tensor([t for c in chunks for t in c.token_ids], device=DEVICE)
-        outs = [r.execute(r.prepare(chunks), input_ids=ids.flip(0)) for r in (eager, graphed)]
+        ids = torch.tensor([t for c in chunks for t in c.token_ids], device=DEVICE).flip(0)
+        feats = torch.randn(len(ids), eager.hf_config.hidden_size, generator=g).to(DEVICE)
+        batches = [r.prepare(chunks) for r in (eager, graphed)]
+        assert batches[0].graph is None and batches[1].graph is not None
+        outs = [r.execute(b, input_ids=ids, hidden_in=feats) for r, b in zip((eager, graphed), batches)]
         torch.testing.assert_close(outs[1].logits, outs[0].logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(outs[1].final_hidden, outs[0].final_hidden, atol=1e-5, rtol=1e-5)
+        shape = batches[1].graph  # run through the graph of this shape with the features' static buffer
+        assert (shape.num_seqs, shape.width, None, (tuple(feats.shape[1:]), feats.dtype)) in graphed.graphs.graphs
+    # The features count: the last step again with other features (the same tokens) gives other logits.
+    other = graphed.execute(graphed.prepare(chunks), input_ids=ids, hidden_in=feats.flip(0)).logits
+    assert not torch.allclose(other, outs[1].logits, atol=1e-3)
 
 
 def test_batches_without_a_captured_shape_run_as_they_are(llama_dir):

@@ -514,19 +514,19 @@ def test_contrastive_needs_a_draft_model(rep_engine):
 
 def test_decoding_params_validation():
     bad = [
-        dict(use_beam_search=True, best_of=2, n=3),
-        dict(best_of=2, n=1),
-        dict(use_beam_search=True, best_of=2, top_p=0.9),
-        dict(use_beam_search=True, best_of=2, logprobs=1),
-        dict(use_beam_search=True, best_of=2, early_stopping="sometimes"),
-        dict(contrastive=(0.0, 0.5)),
-        dict(contrastive=(1.5, 0.5)),
-        dict(contrastive=(0.1, -1.0)),
-        dict(contrastive=(0.1, 0.5), use_beam_search=True),
-        dict(no_repeat_ngram_size=-1),
+        (dict(use_beam_search=True, best_of=2, n=3), r"n \(3\) must not exceed the number of beams"),
+        (dict(best_of=2, n=1), "best_of other than n needs use_beam_search"),
+        (dict(use_beam_search=True, best_of=2, top_p=0.9), "top_p does not apply to beam search"),
+        (dict(use_beam_search=True, best_of=2, logprobs=1), "logprobs are not reported for beam search"),
+        (dict(use_beam_search=True, best_of=2, early_stopping="sometimes"), "early_stopping must be true, false"),
+        (dict(contrastive=(0.0, 0.5)), r"contrastive alpha must be in \(0, 1\], got 0.0"),
+        (dict(contrastive=(1.5, 0.5)), r"contrastive alpha must be in \(0, 1\], got 1.5"),
+        (dict(contrastive=(0.1, -1.0)), r"contrastive beta must be in \[0, 10\], got -1.0"),
+        (dict(contrastive=(0.1, 0.5), use_beam_search=True), "contrastive decoding and beam search do not combine"),
+        (dict(no_repeat_ngram_size=-1), "no_repeat_ngram_size must be non-negative, got -1"),
     ]
-    for kw in bad:
-        with pytest.raises(ValueError):
+    for kw, match in bad:
+        with pytest.raises(ValueError, match=match):
             SamplingParams(**kw)
     assert SamplingParams(use_beam_search=True, best_of=4, n=2).beam_width == 4
     assert SamplingParams(contrastive=(0.1, 0.5)).speculative is False

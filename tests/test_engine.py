@@ -253,15 +253,14 @@ def test_stop_conditions(llama_dir):
     o = engine.generate([p], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_id], ignore_eos=True))
     c = o[0].outputs[0]
     assert (c.finish_reason, c.stop_reason, c.num_tokens) == ("stop", stop_id, first + 1)
-    # A stop string taken from the middle of the text; the output is cut right before it.
+    # A stop string taken from the middle of the text (the first 3 characters there that are not all
+    # blank); the output is cut right before it.
     text = free.text
-    stop = text[len(text) // 2 : len(text) // 2 + 3]
-    if stop.strip():
-        c = engine.generate([p], SamplingParams(temperature=0.0, max_tokens=12, stop=[stop], ignore_eos=True))[
-            0
-        ].outputs[0]
-        assert c.finish_reason == "stop" and c.stop_reason == stop
-        assert c.text == text[: text.index(stop)]
+    stop = next(text[i : i + 3] for i in range(len(text) // 2, len(text) - 2) if text[i : i + 3].strip())
+    c = engine.generate([p], SamplingParams(temperature=0.0, max_tokens=12, stop=[stop], ignore_eos=True))[0]
+    c = c.outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == stop
+    assert c.text == text[: text.index(stop)] and c.num_tokens < 12
     # Context length.
     short = make_engine(llama_dir, max_model_len=len(p) + 5)
     c = short.generate([p], SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))[0].outputs[0]

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import pytest
 from test_spec import (
-    engine_samples,
-    exact_joint,
-    g_statistic,
-    g_test_threshold,
+    check_plain_sampling,
+    check_speculative_sampling,
+    close_draft,  # noqa: F401 (a fixture)
     noisy_copy,
-    plain_samples,
     small_vocab_pair,  # noqa: F401 (a fixture)
     staggered,
 )
@@ -113,23 +111,19 @@ def test_a_drafting_step_waits_for_the_device_twice(pair):
 
 
 @pytest.mark.parametrize("topk", [0, 1, 2], ids=["plain", "chains", "trees"])
-def test_sampled_tokens_follow_the_target_on_gpu(small_vocab_pair, topk):  # noqa: F811
+def test_sampled_tokens_follow_the_target_on_gpu(small_vocab_pair, close_draft, topk, monkeypatch):  # noqa: F811
     """On CUDA, as on the CPU (tests/test_spec.py): plain sampling's inverse-CDF draws and sampled
     speculation's rejection sampling (draft chains, top-2 trees) give the target's exact joint
-    distribution of three tokens (a G-test at p ~ 0.001), through graphs and the triton backend. In
-    float32, as the exact distribution is computed: a GPU's ``dtype=auto`` is bfloat16, whose logits
-    move the probabilities by a few percent, which the test sees (it failed so on an H100)."""
+    distribution of three tokens (a G-test at p ~ 0.001), through graphs and the triton backend, and the
+    same test rejects a wrong draw or a wrong rule. In float32, as the exact distribution is computed: a
+    GPU's ``dtype=auto`` is bfloat16, whose logits move the probabilities by a few percent, which the
+    test sees (it failed so on an H100)."""
     target, draft = small_vocab_pair
     gpu = dict(device="cuda", dtype="float32")
-    params = SamplingParams(temperature=0.9, top_k=6, top_p=0.95, max_tokens=3, ignore_eos=True, num_draft_tokens=3)
-    prompt, n = [0, 3, 4, 5], 20_480
     if topk:
-        counts = engine_samples(target, draft, topk, params, prompt, n, **gpu)
+        check_speculative_sampling(target, close_draft, topk, monkeypatch, **gpu)
     else:
-        params = SamplingParams(**{**params.__dict__, "speculative": False})
-        counts = plain_samples(target, draft, params, prompt, n, **gpu)
-    stat, dof = g_statistic(counts, exact_joint(target, prompt, params), n)
-    assert stat < g_test_threshold(dof), f"G={stat:.1f} dof={dof}"
+        check_plain_sampling(target, draft, monkeypatch, **gpu)
 
 
 def test_inverse_cdf_draws_match_the_cpu():

@@ -99,7 +99,7 @@ CASES = [
     ("max-tokens-zero", "/v1/completions", {"json": completion(max_tokens=0)}, 400),
     ("max-tokens-huge", "/v1/completions", {"json": completion(max_tokens=10**9)}, 400),
     ("n-true", "/v1/completions", {"json": completion(n=True)}, 400),
-    ("n-65", "/v1/completions", {"json": completion(n=65)}, 400),
+    ("n-129", "/v1/completions", {"json": completion(n=129)}, 400),
     ("stream-string", "/v1/completions", {"json": completion(stream="yes")}, 400),
     ("logit-bias-underscore", "/v1/completions", {"json": completion(logit_bias={"1_0": 1})}, 400),
     ("logit-bias-space", "/v1/completions", {"json": completion(logit_bias={" 7": 1})}, 400),
@@ -288,19 +288,35 @@ def test_slow_body_gets_408_and_slow_headers_are_cut(srv):
         assert closed, "a client dribbling its headers kept the connection"
 
 
-def test_big_prompt_does_not_stall_the_front(srv, http):
+def test_big_prompt_does_not_stall_the_front(srv, monkeypatch):
     """A prompt just under the body limit is refused (it cannot fit the context) without tokenizing it
-    on the event loop; /health answers while such requests are in flight."""
+    on the event loop: the four requests' tokenizing is held on an event, and /health answers while it
+    is held (held on the loop, it could not; the bound on the hold only turns that hang into a failure)."""
     big = {"model": MODEL, "prompt": "x " * (MAX_BYTES // 2 - 100)}
+    eng, held, threads = srv.async_engine, threading.Event(), []
+    prepare = eng.prepare
+
+    def held_prepare(prompts, params):
+        threads.append(threading.current_thread().name)
+        if not held.wait(30):
+            held.set()  # the loop was stuck here: let the rest through at once
+        return prepare(prompts, params)
+
+    monkeypatch.setattr(eng, "prepare", held_prepare)
 
     async def run():
-        async with httpx.AsyncClient(base_url=srv.base, timeout=60) as c:
+        async with httpx.AsyncClient(base_url=srv.base, timeout=120) as c:
             posts = [asyncio.create_task(c.post("/v1/completions", json=big)) for _ in range(4)]
+            while len(threads) < 4 and not held.is_set():
+                await asyncio.sleep(0.01)
             health = await c.get("/health")
-            return health, await asyncio.gather(*posts)
+            answered_while_held = not held.is_set()
+            held.set()
+            return health, answered_while_held, await asyncio.gather(*posts)
 
-    health, posts = asyncio.run(run())
-    assert health.status_code == 200
+    health, answered_while_held, posts = asyncio.run(run())
+    assert health.status_code == 200 and answered_while_held
+    assert len(threads) == 4 and "test-uvicorn" not in threads  # on worker threads, not the server's loop
     assert all(p.status_code == 400 and "cannot fit" in p.json()["error"]["message"] for p in posts)
 
 

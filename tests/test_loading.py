@@ -15,6 +15,7 @@ from conftest import build_model_dir
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.request.sampling_params import SamplingParams
+from engine.runner.model_runner import ForwardChunk
 
 PROMPT = [5, 17, 42, 99, 7, 250, 31]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -49,10 +50,29 @@ def test_hub_id_resolves_from_local_cache_offline(tmp_path, monkeypatch, llama_d
     assert greedy_tokens("tiny-org/tiny-llama") == greedy_tokens(str(llama_dir))
 
 
+def prompt_logits(engine: LLMEngine) -> torch.Tensor:
+    """The logits of every position of PROMPT, from one prefill through the engine's runner."""
+    table = engine.block_manager.fork([]) or []
+    assert engine.block_manager.reserve(table, 0, len(PROMPT)) is not None
+    return engine.runner.forward([ForwardChunk(PROMPT, 0, table, len(PROMPT))]).logits.float()  # [len(PROMPT), vocab]
+
+
 def test_bfloat16_runs_and_mostly_agrees(llama_dir):
-    ref = greedy_tokens(str(llama_dir))
-    got = greedy_tokens(str(llama_dir), dtype="bfloat16")
-    assert len(got) == len(ref) and got[0] == ref[0]
+    """bf16 is what runs (weights, KV pool, runner), and its logits are float32's within bf16's
+    rounding: close, not equal (equal would mean float32 ran)."""
+    engines = {
+        dtype: LLMEngine(EngineConfig(model=str(llama_dir), device="cpu", num_kv_blocks=32, block_size=4, dtype=dtype))
+        for dtype in ("float32", "bfloat16")
+    }
+    bf16 = engines["bfloat16"]
+    assert bf16.runner.dtype == bf16.runner.kv_cache.dtype == torch.bfloat16
+    assert {p.dtype for p in bf16.runner.model.parameters() if p.is_floating_point()} == {torch.bfloat16}
+    ref, got = (prompt_logits(engines[d]) for d in ("float32", "bfloat16"))
+    assert not torch.equal(got, ref)
+    # bf16 keeps 8 bits of mantissa (relative step 2^-8); two layers of rounding, logits of scale ~1.
+    torch.testing.assert_close(got, ref, atol=0.05, rtol=0.05)
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
+    assert greedy_tokens(str(llama_dir), dtype="bfloat16")[:2] == greedy_tokens(str(llama_dir))[:2]
 
 
 def test_kv_pool_sized_from_memory_fraction(llama_dir):

@@ -337,15 +337,17 @@ def test_engines_it_does_not_apply_to_run_ordinary_steps(llama_dir, tmp_path):
     assert make_engine(llama_dir, async_scheduling="on", speculative_method="ngram").ahead is not None
 
 
-def test_the_setting():
+def test_the_setting(monkeypatch):
     """auto: on for CPUs (measured there), off on GPUs until measured; a YAML bool reads as on/off."""
     assert EngineConfig(model="m", device="cpu").async_scheduling_enabled
     assert not EngineConfig(model="m", device="cpu", async_scheduling=False).async_scheduling_enabled
     assert EngineConfig(model="m", device="cpu", async_scheduling=True).async_scheduling == "on"
     with pytest.raises(ValueError, match="async_scheduling must be auto, on or off"):
         EngineConfig(model="m", async_scheduling="sometimes")
-    if torch.cuda.is_available():
-        assert not EngineConfig(model="m", device="cuda").async_scheduling_enabled
+    # A GPU's engine (its device as a CUDA host resolves it; the setting reads nothing else of it).
+    monkeypatch.setattr(EngineConfig, "torch_device", property(lambda self: torch.device("cuda")))
+    assert not EngineConfig(model="m", device="cuda").async_scheduling_enabled
+    assert EngineConfig(model="m", device="cuda", async_scheduling=True).async_scheduling_enabled
 
 
 @pytest.mark.gpu

@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+import engine.sampling.sampler as sampler_mod
 from engine.request.sampling_params import SamplingParams
 from engine.sampling.sampler import (
     Sampler,
@@ -476,14 +477,18 @@ def test_frequency_check_can_fail() -> None:
     assert chi_square(counts, TARGET) > CHI2_LIMIT
 
 
-def test_seeded_row_follows_distribution() -> None:
+def test_seeded_row_follows_distribution(monkeypatch) -> None:
     # A row with its own generator, drawn step by step the way the engine does.
-    gen = seeded(99)
-    probs = TARGET.unsqueeze(0)
-    md = random_md(1, generators=[gen])
-    tokens = torch.cat([sample_from_probs(probs, md) for _ in range(4000)])
-    counts = torch.bincount(tokens, minlength=5).float()
-    assert chi_square(counts, TARGET) < CHI2_LIMIT
+    def seeded_counts() -> torch.Tensor:
+        md = random_md(1, generators=[seeded(99)])
+        tokens = torch.cat([sample_from_probs(TARGET.unsqueeze(0), md) for _ in range(4000)])
+        return torch.bincount(tokens, minlength=5).float()
+
+    assert chi_square(seeded_counts(), TARGET) < CHI2_LIMIT
+    # The same draws in the wrong race (argmax(p * E) instead of argmax(p / E)), at this test's n: rejected.
+    noise = sampler_mod.exponential_noise
+    monkeypatch.setattr(sampler_mod, "exponential_noise", lambda probs, generators: 1 / noise(probs, generators))
+    assert chi_square(seeded_counts(), TARGET) > CHI2_LIMIT
 
 
 def test_zero_probability_tokens_are_never_drawn() -> None:

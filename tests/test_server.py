@@ -22,8 +22,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from conftest import VOCAB
+from engine.config import EngineConfig
 from engine.core.async_engine import AsyncEngine
+from engine.core.llm_engine import LLMEngine
 from engine.core.output_processor import OutputProcessor
+from engine.request.sampling_params import SamplingParams
 from server.app import ServerSettings, create_app
 from servers import MAX_LEN, NUM_BLOCKS, Served, engine_factory, serve, wait_until
 
@@ -274,7 +277,20 @@ def test_penalties_accepted_and_applied(client, tok, word_tokens):
     penalised = greedy(client, "Hi", 8, logit_bias=bias, presence_penalty=2.0, frequency_penalty=2.0, user="alice")
     assert penalised.usage.completion_tokens == 8
     assert penalised.choices[0].text != piece * 8, "the penalties should break the repetition"
-    assert greedy(client, "Hi", 4, extra_body={"repetition_penalty": 1.3}).usage.completion_tokens == 4
+    # repetition_penalty: the word tokens the only candidates (+50 each), their raw logits choosing. Unpenalised,
+    # greedy repeats itself; at 2 no token of the prompt or of the output comes again.
+    words = {str(t): 50 for t in word_tokens}
+    pieces = {tok.decode([t]): t for t in word_tokens}
+
+    def tokens(prompt, n: int, **extra) -> list[str]:
+        return greedy(client, prompt, n, logit_bias=words, logprobs=0, extra_body=extra).choices[0].logprobs.tokens
+
+    looping = tokens("Hi", 12)
+    assert len(set(looping)) < 12
+    prompt = tok.encode("Hi") + [pieces[t] for t in looping]
+    assert set(tokens(prompt, 8)) & set(looping), "unpenalised, it repeats the prompt's tokens"
+    fresh = tokens(prompt, 8, repetition_penalty=2.0)
+    assert len(set(fresh)) == 8 and not set(fresh) & set(looping)
 
 
 def test_logit_bias_forces_and_forbids(client, tok, word_tokens):
@@ -806,21 +822,30 @@ def test_full_queue_is_429(queue_srv):
     wait_idle(queue_srv)
 
 
-def test_more_choices_than_batch_seats_do_not_hang(queue_srv):
+def test_more_choices_than_batch_seats_do_not_hang(queue_srv, llama_dir):
+    """n = 2 with one seat in the batch: counted in engine steps, not seconds, the request ends (a hang is
+    a request that no step ever serves); then the same through the server."""
+    eng = LLMEngine(EngineConfig(model=str(llama_dir), device="cpu", dtype="float32", num_kv_blocks=64,
+                                 block_size=4, max_num_seqs=1))  # fmt: skip
+    eng.add_request("r", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=2, n=2, ignore_eos=True))
+    tokens: dict[int, list[int]] = {0: [], 1: []}
+    for _ in range(2 * 2 * 2):  # a step per token per choice, twice over: far more than it needs
+        if not eng.has_unfinished_requests():
+            break
+        for out in eng.step():
+            for c in out.outputs:
+                tokens[c.index] += c.delta_token_ids
+    assert not eng.has_unfinished_requests(), "the request was accepted but no step served it"
+    assert [len(t) for t in tokens.values()] == [2, 2]
+
     wait_idle(queue_srv)
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "n": 2, "stream": True}
-    try:
-        # Streamed, so that giving up closes the stream and aborts the request server-side. The read
-        # bound only keeps the hang from stalling the suite; a two-token request needs milliseconds.
-        resp = httpx.post(queue_srv.base + "/v1/completions", json=body, timeout=httpx.Timeout(60.0, read=3.0))
-    except httpx.ReadTimeout:
-        pytest.fail("the request was accepted but never ran")
+    try:  # (streamed: a client that gives up closes the stream, which aborts the request server-side)
+        resp = httpx.post(queue_srv.base + "/v1/completions", json=body, timeout=120)
     finally:
         wait_idle(queue_srv)
-    if resp.status_code == 200:  # served: both choices come back
-        assert {e["choices"][0]["index"] for e in sse_events(resp.text) if e["choices"]} == {0, 1}
-    else:  # or refused up front
-        assert_error(resp, 400)
+    assert resp.status_code == 200, resp.text  # served: both choices come back
+    assert {e["choices"][0]["index"] for e in sse_events(resp.text) if e["choices"]} == {0, 1}
 
 
 MARKER = 7  # a token id that only the doomed prompts contain

@@ -24,6 +24,8 @@ from engine.sampling.tree import DraftTree, tree_layout
 from engine.sampling.verify import build_verify_input, verify
 from engine.speculative.controller import CostModel, Guard
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # many tiny steps (see conftest)
+
 
 # -- trees ------------------------------------------------------------------------------------------
 def test_tree_layout():
@@ -107,7 +109,12 @@ def g_test_threshold(dof: int, z: float = 3.09) -> float:
 
 
 def g_statistic(counts: dict, expected: dict[tuple, float], n: int) -> tuple[float, int]:
-    """G-test of observed counts against expected probabilities; cells expecting < 5 are pooled."""
+    """G-test of observed counts against expected probabilities; cells expecting < 5 are pooled. A
+    sample in a cell that ``expected`` lacks or gives no probability is impossible under it: G is
+    infinite (pooled, a few of them would hardly move it)."""
+    impossible = {cell: o for cell, o in counts.items() if o and expected.get(cell, 0.0) <= 0.0}
+    if impossible:
+        return math.inf, max(1, sum(1 for pr in expected.values() if pr > 0) - 1)
     g, bins, pooled_o, pooled_e = 0.0, 0, 0, 0.0
     for cell, pr in expected.items():
         e, o = n * pr, counts.get(cell, 0)
@@ -124,6 +131,30 @@ def g_statistic(counts: dict, expected: dict[tuple, float], n: int) -> tuple[flo
             g += 2 * pooled_o * math.log(pooled_o / pooled_e)
         g -= 2 * (pooled_o - pooled_e)
     return g, bins - 1
+
+
+def test_g_statistic_refuses_samples_the_expectation_rules_out():
+    """Samples in a cell ``expected`` lacks or gives no probability make G infinite: pooled or dropped,
+    2% of the samples there would hardly move it."""
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(12, generator=g), 0)
+    expected = {(i,): p.item() for i, p in enumerate(probs)} | {(12,): 0.0}
+    n = 10_240
+    drawn = torch.multinomial(probs, n, replacement=True, generator=g).bincount(minlength=12)
+    counts = {(i,): int(c) for i, c in enumerate(drawn)}
+    stat, dof = g_statistic(counts, expected, n)
+    assert stat < g_test_threshold(dof), f"G={stat:.1f} dof={dof}"
+    top = max(counts, key=counts.get)
+    for outside in [(12,), (13,), (0, 1)]:  # no probability, absent, another shape
+        moved = {**counts, top: counts[top] - n // 50, outside: n // 50}
+        assert g_statistic(moved, expected, n)[0] == math.inf
+
+
+def wrong_residual(monkeypatch) -> None:
+    """A deliberately wrong rule: after a rejection, sample from p again instead of the residual (the
+    rejected draft's q, or its one-hot for a deterministic draft, left in)."""
+    monkeypatch.setattr(verify_mod, "reject_residual", lambda P_, q_: P_)
+    monkeypatch.setattr(verify_mod, "drop_token", lambda P_, x_: P_)
 
 
 def tabular_speculation(P: torch.Tensor, Q: torch.Tensor, n: int, mode: str, seed: int) -> dict:
@@ -192,9 +223,7 @@ def test_tabular_speculation_matches_target_and_wrong_rule_fails(mode, monkeypat
     expected = tabular_joint(P)
     stat, dof = g_statistic(tabular_speculation(P, Q, n, mode, seed=1), expected, n)
     assert stat < g_test_threshold(dof), f"{mode}: G={stat:.1f} dof={dof}"
-    # A deliberately wrong rule: after a rejection, sample from p again instead of the residual.
-    monkeypatch.setattr(verify_mod, "reject_residual", lambda P_, q_: P_)
-    monkeypatch.setattr(verify_mod, "drop_token", lambda P_, x_: P_)
+    wrong_residual(monkeypatch)
     stat, dof = g_statistic(tabular_speculation(P, Q, n, mode, seed=2), expected, n)
     assert stat > g_test_threshold(dof), f"the wrong rule went unnoticed: G={stat:.1f} dof={dof}"
 
@@ -454,31 +483,56 @@ def engine_samples(target, draft, topk: int, params: SamplingParams, prompt: lis
     return counts
 
 
-@pytest.mark.parametrize("topk", [1, 2], ids=["chains", "trees"])
-def test_engine_sampling_distribution_matches_target(small_vocab_pair, topk):
-    target, draft = small_vocab_pair
-    params = SamplingParams(temperature=0.9, top_k=6, top_p=0.95, max_tokens=3, ignore_eos=True, num_draft_tokens=3)
-    prompt = [0, 3, 4, 5]
-    n = 20_480
-    counts = engine_samples(target, draft, topk, params, prompt, n)
-    stat, dof = g_statistic(counts, exact_joint(target, prompt, params), n)
+@pytest.fixture(scope="module")
+def close_draft(small_vocab_pair, tmp_path_factory):
+    """A draft nearer the small-vocabulary target than its own (noise 0.3, not 0.8): the target keeps
+    some of its tokens and turns others down at the counted positions, where the residual rule acts
+    (the far draft's tokens there are all turned down, with no mass in the target: any rule passes)."""
+    return noisy_copy(small_vocab_pair[0], tmp_path_factory.mktemp("close") / "draft", 0.3)
+
+
+# 5 tokens, the first 3 counted: the second step drafts 3 deep. Measured at n = 20,480 (12 cells of the
+# joint expecting 5 or more): G about 10 (chains) and 5 (trees), and under the wrong rule 2,400 and 3,500.
+SAMPLED = SamplingParams(temperature=0.9, top_k=6, top_p=0.95, max_tokens=5, ignore_eos=True, num_draft_tokens=3)
+SAMPLED_PROMPT = [0, 5, 6, 7, 3]
+
+
+def check_speculative_sampling(target, draft, topk: int, monkeypatch, n: int = 10_240, **kw) -> None:
+    """Sampled speculation through the engine (chains for ``topk`` 1, top-k trees else) gives the target's
+    exact joint distribution of three tokens (a G-test at p ~ 0.001), and the same test at the same ``n``
+    rejects the samples of the wrong rule (:func:`wrong_residual`)."""
+    expected = exact_joint(target, SAMPLED_PROMPT, SAMPLED)
+    stat, dof = g_statistic(engine_samples(target, draft, topk, SAMPLED, SAMPLED_PROMPT, n, **kw), expected, n)
     assert stat < g_test_threshold(dof), f"G={stat:.1f} dof={dof}"
+    with monkeypatch.context() as m:
+        wrong_residual(m)
+        stat, dof = g_statistic(engine_samples(target, draft, topk, SAMPLED, SAMPLED_PROMPT, n, **kw), expected, n)
+    assert stat > g_test_threshold(dof), f"the wrong rule went unnoticed: G={stat:.1f} dof={dof}"
 
 
-def test_plain_sampling_matches_target_and_a_wrong_draw_fails(small_vocab_pair, monkeypatch):
-    # Sampled rows without a draft take one inverse-CDF draw each (accept_random's plain path).
-    target, draft = small_vocab_pair
+@pytest.mark.parametrize("topk", [1, 2], ids=["chains", "trees"])
+def test_engine_sampling_distribution_matches_target(small_vocab_pair, close_draft, topk, monkeypatch):
+    check_speculative_sampling(small_vocab_pair[0], close_draft, topk, monkeypatch)
+
+
+def check_plain_sampling(target, draft, monkeypatch, n: int = 20_480, **kw) -> None:
+    """Sampled rows without a draft (one inverse-CDF draw each: accept_random's plain path) give the
+    target's exact joint distribution, and the same test at the same ``n`` rejects a wrong draw."""
     params = SamplingParams(temperature=0.9, top_k=6, top_p=0.95, max_tokens=3, ignore_eos=True, speculative=False)
     prompt = [0, 3, 4, 5]
-    n = 20_480
     expected = exact_joint(target, prompt, params)
-    stat, dof = g_statistic(plain_samples(target, draft, params, prompt, n), expected, n)
+    stat, dof = g_statistic(plain_samples(target, draft, params, prompt, n, **kw), expected, n)
     assert stat < g_test_threshold(dof), f"G={stat:.1f} dof={dof}"
     # A deliberately wrong draw: an off-by-one in the inverse CDF (the token after the one found).
     right = accept_mod.draw
-    monkeypatch.setattr(accept_mod, "draw", lambda P, u: (right(P, u) + 1).clamp(max=P.shape[1] - 1))
-    stat, dof = g_statistic(plain_samples(target, draft, params, prompt, n), expected, n)
+    with monkeypatch.context() as m:
+        m.setattr(accept_mod, "draw", lambda P, u: (right(P, u) + 1).clamp(max=P.shape[1] - 1))
+        stat, dof = g_statistic(plain_samples(target, draft, params, prompt, n, **kw), expected, n)
     assert stat > g_test_threshold(dof), f"the wrong draw went unnoticed: G={stat:.1f} dof={dof}"
+
+
+def test_plain_sampling_matches_target_and_a_wrong_draw_fails(small_vocab_pair, monkeypatch):
+    check_plain_sampling(*small_vocab_pair, monkeypatch)
 
 
 def plain_samples(target, draft, params: SamplingParams, prompt: list[int], n: int, **kw) -> dict:
@@ -503,8 +557,13 @@ def test_fused_sampled_chains_keep_the_targets_distribution(small_vocab_pair, mo
     calls = []
     fused = DraftModelProposer._chain_levels
     monkeypatch.setattr(DraftModelProposer, "_chain_levels", lambda *a: calls.append(1) or fused(*a))
-    stat, dof = g_statistic(engine_samples(target, draft, 1, params, prompt, n), exact_joint(target, prompt, params), n)
+    expected = exact_joint(target, prompt, params)
+    stat, dof = g_statistic(engine_samples(target, draft, 1, params, prompt, n), expected, n)
     assert calls and stat < g_test_threshold(dof), f"G={stat:.1f} dof={dof} (fused calls: {len(calls)})"
+    calls.clear()
+    wrong_residual(monkeypatch)
+    stat, dof = g_statistic(engine_samples(target, draft, 1, params, prompt, n), expected, n)
+    assert calls and stat > g_test_threshold(dof), f"the wrong rule went unnoticed: G={stat:.1f} dof={dof}"
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded-sampling"])

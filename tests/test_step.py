@@ -108,12 +108,25 @@ def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> 
 
 def check_n_choices(plain: LLMEngine, eng: LLMEngine, seed: int = 7) -> None:
     """An n = 3 greedy request through ``eng``, speculating at depth 3, gives the plain engine's
-    choices, and every KV block comes back."""
+    choices, each choice drafted (its proposer heard of its own verified drafts), and every KV block
+    comes back."""
     prompt = prompts(1, seed)[0]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, n=3)
     want = [c.delta_token_ids for c in plain.generate([prompt], params)[0].outputs]
-    out = eng.generate([prompt], SamplingParams(**{**params.__dict__, "num_draft_tokens": 3}))[0]
+    drafted: set[int] = set()
+    on_verified = eng.proposer.on_verified
+
+    def heard(seq, tree, kept):
+        drafted.add(seq.seq_id)
+        return on_verified(seq, tree, kept)
+
+    eng.proposer.on_verified = heard
+    try:
+        out = eng.generate([prompt], SamplingParams(**{**params.__dict__, "num_draft_tokens": 3}))[0]
+    finally:
+        del eng.proposer.on_verified
     assert [c.delta_token_ids for c in out.outputs] == want
+    assert len(drafted) == 3 and out.stats.num_draft_tokens > 0
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 

@@ -90,10 +90,18 @@ def prompts() -> list[list[int]]:
     return [[1, 20 + i, 40 + 3 * i, 7, 100 + i] for i in range(6)]
 
 
-def run(eng: LLMEngine, max_tokens: int = 40) -> list[list[int]]:
+def run(eng: LLMEngine, max_tokens: int = 40, close: bool = False) -> list[list[int]]:
+    """Greedy outputs of the prompts under the specs; ``close``: structures closed within ``max_tokens``
+    (off by default: the reference decodes without it)."""
     ps = prompts()
     params = [
-        SamplingParams(temperature=0.0, max_tokens=max_tokens, structured=SPECS[i % 3], num_draft_tokens=3)
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=max_tokens,
+            structured=SPECS[i % 3],
+            num_draft_tokens=3,
+            close_at_max_tokens=close,
+        )  # fmt: skip
         for i in range(len(ps))
     ]
     return [o.outputs[0].delta_token_ids for o in eng.generate(ps, params)]
@@ -136,18 +144,35 @@ def expected(target):
     return [reference(target, p, SPECS[i % 3], 40) for i, p in enumerate(ps)]
 
 
-@pytest.mark.parametrize("method", list(METHODS))
-@pytest.mark.parametrize("topk", [1, 2], ids=["chains", "trees"])
-def test_greedy_under_a_grammar_is_plain_constrained_decoding(target, tmp_path, expected, method, topk):
-    if method == "plain" and topk == 2:
-        pytest.skip("no drafts: nothing to shape")
+CLOSE_BUDGET = 24  # tokens: the specs' outputs are cut there, so closing shapes them
+
+
+@pytest.fixture(scope="module")
+def closed(target):
+    """Plain decoding's greedy outputs with closing, under a budget that cuts them."""
+    outs = run(make(target), CLOSE_BUDGET, close=True)
+    assert outs != [o[:CLOSE_BUDGET] for o in run(make(target), CLOSE_BUDGET)]  # closing changed something
+    return outs
+
+
+# Each method with chains and with trees; plain decoding once (it drafts nothing for a tree to shape).
+GREEDY_CASES = [(topk, m) for topk in (1, 2) for m in METHODS if not (m == "plain" and topk == 2)]
+
+
+@pytest.mark.parametrize(
+    "topk,method", GREEDY_CASES, ids=[f"{'chains' if topk == 1 else 'trees'}-{m}" for topk, m in GREEDY_CASES]
+)
+def test_greedy_under_a_grammar_is_plain_constrained_decoding(target, tmp_path, expected, closed, method, topk):
     eng = make(target, spec_tree_topk=topk, **METHODS[method](target, tmp_path))
     assert run(eng) == expected
     check_matches(eng, expected)
     if method != "plain":
         assert eng.spec_stats.num_drafts > 0
+    # Structures closed within the budget: every method's rows masked as plain decoding's.
+    assert run(eng, CLOSE_BUDGET, close=True) == closed
     eng.step_runner.constraints.jump_forward = False  # every token through a forward: the same output
     assert run(eng) == expected
+    assert run(eng, CLOSE_BUDGET, close=True) == closed
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 
@@ -258,8 +283,10 @@ def sampled(target, draft, n: int, prompt: list[int], temperature: float) -> dic
     so = StructuredOutput("regex", PATHS)
     per = 64
     for i in range(n // per):
-        # Room for 4: the grammar ends the output at 3, so drafts may run to its end.
-        params = SamplingParams(temperature=temperature, n=per, max_tokens=4, structured=so, num_draft_tokens=3)
+        # Room for 4: the grammar ends the output at 3, so drafts may run to its end (and closing, which
+        # would leave the 3-token outputs as they are, is off: tests/test_closing.py samples with it).
+        params = SamplingParams(temperature=temperature, n=per, max_tokens=4, structured=so, num_draft_tokens=3,
+                                close_at_max_tokens=False)  # fmt: skip
         eng.add_request(f"s{i}", prompt, params)
     toks: dict = {}
     while eng.has_unfinished_requests():
@@ -280,7 +307,9 @@ def test_sampling_under_a_grammar_follows_the_masked_target_and_wrong_rules_fail
     target, draft = letters_pair
     prompt, n, temperature = [0, 4, 5], 10_240, 1.0
     expected = masked_joint(target, prompt, temperature)
-    stat, dof = g_statistic(sampled(target, draft, n, prompt, temperature), expected, n)
+    counts = sampled(target, draft, n, prompt, temperature)
+    assert set(counts) <= set(expected), f"outputs the grammar forbids: {set(counts) - set(expected)}"
+    stat, dof = g_statistic(counts, expected, n)
     assert stat < g_test_threshold(dof), f"G={stat:.1f} dof={dof}"
 
     walk = GrammarState.walk
@@ -313,7 +342,8 @@ def test_a_grammar_that_fails_mid_output_fails_its_request_alone(target, monkeyp
 
     doomed = StructuredOutput("regex", "[0-9]{40}")  # 40 digits: it cannot end before the failure
     monkeypatch.setattr(GrammarState, "advance", failing)
-    params = SamplingParams(temperature=1.0, seed=1, max_tokens=40, structured=doomed)
+    # (not closed within max_tokens, which would force all 40 digits at once)
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=40, structured=doomed, close_at_max_tokens=False)
     plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     bad, good = eng.generate([[1, 5, 9], [1, 6, 7]], [params, plain])
     assert bad.outputs[0].finish_reason == "error" and "step limit" in bad.error

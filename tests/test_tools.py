@@ -12,11 +12,12 @@ from typing import Literal
 
 import openai
 import pytest
+import transformers
 from pydantic import BaseModel, Field
 
 from conftest import build_model_dir
 from server.app import ServerSettings, create_app
-from server.tools import FORMATS, detect_format, fallback_messages
+from server.tools import FALLBACK_SYSTEM, FORMATS, detect_format, fallback_messages
 from servers import Served, engine_factory, serve
 
 MODEL = "tiny-llama"
@@ -162,7 +163,7 @@ def test_auto_without_a_call_is_content_and_none_parses_nothing(client):
     assert not r.choices[0].message.tool_calls and r.choices[0].message.content == CALL_TEXT
 
 
-def test_history_with_tool_calls_and_results(client):
+def test_history_with_tool_calls_and_results(client, llama_dir):
     history = ASK + [
         {
             "role": "assistant",
@@ -178,7 +179,22 @@ def test_history_with_tool_calls_and_results(client):
         {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "21 C, sunny"},
     ]
     r = create(client, messages=history, tools=TOOLS, max_tokens=6)
-    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # This model's template takes no tools: the history is the Hermes-style conversation, written out
+    # here by hand, and the model sees exactly its rendering (the same tokens, so the same greedy text).
+    tools_text = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in TOOLS)
+    hermes = [
+        {"role": "system", "content": FALLBACK_SYSTEM.format(tools=tools_text)},
+        ASK[0],
+        {"role": "assistant", "content": CALL_TEXT},
+        {"role": "user", "content": "<tool_response>\n21 C, sunny\n</tool_response>"},
+    ]
+    tok = transformers.AutoTokenizer.from_pretrained(llama_dir)
+    text = tok.apply_chat_template(hermes, tokenize=False, add_generation_prompt=True)
+    ids = tok.encode(text, add_special_tokens=False)
+    assert r.usage.prompt_tokens == len(ids)
+    plain = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0, extra_body=PINNED)
+    assert r.choices[0].message.content == plain.choices[0].text
+    assert r.choices[0].finish_reason == plain.choices[0].finish_reason
 
 
 @pytest.mark.parametrize(
@@ -235,7 +251,12 @@ def test_each_syntax_reads_what_it_writes_and_its_grammar_compiles(name, srv):
     content, parsed = fmt.parse(fmt.render(calls))
     assert content is None and [(c.name, json.loads(c.arguments)) for c in parsed] == calls
     assert fmt.parse("plain words") == ("plain words", [])
-    assert fmt.parse(fmt.render(calls)[:-3])[1] == []  # cut short: content, not calls
+    # Cut short inside the second call: the whole first call is a call, the cut one neither call nor content.
+    content, parsed = fmt.parse(fmt.render(calls)[:-3], cut=True)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in parsed] == calls[:1]
+    # Whole calls followed by words the model wrote: the calls, and the words as content.
+    content, parsed = fmt.parse(fmt.render(calls) + " Done.")
+    assert content == "Done." and len(parsed) == 2
     from engine.request.structured import StructuredOutput
 
     grammar = fmt.grammar([t["function"] for t in TOOLS], parallel=True)

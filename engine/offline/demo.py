@@ -314,6 +314,14 @@ def num_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def weights_sha256(out: Path) -> dict[str, str]:
+    """The SHA-256 of each model's weights file in a built pair: the report names the weights it measured."""
+    return {
+        name: hashlib.sha256((out / name / "model.safetensors").read_bytes()).hexdigest()
+        for name in ("target", "draft")
+    }
+
+
 def _bf16_autocast_ok(device: torch.device) -> bool:
     """bf16 autocast pays on GPUs and on CPUs with bf16 matrix units; elsewhere it is slower."""
     if device.type == "cuda":
@@ -714,6 +722,7 @@ def _build_into(out: Path, recipe: DemoRecipe, device_name: str, reuse_pretraini
         "device": str(dev),
         "bf16_autocast": _bf16_autocast_ok(dev),
         "weights_dtype": str(SHIPPED_DTYPE).removeprefix("torch."),
+        "weights_sha256": weights_sha256(out),
         "seconds": {
             "data_and_tokenizer": round(t0 - t_start, 1),
             # Pretraining as it ran when it was done (this build may have found it done: cached).
