@@ -124,9 +124,10 @@ def test_lookahead_never_forces_a_preemption() -> None:
 
 
 # -- watermark, partial grants, mixed batches ------------------------------------------------------
-def test_lookahead_keeps_the_watermark_for_admission() -> None:
-    """Drafts take spare blocks only above the watermark, so a waiting prompt is deferred, not
-    admitted into the reserve the running decodes need; nobody is preempted."""
+def test_a_waiting_prompt_is_seated_before_drafts_which_keep_above_the_watermark() -> None:
+    """A waiting prompt is a claimant of the step (the scheduler's fairness rule): it is admitted before
+    anyone drafts. Drafts then take spare blocks only above the watermark, so the running decodes'
+    reserve stays whole; nobody is preempted."""
     bm = BlockManager(200, 4, enable_prefix_caching=False)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
     assert sched.watermark_blocks == 2
@@ -137,19 +138,20 @@ def test_lookahead_keeps_the_watermark_for_admission() -> None:
 
     out = sched.schedule(lookahead=lambda s: 10)
 
-    # Pass 1 takes a block each for a and b (3 free, 1 spare above the watermark). The filler drafts
-    # into that spare block; a and b only into the rest of the block their token took.
-    assert plan(out) == [(filler.seq_id, 1), (a.seq_id, 1), (b.seq_id, 1)]
-    assert out.lookahead == {filler.seq_id: 4, a.seq_id: 3, b.seq_id: 3}
+    # A block each for a and b and one for the prompt (2 free: the watermark). No spare block is left
+    # above it: the filler, whose next draft slot needs a new block, drafts nothing; a and b draft into
+    # the rest of the block their token took.
+    assert plan(out) == [(filler.seq_id, 1), (a.seq_id, 1), (b.seq_id, 1), (waiting.seq_id, 4)]
+    assert out.lookahead == {a.seq_id: 3, b.seq_id: 3}
     assert bm.num_free_blocks == sched.watermark_blocks
-    assert not out.preempted and list(sched.waiting) == [waiting]
+    assert not out.preempted and not sched.waiting
 
-    # Rejected drafts come back; the next step still schedules every decode without preempting.
+    # Rejected drafts come back; the next step schedules every sequence without preempting (the
+    # decodes' own tokens may use the reserve: that is what it is kept for).
     advance(sched, out)
     out = sched.schedule(lookahead=lambda s: 10)
     assert not out.preempted
-    assert [s for s, _ in out.scheduled][:3] == [filler, a, b]
-    assert bm.num_free_blocks >= sched.watermark_blocks
+    assert [s for s, _ in out.scheduled] == [filler, a, b, waiting]
     bm.check_invariants()
 
 
@@ -188,18 +190,21 @@ def test_prefills_and_decodes_mixed_budget_is_exact() -> None:
     w = make_seq(12)
     sched.add(w)
 
-    # A tight budget: the prefill chunk takes what the decodes leave, and nobody drafts.
+    # A tight budget shared by its four claimants (15 // 4 = 3 each while others wait): the decodes take
+    # one token each, the prefill chunk its share and what the others leave, the waiting prompt is
+    # seated with its share, and nobody drafts.
     probe = copy.deepcopy(sched)
     out = probe.schedule(token_budget=15, lookahead=lambda s: 6)
-    assert plan(out) == [(a.seq_id, 1), (b.seq_id, 1), (p.seq_id, 13)]  # the copy keeps seq_ids
-    assert out.lookahead == {} and [s.seq_id for s in probe.waiting] == [w.seq_id]
+    assert plan(out) == [(a.seq_id, 1), (b.seq_id, 1), (p.seq_id, 10), (w.seq_id, 3)]  # the copy keeps seq_ids
+    assert out.lookahead == {} and not probe.waiting
 
     asked: list[int] = []
     out = sched.schedule(lookahead=asking(dict.fromkeys((a.seq_id, b.seq_id, p.seq_id, w.seq_id), 6), asked))
-    # Pass 1: a 1 + b 1 + p 20 = 22; pass 2: 6 + 6; pass 3: w gets the last 6 of the 40.
-    assert plan(out) == [(a.seq_id, 1), (b.seq_id, 1), (p.seq_id, 20), (w.seq_id, 6)]
-    assert asked == [a.seq_id, b.seq_id]  # a prefill is never asked
-    assert out.lookahead == {a.seq_id: 6, b.seq_id: 6}
+    # Shares of 40 // 4 = 10: a 1, b 1, p 10, w 10; what is left goes to the capped ones (p its last 10,
+    # w 2 more); drafts come last, from the 6 left: a's.
+    assert plan(out) == [(a.seq_id, 1), (b.seq_id, 1), (p.seq_id, 20), (w.seq_id, 12)]
+    assert asked == [a.seq_id]  # a prefill is never asked; b's turn came after the budget ran out
+    assert out.lookahead == {a.seq_id: 6}
     assert out.num_tokens + sum(out.lookahead.values()) == 40
     bm.check_invariants()
 

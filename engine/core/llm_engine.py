@@ -26,6 +26,7 @@ from engine.decoding.beam import BeamSearch
 from engine.kv import BlockManager
 from engine.parallel import SINGLE
 from engine.request.checks import InvalidRequestError, RequestLimits, TextFit
+from engine.request.confine import Confine
 from engine.request.outputs import CompletionOutput, RequestOutput, RequestStats
 from engine.request.sampling_params import SamplingParams
 from engine.request.sequence import BeamState, FinishReason, Sequence, SequenceGroup, SequenceStatus, TokenLogprob
@@ -143,9 +144,10 @@ class LLMEngine:
         )
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, max_len, self._finish_seq)
         beams = BeamSearch(self.eos_token_ids, max_len, self._fork_one, self._finish_seq)
+        self.confine = Confine()  # per-request host work: a failure there fails that request alone
         self.step_runner = Step(
             self.runner, self.scheduler, self.proposer, self.controller, self._fork, beams, self.eos_token_ids, max_len,
-            jump_forward=config.grammar_jump_forward,
+            jump_forward=config.grammar_jump_forward, confine=self.confine,
         )  # fmt: skip
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids, config.grammar_cache_size)
         self.ahead = None  # run-ahead decoding (engine/core/ahead.py)
@@ -344,9 +346,11 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one engine step. A failure is confined to the requests it concerns: an exception while
-        finishing one request's tokens fails that request; one in the batched forward fails the
-        requests of that batch. The engine keeps serving the rest."""
+        """Run one engine step. A failure is confined to the requests it concerns: an exception in one
+        request's own work (its strategy, grammar, logprobs, stop checks, detokenizing:
+        engine/request/confine.py) fails that request alone and the rest of the step commits; one in
+        the step's shared work (the schedule, the batched forward) fails the requests of that step.
+        The engine keeps serving the rest."""
         self.swap_in_compiled()
         if self.ahead is not None and self.ahead.pending is not None:
             return self._step_ahead()
@@ -354,47 +358,58 @@ class LLMEngine:
             emits, prompt_seqs = self.step_runner.run()
         except Exception as e:
             return self._step_failed(e)
-        if not emits and not prompt_seqs:
+        if not emits and not prompt_seqs and not self.confine.failed:
             return []
         self.scheduler.regrow()
         self.num_steps += 1
         touched = {seq.group.request_id: seq.group for seq in prompt_seqs}
         self._hand_out(emits, touched)
-        outs = [self._make_output(g) for g in touched.values()]
+        outs = self._outputs(touched)
         if self.ahead is not None:
             outs += self._start_ahead()
         return outs
 
     def _step_failed(self, e: Exception) -> list[RequestOutput]:
         self.step_runner.next_plan = None  # (planned for sequences this failure may preempt)
+        outs = self._outputs({})  # requests that failed alone before the step did
         if is_out_of_memory(e) and self.step_runner.scheduled:
-            return self._shrink_after_oom(e)
+            return outs + self._shrink_after_oom(e)
         failed = {seq.group.request_id: seq.group for seq in self.step_runner.scheduled}
         if not failed:
             raise e  # it failed before any request was in it: not a request's fault
         logger.exception("engine step failed; failing the %d requests in it", len(failed), exc_info=e)
-        return [self._fail_group(g, f"{type(e).__name__}: {e}") for g in failed.values() if g.error is None]
+        return outs + [self._fail_group(g, f"{type(e).__name__}: {e}") for g in failed.values() if g.error is None]
 
     def _hand_out(self, emits: list[Emit], touched: dict[str, SequenceGroup]) -> None:
         """Append each emit's tokens to its sequence (stop checks, detokenizing) and note its request."""
         now = time.monotonic()
         for e in emits:
             seq, group = e.seq, e.seq.group
-            if group.error is not None:  # it failed alone inside the step (e.g. forking): report it
-                if group.request_id in self.groups:
-                    touched[group.request_id] = group
+            if group.error is not None:  # it failed alone inside the step: reported with the others
                 continue
             group.num_decode_steps += 1
-            try:
-                self.outputs.append(seq, e.tokens, e.logprobs)
-                if not seq.is_finished:
-                    self.block_manager.commit(seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed_tokens)
-            except Exception as exc:
-                logger.exception("request %s failed while appending tokens", group.request_id)
-                self._fail_group(group, f"{type(exc).__name__}: {exc}", emit=False)
+            self.confine.run(group, self._append, seq, e)
             if group.first_token_time is None:
                 group.first_token_time = now
             touched[group.request_id] = group
+
+    def _append(self, seq: Sequence, e: Emit) -> None:
+        self.outputs.append(seq, e.tokens, e.logprobs)
+        if not seq.is_finished:
+            self.block_manager.commit(seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed_tokens)
+
+    def _outputs(self, touched: dict[str, SequenceGroup]) -> list[RequestOutput]:
+        """The outputs of the requests a step touched, and the final ones of those that failed alone in it
+        (engine/request/confine.py), ended now: their blocks freed once. Making an output (its text) is
+        a request's own work too: one that raises fails that request."""
+        outs = []
+        for group in touched.values():
+            if group.error is None and (out := self.confine.run(group, self._make_output, group)) is not None:
+                outs.append(out)
+        for group in self.confine.take():
+            if group.request_id in self.groups:
+                outs.append(self._fail_group(group, group.error))
+        return outs
 
     # -- run-ahead decoding (engine/core/ahead.py) -----------------------------------------------------
     def _start_ahead(self) -> list[RequestOutput]:
@@ -443,7 +458,7 @@ class LLMEngine:
         if live:  # (a forward ahead of sequences that all ended is dropped unread)
             self._computed_ahead(live)
             self.ahead.pending = following
-        return [self._make_output(g) for g in touched.values()]
+        return self._outputs(touched)
 
     def _plans_plain(self, ahead: int) -> bool:
         """Whether the controller, if any, drafts nothing in the step after the running sequences'
@@ -485,44 +500,46 @@ class LLMEngine:
             if group is None:
                 continue
             self.abort(request_id)
-            outs.append(
-                RequestOutput(
-                    request_id,
-                    group.prompt_ids,
-                    [CompletionOutput(s.index, "", "", [], None, s.num_output_tokens, "error") for s in group.seqs],
-                    True,
-                    RequestStats(arrival_time=group.arrival_time, num_prompt_tokens=group.num_prompt_tokens),
-                    error=error,
-                )
-            )
+            outs.append(self._error_output(group, error))
         return outs
+
+    @staticmethod
+    def _error_output(group: SequenceGroup, error: str) -> RequestOutput:
+        """A failed request's final output: its error, and no text (a stream has had what it had)."""
+        return RequestOutput(
+            group.request_id,
+            group.prompt_ids,
+            [CompletionOutput(s.index, "", "", [], None, s.num_output_tokens, "error") for s in group.seqs],
+            True,
+            RequestStats(arrival_time=group.arrival_time, num_prompt_tokens=group.num_prompt_tokens),
+            error=error,
+        )
 
     def requests_in_step(self) -> list[str]:
         """The requests the last step scheduled (those a failure of it concerns)."""
         in_step = {seq.group.request_id for seq in self.step_runner.scheduled}
         return [r for r in self.groups if r in in_step]
 
-    def _fail_group(self, group: SequenceGroup, error: str, emit: bool = True) -> RequestOutput | None:
-        """End a request that failed inside the engine; its blocks are freed at once."""
+    def _fail_group(self, group: SequenceGroup, error: str) -> RequestOutput:
+        """End a request that failed inside the engine, with its final output: its blocks are freed at once,
+        those of every sequence of it the scheduler holds (one that failed mid-way through a beam step may
+        hold forks not yet among ``group.seqs``)."""
         group.error = error
-        for seq in group.seqs:
+        held = [s for s in (*self.scheduler.running, *self.scheduler.waiting) if s.group is group]
+        for seq in [*group.seqs, *held]:
             if not seq.is_finished:
                 self._finish_seq(seq)
                 seq.finish_reason = FinishReason.ERROR
-        return self._make_output(group) if emit else None
+        self.groups.pop(group.request_id, None)
+        return self._error_output(group, error)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
-        """Fork the other n - 1 choices of ``parent``'s request. If that fails, the request fails
-        alone: its blocks (the children's shared references too) are freed, the step goes on."""
+        """Fork the other n - 1 choices of ``parent``'s request (the step runs it confined: if it raises,
+        the request fails alone, and the children forked already end with it)."""
         group, children = parent.group, []
-        try:
-            for i in range(1, group.params.n):
-                children.append(self._fork_one(parent, i))
-                group.seqs.append(children[-1])
-        except Exception as e:
-            logger.exception("request %s failed while forking its choices", group.request_id)
-            self._fail_group(group, f"{type(e).__name__}: {e}", emit=False)
-            return []
+        for i in range(1, group.params.n):
+            children.append(self._fork_one(parent, i))
+            group.seqs.append(children[-1])
         return children
 
     def _fork_one(self, parent: Sequence, index: int | None = None) -> Sequence:

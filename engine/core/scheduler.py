@@ -9,25 +9,39 @@ Terms: a *decode* is a running sequence with exactly one uncomputed token (its n
 draft the same forward verifies; each granted slot is one more token of that forward, so it is
 charged to the token budget.
 
-Policy, in three passes:
+*Fair share* (the rule): no sequence takes more than its share of a step's token budget while
+others wait for tokens. Its share is ``budget // claimants``, the *claimants* being the sequences
+with tokens to feed this step: the running ones (parked ones aside) and the waiting ones that free
+seats could admit. A sequence that wants more (a long prompt's next chunk, contrastive search's
+candidates) gets its share, and more only from what is left once everyone else is seated,
+admissions included (pass 3); drafts take only what is left after that (pass 4). So a request takes
+at most ``max(its share, what is left after the others are seated)`` of a step, and one arriving
+beside a wide request is seated in the next step instead of after it. Alone, a sequence's share is
+the whole budget. Splitting changes no output: a prompt's chunks compute what one chunk would, and
+contrastive search keeps its best candidate over the parts of its ``top_k``
+(engine/decoding/contrastive_search.py).
+
+Policy, in four passes:
 1. Mandatory tokens. Running sequences, oldest first: decodes take one token, unfinished prefills
-   take a chunk, contrastive search's candidates go in whole; a *parked* sequence (a beam whose
-   logits row waits for its group's other beams: nothing to feed) takes none. When KV blocks run
-   out, the newest parked sequence is preempted, or else the newest running one (its blocks freed;
-   it waits at the front of the queue and is recomputed later — never dropped, never corrupted).
-   No lookahead is granted here, so drafting can never starve a sequence of its token nor force a
-   preemption.
-2. Lookahead, only if nothing was preempted (a preemption means KV is short, and drafting would
+   take a chunk, contrastive search its candidates, each at most its share; a *parked* sequence (a
+   beam whose logits row waits for its group's other beams: nothing to feed) takes none. When KV
+   blocks run out, the newest parked sequence is preempted, or else the newest running one (its
+   blocks freed; it waits at the front of the queue and is recomputed later — never dropped, never
+   corrupted). No lookahead is granted here, so drafting can never starve a sequence of its token
+   nor force a preemption.
+2. Admission, only if nothing was preempted: waiting sequences are admitted in arrival order while
+   the token budget, ``max_num_seqs`` and free blocks (less the watermark while anything runs)
+   allow, reusing cached prefix blocks, each taking at most its share; parked ones are skipped (they
+   wait for their group, not for compute). Where blocks are short, running parked sequences are
+   preempted to admit a beam (maybe their missing mate), or anyone when nothing but parked sequences
+   runs; when nothing runs at all, waiting choices give up the KV they hold (below).
+3. What is left of the budget goes to the sequences that passes 1 and 2 held to their share, in the
+   order they were seated, within the free blocks above the watermark (it never preempts).
+4. Lookahead, only if nothing was preempted (a preemption means KV is short, and drafting would
    hold blocks the victim needs back). The decodes of pass 1, in running order, each get
    ``min(lookahead(seq), budget left)`` slots, shrunk to what the free pool gives without touching
    the ``watermark_blocks`` reserve that admission keeps; a partial grant (or none) is normal.
-   Lookahead never preempts anyone.
-3. Admission, only if nothing was preempted: waiting sequences are admitted in arrival order while
-   the token budget, ``max_num_seqs`` and free blocks (less the watermark while anything runs)
-   allow, reusing cached prefix blocks; parked ones are skipped (they wait for their group, not for
-   compute). Where blocks are short, running parked sequences are preempted to admit a beam (maybe
-   their missing mate), or anyone when nothing but parked sequences runs; when nothing runs at all,
-   waiting choices give up the KV they hold (below).
+   Lookahead never preempts anyone, and never changes what the other passes give.
 
 *Seats*: a request's first sequence, while on its prompt, holds a seat for each sequence its request
 runs once the prompt is done: its beams (they step together, so all of them), or its ``n`` choices up
@@ -126,26 +140,46 @@ class Scheduler:
         """
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens if token_budget is None else token_budget
-        decodes, budget = self._schedule_running(budget, out)
+        share = max(1, budget // self._claimants())
+        held: list[int] = []  # indices into out.scheduled of sequences held to their share
+        decodes, budget = self._schedule_running(budget, share, out, held)
         if out.preempted:
             return out
+        budget = self._admit(budget, share, out, held)
+        budget = self._give_what_is_left(budget, out, held)
         if lookahead is not None:
-            budget = self._grant_lookahead(decodes, lookahead, budget, out)
-        self._admit(budget, out)
+            self._grant_lookahead(decodes, lookahead, budget, out)
         return out
 
-    def _schedule_running(self, budget: int, out: SchedulerOutput) -> tuple[list[Sequence], int]:
-        """Pass 1: mandatory tokens, oldest first, preempting the newest when blocks run out.
-        Returns the decodes scheduled and the budget left."""
+    def _claimants(self) -> int:
+        """Sequences with tokens to feed this step (module docstring: *fair share*): the running ones with
+        work, and the waiting ones the free seats could admit."""
+        running = sum(1 for s in self.running if not s.parked and (s.num_uncomputed_tokens or s.num_candidates))
+        seats = self.max_num_seqs - sum(self._seats(s) for s in self.running)
+        waiting = min(sum(1 for s in self.waiting if not s.parked), max(seats, 0))
+        return max(1, running + waiting)
+
+    @staticmethod
+    def _wants(seq: Sequence) -> tuple[int, int]:
+        """(the first slot it writes, the tokens it would feed this step): its uncomputed tokens, or its
+        contrastive-search candidates still to feed (after those fed before, in the slots they hold)."""
+        return seq.num_computed_tokens + seq.num_candidates_fed, seq.num_uncomputed_tokens or seq.num_candidates
+
+    def _schedule_running(
+        self, budget: int, share: int, out: SchedulerOutput, held: list[int]
+    ) -> tuple[list[Sequence], int]:
+        """Pass 1: mandatory tokens, oldest first, each at most its share, preempting the newest when
+        blocks run out. Returns the decodes scheduled and the budget left."""
         decodes: list[Sequence] = []
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget) or seq.num_candidates  # candidates are fed whole
-            if seq.parked or not n or n > budget:
+            start, want = self._wants(seq)
+            n = min(want, budget, share)
+            if seq.parked or not n:
                 i += 1
                 continue
-            copies = self.bm.reserve(seq.block_table, seq.num_computed_tokens, seq.num_computed_tokens + n)
+            copies = self.bm.reserve(seq.block_table, start, start + n)
             while copies is None:
                 parked = [s for s in self.running if s.parked]
                 victim = parked[-1] if parked else self.running[-1]  # a parked one loses only its blocks
@@ -154,9 +188,11 @@ class Scheduler:
                 self._preempt(victim, out)
                 if victim is seq:
                     break
-                copies = self.bm.reserve(seq.block_table, seq.num_computed_tokens, seq.num_computed_tokens + n)
+                copies = self.bm.reserve(seq.block_table, start, start + n)
             if copies is None:  # the sequence preempted itself: nothing after it is left to run
                 break
+            if n < want:
+                held.append(len(out.scheduled))
             out.scheduled.append((seq, n))
             out.block_copies.extend(copies)
             if seq.num_uncomputed_tokens == 1:
@@ -165,10 +201,28 @@ class Scheduler:
             i += 1
         return decodes, budget
 
+    def _give_what_is_left(self, budget: int, out: SchedulerOutput, held: list[int]) -> int:
+        """Pass 3: the budget left, to the sequences held to their share, in the order they were seated,
+        within the free blocks above the watermark (it preempts no one). Returns the budget left."""
+        bm, bs = self.bm, self.bm.block_size
+        for j in held:
+            if budget <= 0:
+                break
+            seq, n = out.scheduled[j]
+            start, want = self._wants(seq)
+            spare = bm.num_free_blocks - self.watermark_blocks
+            end = min(start + want, start + n + budget, (len(seq.block_table) + max(spare, 0)) * bs)
+            if end <= start + n or (copies := bm.reserve(seq.block_table, start + n, end)) is None:
+                continue
+            out.scheduled[j] = (seq, end - start)
+            out.block_copies.extend(copies)
+            budget -= end - start - n
+        return budget
+
     def _grant_lookahead(
         self, decodes: list[Sequence], lookahead: Callable[[Sequence], int], budget: int, out: SchedulerOutput
-    ) -> int:
-        """Pass 2: lookahead slots from the budget and free blocks pass 1 left. Returns the budget left.
+    ) -> None:
+        """Pass 4: lookahead slots from the budget and free blocks the other passes left.
 
         A decode's mandatory slot was made writable in pass 1, so its draft slots start one past
         it. Slots in blocks the table already holds privately cost nothing; a new block, or a
@@ -202,7 +256,6 @@ class Scheduler:
             out.lookahead[seq.seq_id] = extra
             budget -= extra
             spare -= cost
-        return budget
 
     def _seats_held(self, group: SequenceGroup) -> int:
         """Seats a request's first sequence holds on its prompt (module docstring: *seats*)."""
@@ -211,8 +264,9 @@ class Scheduler:
     def _seats(self, seq: Sequence) -> int:
         return self._seats_held(seq.group) if seq.index == 0 and seq.num_output_tokens == 0 else 1
 
-    def _admit(self, budget: int, out: SchedulerOutput) -> None:
-        """Pass 3: admit waiting sequences in arrival order, keeping the watermark free."""
+    def _admit(self, budget: int, share: int, out: SchedulerOutput, held: list[int]) -> int:
+        """Pass 2: admit waiting sequences in arrival order, each at most its share, keeping the watermark
+        free. Returns the budget left."""
         seats = self.max_num_seqs - sum(self._seats(s) for s in self.running)
         queue = deque(s for s in self.waiting if not s.parked)  # a parked one has nothing to compute yet
         while queue and budget > 0:
@@ -220,8 +274,8 @@ class Scheduler:
             need_seats = self._seats(seq)
             if need_seats > seats:
                 break
-            held = seq.awaits_seat
-            plan = self._kv_in_hand(seq, budget) if held else self._kv_to_take(seq, budget)
+            in_hand = seq.awaits_seat
+            plan = self._kv_in_hand(seq, min(budget, share)) if in_hand else self._kv_to_take(seq, min(budget, share))
             if plan is None:
                 # Parked beams give way to a beam (perhaps their missing mate), or when nothing else
                 # runs: parked sequences alone would wait for each other forever.
@@ -235,7 +289,7 @@ class Scheduler:
             queue.popleft()
             self.waiting.remove(seq)
             n, prefix_blocks, prefix_hashes = plan
-            if not held:
+            if not in_hand:
                 cached = len(prefix_blocks) * self.bm.block_size
                 self.bm.take_prefix(seq.block_table, seq.block_hashes, prefix_blocks, prefix_hashes)
                 seq.num_computed_tokens = cached
@@ -248,12 +302,15 @@ class Scheduler:
             assert copies is not None, "can_allocate promised these blocks"
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if n < seq.num_uncomputed_tokens:
+                held.append(len(out.scheduled))
             out.scheduled.append((seq, n))
             out.block_copies.extend(copies)
             budget -= n
             seats -= need_seats
-            if held and self._requeue_mates(seq):
+            if in_hand and self._requeue_mates(seq):
                 queue = deque(s for s in self.waiting if not s.parked)
+        return budget
 
     def _kv_to_take(self, seq: Sequence, budget: int) -> tuple[int, list[int], list[int]] | None:
         """(tokens it feeds, cached prefix blocks and their hashes) for a sequence that holds no KV, or

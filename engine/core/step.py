@@ -23,12 +23,13 @@ from engine.attention.staging import to_device
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.decoding.beam import BeamSearch
 from engine.decoding.strategies import Strategies
+from engine.request.confine import Confine
 from engine.request.sequence import Sequence
 from engine.runner.model_runner import ForwardChunk, ModelRunner
 from engine.sampling.accept import ACCEPT, RowsMetadata, acceptance_kind, count_tokens
 from engine.sampling.batch import Batch, Emit, Sample
 from engine.sampling.constrain import Constraints
-from engine.sampling.logprobs import record_prompt_logprobs, token_logprobs, wants_prompt_logprobs
+from engine.sampling.logprobs import LogprobRows, record_prompt_logprobs, wants_prompt_logprobs
 from engine.sampling.tree import DraftTree, tree_layout
 from engine.speculative.proposer import ExtraRows, ProposeContext, Proposer, VerifyRows
 from engine.speculative.stats import SpecStats
@@ -48,6 +49,7 @@ class Step:
         eos_token_ids: list[int],
         max_model_len: int,
         jump_forward: bool = True,
+        confine: Confine | None = None,  # per-request host work: an exception fails its request alone
     ) -> None:
         self.runner, self.scheduler, self.proposer, self.controller = runner, scheduler, proposer, controller
         self.fork = fork
@@ -61,7 +63,8 @@ class Step:
         self._cuts: dict[int, Sample] = {}  # seq_id → its draft cut by its grammar, this step
         self._extra: dict[int, ExtraRows] = {}  # seq_id → the proposer's own rows in this step's forward
         self._planned: dict[int, int] = {}  # seq_id → the depth its draft was granted, this step
-        self.decoding = Strategies(beams, proposer, self.rows)  # beyond sampling: engine/decoding/
+        self.confine = confine or Confine()
+        self.decoding = Strategies(beams, proposer, self.rows, self.confine)  # beyond sampling: engine/decoding/
         self.scheduled: list[Sequence] = []  # this step's sequences (the engine fails them if it raises)
         # A plan the engine asked for this step already (run-ahead decoding asks the controller whether
         # a step drafts before it launches that step's forward; a step that drafts, or whose launch found
@@ -86,13 +89,15 @@ class Step:
         self.mirror(sched)
         trees = self.propose(sched, want)
         batch = self.build(sched, trees)
+        if not batch.chunks:  # every request scheduled failed before the forward (engine/request/confine.py)
+            return [], []
         out, lap = self.target_forward(batch)
         self.advance(batch, out)
         emits = self.accept(batch, out.logits, out.final_hidden)
         self.timed(batch, lap)
         self.commit(batch, emits, out.hidden_states)
         self.feedback(batch, emits, out.logits)
-        record_prompt_logprobs(out.logits, batch.prompt_spans)
+        record_prompt_logprobs(out.logits, batch.prompt_spans, self.confine)
         if self.controller is not None:
             tokens, seconds = sum(len(e.tokens) for e in emits), time.perf_counter() - t0
             self.controller.observe_step(len(self.scheduled), tokens, seconds, self.forward_seconds, len(trees), batch)
@@ -158,8 +163,11 @@ class Step:
         for kind, num_seqs, tokens, seconds in self.proposer.timings():
             self.controller.cost.observe(kind, num_seqs, tokens, seconds)
             self.forward_seconds += seconds
-        self._cuts = {s.seq_id: self.constraints.cut(s, t) for s, t in zip(seqs, trees) if len(t) and s.grammar}
-        for s, t in zip(seqs, trees):  # rows of the proposer's own, in the slots the tree left
+        for s, t in zip(seqs, trees):
+            if len(t) and s.grammar and (cut := self.confine.run(s.group, self.constraints.cut, s, t)) is not None:
+                self._cuts[s.seq_id] = cut
+        drafts = [(s, t) for s, t in zip(seqs, trees) if self.confine.ok(s.group)]  # (a failed one feeds nothing)
+        for s, t in drafts:  # rows of the proposer's own, in the slots the tree left
             kept = self._cuts[s.seq_id].tree if s.seq_id in self._cuts else t
             room = self.max_model_len - s.num_tokens - len(kept)  # its slots stay within the context
             slots = min(sched.lookahead.get(s.seq_id, 0) - len(kept), room)
@@ -170,14 +178,15 @@ class Step:
                 if len(extra) > slots or min(extra.offsets) < 1 or max(extra.offsets) > slots:
                     raise RuntimeError(f"the {self.proposer.method} proposer's rows exceed their {slots} slots")
                 self._extra[s.seq_id] = extra
-        return {s.seq_id: t for s, t in zip(seqs, trees) if len(t) or s.seq_id in self._extra}
+        return {s.seq_id: t for s, t in drafts if len(t) or s.seq_id in self._extra}
 
     # 3. build the one forward: prefill chunks, plain decodes and draft trees side by side
     def build(self, sched: SchedulerOutput, trees: dict[int, DraftTree]) -> Batch:
         b = Batch()
-        searching, row = self.decoding.build(b, sched.scheduled)  # contrastive search's candidates
+        scheduled = [(seq, n) for seq, n in sched.scheduled if self.confine.ok(seq.group)]  # a failed one feeds nothing
+        searching, row = self.decoding.build(b, scheduled)  # contrastive search's candidates
         tok = row
-        for seq, n in [(seq, n) for seq, n in sched.scheduled if seq.seq_id not in searching]:
+        for seq, n in [(seq, n) for seq, n in scheduled if seq.seq_id not in searching]:
             start = seq.num_computed_tokens
             if seq.seq_id in trees:
                 sample = self._cuts.get(seq.seq_id) or Sample(seq, trees[seq.seq_id], 0, 0)
@@ -233,17 +242,18 @@ class Step:
             self.scheduler.bm.commit(seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed_tokens)
             self._computed(seq, start, out.hidden_states, list(range(tok, tok + n)))
             if seq.search is not None:
-                self.decoding.search.record(seq, start, out.final_hidden[tok : tok + n])
+                self.confine.run(seq.group, self.decoding.search.record, seq, start, out.final_hidden[tok : tok + n])
 
     # 5. accept: greedy rows by argmax, sampling rows by lossless rejection sampling (seeded rows by the
     # drafter-invariant rule; typical acceptance, lossy, only where a request asked for it)
     def accept(self, b: Batch, logits: torch.Tensor, final_hidden: torch.Tensor | None = None) -> list[Emit]:
         for s in list(b.samples):
             if s.fork:  # the other choices of an n > 1 request draw their first token from the same row
-                children = self.fork(s.seq)
+                children = self.confine.run(s.seq.group, self.fork, s.seq) or []
                 b.samples.extend(Sample(c, _EMPTY, s.row, s.tok) for c in children)
                 if s.seq.seq_id in self._hidden:  # same prefix, same hidden states: they draft next step too
                     self._hidden.update((c.seq_id, self._hidden[s.seq.seq_id]) for c in children)
+        b.samples = [s for s in b.samples if self.confine.ok(s.seq.group)]
         shaped, b.ended = self.decoding.take(b, logits)
         results = {}
         for part, accept in ACCEPT.items():
@@ -256,9 +266,12 @@ class Step:
             s.accepted = nodes
         asked = [(s, e) for s, e in zip(b.samples, emits[len(b.searches) :]) if s.seq.params.logprobs is not None]
         requests = [([s.row] + [s.row + 1 + i for i in s.accepted], e.tokens, s.seq.params.logprobs) for s, e in asked]
-        for (_, e), lps in zip(asked, token_logprobs(logits, requests)):
-            e.logprobs = lps
-        self.constraints.advance(emits, self.max_model_len)
+        rows = LogprobRows(logits, requests)
+        for i, (s, e) in enumerate(asked):
+            e.logprobs = self.confine.run(s.seq.group, rows.of, i)
+        for e in emits:
+            if e.seq.grammar is not None:
+                self.confine.run(e.seq.group, self.constraints.advance, e, self.max_model_len)
         return emits
 
     # 6. commit: accepted K/V into place, rejected slots released, everyone told what happened
@@ -267,6 +280,8 @@ class Step:
         slot = lambda seq, i: seq.block_table[i // bs] * bs + i % bs  # noqa: E731
         src, dst = self.decoding.place(b, self.scheduler.bm, slot, self.runner.vocab_size)
         for s, e in zip(b.samples, emits[len(b.searches) :]):
+            if not self.confine.ok(s.seq.group):  # (its blocks are freed once the step is over)
+                continue
             count_tokens(s.seq, e.tokens, self.runner.vocab_size)
             drafted = s.drafted
             if not len(drafted) and not s.extra:  # a plain decode: final as fed (advance)
@@ -298,7 +313,7 @@ class Step:
             rows = [
                 VerifyRows(s.seq, s.tree, s.accepted, e.tokens, s.row, self._extra.get(s.seq.seq_id))
                 for s, e in zip(b.samples, emits[len(b.searches) :])
-                if s.extra or (trees and len(s.tree))
+                if (s.extra or (trees and len(s.tree))) and self.confine.ok(s.seq.group)
             ]
             if rows:
                 self.proposer.on_verify_logits(rows, logits)

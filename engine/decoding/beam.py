@@ -26,17 +26,21 @@ proposer here does losslessly.
 
 from __future__ import annotations
 
+import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from engine.attention.staging import take_rows, to_device
+from engine.request.confine import Confine
 from engine.request.sequence import FinishReason, Hypothesis, Sequence, SequenceGroup, SequenceStatus
 from engine.runner.readback import to_host
 from engine.sampling.sampler import apply_logits_processors
 
 _LOST = -1.0e9  # transformers' score for a candidate that may not be chosen
+_LOG_MAX = math.log(sys.float_info.max)
 
 
 @dataclass
@@ -48,6 +52,22 @@ class _Candidate:
     stop_reason: int | str | None = None
     detok: object = None  # the parent's detokenizer with the token appended, when it was needed
     by_token: bool = False  # finished by EOS or a stop token id (which, as in plain decoding, is no text)
+
+
+def length_normed(score: float, length: int, penalty: float) -> float:
+    """``score / length ** penalty``, a hypothesis' score as transformers computes it, where the power is
+    a float; where it is not (1300 ** 100 overflows, 2000 ** -100 is 0), the quotient in log space,
+    which is then 0 or beyond every float and saturates there (at ±0 or ±inf) instead of raising."""
+    try:
+        norm = length**penalty
+    except OverflowError:
+        norm = math.inf
+    if 0.0 < norm < math.inf:
+        return score / norm
+    if score == 0.0:
+        return score
+    log = math.log(abs(score)) - penalty * math.log(length)
+    return math.copysign(math.exp(log) if log < _LOG_MAX else math.inf, score)
 
 
 class BeamSearch:
@@ -62,9 +82,10 @@ class BeamSearch:
         self.max_model_len = max_model_len
         self.fork, self.finish = fork, finish
 
-    def accept(self, samples: list, logits: torch.Tensor, rows_md) -> list[SequenceGroup]:
+    def accept(self, samples: list, logits: torch.Tensor, rows_md, confine: Confine) -> list[SequenceGroup]:
         """Take the beams' logits rows of this step; run the step of every group whose beams all have
-        theirs. Returns the groups whose search ended (their choices are ``group.seqs``)."""
+        theirs, each on its own (a group whose step raises fails alone). Returns the groups whose search
+        ended (their choices are ``group.seqs``)."""
         rows, md = rows_md(samples)
         scores = torch.log_softmax(take_rows(logits, rows).float(), dim=-1)  # [B, V]
         if md.needs_processing:
@@ -78,7 +99,7 @@ class BeamSearch:
         ended = []
         for group in groups.values():
             if group.error is None and all(b.seq_id in group.beam.rows for b in group.seqs):
-                if self._step(group):
+                if confine.run(group, self._step, group):
                     ended.append(group)
         return ended
 
@@ -108,9 +129,9 @@ class BeamSearch:
         # The best `width` candidates that finished become hypotheses (unless the search is settled).
         full = len(st.finished) == width
         if st.improvable and not (full and p.early_stopping is True):
-            norm = generated**p.length_penalty
+            lp = p.length_penalty
             new = [
-                Hypothesis(c.score / norm, self._hypothesis(group, beams[c.parent], c))
+                Hypothesis(length_normed(c.score, generated, lp), self._hypothesis(group, beams[c.parent], c))
                 for c in cands[:width]
                 if c.finish
             ]
@@ -119,7 +140,7 @@ class BeamSearch:
         if running and full:
             best = max(c.score for c in running)
             length = limit if p.early_stopping == "never" and p.length_penalty > 0 else generated
-            st.improvable = st.improvable and best / length**p.length_penalty > st.finished[-1].score
+            st.improvable = st.improvable and length_normed(best, length, p.length_penalty) > st.finished[-1].score
         if not running or not st.improvable or (full and p.early_stopping is True):
             self._end(group)
             return True

@@ -11,10 +11,18 @@ Each step of a request with ``penalty_alpha`` (alpha) and ``top_k`` (k):
    hidden states ``h_j`` of every token before it (prompt and output): the *degeneration penalty*;
 4. its K/V moves to the sequence's next slot and its logits row drives the next step.
 
-So a step costs one target forward of k tokens and no other, and the chosen token's logits come
+So a token costs one target forward of k tokens and no other, and the chosen token's logits come
 from that same forward. The context's hidden states are kept on the device, unit-normed, one row
 per token (computed by the prefill, so a request's prompt is never taken from the prefix cache).
 Contrastive search is deterministic and never speculated.
+
+The k candidates may be *fed over several steps*, a part in each, when the scheduler gives the
+request less than k tokens of a step (its fair share: engine/core/scheduler.py). Each part's
+candidates sit in the slots after the ones fed before, still at the same position, and see the
+context but not those (the mask's columns over them are empty); the best candidate so far is kept
+(its score, logits row and hidden state), and the token is chosen when the last part is in. A
+candidate's score depends on its own forward and the context alone, and ties go to the earlier
+candidate either way, so the choice is the one all k at once would make.
 """
 
 from __future__ import annotations
@@ -23,9 +31,11 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.request.confine import Confine
 from engine.request.sequence import Sequence
 from engine.request.state import SearchState
 from engine.runner.model_runner import ForwardChunk
+from engine.runner.readback import to_host
 from engine.sampling.batch import Sample
 from engine.sampling.sampler import processed
 from engine.sampling.tree import DraftTree
@@ -33,13 +43,15 @@ from engine.sampling.tree import DraftTree
 
 @dataclass
 class Fed:
-    """Candidates of one sequence in this step's forward."""
+    """Candidates of one sequence in this step's forward: ``tokens`` are candidates ``first ..`` of its k."""
 
     seq: Sequence
-    row: int  # logits row of candidate 0 (candidate i: row + i)
-    tok: int  # flat token index of candidate 0
+    row: int  # logits row of this part's first candidate (candidate first + i: row + i)
+    tok: int  # flat token index of this part's first candidate
     tokens: list[int]
-    chosen: int = 0
+    first: int = 0
+    chosen: int | None = None  # once the last part is in: the candidate chosen (of the k) ...
+    token: int | None = None  # ... and its token
 
 
 class ContrastiveSearch:
@@ -50,48 +62,75 @@ class ContrastiveSearch:
         if start == 0:
             st.length = 0
         _append(st, torch.nn.functional.normalize(final.float(), dim=-1))
-        st.next_logits = None
+        st.start_token(None)
 
-    def candidates(self, seqs: list[Sequence], rows_md) -> dict[int, list[int]]:
-        """Each ready sequence's k candidates, best first (one transfer for all)."""
+    def candidates(self, seqs: list[Sequence], rows_md) -> None:
+        """Each sequence's k candidates for its next token, best first, and their probabilities (one
+        transfer for all)."""
         if not seqs:
-            return {}
+            return
         _, md = rows_md([Sample(s, DraftTree(), i, 0) for i, s in enumerate(seqs)])
         logits = torch.stack([s.search.next_logits for s in seqs])  # [B, V]
         probs = torch.softmax(processed(logits, md), dim=-1)
         k = max(s.params.top_k for s in seqs)
         top, ids = probs.topk(k, dim=-1)  # [B, k]
-        out = {}
         for s, p, t in zip(seqs, top, ids.tolist()):
             s.search.probs = p[: s.params.top_k]
-            out[s.seq_id] = t[: s.params.top_k]
-        return out
+            s.search.tokens = t[: s.params.top_k]
 
     @staticmethod
-    def chunk(seq: Sequence, tokens: list[int]) -> ForwardChunk:
-        """The candidates side by side at the next position, each seeing the context and itself."""
-        k, start = len(tokens), seq.num_computed_tokens
-        mask = torch.eye(k, dtype=torch.bool)
-        return ForwardChunk(tokens, start, seq.block_table, k, [start] * k, mask)
+    def chunk(seq: Sequence, n: int) -> ForwardChunk:
+        """Its next ``n`` candidates side by side at the next position, after the ones fed before in the
+        slots, each seeing the context and itself."""
+        st, c = seq.search, seq.num_computed_tokens
+        mask = torch.zeros(n, st.fed + n, dtype=torch.bool)
+        mask[:, st.fed :] = torch.eye(n, dtype=torch.bool)
+        tokens = st.tokens[st.fed : st.fed + n]
+        return ForwardChunk(tokens, c + st.fed, seq.block_table, n, [c] * n, mask, mask_start=c)
 
-    def choose(self, fed: list[Fed], logits: torch.Tensor, final: torch.Tensor) -> None:
-        """Pick each sequence's candidate (``Fed.chosen``) and move its state on to the next step."""
-        if not fed:
-            return
-        picks = []
-        for f in fed:
-            st, alpha = f.seq.search, f.seq.params.penalty_alpha
-            k = len(f.tokens)
-            h = torch.nn.functional.normalize(final[f.tok : f.tok + k].float(), dim=-1)  # [k, H]
-            penalty = (h @ st.context[: st.length].T).amax(dim=-1)  # [k] closest earlier token, by cosine
-            score = (1.0 - alpha) * st.probs - alpha * penalty
-            # A candidate of probability 0 (fewer allowed tokens than top_k: a grammar, a ban) is never picked.
-            picks.append(score.masked_fill(st.probs <= 0, float("-inf")).argmax())
-        for f, best in zip(fed, torch.stack(picks).tolist()):
-            st = f.seq.search
-            f.chosen = best
-            _append(st, torch.nn.functional.normalize(final[f.tok + best : f.tok + best + 1].float(), dim=-1))
-            st.next_logits, st.probs = logits[f.row + best], None
+    def choose(self, fed: list[Fed], logits: torch.Tensor, final: torch.Tensor, confine: Confine) -> list[Fed]:
+        """Score each part's candidates and keep each sequence's best so far; pick the candidate of those
+        whose last part is in (``Fed.chosen``) and move them on to their next token. Returns those (a
+        sequence whose scoring raises fails alone)."""
+        scored = [(f, s) for f in fed if (s := confine.run(f.seq.group, self._score, f, final)) is not None]
+        if not scored:
+            return []
+        best = torch.stack([s.argmax() for _, s in scored])
+        values = torch.stack([s[b] for (_, s), b in zip(scored, best)])
+        done = []
+        for (f, _), i, v in zip(scored, *to_host(best, values)):  # one transfer
+            if confine.run(f.seq.group, self._keep, f, int(i), float(v), logits, final):
+                done.append(f)
+        return done
+
+    @staticmethod
+    def _score(f: Fed, final: torch.Tensor) -> torch.Tensor:
+        """``[n]`` each candidate's score: its probability less the degeneration penalty."""
+        st, alpha, n = f.seq.search, f.seq.params.penalty_alpha, len(f.tokens)
+        h = torch.nn.functional.normalize(final[f.tok : f.tok + n].float(), dim=-1)  # [n, H]
+        penalty = (h @ st.context[: st.length].T).amax(dim=-1)  # [n] closest earlier token, by cosine
+        probs = st.probs[f.first : f.first + n]
+        score = (1.0 - alpha) * probs - alpha * penalty
+        # A candidate of probability 0 (fewer allowed tokens than top_k: a grammar, a ban) is never picked.
+        return score.masked_fill(probs <= 0, float("-inf"))
+
+    @staticmethod
+    def _keep(f: Fed, i: int, value: float, logits: torch.Tensor, final: torch.Tensor) -> bool:
+        """Keep this part's best candidate (``i``) if it beats the parts' before (a tie keeps the earlier);
+        after the last part, choose. Whether the token was chosen."""
+        st = f.seq.search
+        last = f.first + len(f.tokens) == len(st.tokens)
+        if st.best is None or value > st.best[0]:
+            row, h = logits[f.row + i], final[f.tok + i : f.tok + i + 1]
+            st.best = (value, f.first + i, row, h) if last else (value, f.first + i, row.clone(), h.clone())
+        st.fed = f.first + len(f.tokens)
+        if not last:
+            return False
+        _, f.chosen, row, h = st.best
+        f.token = st.tokens[f.chosen]
+        _append(st, torch.nn.functional.normalize(h.float(), dim=-1))
+        st.start_token(row)
+        return True
 
 
 def _append(st: SearchState, rows: torch.Tensor) -> None:

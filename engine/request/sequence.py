@@ -136,9 +136,17 @@ class Sequence:
 
     @property
     def num_candidates(self) -> int:
-        """Contrastive search's candidate tokens it feeds next, all at once (0: none pending)."""
-        ready = self.search is not None and self.search.next_logits is not None and self.num_uncomputed_tokens == 0
-        return self.params.top_k if ready else 0
+        """Contrastive search's candidate tokens still to feed for its next token (0: none pending)."""
+        return self.params.top_k - self.search.fed if self._choosing else 0
+
+    @property
+    def num_candidates_fed(self) -> int:
+        """Those of its next token fed in earlier steps: they hold the KV slots after its context."""
+        return self.search.fed if self._choosing else 0
+
+    @property
+    def _choosing(self) -> bool:
+        return self.search is not None and self.search.next_logits is not None and self.num_uncomputed_tokens == 0
 
     def __repr__(self) -> str:
         return (

@@ -20,7 +20,15 @@ class SearchState:
     context: torch.Tensor | None = None  # [capacity, H] float32 unit-norm final hidden states; rows < length
     length: int = 0
     next_logits: torch.Tensor | None = None  # [V] raw logits of the next token, once it is to be chosen
-    probs: torch.Tensor | None = None  # [k] the candidates' probabilities, while they are fed
+    # The next token's candidates while they are fed (over one step or several):
+    tokens: list[int] | None = None  # [k] best first
+    probs: torch.Tensor | None = None  # [k] their probabilities
+    fed: int = 0  # how many are fed (their K/V in the slots after the context)
+    best: tuple | None = None  # the best fed so far: (score, candidate, [V] logits row, [1, H] final hidden)
+
+    def start_token(self, next_logits: torch.Tensor | None) -> None:
+        """On to choosing the next token (from these logits; None: not yet known), no candidate fed."""
+        self.next_logits, self.tokens, self.probs, self.fed, self.best = next_logits, None, None, 0, None
 
 
 class NgramIndex:

@@ -50,21 +50,18 @@ class Constraints:
         )
         return Sample(seq, cut, 0, 0, masks=walk.masks, proposed=tree, kept=walk.kept)
 
-    def advance(self, emits: list[Emit], max_model_len: int) -> None:
-        """Each constrained sequence's grammar follows what it emitted; tokens it then forces join the
-        emit (up to the sequence's room)."""
-        for e in emits:
-            grammar = e.seq.grammar
-            if grammar is None:
-                continue
-            kept = grammar.advance(e.tokens)
-            if kept < len(e.tokens):  # the grammar completed before the last: the output ends there
-                del e.tokens[kept:]
-                if e.logprobs is not None:
-                    del e.logprobs[kept:]
-            if self.jump_forward and e.seq.params.logprobs is None and e.logprobs is None:
-                room = e.seq.tokens_left(max_model_len) - len(e.tokens)
-                forced = grammar.forced(room)
-                self.forced_tokens += len(forced)
-                e.seq.group.num_forced_tokens += len(forced)
-                e.tokens.extend(forced)
+    def advance(self, e: Emit, max_model_len: int) -> None:
+        """A constrained sequence's grammar follows what it emitted; tokens it then forces join the emit
+        (up to the sequence's room)."""
+        grammar = e.seq.grammar
+        kept = grammar.advance(e.tokens)
+        if kept < len(e.tokens):  # the grammar completed before the last: the output ends there
+            del e.tokens[kept:]
+            if e.logprobs is not None:
+                del e.logprobs[kept:]
+        if self.jump_forward and e.seq.params.logprobs is None and e.logprobs is None:
+            room = e.seq.tokens_left(max_model_len) - len(e.tokens)
+            forced = grammar.forced(room)
+            self.forced_tokens += len(forced)
+            e.seq.group.num_forced_tokens += len(forced)
+            e.tokens.extend(forced)

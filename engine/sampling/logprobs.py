@@ -9,37 +9,47 @@ from __future__ import annotations
 import torch
 
 from engine.attention.staging import take_rows, to_device
+from engine.request.confine import Confine
 from engine.request.sequence import Sequence, TokenLogprob
 from engine.runner.readback import to_host
 
 
-def token_logprobs(
-    logits: torch.Tensor,  # [N, V] raw logits of the forward
-    requests: list[tuple[list[int], list[int], int]],  # per request: (rows, tokens drawn at them, top k)
-) -> list[list[TokenLogprob]]:
-    """For each request, the logprob of each token at its row and the ``k`` best alternatives."""
-    if not requests:
-        return []
-    rows = [r for rs, _, _ in requests for r in rs]
-    tokens = [t for _, ts, _ in requests for t in ts]
-    lp = torch.log_softmax(take_rows(logits, rows).float(), dim=-1)  # [R, V]
-    chosen = lp.gather(1, to_device(tokens, lp.device, torch.int64)[:, None])[:, 0]
-    k = max(k for *_, k in requests)
-    top_v = top_i = None
-    if k > 0:
-        v, i = lp.topk(min(k, lp.shape[1]), dim=-1)
-        chosen, top_v, top_i = to_host(chosen, v, i)  # one transfer
-    else:
-        (chosen,) = to_host(chosen)
-    out, j = [], 0
-    for _, ts, kk in requests:
-        lps = []
-        for tok in ts:
-            top = list(zip(top_i[j][:kk], top_v[j][:kk])) if kk and top_i is not None else []
-            lps.append(TokenLogprob(tok, chosen[j], top))
-            j += 1
-        out.append(lps)
-    return out
+class LogprobRows:
+    """Logprobs of a forward's rows for several requests: gathered for all of them in a few batched ops
+    and one transfer, then handed to each request (:meth:`of`), one by one (a failure in one request's
+    share fails that request alone: engine/request/confine.py)."""
+
+    def __init__(
+        self,
+        logits: torch.Tensor,  # [N, V] raw logits of the forward
+        requests: list[tuple[list[int], list[int], int]],  # per request: (rows, tokens drawn at them, top k)
+    ) -> None:
+        self.requests = requests
+        self.first = [0]  # each request's first gathered row
+        for rs, _, _ in requests:
+            self.first.append(self.first[-1] + len(rs))
+        self.chosen = self.top_v = self.top_i = None
+        if not requests:
+            return
+        rows = [r for rs, _, _ in requests for r in rs]
+        tokens = [t for _, ts, _ in requests for t in ts]
+        lp = torch.log_softmax(take_rows(logits, rows).float(), dim=-1)  # [R, V]
+        chosen = lp.gather(1, to_device(tokens, lp.device, torch.int64)[:, None])[:, 0]
+        k = max(k for *_, k in requests)
+        if k > 0:
+            v, i = lp.topk(min(k, lp.shape[1]), dim=-1)
+            self.chosen, self.top_v, self.top_i = to_host(chosen, v, i)  # one transfer
+        else:
+            (self.chosen,) = to_host(chosen)
+
+    def of(self, i: int) -> list[TokenLogprob]:
+        """Request ``i``'s logprob of each token at its rows, with its ``k`` best alternatives."""
+        _, ts, k = self.requests[i]
+        out = []
+        for j, tok in enumerate(ts, self.first[i]):
+            top = list(zip(self.top_i[j][:k], self.top_v[j][:k])) if k and self.top_i is not None else []
+            out.append(TokenLogprob(tok, self.chosen[j], top))
+        return out
 
 
 def wants_prompt_logprobs(seq: Sequence, start: int) -> bool:
@@ -53,7 +63,7 @@ def wants_prompt_logprobs(seq: Sequence, start: int) -> bool:
     )
 
 
-def record_prompt_logprobs(logits: torch.Tensor, spans: list[tuple[Sequence, int, int, int]]) -> None:
+def record_prompt_logprobs(logits: torch.Tensor, spans: list[tuple[Sequence, int, int, int]], confine: Confine) -> None:
     """Logprob of each prompt token given the tokens before it, with the top alternatives.
 
     ``spans``: (sequence, first logits row, first position, count) of prefill chunks that asked for
@@ -73,5 +83,7 @@ def record_prompt_logprobs(logits: torch.Tensor, spans: list[tuple[Sequence, int
             rows = [first_row + p - start for p in pos]
             per_seq.append((rows, [seq.token_ids[p + 1] for p in pos], seq.params.prompt_logprobs))
             owners.append(group)
-    for group, lps in zip(owners, token_logprobs(logits, per_seq)):
-        group.prompt_logprobs.extend(lps)
+    rows = LogprobRows(logits, per_seq)
+    for i, group in enumerate(owners):
+        if (lps := confine.run(group, rows.of, i)) is not None:
+            group.prompt_logprobs.extend(lps)
