@@ -56,6 +56,13 @@ class EngineConfig:
     # Attention backend: auto | sdpa | triton (engine/attention). auto: triton on CUDA where Triton imports,
     # else sdpa (the CPU path and the reference).
     attention_backend: str = "auto"
+    # Batch invariance (docs/speculative.md, "The promise"): a request's tokens depend on nothing but the
+    # request. The target runs on operators whose every output is one computation in one order whatever
+    # the rows beside it (engine/models/invariant.py), attention on one path for every query (a decode's,
+    # a verify's, a prefill chunk's), and compiled forwards round as eager ones do. auto | on | off; auto:
+    # on for CPUs (float32, bfloat16; unquantized), where it is faster than the batch-variant path
+    # (docs/benchmarks.md); off on GPUs, whose invariant kernels are not built yet.
+    batch_invariant: str = "auto"
     # Speculative decoding.
     # none | draft | ouroboros | ngram | suffix | lookahead | layer-skip | medusa | eagle | mtp
     # (engine/speculative/methods).
@@ -154,6 +161,7 @@ class EngineConfig:
         check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be positive")
         check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be at least 2")
         check(self.compile in ("auto", "on", "off"), f"compile must be auto, on or off, got {self.compile!r}")
+        check(self.batch_invariant in ("auto", "on", "off"), "batch_invariant must be auto, on or off")
         check(
             self.attention_backend in ("auto", *ATTENTION_BACKENDS),
             f"attention_backend must be auto or one of {list(ATTENTION_BACKENDS)}, got {self.attention_backend!r}",
@@ -201,6 +209,16 @@ class EngineConfig:
         if env:
             return env == "on"
         return self.torch_device.type == "cpu"
+
+    @property
+    def batch_invariant_enabled(self) -> bool:
+        """Whether the target runs the batch-invariant operators. auto: on where they are built (a CPU,
+        float32 or bfloat16, unquantized weights, the sdpa attention backend), compiled or not: there they
+        are faster than the variant path (docs/benchmarks.md)."""
+        if self.batch_invariant != "auto":
+            return self.batch_invariant == "on"
+        covered = self.quantization is None and self.torch_dtype in (torch.float32, torch.bfloat16)
+        return self.torch_device.type == "cpu" and covered and self.attention_backend in ("auto", "sdpa")
 
     @property
     def async_scheduling_enabled(self) -> bool:

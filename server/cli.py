@@ -62,6 +62,15 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
         help="paged attention kernels (auto: triton on CUDA where Triton imports, else sdpa, the CPU reference)",
     )
     g.add_argument(
+        "--batch-invariant",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="a request's tokens depend on nothing but the request (not its batch, the step budget, speculation, "
+        "the prefix cache): the target's linear layers on one kernel whose sums have one order whatever the rows, "
+        "attention on one path, forwards eager (auto: on for CPUs whose forwards are not compiled; "
+        "docs/speculative.md)",
+    )
+    g.add_argument(
         "--enforce-eager",
         action="store_true",
         help="GPU: run every forward eagerly instead of replaying captured CUDA graphs for decode and verify",

@@ -88,7 +88,8 @@ def test_the_window_guesses_what_the_target_says_after_each_trajectory(target): 
 
 @pytest.mark.parametrize("shared", [False, True])
 def test_greedy_output_is_the_plain_decoders(target, shared):  # noqa: F811
-    prompts = repetitive_prompts(10, seed=3)
+    # (seed 5: prompts on which the random model repeats itself, so that the pools have something to find)
+    prompts = repetitive_prompts(10, seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     plain = [o.outputs[0].delta_token_ids for o in make(target).generate(prompts, params)]
     # A small pool: preemption too; prefix caching is on (the default) and the prompts repeat.

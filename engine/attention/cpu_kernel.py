@@ -44,9 +44,10 @@ def load_cpu_kernel() -> bool:
     return True
 
 
-def build_cpu_extension(stem: str, source_path: Path) -> None:
+def build_cpu_extension(stem: str, source_path: Path, flags: tuple[str, ...] = ()) -> None:
     """Build (once per source, CPU and environment; later processes only load it) and load the C++
-    source at ``source_path``, which registers its kernels itself; raises where it cannot."""
+    source at ``source_path``, which registers its kernels itself; raises where it cannot. ``flags``:
+    the compiler's, beside the defaults."""
     from torch.utils.cpp_extension import load_inline
 
     _put_ninja_on_path()
@@ -54,13 +55,14 @@ def build_cpu_extension(stem: str, source_path: Path) -> None:
     # -march=native: the build is for this CPU, so its cache entry is named after the CPU too, and
     # after the Python environment (its include paths are in the build: two virtualenvs sharing
     # one entry would rebuild it in turn, each under the other's lock).
-    key = " ".join([source, *cpu_flags(), sys.prefix, torch.__version__])
+    key = " ".join([source, *flags, *cpu_flags(), sys.prefix, torch.__version__])
     name = f"{stem}_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
     _clear_stale_lock(name)
     load_inline(
         name=name,
         cpp_sources=source,
-        extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+        extra_cflags=["-O3", "-march=native", "-fopenmp-simd", *flags],
+        extra_ldflags=[flag for flag in flags if flag == "-fopenmp"],
         is_python_module=False,
         verbose=False,
     )

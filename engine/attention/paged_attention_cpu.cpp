@@ -5,7 +5,8 @@
 //
 // - few queries per sequence (decode, draft levels, verify trees): one pass per (token, KV head)
 //   reads each key and value row once for the whole query-head group, straight from the pool;
-// - more (prefill chunks): the reference's gather + scaled_dot_product_attention, in ATen calls.
+// - more (prefill chunks): the reference's gather + scaled_dot_product_attention, in ATen calls;
+//   augur::paged_attention_rows (the batch-invariant mode) takes the first path for every query.
 //
 // Either way it runs without returning to Python: a compiled forward calls it once per layer, and
 // for a small model the Python implementation's interpreter and dispatch cost more than its maths.
@@ -250,9 +251,9 @@ at::Tensor gathered_attention(const at::Tensor& q, const at::Tensor& k_cache, co
   return out.transpose(1, 2).reshape({B * Q, H * D}).index_select(0, q_index);
 }
 
-at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor kv_pool,
-                               int64_t layer, const at::Tensor& slot_mapping, const at::Tensor& kv_slots,
-                               const at::Tensor& mask, const at::Tensor& q_index, double scale, double softcap) {
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor kv_pool, int64_t layer,
+                     const at::Tensor& slot_mapping, const at::Tensor& kv_slots, const at::Tensor& mask,
+                     const at::Tensor& q_index, double scale, double softcap, bool rows_only) {
   TORCH_CHECK(kv_pool.is_contiguous(), "augur::paged_attention: the KV pool must be contiguous");
   TORCH_CHECK(k.scalar_type() == kv_pool.scalar_type() && v.scalar_type() == kv_pool.scalar_type(),
               "augur::paged_attention: new K/V and the pool must share a dtype");
@@ -266,7 +267,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
   });
   if (T == 0) return q.new_empty({0, H * D});
   const int64_t Q = mask.size(2);
-  if (Q > kMaxFusedQueries || q.scalar_type() != kv_pool.scalar_type()) {
+  if ((Q > kMaxFusedQueries && !rows_only) || q.scalar_type() != kv_pool.scalar_type()) {
     return gathered_attention(q, k_cache, v_cache, kv_slots, mask, q_index, scale, softcap);
   }
   at::Tensor out = at::empty({T, H, D}, q.options());
@@ -278,6 +279,25 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
   return out.view({T, H * D});
 }
 
+at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor kv_pool,
+                               int64_t layer, const at::Tensor& slot_mapping, const at::Tensor& kv_slots,
+                               const at::Tensor& mask, const at::Tensor& q_index, double scale, double softcap) {
+  return attention(q, k, v, kv_pool, layer, slot_mapping, kv_slots, mask, q_index, scale, softcap, false);
+}
+
+// augur::paged_attention_rows: every query by the fused path, whatever the number of queries. Each
+// (token, KV head) item is computed alone, over its visible keys in their order, so a token's output
+// is the same in a decode, a verify tree and a prefill chunk of any length: the batch-invariant mode.
+at::Tensor paged_attention_rows_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor kv_pool,
+                                    int64_t layer, const at::Tensor& slot_mapping, const at::Tensor& kv_slots,
+                                    const at::Tensor& mask, const at::Tensor& q_index, double scale, double softcap) {
+  TORCH_CHECK(q.scalar_type() == kv_pool.scalar_type(), "augur::paged_attention_rows: q and the pool share a dtype");
+  return attention(q, k, v, kv_pool, layer, slot_mapping, kv_slots, mask, q_index, scale, softcap, true);
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(augur, CPU, m) { m.impl("paged_attention", &paged_attention_cpu); }
+TORCH_LIBRARY_IMPL(augur, CPU, m) {
+  m.impl("paged_attention", &paged_attention_cpu);
+  m.impl("paged_attention_rows", &paged_attention_rows_cpu);
+}

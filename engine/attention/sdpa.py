@@ -32,6 +32,9 @@ class SdpaMetadata:
     q_index: torch.Tensor  # [T] int64: flat token → row of the padded [B * Qmax] queries
     num_seqs: int
     max_q: int
+    # Batch-invariant mode: every query takes one path (augur::paged_attention_rows), so a token's output
+    # does not depend on how many queries came with it.
+    rows_only: bool = False
 
     def levels(self) -> list[SdpaMetadata]:
         """A batch of causal chunks of one length ``L`` (no padding, no tree masks) as ``L`` forwards of
@@ -42,7 +45,9 @@ class SdpaMetadata:
         slots = self.slot_mapping.view(B, L).t().contiguous()
         level = lambda m, d: None if m is None else m[:, :, d : d + 1].contiguous()  # noqa: E731
         return [
-            SdpaMetadata(slots[d], self.kv_slots, level(self.mask, d), level(self.sliding_mask, d), rows, B, 1)
+            SdpaMetadata(
+                slots[d], self.kv_slots, level(self.mask, d), level(self.sliding_mask, d), rows, B, 1, self.rows_only
+            )
             for d in range(L)
         ]
 
@@ -56,9 +61,8 @@ class SdpaMetadata:
 
     def attend(self, q, k, v, kv_pool, layer: int, scale: float, sliding: bool, softcap: float) -> torch.Tensor:
         mask = self.sliding_mask if sliding else self.mask
-        return torch.ops.augur.paged_attention(
-            q, k, v, kv_pool, layer, self.slot_mapping, self.kv_slots, mask, self.q_index, scale, softcap
-        )
+        op = torch.ops.augur.paged_attention_rows if self.rows_only else torch.ops.augur.paged_attention
+        return op(q, k, v, kv_pool, layer, self.slot_mapping, self.kv_slots, mask, self.q_index, scale, softcap)
 
 
 def build_sdpa_metadata(
@@ -72,6 +76,7 @@ def build_sdpa_metadata(
     sliding_window: int | None = None,
     device: torch.device | str = "cpu",
     pack: Pack | None = None,  # the forward's other inputs: the metadata joins their one copy
+    rows_only: bool = False,  # the batch-invariant mode: every query on one path (SdpaMetadata.rows_only)
 ) -> SdpaMetadata:
     """Build attention metadata for sequences laid out back to back in the flat batch.
 
@@ -116,6 +121,7 @@ def build_sdpa_metadata(
             q_index=pack[staged[3]],
             num_seqs=B,
             max_q=1,
+            rows_only=rows_only,
         )
 
     # Flat token → (sequence, new-token index).
@@ -172,6 +178,7 @@ def build_sdpa_metadata(
         q_index=pack[staged[3]],
         num_seqs=B,
         max_q=max_q,
+        rows_only=rows_only,
     )
 
 
@@ -233,3 +240,11 @@ def _paged_attention_fake(q, k, v, kv_pool, layer, slot_mapping, kv_slots, mask,
 
 _lib.impl("paged_attention", _paged_attention_impl, "CompositeExplicitAutograd")
 torch.library.register_fake("augur::paged_attention", _paged_attention_fake, lib=_lib)
+# The same attention with every query on one path (the batch-invariant mode): its CPU kernel is the
+# C++ one's fused path; elsewhere the reference serves (the mode is built for CPUs only).
+_lib.define(
+    "paged_attention_rows(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_pool, int layer, Tensor slot_mapping, "
+    "Tensor kv_slots, Tensor mask, Tensor q_index, float scale, float softcap=0.0) -> Tensor"
+)
+_lib.impl("paged_attention_rows", _paged_attention_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("augur::paged_attention_rows", _paged_attention_fake, lib=_lib)

@@ -90,6 +90,7 @@ class EngineFront(abc.ABC):
         self._lock = threading.Lock()  # guards _streams
         self.dead_error: str | None = None
         self.tensor_parallel_size = 1  # ranks the target is sharded over (set by a subclass)
+        self.batch_invariant = False  # the engine's batch-invariant mode is in force (set by a subclass)
         self.step_hooks: list = []  # callables(outputs, step_seconds), run where the outputs arrive
         self._unstarted: dict[
             str, float
@@ -340,6 +341,7 @@ class AsyncEngine(EngineFront):
         super().__init__()
         self.engine = engine
         self.tensor_parallel_size = engine.config.tensor_parallel_size
+        self.batch_invariant = engine.batch_invariant
         self._bind(engine.tokenizer, engine.limits, engine.grammars, engine.generation_defaults)
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._wakeup = threading.Event()

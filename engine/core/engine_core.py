@@ -81,6 +81,7 @@ class EngineInfo:
     grammar_cache_size: int
     compile_state: str
     spec_depth: int
+    batch_invariant: bool = False  # a request's tokens depend on nothing but the request
 
 
 class StepMessage(msgspec.Struct, array_like=True):
@@ -235,7 +236,7 @@ def run_engine_core(config: EngineConfig, commands_addr: str, outputs_addr: str,
         engine.compile_in_background()
         info = EngineInfo(
             engine.limits, engine.spec_method, cache_info(engine), list(engine.eos_token_ids),
-            config.grammar_cache_size, engine.compile_state, config.num_speculative_tokens,
+            config.grammar_cache_size, engine.compile_state, config.num_speculative_tokens, engine.batch_invariant,
         )  # fmt: skip
     except Exception as e:
         logger.exception("the engine could not be built")
@@ -304,6 +305,7 @@ class ProcessEngine(EngineFront):
             self._stop_process()
             raise
         self.spec_method = self.info.spec_method
+        self.batch_invariant = self.info.batch_invariant
         self.cache_info = self.info.cache
         self._compile_state = self.info.compile_state
         self._spec = SpecStats(self.info.spec_depth)

@@ -94,16 +94,24 @@ class LLMEngine:
             self.device = rank_device(config, 0)
             runner_cls, front = ShardedRunner, (self.workers,)
         tp = self.workers.tp if self.workers is not None else SINGLE
+        invariant = config.batch_invariant_enabled
         model = load_model(
             self.model_path, self.hf_config, self.dtype, self.device, max_len, pack=not compiled,
-            quantization=config.quantization, tp=tp,
+            quantization=config.quantization, tp=tp, batch_invariant=invariant,
         )  # fmt: skip
+        if invariant and not model.batch_invariant:  # a quantized checkpoint (NF4 saved by bitsandbytes)
+            if config.batch_invariant == "on":
+                raise ValueError("the batch-invariant mode has no kernel for quantized layers yet: serve with "
+                                 "--batch-invariant off")  # fmt: skip
+            invariant = False
+        self.batch_invariant = invariant  # a request's tokens depend on nothing but the request
         logger.info("loaded %s in %.1fs (%s, %s)", self.model_path, time.perf_counter() - t0, self.dtype, self.device)
         if tp.size > 1:
             logger.info("tensor parallel: rank 0 of %d", tp.size)
         self.runner = runner_cls(
             *front, model, self.hf_config, self.device, self.dtype, config.block_size, compile=compiled,
             attention_backend=config.attention_backend, cuda_graph_max_seqs=config.cuda_graph_max_seqs,
+            batch_invariant=invariant,
         )  # fmt: skip
         self.proposer = None
         if config.speculative_method != "none" and config.num_speculative_tokens > 0:

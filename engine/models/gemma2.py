@@ -20,19 +20,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, sliding_window_of
+from engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, RMSNorm, sliding_window_of
 from engine.parallel import SINGLE, TensorParallel
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(RMSNorm):
     """RMSNorm scaled by ``1 + weight`` (a zero weight is the identity scale), all in float32."""
 
+    unit_offset = True
+
     def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
+        super().__init__(dim, eps)
+        nn.init.zeros_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.invariant:
+            return super().forward(x)
         y = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return (y * (1.0 + self.weight.float())).to(x.dtype)
 
@@ -114,6 +117,8 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] → [N, vocab] float32
         logits = super().compute_logits(hidden)
-        if self.final_softcap > 0.0:
+        if self.final_softcap > 0.0 and self.batch_invariant:
+            logits = torch.ops.augur.invariant_softcap(logits, self.final_softcap)
+        elif self.final_softcap > 0.0:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

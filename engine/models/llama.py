@@ -26,6 +26,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.attention import AttentionMetadata, paged_attention
+from engine.models.invariant import InvariantLinear
 from engine.models.layer_skip import LayerSkip
 from engine.models.packed import PackedLinear, pack_linears
 from engine.parallel import SINGLE, TensorParallel
@@ -49,12 +50,17 @@ def activation(name: str):
 
 
 class RMSNorm(nn.Module):
+    unit_offset = False  # Gemma's: the scale is 1 + weight, in float32
+    invariant = False  # on augur::invariant_rms_norm (LlamaForCausalLM.use_invariant_ops)
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.invariant:
+            return torch.ops.augur.invariant_rms_norm(x, self.weight, self.eps, self.unit_offset)
         # Normalize in float32, scale in the input dtype (the order Hugging Face's Llama uses).
         y = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * y.to(x.dtype)
@@ -125,11 +131,18 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = tp.split(config.intermediate_size, "MLP inner size")  # this rank's
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=bias)
-        self.act = activation(act or config.hidden_act)
+        self.act_name = act or config.hidden_act
+        self.act = activation(self.act_name)
+        self.invariant = False  # on augur::invariant_act_mul (LlamaForCausalLM.use_invariant_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.tp.all_reduce(self.down_proj(self.act(gate) * up))
+        gate_up = self.gate_up_proj(x)
+        if self.invariant:
+            inner = torch.ops.augur.invariant_act_mul(gate_up, self.act_name)
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            inner = self.act(gate) * up
+        return self.tp.all_reduce(self.down_proj(inner))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -165,6 +178,7 @@ class LlamaForCausalLM(nn.Module):
     """Llama-architecture causal LM over a paged KV cache."""
 
     qk_norm = False
+    batch_invariant = False  # on the batch-invariant operators (use_invariant_ops)
 
     def __init__(self, config, max_positions: int | None = None, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -248,12 +262,22 @@ class LlamaForCausalLM(nn.Module):
             logits = torch.nn.functional.linear(hidden, self.embed_tokens.weight)
         return self.tp.gather_vocab(logits).float()
 
-    def pack_for_cpu(self, layer: type[PackedLinear] = PackedLinear) -> None:
+    def pack_for_cpu(self, layer: type[nn.Module] = PackedLinear) -> None:
         """Prepack every linear layer's weights (see ``engine.models.packed``) into ``layer``s; a tied
         output layer gets one over the embedding table."""
         pack_linears(self, layer)
         if self.lm_head is None:
             self.lm_head = layer(self.embed_tokens.weight, None)
+
+    def use_invariant_ops(self) -> None:
+        """Run on the batch-invariant operators (engine/models/invariant.py): every linear layer (the tied
+        output layer too) on ``augur::invariant_linear``, the norms and the MLP's activation on theirs.
+        What is left of the forward is exactly rounded element by element."""
+        self.pack_for_cpu(InvariantLinear)
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, LlamaMLP)):
+                module.invariant = True
+        self.batch_invariant = True
 
     # -- weights ------------------------------------------------------------------------------------
     _fused = {  # checkpoint name piece → (our fused parameter, shard)

@@ -49,9 +49,10 @@ class PackedLinear(nn.Module):
         return y.view(*lead, self.out_features)
 
 
-def pack_linears(model: nn.Module, layer: type[PackedLinear] = PackedLinear) -> int:
-    """Replace every ``nn.Linear`` of ``model`` by a ``layer`` (:class:`PackedLinear` or a subclass:
-    ``engine.models.small_linear.SmallRowsLinear``); returns how many."""
+def pack_linears(model: nn.Module, layer: type[nn.Module] = PackedLinear) -> int:
+    """Replace every ``nn.Linear`` of ``model`` by a ``layer(weight, bias)`` (:class:`PackedLinear`, or a
+    subclass: ``engine.models.small_linear.SmallRowsLinear``; or ``engine.models.invariant.InvariantLinear``);
+    returns how many."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

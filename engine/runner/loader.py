@@ -15,6 +15,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from engine.models import model_class_for
+from engine.models.invariant import load_invariant_kernels
 from engine.models.packed import MIN_PACKED_BYTES, linear_weight_bytes, packing_supported
 from engine.models.small_linear import SmallRowsLinear, small_rows_serve
 from engine.parallel import SINGLE, TensorParallel
@@ -172,9 +173,13 @@ def load_model(
     pack: bool = True,
     quantization: str | None = None,
     tp: TensorParallel = SINGLE,
+    batch_invariant: bool = False,
 ) -> torch.nn.Module:
     """Build the model without initializing weights (meta device), then fill it from the checkpoint.
     ``pack``: prepack large CPU models' linears (not for a compiled model: inductor packs its own).
+    ``batch_invariant``: the model on the batch-invariant operators instead (engine/models/invariant.py),
+    compiled or not (they are opaque to inductor), unless it is quantized (``model.batch_invariant`` says
+    which).
     ``quantization="nf4"``: quantize the linear layers as they load (see :class:`_NF4Loading`); a
     checkpoint saved by bitsandbytes in NF4 (config.json ``quantization_config``) loads as NF4 either way.
     ``quantization="int4"``: once loaded, each linear but the LM head becomes an int4 layer on PyTorch's
@@ -209,6 +214,17 @@ def load_model(
     # Both replace plain nn.Linear layers only; quantized layers are not nn.Linear and stay as they are.
     # Small-rows layers keep their weights and a packed copy, as a compiled model's frozen graph did;
     # a large eager model keeps only the packed weights (half the memory), as before.
+    # The batch-invariant operators (engine/models/invariant.py); the model says whether it runs on them
+    # (``model.batch_invariant``: quantized layers have no invariant kernel yet).
+    quantized = quantization is not None or any(isinstance(m, NF4Linear) for m in model.modules())
+    if batch_invariant and not quantized:
+        if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"the batch-invariant mode is built for float32 and bfloat16 on CPUs, not {dtype} on "
+                             f"{device.type}: serve with --batch-invariant off")  # fmt: skip
+        if not load_invariant_kernels():
+            raise RuntimeError("the batch-invariant kernels could not be built (a C++ compiler is needed)")
+        model.use_invariant_ops()
+        return model.eval()
     packs = pack and packing_supported(dtype, device) and linear_weight_bytes(model) >= MIN_PACKED_BYTES
     if small_rows_serve(dtype, device) and not packs:  # a decode's few rows at the memory's speed
         model.pack_for_cpu(SmallRowsLinear)

@@ -7,6 +7,7 @@ It decides no policy: what runs, and what is accepted, is the engine's business.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
 import time
@@ -115,7 +116,7 @@ class ChainForward(torch.nn.Module):
         return torch.stack(out, 1), None if noise is None else torch.stack(qs, 1)
 
 
-def compile_forward(fn: torch.nn.Module, device: torch.device, freeze: bool = True):
+def compile_forward(fn: torch.nn.Module, device: torch.device, freeze: bool = True, eager_roundings: bool = False):
     """``torch.compile`` a forward for every batch shape at once.
 
     Shapes are dynamic from the first call and sizes 0 and 1 are not special-cased where that can be
@@ -130,6 +131,10 @@ def compile_forward(fn: torch.nn.Module, device: torch.device, freeze: bool = Tr
     up, but each call costs more than a plain ``mm``, so a model that runs a row or two at a time (a
     proposer's draft levels) is compiled unfrozen. The graph's wrapper is C++ there (``cpp_wrapper``):
     the Python one cost about 0.5 ms per forward of the demo target in kernel launches alone.
+
+    ``eager_roundings`` (the batch-invariant mode): a fused kernel rounds every intermediate to its
+    dtype as the eager operators do, so that the compiled forward computes eager's values bit for bit
+    (the rest of such a forward is the invariant operators, opaque to inductor).
     """
     compile_settings(device)
     # Dynamo keeps compiled graphs, and checks their guards, per code object: this forward gets a
@@ -139,6 +144,8 @@ def compile_forward(fn: torch.nn.Module, device: torch.device, freeze: bool = Tr
     fn.forward = types.MethodType(own, fn)
     cpu = device.type == "cpu"
     options = {"freezing": freeze and cpu, "cpp_wrapper": cpu, "guard_filter_fn": _module_guards}
+    if eager_roundings:
+        options["emulate_precision_casts"] = True
     return torch.compile(fn, dynamic=True, options=options)
 
 
@@ -226,6 +233,7 @@ class ModelRunner:
         attention_backend: str = "auto",
         freeze: bool = True,  # compiled on a CPU: weights as prepacked constants (see compile_forward)
         cuda_graph_max_seqs: int = 0,  # largest batch run as a captured graph (engine.runner.cuda_graphs); 0: none
+        batch_invariant: bool = False,  # attention on one path for every query (engine/models/invariant.py)
     ) -> None:
         self.model = model
         self.hf_config = hf_config
@@ -236,10 +244,17 @@ class ModelRunner:
         self.kv_bytes_per_token = kv_bytes_per_token(hf_config, dtype, getattr(model, "tp", SINGLE))
         self.attention_backend = resolve_backend(attention_backend, device)  # see engine.attention
         self._build_metadata = metadata_builder(self.attention_backend)
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            if self.attention_backend != "sdpa" or device.type != "cpu":
+                raise ValueError("the batch-invariant mode is built for CPUs (the sdpa attention backend)")
+            self._build_metadata = functools.partial(self._build_metadata, rows_only=True)
         self._block_rows = PersistentBlockTables()  # block tables kept as array rows between forwards
         self.staging = Staging(device)  # a forward's inputs in one copy, from a pinned ring
         if device.type == "cpu" and self.attention_backend == "sdpa":
-            load_cpu_kernel()  # the op's C++ kernel for CPU tensors (built on first use)
+            # the op's C++ kernel for CPU tensors (built on first use); the batch-invariant mode needs it
+            if not load_cpu_kernel() and batch_invariant:
+                raise RuntimeError("the batch-invariant mode needs the C++ attention kernel, which could not be built")
         self.num_blocks = 0
         self.kv_cache = torch.empty(0)
         # Graphs need the triton backend's static-shaped metadata; they are set up with the pool.
@@ -255,8 +270,8 @@ class ModelRunner:
             run, chain = self._eager
             # A frozen graph of the chain would take a second copy of the weights: it stays eager.
             self._compiled = (
-                compile_forward(run, device, freeze),
-                chain if self.frozen else compile_forward(chain, device, freeze),
+                compile_forward(run, device, freeze, eager_roundings=batch_invariant),
+                chain if self.frozen else compile_forward(chain, device, freeze, eager_roundings=batch_invariant),
             )
         self._run, self._chain = self._compiled
 

@@ -361,13 +361,16 @@ def run_worker(config, rank: int, init_method: str, log_level: int) -> None:
     path = resolve_model_path(config.model)
     hf_config = load_config(path)
     max_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
+    invariant = config.batch_invariant_enabled  # as rank 0 decides it (LLMEngine): every rank the same kernels
     compiled = config.compile_enabled
     model = load_model(
-        path, hf_config, config.torch_dtype, device, max_len, pack=not compiled, quantization=config.quantization, tp=tp
-    )
+        path, hf_config, config.torch_dtype, device, max_len, pack=not compiled, quantization=config.quantization,
+        tp=tp, batch_invariant=invariant,
+    )  # fmt: skip
     runner = ModelRunner(
         model, hf_config, device, config.torch_dtype, config.block_size, compile=compiled,
         attention_backend=config.attention_backend, cuda_graph_max_seqs=config.cuda_graph_max_seqs,
+        batch_invariant=model.batch_invariant,
     )  # fmt: skip
     logger.info("rank %d of %d: shard loaded on %s", rank, tp.size, device)
     runners = {"target": runner}

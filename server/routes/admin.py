@@ -23,12 +23,14 @@ def add_admin_routes(app: FastAPI, state: ServerState, version: str) -> None:
     @app.get("/version")
     async def get_version():
         """The version; once the model is loaded, also how it is served: the sampling defaults that
-        requests' missing fields take (``--generation-config``) and the reasoning parser."""
+        requests' missing fields take (``--generation-config``), the reasoning parser, and whether the
+        batch-invariant mode is in force (``--batch-invariant``)."""
         if state.engine is None:
             return {"version": version}
         return {
             "version": version,
             "tensor_parallel_size": state.engine.tensor_parallel_size,
+            "batch_invariant": state.engine.batch_invariant,
             "generation_config": state.settings.generation_config,
             "sampling_defaults": state.sampling_defaults,
             "reasoning_parser": state.settings.reasoning_parser,

@@ -1,0 +1,227 @@
+"""A request's output depends on nothing but the request (``--batch-invariant``, on by default on CPUs):
+its greedy tokens and its seeded samples are the same alone and in batches of any size, beside other
+requests' prefill chunks and decodes, under a small step budget (its prompt prefilled in other chunks),
+after preemption and with its prompt's KV from the prefix cache, with every speculative method at a
+pinned depth, and through the server with concurrent clients; in bfloat16 and in float32. The shipped
+demo target is the model (real weights: a random tiny model's logits are too far apart for the last
+bits to change a token). And the control: the same checks with the batch-variant kernels (``off``) find
+outputs that differ, so they could catch a kernel that breaks the promise."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from test_eagle import write_eagle
+from test_medusa import write_heads as write_medusa
+from test_mtp import write_heads as write_mtp
+
+from engine.assets import shipped_demo
+from engine.config import EngineConfig
+from engine.core.llm_engine import LLMEngine
+from engine.request.sampling_params import SamplingParams
+from engine.runner.model_runner import ForwardChunk
+from server.app import ServerSettings, create_app
+from servers import Served, engine_factory, serve
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+DEMO = shipped_demo()
+if DEMO is None:  # pragma: no cover - a checkout without the shipped pair
+    pytest.skip("the shipped demo pair is missing", allow_module_level=True)
+TARGET, DRAFT = DEMO / "target", DEMO / "draft"
+PROMPTS = [json.loads(line)["prompt"] for line in (DEMO / "prompts.jsonl").read_text().splitlines()[:12]]
+TOKENS = 24
+PARAMS = {"greedy": SamplingParams(temperature=0.0, max_tokens=TOKENS),
+          "seeded": SamplingParams(temperature=0.8, seed=11, max_tokens=TOKENS)}  # fmt: skip
+
+
+def make(dtype: str, invariant: str = "on", **kw) -> LLMEngine:
+    kw.setdefault("speculative_method", "none")
+    kw.setdefault("compile", "off")
+    return LLMEngine(EngineConfig(model=str(TARGET), device="cpu", dtype=dtype, batch_invariant=invariant, **kw))
+
+
+def run(eng: LLMEngine, ids: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    return [o.outputs[0].delta_token_ids for o in eng.generate(ids, params)]
+
+
+@pytest.fixture(scope="module", params=["bfloat16", "float32"])
+def dtype(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def ids() -> list[list[int]]:
+    eng = make("float32", "off")
+    return [eng.tokenizer.encode(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def alone(dtype, ids) -> dict[str, list[list[int]]]:
+    """Each prompt's output with nothing else in the engine."""
+    eng = make(dtype)
+    assert eng.batch_invariant
+    return {name: [run(eng, [i], p)[0] for i in ids] for name, p in PARAMS.items()}
+
+
+def staggered(eng: LLMEngine, ids: list[list[int]], params: SamplingParams, every: int = 2) -> list[list[int]]:
+    """The prompts added a few steps apart: each one's prefill shares steps with the others' decodes."""
+    outs: dict[str, list[int]] = {}
+    pending = list(enumerate(ids))
+    steps = 0
+    while pending or eng.has_unfinished_requests():
+        if pending and steps % every == 0:
+            i, prompt = pending.pop(0)
+            eng.add_request(f"r{i}", prompt, params)
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).extend(o.outputs[0].delta_token_ids)
+        steps += 1
+    return [outs[f"r{i}"] for i in range(len(ids))]
+
+
+@pytest.mark.parametrize("name", list(PARAMS))
+def test_batches_of_any_size_mixed_with_prefills_and_decodes(dtype, ids, alone, name):
+    eng = make(dtype)
+    params = PARAMS[name]
+    for size in (2, 5, len(ids)):
+        assert run(eng, ids[:size], params) == alone[name][:size], size
+    assert staggered(eng, ids, params) == alone[name]
+    assert staggered(eng, ids[::-1], params, every=3) == alone[name][::-1]
+
+
+@pytest.mark.parametrize("name", list(PARAMS))
+def test_chunked_prefill_preemption_and_prefix_cache(dtype, ids, alone, name):
+    params = PARAMS[name]
+    chunked = make(dtype, max_num_batched_tokens=48)  # prompts prefilled over several steps, split anyhow
+    assert run(chunked, ids, params) == alone[name]
+    small = make(dtype, num_kv_blocks=48, block_size=16, max_model_len=768)  # requests preempted, recomputed
+    assert run(small, ids, params) == alone[name]
+    assert small.scheduler.num_preemptions > 0
+    cached = make(dtype)
+    run(cached, ids, params)
+    assert run(cached, ids, params) == alone[name]  # the prompts' KV from the prefix cache now
+
+
+def forwards(eng: LLMEngine, ids: list[list[int]]) -> list[torch.Tensor]:
+    """Raw forwards' logits: a prompt's prefill alone, three prompts together (one again in part), then
+    decodes of one token and of three sequences at once (each forward writes its tokens' K/V; repeated, it writes
+    them again with the same values)."""
+    tables = []
+    for prompt in ids[:3]:
+        table = eng.block_manager.fork([])
+        assert eng.block_manager.reserve(table, 0, len(prompt) + 2) is not None
+        tables.append(table)
+    a, b, c = ids[:3]
+    batches = [
+        [ForwardChunk(a, 0, tables[0], len(a))],
+        [
+            ForwardChunk(a[:5], 0, tables[0], 5),
+            ForwardChunk(b, 0, tables[1], len(b)),
+            ForwardChunk(c, 0, tables[2], 2),
+        ],  # fmt: skip
+        [ForwardChunk([a[0]], len(a), tables[0], 1)],
+        [ForwardChunk([x[1]], len(x), t, 1) for x, t in zip((a, b, c), tables)],
+    ]
+    out = [eng.runner.forward(chunks).logits.clone() for chunks in batches]
+    for table in tables:
+        eng.block_manager.free(table)
+    return out
+
+
+@pytest.fixture(scope="module")
+def compiled(dtype) -> LLMEngine:
+    eng = make(dtype, compile="on")
+    assert eng.runner.compiled and eng.batch_invariant
+    return eng
+
+
+def test_compiled_forwards_compute_the_eager_ones_bit_for_bit(compiled, ids, alone):
+    """Whether the compiled forwards have been swapped in yet changes nothing: the compiled graphs (the
+    invariant operators opaque to inductor, the rest rounded as eager rounds it) give eager's logits to
+    the last bit at every batch shape, and the compiled engine the eager engine's tokens."""
+    runner = compiled.runner
+    runner.serve_eager()
+    eager = forwards(compiled, ids)
+    runner.use_compiled()
+    got = forwards(compiled, ids)
+    for k, (e, c) in enumerate(zip(eager, got)):
+        assert torch.equal(e, c), f"forward {k}: {(e - c).abs().max()}"
+    for name, params in PARAMS.items():
+        assert run(compiled, ids, params) == alone[name], name
+        assert staggered(compiled, ids[::-1], params, every=3) == alone[name][::-1], name
+
+
+def spec_configs(tmp_path: Path) -> dict[str, dict]:
+    return {
+        "draft": {"speculative_method": "draft", "draft_model": str(DRAFT)},
+        "draft-trees": {"speculative_method": "draft", "draft_model": str(DRAFT), "spec_tree_topk": 2},
+        "ouroboros": {"speculative_method": "ouroboros", "draft_model": str(DRAFT)},
+        "ngram": {"speculative_method": "ngram"},
+        "suffix": {"speculative_method": "suffix"},
+        "lookahead": {"speculative_method": "lookahead"},
+        "layer-skip": {"speculative_method": "layer-skip"},
+        "medusa": {"speculative_method": "medusa", "draft_model": str(write_medusa(TARGET, tmp_path / "medusa"))},
+        "eagle": {"speculative_method": "eagle", "draft_model": str(write_eagle(TARGET, tmp_path / "eagle"))},
+        "mtp": {"speculative_method": "mtp", "draft_model": str(write_mtp(TARGET, tmp_path / "mtp"))},
+    }
+
+
+METHODS = ["draft", "draft-trees", "ouroboros", "ngram", "suffix", "lookahead", "layer-skip", "medusa", "eagle", "mtp"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_speculative_method_gives_plain_decodings_tokens(ids, tmp_path, method):
+    dtype = "bfloat16"  # the default wherever the CPU has bfloat16 units; float32 runs the same kernels
+    reference = {name: [run(make(dtype), [i], p)[0] for i in ids[:6]] for name, p in PARAMS.items()}
+    eng = make(dtype, num_speculative_tokens=4, **spec_configs(tmp_path)[method])
+    for name, params in PARAMS.items():
+        pinned = dataclasses.replace(params, num_draft_tokens=3)
+        assert run(eng, ids[:6], pinned) == reference[name], name
+        assert staggered(eng, ids[:6], pinned) == reference[name], name
+    assert eng.spec_stats.num_draft_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def srv() -> Iterator[Served]:
+    factory = engine_factory(TARGET, dtype="bfloat16", draft_model=str(DRAFT), num_kv_blocks=None,
+                             block_size=16, max_model_len=2048)  # fmt: skip
+    with serve(create_app(ServerSettings(served_model_name="demo"), factory)) as s:
+        yield s
+
+
+@pytest.mark.parametrize("extra", [{"temperature": 0}, {"temperature": 0.8, "seed": 11}], ids=["greedy", "seeded"])
+def test_concurrent_clients_get_what_one_client_gets(srv, extra):
+    assert httpx.get(srv.base + "/version").json()["batch_invariant"]  # auto: on, on a CPU
+    with openai.OpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0, timeout=300) as c:
+        kw = dict(model="demo", max_tokens=TOKENS, **extra)
+        one_by_one = [c.completions.create(prompt=p, **kw).choices[0].text for p in PROMPTS]
+        together: dict[int, str] = {}
+
+        def ask(k: int) -> None:
+            together[k] = c.completions.create(prompt=PROMPTS[k], **kw).choices[0].text
+
+        threads = [threading.Thread(target=ask, args=(k,)) for k in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert [together[k] for k in range(len(PROMPTS))] == one_by_one
+
+
+def test_the_batch_variant_kernels_fail_these_checks(ids):
+    """The control: bfloat16 on the variant kernels (oneDNN / BLAS for batches, another attention path
+    for long query runs) gives some prompt another output in a batch than alone."""
+    eng = make("bfloat16", "off")
+    assert not eng.batch_invariant
+    alone = [run(eng, [i], PARAMS["greedy"])[0] for i in ids]
+    batched = run(eng, ids, PARAMS["greedy"])
+    chunked = run(make("bfloat16", "off", max_num_batched_tokens=48), ids, PARAMS["greedy"])
+    assert batched != alone or chunked != alone
