@@ -60,8 +60,8 @@ class EngineConfig:
     # request. The target runs on operators whose every output is one computation in one order whatever
     # the rows beside it (engine/models/invariant.py), attention on one path for every query (a decode's,
     # a verify's, a prefill chunk's), and compiled forwards round as eager ones do. auto | on | off; auto:
-    # on for CPUs (float32, bfloat16; unquantized), where it is faster than the batch-variant path
-    # (docs/benchmarks.md); off on GPUs, whose invariant kernels are not built yet.
+    # on for CPUs (float32, bfloat16; int4 and NF4 weights too), where it is faster than the batch-variant
+    # path (docs/benchmarks.md); off on GPUs, whose invariant kernels are not built yet.
     batch_invariant: str = "auto"
     # Speculative decoding.
     # none | draft | ouroboros | ngram | suffix | lookahead | layer-skip | medusa | eagle | mtp
@@ -213,12 +213,12 @@ class EngineConfig:
     @property
     def batch_invariant_enabled(self) -> bool:
         """Whether the target runs the batch-invariant operators. auto: on where they are built (a CPU,
-        float32 or bfloat16, unquantized weights, the sdpa attention backend), compiled or not: there they
+        float32 or bfloat16, the sdpa attention backend), compiled or not, quantized or not: there they
         are faster than the variant path (docs/benchmarks.md)."""
         if self.batch_invariant != "auto":
             return self.batch_invariant == "on"
-        covered = self.quantization is None and self.torch_dtype in (torch.float32, torch.bfloat16)
-        return self.torch_device.type == "cpu" and covered and self.attention_backend in ("auto", "sdpa")
+        covered = self.torch_dtype in (torch.float32, torch.bfloat16) and self.attention_backend in ("auto", "sdpa")
+        return self.torch_device.type == "cpu" and covered
 
     @property
     def async_scheduling_enabled(self) -> bool:

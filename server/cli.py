@@ -66,8 +66,8 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
         default="auto",
         choices=["auto", "on", "off"],
         help="a request's tokens depend on nothing but the request (not its batch, the step budget, speculation, "
-        "the prefix cache): the target's linear layers on one kernel whose sums have one order whatever the rows, "
-        "attention on one path, forwards eager (auto: on for CPUs whose forwards are not compiled; "
+        "the prefix cache, compiled or eager forwards): the target on operators whose every output has one order "
+        "of operations whatever the rows, attention on one path (auto: on for CPUs, float32 or bfloat16; "
         "docs/speculative.md)",
     )
     g.add_argument(

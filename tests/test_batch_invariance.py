@@ -159,6 +159,33 @@ def test_compiled_forwards_compute_the_eager_ones_bit_for_bit(compiled, ids, alo
         assert staggered(compiled, ids[::-1], params, every=3) == alone[name][::-1], name
 
 
+@pytest.mark.parametrize("quantization", ["int4", "nf4"])
+def test_quantized_targets_keep_the_promise(ids, quantization):
+    """int4 and NF4 weights (quantized as they load): an NF4 layer's product runs on the invariant linear
+    kernel, an int4 layer on ATen's int4 kernel, which sums each output over K in order (checked below)."""
+    eng = make("bfloat16", quantization=quantization)
+    assert eng.batch_invariant
+    for name, params in PARAMS.items():
+        alone = [run(eng, [i], params)[0] for i in ids[:8]]
+        assert run(eng, ids[:8], params) == alone, name
+        assert staggered(eng, ids[:8], params) == alone, name
+
+
+def test_the_int4_kernel_gives_a_row_the_same_output_in_any_batch():
+    """What the int4 path relies on: ATen's CPU int4 kernel computes a row's outputs alike whatever rows
+    come with it (row counts across its tile sizes, at a small and a model-sized layer)."""
+    from engine.quant.int4 import Int4Linear, group_size_for
+
+    torch.manual_seed(0)
+    for k, n in [(320, 448), (2048, 1024)]:
+        layer = Int4Linear.from_linear(torch.nn.Linear(k, n, bias=True), group_size_for(k, n))
+        x = torch.randn(70, k, dtype=torch.bfloat16)
+        full = layer(x)
+        for rows in (1, 2, 3, 5, 8, 17, 33):
+            for start in (0, 7):
+                assert torch.equal(layer(x[start : start + rows]), full[start : start + rows]), (k, n, rows, start)
+
+
 def spec_configs(tmp_path: Path) -> dict[str, dict]:
     return {
         "draft": {"speculative_method": "draft", "draft_model": str(DRAFT)},

@@ -99,11 +99,6 @@ class LLMEngine:
             self.model_path, self.hf_config, self.dtype, self.device, max_len, pack=not compiled,
             quantization=config.quantization, tp=tp, batch_invariant=invariant,
         )  # fmt: skip
-        if invariant and not model.batch_invariant:  # a quantized checkpoint (NF4 saved by bitsandbytes)
-            if config.batch_invariant == "on":
-                raise ValueError("the batch-invariant mode has no kernel for quantized layers yet: serve with "
-                                 "--batch-invariant off")  # fmt: skip
-            invariant = False
         self.batch_invariant = invariant  # a request's tokens depend on nothing but the request
         logger.info("loaded %s in %.1fs (%s, %s)", self.model_path, time.perf_counter() - t0, self.dtype, self.device)
         if tp.size > 1:

@@ -271,11 +271,12 @@ class LlamaForCausalLM(nn.Module):
 
     def use_invariant_ops(self) -> None:
         """Run on the batch-invariant operators (engine/models/invariant.py): every linear layer (the tied
-        output layer too) on ``augur::invariant_linear``, the norms and the MLP's activation on theirs.
-        What is left of the forward is exactly rounded element by element."""
+        output layer too) on ``augur::invariant_linear``, the norms and the MLP's activation on theirs, an
+        NF4 layer's product on the linear one (an int4 layer's kernel sums each output over K in order
+        already). What is left of the forward is exactly rounded element by element."""
         self.pack_for_cpu(InvariantLinear)
         for module in self.modules():
-            if isinstance(module, (RMSNorm, LlamaMLP)):
+            if hasattr(module, "invariant"):  # norms, MLPs, NF4 layers
                 module.invariant = True
         self.batch_invariant = True
 

@@ -332,7 +332,10 @@ class NF4Linear(nn.Module):
     Buffers (they follow ``.to(device)``): ``weight`` uint8 [ceil(out*in/2)], ``absmax`` float32
     [blocks] or uint8 [blocks] when nested, then ``nested_absmax``, ``nested_offset`` (float32, per
     nested block) and ``nested_code`` [256]; ``table`` [256, 2] decodes a byte to its two values.
-    ``bias`` is a parameter so that checkpoint loaders fill it like any other (fused q/k/v biases)."""
+    ``bias`` is a parameter so that checkpoint loaders fill it like any other (fused q/k/v biases).
+    ``invariant``: the product on ``augur::invariant_linear`` (the batch-invariant mode)."""
+
+    invariant = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -386,7 +389,11 @@ class NF4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.dequantize(x.dtype), bias)
+        weight = self.dequantize(x.dtype)
+        if self.invariant:  # the operator engine.models.invariant registers (the mode's loader imports it)
+            y = torch.ops.augur.invariant_linear(x.reshape(-1, self.in_features), weight, bias)
+            return y.view(*x.shape[:-1], self.out_features)
+        return F.linear(x, weight, bias)
 
     def _apply(self, fn, recurse: bool = True):
         # The statistics and the code table stay float32 whatever the model is cast to: a

@@ -178,8 +178,7 @@ def load_model(
     """Build the model without initializing weights (meta device), then fill it from the checkpoint.
     ``pack``: prepack large CPU models' linears (not for a compiled model: inductor packs its own).
     ``batch_invariant``: the model on the batch-invariant operators instead (engine/models/invariant.py),
-    compiled or not (they are opaque to inductor), unless it is quantized (``model.batch_invariant`` says
-    which).
+    compiled or not (they are opaque to inductor).
     ``quantization="nf4"``: quantize the linear layers as they load (see :class:`_NF4Loading`); a
     checkpoint saved by bitsandbytes in NF4 (config.json ``quantization_config``) loads as NF4 either way.
     ``quantization="int4"``: once loaded, each linear but the LM head becomes an int4 layer on PyTorch's
@@ -214,10 +213,8 @@ def load_model(
     # Both replace plain nn.Linear layers only; quantized layers are not nn.Linear and stay as they are.
     # Small-rows layers keep their weights and a packed copy, as a compiled model's frozen graph did;
     # a large eager model keeps only the packed weights (half the memory), as before.
-    # The batch-invariant operators (engine/models/invariant.py); the model says whether it runs on them
-    # (``model.batch_invariant``: quantized layers have no invariant kernel yet).
-    quantized = quantization is not None or any(isinstance(m, NF4Linear) for m in model.modules())
-    if batch_invariant and not quantized:
+    # The batch-invariant operators (engine/models/invariant.py), quantized layers included.
+    if batch_invariant:
         if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"the batch-invariant mode is built for float32 and bfloat16 on CPUs, not {dtype} on "
                              f"{device.type}: serve with --batch-invariant off")  # fmt: skip
