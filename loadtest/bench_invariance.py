@@ -1,11 +1,12 @@
 """What the batch-invariant mode costs: tokens/s with ``--batch-invariant on`` and ``off``, same run.
 
-``python -m loadtest.bench_invariance [--dtypes bfloat16 float32] [--rounds 3] [--compile on|off]`` builds
-the engine ``augur serve`` builds for the shipped demo pair (the draft model speculating, its forwards
-compiled as ``--compile auto`` gives it on a CPU) twice, once per mode, and times greedy requests of the
-demo's held-out prompts at one and at eight at a time. The modes take turns round by round, seconds
-apart (this host's speed drifts by a quarter within minutes); each cell is the median of the rounds,
-and the ratio is the median of the rounds' own ratios. Prints a markdown table for docs/benchmarks.md.
+``python -m loadtest.bench_invariance [--dtypes bfloat16 float32] [--rounds 3] [--compile on|off]
+[--quantization int4|nf4]`` builds the engine ``augur serve`` builds for the shipped demo pair (the draft
+model speculating, its forwards compiled as ``--compile auto`` gives it on a CPU) twice, once per mode,
+and times greedy requests of the demo's held-out prompts at one and at eight at a time. The modes take
+turns round by round, seconds apart (this host's speed drifts by a quarter within minutes); each cell is
+the median of the rounds, and the ratio is the median of the rounds' own ratios. Prints a markdown table
+for docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -47,12 +48,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--prompts", type=int, default=16, help="held-out prompts a cell runs (per round)")
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="both engines' forwards")
+    ap.add_argument("--quantization", default=None, choices=["int4", "nf4"], help="the target's weights, as loaded")
     args = ap.parse_args(argv)
     demo = shipped_demo()
     assert demo is not None, "the shipped demo pair is missing"
     lines = [json.loads(line)["prompt"] for line in (demo / "prompts.jsonl").read_text().splitlines()]
     print(f"torch threads {torch.get_num_threads()}; {args.rounds} rounds; {args.max_tokens} tokens a request; "
-          f"compile {args.compile}")  # fmt: skip
+          f"compile {args.compile}; quantization {args.quantization}")  # fmt: skip
     print("| dtype | concurrency | invariant on tok/s | off tok/s | on / off |")
     print("| --- | --- | --- | --- | --- |")
     for dtype in args.dtypes:
