@@ -186,6 +186,17 @@ def test_the_int4_kernel_gives_a_row_the_same_output_in_any_batch():
                 assert torch.equal(layer(x[start : start + rows]), full[start : start + rows]), (k, n, rows, start)
 
 
+def test_without_a_compiler_auto_serves_without_the_mode_and_on_is_refused(monkeypatch):
+    """A host whose kernels cannot be built (no C++ compiler; simulated): ``auto`` serves on the
+    batch-variant path (with a warning), ``on`` is refused at load rather than served unkept."""
+    import engine.runner.loader as loader
+
+    monkeypatch.setattr(loader, "load_invariant_kernels", lambda: False)
+    assert not make("float32", "auto").batch_invariant
+    with pytest.raises(RuntimeError, match="could not be built"):
+        make("float32", "on")
+
+
 def spec_configs(tmp_path: Path) -> dict[str, dict]:
     return {
         "draft": {"speculative_method": "draft", "draft_model": str(DRAFT)},

@@ -37,7 +37,7 @@ def load_cpu_kernel() -> bool:
     import engine.attention.sdpa  # noqa: F401  (defines the op the kernel is registered for)
 
     try:
-        build_cpu_extension("augur_paged_attention_cpu", SOURCE)
+        build_cpu_extension("augur_paged_attention_cpu", SOURCE, flags=("-fopenmp",))  # at::parallel_for: threads
     except Exception as exc:  # no compiler, no ninja, a build error: the Python implementation serves
         logger.warning("the C++ CPU attention kernel is unavailable (%s); using the Python implementation", exc)
         return False

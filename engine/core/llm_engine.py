@@ -32,6 +32,7 @@ from engine.request.sampling_params import SamplingParams
 from engine.request.sequence import BeamState, FinishReason, Sequence, SequenceGroup, SequenceStatus, TokenLogprob
 from engine.request.state import SearchState
 from engine.runner.loader import (
+    batch_invariant_serves,
     eos_token_ids,
     generation_defaults,
     load_config,
@@ -94,7 +95,7 @@ class LLMEngine:
             self.device = rank_device(config, 0)
             runner_cls, front = ShardedRunner, (self.workers,)
         tp = self.workers.tp if self.workers is not None else SINGLE
-        invariant = config.batch_invariant_enabled
+        invariant = batch_invariant_serves(config)
         model = load_model(
             self.model_path, self.hf_config, self.dtype, self.device, max_len, pack=not compiled,
             quantization=config.quantization, tp=tp, batch_invariant=invariant,

@@ -6,6 +6,7 @@ Nothing is ever downloaded: a hub id that is not cached is a clear error naming 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+from engine.attention.cpu_kernel import load_cpu_kernel
 from engine.models import model_class_for
 from engine.models.invariant import load_invariant_kernels
 from engine.models.packed import MIN_PACKED_BYTES, linear_weight_bytes, packing_supported
@@ -162,6 +164,21 @@ def read_tensor(path: Path, name: str) -> torch.Tensor:
             if name in f.keys():
                 return f.get_tensor(name)
     raise ValueError(f"{path}: no tensor {name}")
+
+
+def batch_invariant_serves(config) -> bool:
+    """Whether an engine of ``config`` (an EngineConfig) runs the batch-invariant operators: what
+    ``config.batch_invariant_enabled`` says, except that ``auto`` gives way where their C++ kernels or the
+    attention kernel cannot be built here (no compiler): the batch-variant path serves then, with a
+    warning. ``on`` there fails at load, naming the missing kernel."""
+    if not config.batch_invariant_enabled:
+        return False
+    if config.batch_invariant == "auto" and not (load_invariant_kernels() and load_cpu_kernel()):
+        logging.getLogger(__name__).warning(
+            "--batch-invariant auto: its kernels could not be built here; serving without the mode"
+        )
+        return False
+    return True
 
 
 def load_model(

@@ -349,7 +349,7 @@ def run_worker(config, rank: int, init_method: str, log_level: int) -> None:
     if parent is not None:  # an orphan worker would wait for messages forever
         threading.Thread(target=_exit_with, args=(parent.sentinel,), daemon=True).start()
     from engine.platform import usable_cpus
-    from engine.runner.loader import load_config, load_model, resolve_model_path
+    from engine.runner.loader import batch_invariant_serves, load_config, load_model, resolve_model_path
 
     device = rank_device(config, rank)
     if device.type == "cuda":
@@ -361,7 +361,7 @@ def run_worker(config, rank: int, init_method: str, log_level: int) -> None:
     path = resolve_model_path(config.model)
     hf_config = load_config(path)
     max_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
-    invariant = config.batch_invariant_enabled  # as rank 0 decides it (LLMEngine): every rank the same kernels
+    invariant = batch_invariant_serves(config)  # as rank 0 decides it (LLMEngine): every rank the same kernels
     compiled = config.compile_enabled
     model = load_model(
         path, hf_config, config.torch_dtype, device, max_len, pack=not compiled, quantization=config.quantization,
