@@ -96,7 +96,7 @@ def test_logits_match_transformers(model_dirs, arch):
 
 @pytest.mark.parametrize("act", ["gelu", "gelu_pytorch_tanh", "relu"])
 def test_each_mlp_activation_matches_transformers(tmp_path, tokenizer_dir, act):
-    """The activations named in configs, ours (engine.models.llama.ACTIVATIONS) against transformers';
+    """The activations named in configs, ours (engine.models.invariant.ACTIVATIONS) against transformers';
     one it does not know is a clear error."""
     check_logits_parity(build_model_dir(tmp_path / act, tokenizer_dir, "LlamaForCausalLM", hidden_act=act), "cpu")
 

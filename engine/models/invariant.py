@@ -43,8 +43,10 @@ _lib.define("invariant_rms_norm(Tensor x, Tensor weight, float eps, bool unit_of
 _lib.define("invariant_act_mul(Tensor gate_up, str act) -> Tensor")
 _lib.define("invariant_softcap(Tensor x, float cap) -> Tensor")
 
-# The references (the eager expressions each operator replaces), for devices without a kernel.
-_ACTS = {
+# The MLP activations of the families served, by the names their configs give (hidden_act, Gemma's
+# hidden_activation), as transformers defines them. Not transformers.activations itself: importing it
+# costs 0.65 s (its kernel hub), paid by every process that loads a model (a tensor-parallel worker too).
+ACTIVATIONS = {
     "silu": F.silu,
     "swish": F.silu,
     "gelu": F.gelu,
@@ -53,6 +55,13 @@ _ACTS = {
 }
 
 
+def activation(name: str):
+    if name not in ACTIVATIONS:
+        raise ValueError(f"the MLP activation {name!r} is not supported (supported: {sorted(ACTIVATIONS)})")
+    return ACTIVATIONS[name]
+
+
+# The references (the eager expressions each operator replaces), for devices without a kernel.
 def _rms_norm(x, weight, eps, unit_offset=False) -> torch.Tensor:
     y = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
     return (y * (1.0 + weight.float())).to(x.dtype) if unit_offset else weight * y.to(x.dtype)
@@ -60,7 +69,7 @@ def _rms_norm(x, weight, eps, unit_offset=False) -> torch.Tensor:
 
 def _act_mul(gate_up, act) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
-    return _ACTS[act](gate) * up
+    return ACTIVATIONS[act](gate) * up
 
 
 def _softcap(x, cap) -> torch.Tensor:

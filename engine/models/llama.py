@@ -18,35 +18,16 @@ checkpoint tensor this rank reads.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.attention import AttentionMetadata, paged_attention
-from engine.models.invariant import InvariantLinear
+from engine.models.invariant import InvariantLinear, activation
 from engine.models.layer_skip import LayerSkip
 from engine.models.packed import PackedLinear, pack_linears
 from engine.parallel import SINGLE, TensorParallel
-
-# The MLP activations of the families served, by the names their configs give (hidden_act, Gemma's
-# hidden_activation), as transformers defines them. Not transformers.activations itself: importing it
-# costs 0.65 s (its kernel hub), paid by every process that loads a model (a tensor-parallel worker too).
-ACTIVATIONS = {
-    "silu": F.silu,
-    "swish": F.silu,
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
-    "relu": F.relu,
-}
-
-
-def activation(name: str):
-    if name not in ACTIVATIONS:
-        raise ValueError(f"the MLP activation {name!r} is not supported (supported: {sorted(ACTIVATIONS)})")
-    return ACTIVATIONS[name]
 
 
 class RMSNorm(nn.Module):
