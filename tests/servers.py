@@ -59,6 +59,11 @@ def engine_factory(model_dir, **kw) -> Callable[[], AsyncEngine]:
     return make
 
 
+# How long a test waits for an engine to load: a first start in a clean environment builds the C++
+# kernels (about a minute on two cores), whichever test comes first. A bound on a hang, no timing claim.
+FIRST_LOAD_S = 600.0
+
+
 def wait_until(ok: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
     """Poll ``ok`` until it holds; the bound only turns a hang into a failure, it is no timing claim."""
     deadline = time.monotonic() + timeout
@@ -79,7 +84,8 @@ def serve(app: FastAPI, wait_ready: bool = True, **limits) -> Iterator[Served]:
     served = Served(app, server.servers[0].sockets[0].getsockname()[1])
     try:
         if wait_ready:
-            wait_until(lambda: httpx.get(served.base + "/health").status_code == 200, "/health to answer 200")
+            wait_until(lambda: httpx.get(served.base + "/health").status_code == 200, "/health to answer 200",
+                       FIRST_LOAD_S)  # fmt: skip
         yield served
     finally:
         server.should_exit = True

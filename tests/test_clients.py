@@ -27,7 +27,7 @@ from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.request.sampling_params import SamplingParams
 from server.app import ServerSettings, create_app
-from servers import Served, engine_factory, serve, wait_until
+from servers import FIRST_LOAD_S, Served, engine_factory, serve, wait_until
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -77,7 +77,8 @@ def keyed(llama_dir) -> Iterator[Served]:
     """A layer-skip server behind an API key."""
     make = factory(llama_dir, speculative_method="layer-skip", num_speculative_tokens=3)
     with serve(create_app(ServerSettings(served_model_name=MODEL, api_key=KEY), make), wait_ready=False) as s:
-        wait_until(lambda: httpx.get(s.base + "/health").status_code == 200, "the layer-skip server to load")
+        ready = lambda: httpx.get(s.base + "/health").status_code == 200  # noqa: E731
+        wait_until(ready, "the layer-skip server to load", FIRST_LOAD_S)
         yield s
 
 

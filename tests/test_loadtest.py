@@ -29,6 +29,7 @@ from loadtest.prompts import Prompt, load_prompts, parse_jsonl
 from loadtest.report import build_report, server_acceptance_length, summarize
 from loadtest.runner import RunResult, make_client, run_load
 from server.app import ServerSettings, create_app
+from servers import FIRST_LOAD_S
 
 REPO = Path(__file__).resolve().parents[1]
 TUTORIAL = [
@@ -116,7 +117,7 @@ def serve(model_dir: Path, draft_dir: Path | None = None, **settings):
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + FIRST_LOAD_S
         while True:
             assert thread.is_alive(), "the server thread died"
             try:
@@ -124,7 +125,7 @@ def serve(model_dir: Path, draft_dir: Path | None = None, **settings):
                     break
             except httpx.HTTPError:
                 pass
-            assert time.monotonic() < deadline, "the server did not become healthy in 60 s"
+            assert time.monotonic() < deadline, "the server did not become healthy"
             time.sleep(0.05)
         yield url
     finally:

@@ -28,7 +28,7 @@ from engine.core.llm_engine import LLMEngine
 from engine.core.output_processor import OutputProcessor
 from engine.request.sampling_params import SamplingParams
 from server.app import ServerSettings, create_app
-from servers import MAX_LEN, NUM_BLOCKS, Served, engine_factory, serve, wait_until
+from servers import FIRST_LOAD_S, MAX_LEN, NUM_BLOCKS, Served, engine_factory, serve, wait_until
 
 MODEL = "tiny-llama"
 API_KEY = "sk-test-0123456789"
@@ -997,7 +997,7 @@ def test_health_is_503_while_loading(llama_dir):
             assert c.get("/v1/models").json()["data"][0]["id"] == MODEL  # known before the weights are
 
             release.set()
-            wait_until(lambda: c.get("/health").status_code == 200, "/health to turn 200 after loading")
+            wait_until(lambda: c.get("/health").status_code == 200, "/health to turn 200 after loading", FIRST_LOAD_S)
             assert c.get("/health").json() == {"status": "ok", "compile": "off"}
             resp = c.post("/v1/completions", json=body)
             assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] >= 1

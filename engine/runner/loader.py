@@ -9,6 +9,7 @@ import json
 import logging
 import os
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -173,7 +174,11 @@ def batch_invariant_serves(config) -> bool:
     warning. ``on`` there fails at load, naming the missing kernel."""
     if not config.batch_invariant_enabled:
         return False
-    if config.batch_invariant == "auto" and not (load_invariant_kernels() and load_cpu_kernel()):
+    # A first start builds both (about half a minute each on two cores): side by side, the compilers
+    # are other processes.
+    with ThreadPoolExecutor(2) as pool:
+        built = all(pool.map(lambda load: load(), (load_invariant_kernels, load_cpu_kernel)))
+    if config.batch_invariant == "auto" and not built:
         logging.getLogger(__name__).warning(
             "--batch-invariant auto: its kernels could not be built here; serving without the mode"
         )
