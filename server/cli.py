@@ -120,14 +120,15 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
     sp = p.add_argument_group("speculative decoding")
     sp.add_argument(
         "--speculative-method",
-        default=None,
+        default="auto",
         choices=["none", *known_methods()],
-        help="draft: a separate draft model; ouroboros: the draft model drafting by pooled phrases; "
+        help="auto (default): several proposers at once, the lookups (suffix, ngram) and whatever --draft-model "
+        "is, each request drafted step by step by the one that pays for it (or none); "
+        "draft: a separate draft model; ouroboros: the draft model drafting by pooled phrases; "
         "ngram: prompt lookup; suffix: suffix-tree trees; "
         "lookahead: Jacobi window and n-gram pool, no draft model; "
         "layer-skip: the target with sublayers skipped; medusa, eagle, mtp: heads on the target's hidden states "
-        "(--draft-model DIR); none: plain "
-        "decoding (default: what the --draft-model directory is, else none)",
+        "(--draft-model DIR); none: plain decoding",
     )
     sp.add_argument(
         "--draft-model",
@@ -226,7 +227,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             demo = ensure_demo()
         values["model"] = str(demo / "target")
         # The demo pair speculates with its own draft by default.
-        if values.get("speculative_method") in (None, "draft", "ouroboros") and not values.get("draft_model"):
+        if values.get("speculative_method") in (None, "auto", "draft", "ouroboros") and not values.get("draft_model"):
             values["draft_model"] = str(demo / "draft")
     return EngineConfig(**values)
 

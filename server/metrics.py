@@ -97,7 +97,7 @@ class Metrics:
         )
         self.token_rate = TokenRate()
         self.tokens_per_s.labels(**labels).set_function(self.token_rate.rate)
-        # Speculative decoding (label: method).
+        # Speculative decoding (label: method, the proposer that drafted: each of auto's under its own name).
         self.spec_drafts = Counter(
             "augur_spec_decode_num_drafts", "Verify steps that carried a draft", ["method"], registry=r
         )
@@ -164,6 +164,7 @@ class Metrics:
         self._spec_window: deque[tuple[float, int, int, int]] = deque()  # (t, drafts, drafted, accepted)
         self._spec_lock = threading.Lock()
         self._spec_seen = (0, 0, 0, [])
+        self._spec_by_seen: dict[str, tuple[int, int, int]] = {}  # SpecStats.by_method as last seen
         self._engine = None
         self.vllm = None
         if compat == "vllm":
@@ -257,9 +258,15 @@ class Metrics:
         )
         if d_drafts:
             method = self._engine.spec_method
-            self.spec_drafts.labels(method=method).inc(d_drafts)
-            self.spec_draft_tokens.labels(method=method).inc(d_drafted)
-            self.spec_accepted_tokens.labels(method=method).inc(d_acc)
+            # Per proposer (the one that drafted: each of auto's under its own name).
+            for name, (n, tokens, kept) in st.by_method.items():
+                was = self._spec_by_seen.get(name, (0, 0, 0))
+                label = name or method
+                if n > was[0]:
+                    self.spec_drafts.labels(method=label).inc(n - was[0])
+                    self.spec_draft_tokens.labels(method=label).inc(tokens - was[1])
+                    self.spec_accepted_tokens.labels(method=label).inc(kept - was[2])
+            self._spec_by_seen = {name: tuple(v) for name, v in st.by_method.items()}
             new_per_pos = {}
             for pos, count in enumerate(st.accepted_per_pos):
                 prev = per_pos[pos] if pos < len(per_pos) else 0

@@ -81,6 +81,8 @@ class SpeculativeOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     enabled: StrictBool = True
     num_draft_tokens: StrictInt | None = Field(default=None, ge=0, le=64)
+    # Pin one of the proposers the server holds (GET /version: speculative_methods); absent: chosen per step.
+    method: str | None = Field(default=None, min_length=1, max_length=64)
     # LOSSY opt-in: true (Medusa's epsilon 0.09, delta 0.3), {epsilon, delta}, or false (exact even when
     # the server's --typical-acceptance is on). Absent: the server's choice.
     typical_acceptance: StrictBool | TypicalAcceptance | None = None
@@ -356,6 +358,7 @@ class _Sampling(BaseModel):
             num_draft_tokens=(
                 self.speculative.num_draft_tokens if self.speculative is not None and self.speculative.enabled else None
             ),
+            speculative_method=self.speculative.method if self.speculative is not None else None,
             typical_acceptance=self.typical(),
             use_beam_search=self.use_beam_search,
             best_of=self.best_of,

@@ -107,13 +107,29 @@ class Job:
         drafted = sum(o.stats.num_draft_tokens for o in outputs)
         forced = sum(o.stats.num_forced_tokens for o in outputs)
         lossy = self.params.typical_acceptance is not None
+        by: dict[str, list[int]] = {}  # proposer → [drafted, accepted], over the request's choices
+        reasons: dict[str, int] = {}
+        for o in outputs:
+            for name, (d, a) in o.stats.drafted_by.items():
+                tally = by.setdefault(name, [0, 0])
+                tally[0], tally[1] = tally[0] + d, tally[1] + a
+            for word, n in o.stats.spec_reasons.items():
+                reasons[word] = reasons.get(word, 0) + n
+        if self.eng.spec_method == "none" or self.params.speculative is False:
+            reason = "disabled"
+        else:  # the reason it was most often not drafted (none if it was drafted every step)
+            reason = max(reasons, key=lambda w: (reasons[w], w)) if reasons else None
+        names = sorted(by, key=lambda n: -by[n][0])
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": sum(o.stats.num_cached_prompt_tokens for o in outputs)},
             "speculative": {
-                "method": self.eng.spec_method if drafted else "none",
+                # The proposer(s) that drafted, most tokens first ("none": none did, for ``reason``).
+                "method": "+".join(names) if names else ("none" if not drafted else self.eng.spec_method),
+                "proposers": {n: {"draft_tokens": d, "accepted_tokens": a} for n, (d, a) in by.items()},
+                "reason": None if drafted else reason,
                 "draft_tokens": drafted,
                 "accepted_tokens": sum(o.stats.num_accepted_tokens for o in outputs),
                 "verify_steps": steps,

@@ -76,7 +76,7 @@ def engine_for(args, target: Path, draft: Path | None, **overrides) -> LLMEngine
     fields = set(EngineConfig.field_names())
     values = {k: v for k, v in vars(args).items() if k in fields}
     values.update(model=str(target), device="cpu", dtype="float32", num_kv_blocks=256, **overrides)
-    if values.get("speculative_method") in (None, "draft") and not values.get("draft_model"):
+    if values.get("speculative_method") in (None, "auto", "draft") and not values.get("draft_model"):
         values["draft_model"] = str(draft)
     return LLMEngine(EngineConfig(**values))
 
@@ -115,7 +115,7 @@ def test_demo_presets_serve_the_demo_pair(path, demo_shapes):
     args = apply_config_file(build_parser(), ["serve", "--config", str(path)])
     assert args.model is None
     engine = engine_for(args, target, draft)
-    assert engine.spec_method == (args.speculative_method or "draft")
+    assert engine.spec_method == args.speculative_method
     plain = greedy_ids(engine, PROMPTS, speculative=False)
     assert greedy_ids(engine, PROMPTS) == plain
 

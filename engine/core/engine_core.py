@@ -91,6 +91,7 @@ class StepMessage(msgspec.Struct, array_like=True):
     spec: tuple[int, int, int, list[int]]  # drafts, draft tokens, accepted tokens, accepted per position
     grammar: tuple[int, int, int]  # drafted, cut, forced tokens of constrained requests
     compile_state: str
+    spec_by: dict[str, list[int]]  # proposer → drafts, draft tokens, accepted tokens
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -196,7 +197,7 @@ class EngineCore:
             outputs, load, seconds,
             (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens, list(st.accepted_per_pos)),
             (c.drafted_tokens, c.cut_tokens, c.forced_tokens),
-            e.compile_state,
+            e.compile_state, st.by_method,
         )  # fmt: skip
         self.outputs.send_multipart([b"step" if outputs else b"load", _ENCODER.encode(msg)], copy=False)
 
@@ -421,6 +422,7 @@ class ProcessEngine(EngineFront):
             self.load, self._compile_state, self._grammar = msg.load, msg.compile_state, msg.grammar
             st = self._spec
             st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens, st.accepted_per_pos = msg.spec
+            st.by_method = msg.spec_by
             if msg.outputs:
                 self._deliver_all([(out.request_id, out) for out in msg.outputs])
                 self._run_hooks(msg.outputs, msg.seconds)

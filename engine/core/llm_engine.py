@@ -136,7 +136,7 @@ class LLMEngine:
         amateur = self.proposer is not None and self.proposer.has_language_model
         self.limits = RequestLimits(
             self.vocab_size, max_len, config.max_num_seqs, config.max_num_batched_tokens,
-            num_blocks * config.block_size, amateur,
+            num_blocks * config.block_size, amateur, self.proposer.routes() if self.proposer else (),
         )  # fmt: skip
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.groups: dict[str, SequenceGroup] = {}
@@ -184,10 +184,7 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.warmup()
         if self.controller is not None:  # seed the cost model with timings of the shapes the step runs
-            probes = [(self.runner.forward, "target")]
-            probe = self.proposer.cost_probe() if self.proposer.cost.kind else None
-            if probe is not None:
-                probes.append((probe, self.proposer.cost.kind))
+            probes = [(self.runner.forward, "target"), *self.proposer.cost_probes()]
             c = config
             limits = (c.block_size, c.max_num_seqs, c.max_num_batched_tokens, self.block_manager.num_free_blocks)
             profile_costs(self.controller.cost, probes, self.runner.synchronize, *limits)

@@ -108,6 +108,8 @@ class OutputProcessor:
             num_decode_steps=group.num_decode_steps,
             num_draft_tokens=group.num_draft_tokens,
             num_accepted_tokens=group.num_accepted_tokens,
+            drafted_by={k: tuple(v) for k, v in group.drafted_by.items()},
+            spec_reasons=dict(group.spec_reasons),
             num_forced_tokens=group.num_forced_tokens,
             grammar_seconds=sum(s.grammar.seconds for s in group.seqs if s.grammar is not None),
         )

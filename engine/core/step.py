@@ -63,6 +63,7 @@ class Step:
         self._cuts: dict[int, Sample] = {}  # seq_id → its draft cut by its grammar, this step
         self._extra: dict[int, ExtraRows] = {}  # seq_id → the proposer's own rows in this step's forward
         self._planned: dict[int, int] = {}  # seq_id → the depth its draft was granted, this step
+        self._decoding: set[int] = set()  # seq_ids the controller planned for (decodes), this step
         self.confine = confine or Confine()
         self.decoding = Strategies(beams, proposer, self.rows, self.confine)  # beyond sampling: engine/decoding/
         self.scheduled: list[Sequence] = []  # this step's sequences (the engine fails them if it raises)
@@ -123,6 +124,7 @@ class Step:
         # Never draft past max_tokens or the context: the final token takes the last place.
         room = [max(s.tokens_left(self.max_model_len) - 1 - ahead, 0) for s in decode]
         depths = self.controller.plan(decode, min(other, self.scheduler.max_num_batched_tokens), room)
+        self._decoding = {s.seq_id for s in decode}
         return {s.seq_id: d for s, d in zip(decode, depths) if d > 0}
 
     def plan_ahead(self, ahead: int) -> dict[int, int]:
@@ -135,7 +137,7 @@ class Step:
         return self.next_plan
 
     def _lookahead(self, want: dict[int, int]) -> Callable[[Sequence], int]:
-        return lambda seq: self.proposer.slots_needed(want.get(seq.seq_id, 0), seq.params.greedy)
+        return lambda seq: self.proposer.slots_for(seq.spec_route, want.get(seq.seq_id, 0), seq.params.greedy)
 
     def mirror(self, sched: SchedulerOutput) -> None:
         """Keep every cache and the proposer in step with what the scheduler did."""
@@ -150,13 +152,15 @@ class Step:
         seqs, depths = [], []
         for seq, _ in sched.scheduled:
             d = want.get(seq.seq_id, 0)
-            d = self.proposer.depth_for_slots(sched.lookahead.get(seq.seq_id, 0), d, seq.params.greedy) if d else 0
+            slots = sched.lookahead.get(seq.seq_id, 0)
+            d = self.proposer.depth_for_slots(slots, d, seq.params.greedy, seq.spec_route) if d else 0
             if d > 0:
                 seqs.append(seq)
                 depths.append(d)
         self._cuts, self._extra = {}, {}
         self._planned = {s.seq_id: d for s, d in zip(seqs, depths)}
         if not seqs:
+            self._no_drafts(sched, {})
             return {}
         ctx = ProposeContext({s.seq_id: self._hidden[s.seq_id] for s in seqs if s.seq_id in self._hidden})
         trees = self.proposer.propose(seqs, depths, ctx)
@@ -178,7 +182,29 @@ class Step:
                 if len(extra) > slots or min(extra.offsets) < 1 or max(extra.offsets) > slots:
                     raise RuntimeError(f"the {self.proposer.method} proposer's rows exceed their {slots} slots")
                 self._extra[s.seq_id] = extra
-        return {s.seq_id: t for s, t in drafts if len(t) or s.seq_id in self._extra}
+        trees = {s.seq_id: t for s, t in drafts if len(t) or s.seq_id in self._extra}
+        for s, t in drafts:  # asked for a draft: had one (a lookup may have found nothing)
+            self.controller.asked(s, t.source or None, s.seq_id in trees)
+        self._no_drafts(sched, trees)
+        return trees
+
+    def _no_drafts(self, sched: SchedulerOutput, trees: dict[int, DraftTree]) -> None:
+        """Count, per request, the decode steps it went without a draft, by the reason in a word
+        (``usage.speculative.reason``): the plan's (SpecController.plan), ``grammar`` where its grammar
+        cut the draft to nothing, ``acceptance`` where the proposer found nothing to draft."""
+        for seq, _ in sched.scheduled:
+            sid, cut = seq.seq_id, self._cuts.get(seq.seq_id)
+            drafted = sid in trees and (sid in self._extra or len(cut.tree if cut else trees[sid]) > 0)
+            if sid not in self._decoding or drafted:
+                continue
+            if cut is not None:
+                reason = "grammar"
+            elif sid in self._planned:
+                reason = "acceptance"
+            else:
+                reason = seq.spec_reason
+            if reason is not None:
+                seq.group.spec_reasons[reason] = seq.group.spec_reasons.get(reason, 0) + 1
 
     # 3. build the one forward: prefill chunks, plain decodes and draft trees side by side
     def build(self, sched: SchedulerOutput, trees: dict[int, DraftTree]) -> Batch:
@@ -298,12 +324,16 @@ class Step:
                 kept = s.accepted if s.kept is None else [s.kept[i] for i in s.accepted]
                 self.proposer.on_verified(seq, drafted, kept)
             self._computed(seq, c, hidden, [s.tok] + [s.tok + 1 + i for i in s.accepted])
-            self.controller.update(seq, s.depth, a)
+            self.controller.update(seq, s.depth, a, drafted.source or None)
             if not len(drafted):  # only extra rows: no draft to count
                 continue
-            self.stats.record(len(drafted), a)
+            source = drafted.source or self.proposer.method
+            self.stats.record(len(drafted), a, source)
             seq.group.num_draft_tokens += len(drafted)
             seq.group.num_accepted_tokens += a
+            tally = seq.group.drafted_by.setdefault(source, [0, 0])
+            tally[0] += len(drafted)
+            tally[1] += a
         self.runner.move_slots(src, dst)
 
     def feedback(self, b: Batch, emits: list[Emit], logits: torch.Tensor) -> None:

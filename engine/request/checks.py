@@ -96,8 +96,13 @@ class RequestLimits:
     max_num_batched_tokens: int
     kv_capacity: int
     has_amateur: bool
+    spec_methods: tuple[str, ...] = ()  # the proposers a request may pin (``speculative.method``)
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        pinned = params.speculative_method
+        if pinned is not None and pinned not in self.spec_methods:
+            held = f"it drafts with {', '.join(self.spec_methods)}" if self.spec_methods else "it does not speculate"
+            raise InvalidRequestError(f"speculative.method {pinned!r} is not served here: {held}", "speculative.method")
         check_request(
             prompt_ids, params, self.vocab_size, self.max_model_len, self.max_num_seqs,
             self.max_num_batched_tokens, self.kv_capacity, self.has_amateur,

@@ -37,6 +37,8 @@ class RequestStats:
     num_decode_steps: int = 0  # target forwards that produced this request's tokens (per choice, summed)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    drafted_by: dict[str, tuple[int, int]] = field(default_factory=dict)  # proposer → (drafted, accepted)
+    spec_reasons: dict[str, int] = field(default_factory=dict)  # decode steps without a draft, by reason
     num_forced_tokens: int = 0  # emitted by jump-forward: the only tokens the request's grammar allowed
     grammar_seconds: float = 0.0  # host time in the request's grammar (masks, advancing, forcing)
 

@@ -42,6 +42,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     speculative: bool | None = None  # False: never draft for this request; None: the engine decides
     num_draft_tokens: int | None = None  # fixed draft depth for this request (None: tuned per step)
+    # The proposer that drafts for this request, one the engine holds (None: the controller chooses
+    # per step among them; see ``--speculative-method auto``).
+    speculative_method: str | None = None
     # LOSSY, opt-in: Medusa's typical acceptance, (epsilon, delta). A draft token x is accepted where the
     # target's p(x) > min(epsilon, delta * exp(-H(p))), so the output is no longer exactly the target's
     # distribution (None: lossless verification, the default).

@@ -80,7 +80,11 @@ class Sequence:
         self.grammar: GrammarState | None = None  # structured outputs only: where its grammar stands
         # Speculative decoding state.
         self.draft_num_computed = 0  # leading tokens whose draft-model KV is valid (draft-model proposer)
-        self.spec_estimate: AcceptanceEstimate | None = None  # the depth controller's, per sequence
+        # The depth controller's acceptance estimates, per route (the proposer that drafts: one, or
+        # each of ``auto``'s), and the route it chose for this step (None: the engine's one proposer).
+        self.spec_estimates: dict[str, AcceptanceEstimate] = {}
+        self.spec_route: str | None = None
+        self.spec_reason: str | None = None  # why the controller's plan gave it no draft this step
         self.spec_idle_steps = 0  # consecutive steps the controller chose not to draft
         self.detok: IncrementalDetokenizer | None = None
         # How much of the output the last RequestOutput already carried (for deltas).
@@ -88,6 +92,11 @@ class Sequence:
         self.num_emitted_chars = 0
 
     # -- views -----------------------------------------------------------------------------------
+    @property
+    def spec_estimate(self) -> AcceptanceEstimate | None:
+        """The estimate of its current route (None before the controller made one)."""
+        return self.spec_estimates.get(self.spec_route or "")
+
     @property
     def params(self) -> SamplingParams:
         return self.group.params
@@ -198,6 +207,9 @@ class SequenceGroup:
         self.num_decode_steps = 0  # target forwards that produced tokens, summed over choices
         self.num_draft_tokens = 0  # draft tokens proposed for this request
         self.num_accepted_tokens = 0  # of which the target accepted
+        self.drafted_by: dict[str, list[int]] = {}  # proposer → [draft tokens, accepted tokens]
+        # Decode steps it was not drafted for, by the reason in a word (see SpecController.plan).
+        self.spec_reasons: dict[str, int] = {}
         self.num_forced_tokens = 0  # emitted without a forward: the only tokens its grammar allowed
         # Prompt tokens the prefix cache held when the request was first admitted (None: not yet).
         self.num_cached_prompt_tokens: int | None = None

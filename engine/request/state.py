@@ -66,6 +66,7 @@ class AcceptanceEstimate:
     alpha: list[float]  # per draft position, P(accepted | previous accepted)
     ema: float = 0.25
     updates: int = 0  # verified drafts seen
+    found: float = 1.0  # share of the steps it was asked for a draft that it had one (a lookup may have none)
 
     def expected_tokens(self, k: int) -> float:
         return 1.0 + sum(self.gains(k))
@@ -77,6 +78,10 @@ class AcceptanceEstimate:
             run *= self.alpha[j]
             out.append(run)
         return out
+
+    def asked(self, drafted: bool) -> None:
+        """Asked for a draft, it had one (or, a lookup with no match, none)."""
+        self.found = (1 - self.ema) * self.found + self.ema * float(drafted)
 
     def update(self, drafted: int, accepted: int) -> None:
         self.updates += 1

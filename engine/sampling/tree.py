@@ -23,6 +23,9 @@ class DraftTree:
     # [n, vocab] draft distribution each node was *sampled* from, or None when the nodes were chosen
     # deterministically (argmax / top-k): verification then treats q as one-hot at the token.
     q: torch.Tensor | None = None
+    # The proposer that drafted it, where an engine holds several (``--speculative-method auto``):
+    # the acceptance it earns is that proposer's, for that request. "" = the engine's one proposer.
+    source: str = ""
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
@@ -32,8 +35,8 @@ class DraftTree:
                 raise ValueError(f"node {i} has parent {p}; parents must precede their children")
 
     @classmethod
-    def chain(cls, tokens: list[int], q: torch.Tensor | None = None) -> DraftTree:
-        return cls(list(tokens), list(range(-1, len(tokens) - 1)), q)
+    def chain(cls, tokens: list[int], q: torch.Tensor | None = None, source: str = "") -> DraftTree:
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)), q, source)
 
     def __len__(self) -> int:
         return len(self.tokens)

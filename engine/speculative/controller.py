@@ -34,10 +34,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.request.sequence import Sequence
 from engine.request.state import AcceptanceEstimate
 from engine.runner.model_runner import ForwardChunk
+
+if TYPE_CHECKING:
+    from engine.speculative.proposer import CostShape
 
 
 class CostModel:
@@ -85,9 +89,9 @@ class CostModel:
             self.host_per_draft.append(max(host_seconds - base, 0.0) / num_drafting)
         self._host = None
 
-    def take_step_tokens(self, kind: str) -> int:
-        """Tokens the forwards of ``kind`` ran in the step just ended (and start counting the next)."""
-        tokens, self._step_tokens = self._step_tokens.get(kind, 0), {}
+    def take_step_tokens(self, kinds: tuple[str, ...]) -> int:
+        """Tokens the forwards of ``kinds`` ran in the step just ended (and start counting the next)."""
+        tokens, self._step_tokens = sum(self._step_tokens.get(kind, 0) for kind in kinds), {}
         return tokens
 
     def observe_spec_scale(self, ratio: float) -> None:
@@ -347,35 +351,116 @@ class SpecController:
     trial_steps: int = 3  # a request's first verified drafts are at full depth: its own estimate, soon
     idle_probe: int = 32  # a request kept at zero drafts at full depth again after this many steps
     optimism: float = 0.9  # per-position acceptance of the most predictable text (exploration's bound)
+    low_acceptance: float = 0.25  # a request kept at zero below this first-position estimate: "acceptance"
 
     def __post_init__(self) -> None:
         # Population estimates (greedy / sampled requests accept very differently): a new request
         # starts from what requests like it have been accepting, not from a fixed guess.
-        self.population = {g: AcceptanceEstimate([self.prior] * self.max_depth, ema=0.05) for g in (True, False)}
+        # Kept per route too: what requests accept by each proposer.
+        self.population: dict[tuple[str, bool], AcceptanceEstimate] = {}
+        self.routes = self.proposer.routes()
         self.guard = Guard(self.max_depth)
         # The current maximum depth (hysteresis state), for all-greedy batches and for the others.
         self.depth = {True: self.max_depth, False: self.max_depth}
         self._challenger, self._streak = {True: None, False: None}, {True: 0, False: 0}
         self._memo: dict[tuple, float] = {}
         self._last_key, self._last_plan, self._reused = None, (), 0
+        self._cap = self.max_depth  # the guard's limit for this step's plan
         self.exploring = False  # this step's plan holds a trial or an idle probe (see observe_step)
         self.bursting = False  # this step's plan is a guard's probe burst
         self.on_probation = False  # this step's bucket is on probation (see Guard): its drafting is charged
 
-    def estimate(self, seq: Sequence) -> AcceptanceEstimate:
-        if seq.spec_estimate is None:
-            seq.spec_estimate = AcceptanceEstimate(list(self.population[seq.params.greedy].alpha))
-        return seq.spec_estimate
+    def _population(self, route: str, greedy: bool) -> AcceptanceEstimate:
+        key = (route, greedy)
+        if key not in self.population:
+            self.population[key] = AcceptanceEstimate([self.prior] * self.max_depth, ema=0.05)
+        return self.population[key]
+
+    def estimate(self, seq: Sequence, route: str | None = None) -> AcceptanceEstimate:
+        """The request's acceptance estimate by ``route`` (None: the route it drafts by now)."""
+        route = route or seq.spec_route or self.routes[0]
+        est = seq.spec_estimates.get(route)
+        if est is None:
+            est = seq.spec_estimates[route] = AcceptanceEstimate(list(self._population(route, seq.params.greedy).alpha))
+        return est
 
     def plan(self, seqs: list[Sequence], other_tokens: int, room: list[int] | None = None) -> list[int]:
         """Draft depth per decode sequence (0 = none); ``room[i]`` caps sequence i's depth and
-        ``other_tokens`` counts the step's non-speculative target tokens (prefill chunks)."""
+        ``other_tokens`` counts the step's non-speculative target tokens (prefill chunks). Each
+        sequence's route (the proposer that drafts it) is chosen first (``Sequence.spec_route``), and a
+        sequence left at zero gets the reason in a word (``Sequence.spec_reason``):
+
+        - ``disabled``: the request asked for no speculation;
+        - ``load``: the guard measured drafting losing at this batch size (``cost`` for a batch of one);
+        - ``acceptance``: its own estimate keeps fewer than ``low_acceptance`` of first draft positions;
+        - ``cost``: what drafting would return does not pay for what it takes (verify rows, drafting).
+        """
         room = room if room is not None else [self.max_depth] * len(seqs)
+        self._memo = {}
+        self._choose_routes(seqs, other_tokens)
+        depths = self._plan(seqs, other_tokens, room)
+        for seq, d, r in zip(seqs, depths, room):
+            seq.spec_reason = None if d or r <= 0 else self._reason(seq, len(seqs))
+        return depths
+
+    def _reason(self, seq: Sequence, num_seqs: int) -> str:
+        if seq.params.speculative is False or seq.params.num_draft_tokens == 0 or self.max_depth == 0:
+            return "disabled"
+        if self._cap == 0:
+            return "load" if num_seqs > 1 else "cost"
+        return "acceptance" if self.estimate(seq).alpha[0] < self.low_acceptance else "cost"
+
+    def _choose_routes(self, seqs: list[Sequence], other_tokens: int) -> None:
+        """Each sequence's route this step: the one a request pinned (``speculative.method``), else the
+        one whose draft returns the most over what it costs, by the request's own estimates per route
+        (:meth:`_route_value`); before any timing exists, the first (a lookup: free to try)."""
+        ready = len(self.routes) > 1 and self.cost.ready(("target", *self.proposer.cost_kinds()))
+        if ready:
+            n, rows = len(seqs) + (1 if other_tokens else 0), other_tokens + len(seqs)
+            plain = self._predict("target", n, rows) + self.cost.host_seconds(len(seqs), 0)
+            rate = rows / max(plain, 1e-9)  # tokens a second the batch makes without drafts
+            row = max(self._predict("target", n, rows + 8) - self._predict("target", n, rows), 0.0) / 8
+            users: dict[str | None, int] = {}
+            for s in seqs:
+                users[s.spec_route] = users.get(s.spec_route, 0) + 1
+        for s in seqs:
+            if s.params.speculative_method:
+                s.spec_route = s.params.speculative_method
+            elif not ready:
+                s.spec_route = s.spec_route if s.spec_route in self.routes else self.routes[0]
+            else:
+                s.spec_route = max(self.routes, key=lambda r: self._route_value(s, r, rate, row, users))
+
+    def _route_value(self, seq: Sequence, route: str, rate: float, row: float, users: dict) -> float:
+        """Tokens a draft by ``route`` is expected to add to the step beyond the tokens its cost would
+        have made by plain decoding at ``rate``, at its best depth: the expected gain of each position
+        (times the share of steps the route has a draft at all) against ``row`` seconds per verify
+        row and, for a model drafter, its forwards, shared by the sequences drafting with it."""
+        est = self.estimate(seq, route)
+        shape = self.proposer.cost_for(route)
+        share = 1.0 / max(users.get(route, 0) + (seq.spec_route != route), 1)
+        scale = self.cost.spec_scale()
+        catch_up = self._predict(shape.kind, 1, 2) if shape.kind and shape.catch_up else 0.0
+        level = self._predict(shape.kind, 1, 1) if shape.kind and shape.per_level else 0.0
+        best = total = 0.0
+        for k, gain in enumerate(est.gains(self.max_depth), start=1):
+            total += gain
+            seconds = row * self.proposer.slots_for(route, k, seq.params.greedy)
+            seconds += share * (catch_up + (k - 1) * level)
+            best = max(best, est.found * total - rate * scale * seconds)
+        return best
+
+    def asked(self, seq: Sequence, route: str | None, drafted: bool) -> None:
+        """``seq`` was asked for a draft by ``route`` this step, and had one (or none: a lookup's miss)."""
+        route = route or seq.spec_route or self.routes[0]
+        self.estimate(seq, route).asked(drafted)
+        self._population(route, seq.params.greedy).asked(drafted)
+
+    def _plan(self, seqs: list[Sequence], other_tokens: int, room: list[int]) -> list[int]:
         greedy = [s.params.greedy for s in seqs]
         kind = all(greedy)
         members = frozenset(s.seq_id for s in seqs)
-        cap = self.guard.limit(len(seqs), kind, members, self.budget.allows())
-        self._memo = {}
+        cap = self._cap = self.guard.limit(len(seqs), kind, members, self.budget.allows())
         self.exploring = self.bursting = False
         bucket = self.guard.bucket(len(seqs), kind)
         self.on_probation = bucket.on and bucket.probation > 0
@@ -390,7 +475,7 @@ class SpecController:
             else:
                 free.append(i)
         depths = [fixed.get(i, 0) for i in range(len(seqs))]
-        kinds = ("target",) + ((self.proposer.cost.kind,) if self.proposer.cost.kind else ())
+        kinds = ("target", *self.proposer.cost_kinds())
         bursting = cap > 0 and not bucket.on  # the guard's probe burst
         if free and (bursting or not self.cost.ready(kinds)):
             # Before any timing exists, and in the guard's probe bursts: draft at full depth, so that
@@ -410,13 +495,14 @@ class SpecController:
             tuple(depths),  # the fixed ones
             tuple((s.seq_id, min(r, self.max_depth)) for s, r in zip(seqs, room)),
             tuple(a for i in free for a in self.estimate(seqs[i]).alpha),
+            tuple(seqs[i].spec_route for i in free),
         )
         reuse = self.reuse_plans if any(self._last_plan) else self.reuse_idle_plans
         if key == self._last_key and self._reused < reuse:
             self._reused += 1
-            return self._explore(seqs, list(self._last_plan), free, room, other_tokens, cap, greedy)
+            return self._explore(seqs, list(self._last_plan), free, room, other_tokens, cap)
         gains = {i: self.estimate(seqs[i]).gains(self.max_depth) for i in free}
-        rates = {D: self._best_at(D, depths, free, gains, greedy, seqs, other_tokens, room) for D in range(cap + 1)}
+        rates = {D: self._best_at(D, depths, free, gains, seqs, other_tokens, room) for D in range(cap + 1)}
         best = max(rates, key=lambda D: rates[D][0])
         cur = min(self.depth[kind], cap)
         if best != cur:
@@ -429,26 +515,26 @@ class SpecController:
         self.depth[kind] = cur
         depths = rates[cur][1]
         self._last_key, self._last_plan, self._reused = key, tuple(depths), 0
-        return self._explore(seqs, depths, free, room, other_tokens, cap, greedy)
+        return self._explore(seqs, depths, free, room, other_tokens, cap)
 
-    def _best_at(self, D, depths, free, gains, greedy, seqs, other_tokens, room) -> tuple[float, list[int]]:
+    def _best_at(self, D, depths, free, gains, seqs, other_tokens, room) -> tuple[float, list[int]]:
         """Predicted rate and per-request depths when no request drafts deeper than ``D``."""
         trial = list(depths)
         for i in free:
             trial[i] = min(D, room[i])
         for _ in range(2):  # keep, per request, the positions whose gain beats the marginal token price
-            t = self._step_time(trial, other_tokens, greedy)
+            t = self._step_time(trial, other_tokens, seqs)
             rate = (other_tokens + self._tokens(trial, seqs)) / t if t > 0 else 0.0
-            price = rate * self._marginal_token_time(trial, other_tokens, greedy)
+            price = rate * self._marginal_token_time(trial, other_tokens, seqs)
             for i in free:
                 k = 0
                 while k < min(D, room[i]) and gains[i][k] >= max(price, self.min_gain):
                     k += 1
                 trial[i] = k
-        t = self._step_time(trial, other_tokens, greedy)
+        t = self._step_time(trial, other_tokens, seqs)
         return ((other_tokens + self._tokens(trial, seqs)) / t if t > 0 else 0.0), trial
 
-    def _explore(self, seqs, depths, free, room, other_tokens, cap, greedy) -> list[int]:
+    def _explore(self, seqs, depths, free, room, other_tokens, cap) -> list[int]:
         """Exploration, at full depth, of requests the plan keeps at zero: a new request's first
         ``trial_steps`` drafts (acceptance is the text's own — a prompt that copies, one that does
         not — so it learns its own estimate rather than inheriting its population's, which may keep
@@ -467,24 +553,24 @@ class SpecController:
             due = idle >= self.idle_probe or (idle == 1 and self.estimate(seq).updates < self.trial_steps)
             if due and room[i] > 0 and self.budget.allows():
                 full = min(self.max_depth, room[i], cap)
-                if self._could_pay(i, full, depths, seqs, other_tokens, greedy):
+                if self._could_pay(i, full, depths, seqs, other_tokens):
                     depths[i] = full
                     self.exploring = True
                 if depths[i] or idle >= self.idle_probe:
                     seq.spec_idle_steps = 0
         return depths
 
-    def _could_pay(self, i, full, depths, seqs, other_tokens, greedy) -> bool:
+    def _could_pay(self, i, full, depths, seqs, other_tokens) -> bool:
         """Whether drafting ``full`` positions for request ``i`` (now at zero) would raise the step's
         predicted rate if its text were as predictable as texts get (``optimism`` per position).
         Where even that loses (a batch whose drafting costs more than deep drafts can return), trying
         only costs."""
         tokens = other_tokens + self._tokens(depths, seqs)
-        rate = tokens / max(self._step_time(depths, other_tokens, greedy), 1e-9)
+        rate = tokens / max(self._step_time(depths, other_tokens, seqs), 1e-9)
         trial = list(depths)
         trial[i] = full
         best_case = tokens + sum(self.optimism ** (j + 1) for j in range(full))
-        return best_case / max(self._step_time(trial, other_tokens, greedy), 1e-9) > rate
+        return best_case / max(self._step_time(trial, other_tokens, seqs), 1e-9) > rate
 
     def _predict(self, kind: str, num_seqs: int, tokens: int) -> float:
         """``cost.predict``, memoized for one plan (which asks for the same shapes many times)."""
@@ -501,48 +587,57 @@ class SpecController:
             self._memo[key] = sum(self.estimate(s).expected_tokens(d) if d else 1.0 for s, d in zip(seqs, depths))
         return self._memo[key]
 
-    def _target_tokens(self, depths: list[int], other_tokens: int, greedy: list[bool]) -> int:
-        return other_tokens + len(depths) + sum(self.proposer.slots_needed(d, g) for d, g in zip(depths, greedy) if d)
+    def _target_tokens(self, depths: list[int], other_tokens: int, seqs: list[Sequence]) -> int:
+        slots = self.proposer.slots_for
+        drafts = sum(slots(s.spec_route, d, s.params.greedy) for d, s in zip(depths, seqs) if d)
+        return other_tokens + len(depths) + drafts
 
-    def _step_time(self, depths: list[int], other_tokens: int, greedy: list[bool]) -> float:
+    def _step_time(self, depths: list[int], other_tokens: int, seqs: list[Sequence]) -> float:
         """Predicted seconds of a step: the same step without drafts, plus what drafting adds by the
         cost model's parts, scaled by how whole speculating steps have compared with that sum."""
         key = ("step", other_tokens, *depths)  # a search meets the same depths many times
         if key not in self._memo:
-            plain, extra = self._step_parts(depths, other_tokens, greedy)
+            plain, extra = self._step_parts(depths, other_tokens, seqs)
             self._memo[key] = plain + self.cost.spec_scale() * extra
         return self._memo[key]
 
-    def _step_parts(self, depths: list[int], other_tokens: int, greedy: list[bool]) -> tuple[float, float]:
+    def _step_parts(self, depths: list[int], other_tokens: int, seqs: list[Sequence]) -> tuple[float, float]:
         """(seconds of the step without drafts, seconds drafting adds) by the cost model's parts."""
         n = len(depths) + (1 if other_tokens else 0)
         plain = self._predict("target", n, other_tokens + len(depths)) + self.cost.host_seconds(len(depths), 0)
         drafting = [d for d in depths if d]
         if not drafting:
             return plain, 0.0
-        t = self._predict("target", n, self._target_tokens(depths, other_tokens, greedy))
+        t = self._predict("target", n, self._target_tokens(depths, other_tokens, seqs))
         t += self.cost.host_seconds(len(depths), len(drafting))
-        shape = self.proposer.cost
-        if shape.kind:
+        by_kind: dict[str, tuple[CostShape, list[int]]] = {}  # each kind of forward the drafts run, batched
+        for d, seq in zip(depths, seqs):
+            shape = self.proposer.cost_for(seq.spec_route)
+            if d and shape.kind:
+                by_kind.setdefault(shape.kind, (shape, []))[1].append(d)
+        for kind, (shape, drafting) in by_kind.items():
             if shape.catch_up:  # about the root plus last step's accepted tokens
-                t += self._predict(shape.kind, len(drafting), 2 * len(drafting))
+                t += self._predict(kind, len(drafting), 2 * len(drafting))
             if shape.per_level:
                 for level in range(1, max(drafting)):
                     deeper = sum(1 for d in drafting if d > level)
-                    t += self._predict(shape.kind, deeper, deeper)
+                    t += self._predict(kind, deeper, deeper)
         return plain, max(t - plain, 0.0)
 
-    def _marginal_token_time(self, depths: list[int], other_tokens: int, greedy: list[bool]) -> float:
-        n, m = len(depths) + 1, self._target_tokens(depths, other_tokens, greedy)
+    def _marginal_token_time(self, depths: list[int], other_tokens: int, seqs: list[Sequence]) -> float:
+        n, m = len(depths) + 1, self._target_tokens(depths, other_tokens, seqs)
         extra = max(self._predict("target", n, m + 1) - self._predict("target", n, m), 0.0)
-        kind = self.proposer.cost.kind
-        if kind:
+        for kind in {self.proposer.cost_for(s.spec_route).kind for s in seqs} - {None}:
             extra += max(self._predict(kind, 2, 2) - self._predict(kind, 1, 1), 0.0)
         return extra
 
-    def update(self, seq: Sequence, drafted: int, accepted: int) -> None:
-        self.estimate(seq).update(drafted, accepted)
-        self.population[seq.params.greedy].update(drafted, accepted)
+    def update(self, seq: Sequence, drafted: int, accepted: int, route: str | None = None) -> None:
+        """A verified draft of ``drafted`` positions by ``route`` (None: the request's current one), of
+        which ``accepted`` were kept. A lookup that found nothing to draft is a draft of one position
+        that missed: what a route is expected to return counts the steps it has nothing."""
+        route = route or seq.spec_route or self.routes[0]
+        self.estimate(seq, route).update(drafted, accepted)
+        self._population(route, seq.params.greedy).update(drafted, accepted)
 
     def observe_step(
         self, num_seqs: int, tokens: int, seconds: float, forward_seconds: float, num_drafting: int, batch
@@ -556,20 +651,20 @@ class SpecController:
         drafts feed the draft its whole prompt; a probe after plain steps, all of them) teaches the
         cost model nothing about drafting's usual price: its whole-step ratio and host time are left
         out, or a few such steps would price every later draft at several times its cost."""
-        kind = self.proposer.cost.kind
-        ran = self.cost.take_step_tokens(kind) if kind else 0
+        ran = self.cost.take_step_tokens(self.proposer.cost_kinds())
         steady = not num_drafting or ran <= self._steady_tokens(batch)
         if steady:
             self.cost.observe_host(seconds - forward_seconds, num_seqs, num_drafting)
         if batch.decode_only:
-            greedy = [s.seq.params.greedy for s in batch.samples]
-            members = frozenset(s.seq.seq_id for s in batch.samples)
+            seqs = [s.seq for s in batch.samples]
+            greedy = [s.params.greedy for s in seqs]
+            members = frozenset(s.seq_id for s in seqs)
             if not (num_drafting and self.exploring):
                 self.guard.observe(num_seqs, tokens, seconds, num_drafting > 0, all(greedy), members)
             explored = num_drafting and (self.exploring or self.bursting or self.on_probation)
-            self.budget.observe(seconds, seconds - tokens * self._plain_token_seconds(greedy) if explored else None)
+            self.budget.observe(seconds, seconds - tokens * self._plain_token_seconds(seqs) if explored else None)
             if num_drafting and steady:  # how the whole step compared with the sum of its predicted parts
-                plain, extra = self._step_parts([s.depth for s in batch.samples], 0, greedy)
+                plain, extra = self._step_parts([s.depth for s in batch.samples], 0, seqs)
                 if extra > 0:
                     self.cost.observe_spec_scale((seconds - plain) / extra)
 
@@ -582,19 +677,20 @@ class SpecController:
         self.guard.observe(len(seqs), len(seqs), seconds, False, greedy, frozenset(s.seq_id for s in seqs))
         self.budget.observe(seconds)
 
-    def _plain_token_seconds(self, greedy: list[bool]) -> float:
+    def _plain_token_seconds(self, seqs: list[Sequence]) -> float:
         """Seconds a token takes by plain decoding in a batch like this one: the guard's measured
         plain rate at its size, or (none yet) the cost model's plain step."""
-        rate = _rate(self.guard.bucket(len(greedy), all(greedy)).plain)
+        rate = _rate(self.guard.bucket(len(seqs), all(s.params.greedy for s in seqs)).plain)
         if rate > 0:
             return 1.0 / rate
-        return self._step_parts([0] * len(greedy), 0, greedy)[0] / len(greedy)
+        return self._step_parts([0] * len(seqs), 0, seqs)[0] / len(seqs)
 
     def _steady_tokens(self, batch) -> int:
         """The most tokens a proposer's forwards run in a steady drafting step: per drafting sequence,
         a catch-up of its root and last step's accepted tokens, then its draft levels."""
         samples = [s for s in batch.samples if len(s.tree)]
-        return sum(s.depth + 1 + self.proposer.slots_needed(s.depth, s.seq.params.greedy) for s in samples)
+        slots = self.proposer.slots_for
+        return sum(s.depth + 1 + slots(s.seq.spec_route, s.depth, s.seq.params.greedy) for s in samples)
 
 
 def profile_costs(

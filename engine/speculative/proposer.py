@@ -148,11 +148,34 @@ class Proposer(ABC):
         """The deepest draft it makes when ``configured`` is asked for (the controller plans no deeper)."""
         return configured
 
-    def depth_for_slots(self, slots: int, depth: int, greedy: bool) -> int:
+    def depth_for_slots(self, slots: int, depth: int, greedy: bool, route: str | None = None) -> int:
         """The deepest draft no deeper than ``depth`` that fits in ``slots`` granted KV slots."""
-        while depth > 0 and self.slots_needed(depth, greedy) > slots:
+        while depth > 0 and self.slots_for(route, depth, greedy) > slots:
             depth -= 1
         return depth
+
+    # -- several proposers in one (``auto``): a *route* names the one that drafts a sequence --------
+    def routes(self) -> tuple[str, ...]:
+        """The proposers a sequence's draft may come from, one chosen per sequence and step by the
+        controller (``Sequence.spec_route``); a single method is its own one route."""
+        return (self.method,)
+
+    def cost_for(self, route: str | None) -> CostShape:
+        """The cost shape of drafting by ``route`` (None: the proposer's own)."""
+        return self.cost
+
+    def slots_for(self, route: str | None, depth: int, greedy: bool = True) -> int:
+        """:meth:`slots_needed` of a draft by ``route`` (None: the proposer's own)."""
+        return self.slots_needed(depth, greedy)
+
+    def cost_kinds(self) -> tuple[str, ...]:
+        """The cost-model kinds its forwards are timed in (none for a lookup)."""
+        return (self.cost.kind,) if self.cost.kind else ()
+
+    def cost_probes(self) -> list[tuple[Callable[[list[ForwardChunk]], object], str]]:
+        """(:meth:`cost_probe`, its kind) for each kind of forward it runs."""
+        probe = self.cost_probe() if self.cost.kind else None
+        return [(probe, self.cost.kind)] if probe is not None else []
 
     @abstractmethod
     def propose(self, seqs: list[Sequence], depths: list[int], ctx: ProposeContext) -> list[DraftTree]:

@@ -9,8 +9,14 @@ class SpecStats:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * max(max_depth, 1)
+        # proposer → [verify steps it drafted, draft tokens, accepted tokens] (auto holds several)
+        self.by_method: dict[str, list[int]] = {}
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record(self, drafted: int, accepted: int, method: str = "") -> None:
+        tally = self.by_method.setdefault(method, [0, 0, 0])
+        tally[0] += 1
+        tally[1] += drafted
+        tally[2] += accepted
         self.num_drafts += 1
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted

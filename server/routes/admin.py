@@ -23,14 +23,17 @@ def add_admin_routes(app: FastAPI, state: ServerState, version: str) -> None:
     @app.get("/version")
     async def get_version():
         """The version; once the model is loaded, also how it is served: the sampling defaults that
-        requests' missing fields take (``--generation-config``), the reasoning parser, and whether the
-        batch-invariant mode is in force (``--batch-invariant``)."""
+        requests' missing fields take (``--generation-config``), the reasoning parser, whether the
+        batch-invariant mode is in force (``--batch-invariant``) and the speculative proposers held."""
         if state.engine is None:
             return {"version": version}
         return {
             "version": version,
             "tensor_parallel_size": state.engine.tensor_parallel_size,
             "batch_invariant": state.engine.batch_invariant,
+            # --speculative-method, and the proposers a request may pin (speculative.method)
+            "speculative_method": state.engine.spec_method,
+            "speculative_methods": list(state.engine.limits.spec_methods),
             "generation_config": state.settings.generation_config,
             "sampling_defaults": state.sampling_defaults,
             "reasoning_parser": state.settings.reasoning_parser,

@@ -129,8 +129,8 @@ class LookaheadProposer(Proposer):
     def deepest(self, configured: int) -> int:
         return min(configured, self.D)
 
-    def depth_for_slots(self, slots: int, depth: int, greedy: bool) -> int:
-        return super().depth_for_slots(slots, min(depth, self.D), greedy)
+    def depth_for_slots(self, slots: int, depth: int, greedy: bool, route: str | None = None) -> int:
+        return super().depth_for_slots(slots, min(depth, self.D), greedy, route)
 
     def _layout(self, width: int):
         if width not in self._layouts:

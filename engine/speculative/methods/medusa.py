@@ -175,8 +175,8 @@ class MedusaProposer(Proposer):
         depth = min(depth, self.heads.num_heads)
         return depth if self.topk == 1 else min(self.budget, sum(self.topk**d for d in range(1, depth + 1)))
 
-    def depth_for_slots(self, slots: int, depth: int, greedy: bool) -> int:
-        return super().depth_for_slots(slots, min(depth, self.heads.num_heads), greedy)
+    def depth_for_slots(self, slots: int, depth: int, greedy: bool, route: str | None = None) -> int:
+        return super().depth_for_slots(slots, min(depth, self.heads.num_heads), greedy, route)
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], depths: list[int], ctx: ProposeContext) -> list[DraftTree]:

@@ -129,8 +129,8 @@ class ChainedHeadsProposer(LevelDrafter):
     def slots_needed(self, depth: int, greedy: bool = True) -> int:
         return super().slots_needed(min(depth, self.heads.num_heads), greedy)
 
-    def depth_for_slots(self, slots: int, depth: int, greedy: bool) -> int:
-        return super().depth_for_slots(slots, min(depth, self.heads.num_heads), greedy)
+    def depth_for_slots(self, slots: int, depth: int, greedy: bool, route: str | None = None) -> int:
+        return super().depth_for_slots(slots, min(depth, self.heads.num_heads), greedy, route)
 
     def on_verified(self, seq: Sequence, tree: DraftTree, accepted: list[int]) -> None:
         self.observe_acceptance(seq, tree, accepted)
