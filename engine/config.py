@@ -171,7 +171,7 @@ class EngineConfig:
         if self.speculative_method in ("draft", "ouroboros"):
             check(bool(self.draft_model), f"speculative_method {self.speculative_method} needs --draft-model")
         check(
-            self.draft_tensor_parallel_size == 1 or self.speculative_method in (None, *SHARDABLE_DRAFTERS),
+            self.draft_tensor_parallel_size == 1 or self.speculative_method in (None, "auto", *SHARDABLE_DRAFTERS),
             f"--draft-tensor-parallel-size shards a draft model (speculative_method draft or ouroboros), Medusa "
             f"heads or an EAGLE head, not {self.speculative_method}",
         )

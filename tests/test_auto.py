@@ -54,6 +54,7 @@ def _decoding(eng: LLMEngine, prompt: list[int]):
     eng.add_request("x", prompt, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
     eng.step()
     eng.controller.trial_steps = 0
+    eng.controller.guard.min_samples = 0  # the plans alone: no early plain probes
     eng.controller.cost = cheap_draft_costs()  # a small draft beside a big target: drafting can pay
     return eng.groups["x"].seqs[0]
 
@@ -64,6 +65,7 @@ def test_the_route_follows_each_requests_own_acceptance(pair):
     assert eng.proposer.routes() == ("suffix", "ngram", "draft")
     ctl = eng.controller
     seq = _decoding(eng, [5, 6, 7, 8])
+    assert eng.proposer.choices() == ("suffix", "draft")  # n-gram lookup rides beside the draft's trees
     # Its text repeats: the lookups keep what they draft, the draft model is often wrong.
     for route, alpha in (("suffix", 0.95), ("ngram", 0.9), ("draft", 0.3)):
         ctl.estimate(seq, route).alpha = [alpha] * ctl.max_depth
@@ -73,6 +75,9 @@ def test_the_route_follows_each_requests_own_acceptance(pair):
         est = ctl.estimate(seq, route)
         est.alpha, est.found = [0.2] * ctl.max_depth, 0.05
     ctl.estimate(seq, "draft").alpha = [0.9] * ctl.max_depth
+    ctl.plan([seq], 0)  # a route stands for a few plans, unless the request's estimates moved
+    assert seq.spec_route == "suffix"
+    seq.spec_route_age = 0  # (as a verified draft sets it)
     assert ctl.plan([seq], 0)[0] > 0 and seq.spec_route == "draft"
     # Nothing pays: the draft model costs as much as the target and misses, the lookups' drafts miss.
     ctl.estimate(seq, "draft").alpha = [0.1] * ctl.max_depth
@@ -80,7 +85,7 @@ def test_the_route_follows_each_requests_own_acceptance(pair):
         ctl.estimate(seq, route).alpha = [0.01] * ctl.max_depth
     for t in (1, 2, 4, 8, 16, 32):
         ctl.cost.observe("draft", 1, t, 0.010)
-    ctl._last_key = None
+    ctl._last_key, seq.spec_route_age = None, 0
     assert ctl.plan([seq], 0) == [0] and seq.spec_reason == "acceptance"
 
 

@@ -417,6 +417,8 @@ def test_usage(client, tok):
     spec = u.model_dump()["speculative"]
     assert spec == {
         "method": "none",
+        "proposers": {},
+        "reason": "disabled",  # the server does not speculate
         "draft_tokens": 0,
         "accepted_tokens": 0,
         "verify_steps": 7,  # no speculation: one target forward per token

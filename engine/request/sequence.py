@@ -84,6 +84,7 @@ class Sequence:
         # each of ``auto``'s), and the route it chose for this step (None: the engine's one proposer).
         self.spec_estimates: dict[str, AcceptanceEstimate] = {}
         self.spec_route: str | None = None
+        self.spec_route_age = 0  # plans its route stands before it is chosen anew (0: at the next)
         self.spec_reason: str | None = None  # why the controller's plan gave it no draft this step
         self.spec_idle_steps = 0  # consecutive steps the controller chose not to draft
         self.detok: IncrementalDetokenizer | None = None

@@ -351,6 +351,7 @@ class SpecController:
     trial_steps: int = 3  # a request's first verified drafts are at full depth: its own estimate, soon
     idle_probe: int = 32  # a request kept at zero drafts at full depth again after this many steps
     optimism: float = 0.9  # per-position acceptance of the most predictable text (exploration's bound)
+    route_every: int = 8  # plans between choices of an undrafted request's route (see _choose_routes)
     low_acceptance: float = 0.25  # a request kept at zero below this first-position estimate: "acceptance"
 
     def __post_init__(self) -> None:
@@ -358,7 +359,8 @@ class SpecController:
         # starts from what requests like it have been accepting, not from a fixed guess.
         # Kept per route too: what requests accept by each proposer.
         self.population: dict[tuple[str, bool], AcceptanceEstimate] = {}
-        self.routes = self.proposer.routes()
+        self.routes = self.proposer.routes()  # the proposers a request may pin
+        self.choices = self.proposer.choices()  # those the controller chooses among
         self.guard = Guard(self.max_depth)
         # The current maximum depth (hysteresis state), for all-greedy batches and for the others.
         self.depth = {True: self.max_depth, False: self.max_depth}
@@ -366,6 +368,7 @@ class SpecController:
         self._memo: dict[tuple, float] = {}
         self._last_key, self._last_plan, self._reused = None, (), 0
         self._cap = self.max_depth  # the guard's limit for this step's plan
+        self._route_slots: dict[tuple[str, bool], list[int]] = {}  # slots_for at each depth, per route
         self.exploring = False  # this step's plan holds a trial or an idle probe (see observe_step)
         self.bursting = False  # this step's plan is a guard's probe burst
         self.on_probation = False  # this step's bucket is on probation (see Guard): its drafting is charged
@@ -414,7 +417,7 @@ class SpecController:
         """Each sequence's route this step: the one a request pinned (``speculative.method``), else the
         one whose draft returns the most over what it costs, by the request's own estimates per route
         (:meth:`_route_value`); before any timing exists, the first (a lookup: free to try)."""
-        ready = len(self.routes) > 1 and self.cost.ready(("target", *self.proposer.cost_kinds()))
+        ready = len(self.choices) > 1 and self.cost.ready(("target", *self.proposer.cost_kinds()))
         if ready:
             n, rows = len(seqs) + (1 if other_tokens else 0), other_tokens + len(seqs)
             plain = self._predict("target", n, rows) + self.cost.host_seconds(len(seqs), 0)
@@ -427,32 +430,49 @@ class SpecController:
             if s.params.speculative_method:
                 s.spec_route = s.params.speculative_method
             elif not ready:
-                s.spec_route = s.spec_route if s.spec_route in self.routes else self.routes[0]
+                s.spec_route = s.spec_route if s.spec_route in self.choices else self.choices[0]
+            elif s.spec_route_age <= 0 or s.spec_route not in self.choices:
+                # Chosen anew when its estimates moved (it was asked for a draft) or every
+                # ``route_every`` plans (costs and the batch move): the search is a Python loop per
+                # route and depth, a real share of a small model's step if run every step.
+                s.spec_route = max(self.choices, key=lambda r: self._route_value(s, r, rate, row, users))
+                s.spec_route_age = self.route_every
             else:
-                s.spec_route = max(self.routes, key=lambda r: self._route_value(s, r, rate, row, users))
+                s.spec_route_age -= 1
 
     def _route_value(self, seq: Sequence, route: str, rate: float, row: float, users: dict) -> float:
         """Tokens a draft by ``route`` is expected to add to the step beyond the tokens its cost would
         have made by plain decoding at ``rate``, at its best depth: the expected gain of each position
         (times the share of steps the route has a draft at all) against ``row`` seconds per verify
-        row and, for a model drafter, its forwards, shared by the sequences drafting with it."""
+        row and, for a model drafter, what this request adds to its batched forwards (the route's
+        requests with it against without it)."""
         est = self.estimate(seq, route)
         shape = self.proposer.cost_for(route)
-        share = 1.0 / max(users.get(route, 0) + (seq.spec_route != route), 1)
+        catch_up = level = 0.0
+        if shape.kind:  # what adding this request to the route's batched forwards adds to them
+            m = users.get(route, 0) + (seq.spec_route != route)  # its requests, this one among them
+            if shape.catch_up:  # its own catch-up: all it missed if it sat some steps out
+                pending = self.proposer.catch_up_tokens(seq, route)
+                before = self._predict(shape.kind, m - 1, 2 * m - 2)
+                catch_up = self._predict(shape.kind, m, 2 * m - 2 + pending) - before
+            if shape.per_level:
+                level = self._predict(shape.kind, m, m) - self._predict(shape.kind, m - 1, m - 1)
         scale = self.cost.spec_scale()
-        catch_up = self._predict(shape.kind, 1, 2) if shape.kind and shape.catch_up else 0.0
-        level = self._predict(shape.kind, 1, 1) if shape.kind and shape.per_level else 0.0
+        slots = self._route_slots.get((route, seq.params.greedy))
+        if slots is None:
+            slots = [self.proposer.slots_for(route, k, seq.params.greedy) for k in range(1, self.max_depth + 1)]
+            self._route_slots[(route, seq.params.greedy)] = slots
         best = total = 0.0
         for k, gain in enumerate(est.gains(self.max_depth), start=1):
             total += gain
-            seconds = row * self.proposer.slots_for(route, k, seq.params.greedy)
-            seconds += share * (catch_up + (k - 1) * level)
+            seconds = row * slots[k - 1] + max(catch_up, 0.0) + (k - 1) * max(level, 0.0)
             best = max(best, est.found * total - rate * scale * seconds)
         return best
 
     def asked(self, seq: Sequence, route: str | None, drafted: bool) -> None:
         """``seq`` was asked for a draft by ``route`` this step, and had one (or none: a lookup's miss)."""
         route = route or seq.spec_route or self.routes[0]
+        seq.spec_route_age = 0  # its estimates move: its route is chosen anew next plan
         self.estimate(seq, route).asked(drafted)
         self._population(route, seq.params.greedy).asked(drafted)
 

@@ -160,6 +160,11 @@ class Proposer(ABC):
         controller (``Sequence.spec_route``); a single method is its own one route."""
         return (self.method,)
 
+    def choices(self) -> tuple[str, ...]:
+        """The routes the controller chooses among for a request that pins none (the rest of
+        :meth:`routes` serve pinned requests only)."""
+        return self.routes()
+
     def cost_for(self, route: str | None) -> CostShape:
         """The cost shape of drafting by ``route`` (None: the proposer's own)."""
         return self.cost
@@ -167,6 +172,12 @@ class Proposer(ABC):
     def slots_for(self, route: str | None, depth: int, greedy: bool = True) -> int:
         """:meth:`slots_needed` of a draft by ``route`` (None: the proposer's own)."""
         return self.slots_needed(depth, greedy)
+
+    def catch_up_tokens(self, seq: Sequence, route: str | None = None) -> int:
+        """Tokens its catch-up forward would feed for ``seq`` before drafting (by ``route``): the root
+        and last step's accepted tokens in a steady run; everything since it last drafted for a model
+        drafter that sat some steps out (the price of switching a request to it)."""
+        return 2
 
     def cost_kinds(self) -> tuple[str, ...]:
         """The cost-model kinds its forwards are timed in (none for a lookup)."""

@@ -91,6 +91,11 @@ class AutoProposer(Proposer):
     def routes(self) -> tuple[str, ...]:
         return tuple(self.members)
 
+    def choices(self) -> tuple[str, ...]:
+        # Prompt lookup drafts a subset of what suffix decoding does (the request's own context): as a
+        # route of its own it would only split the requests' trials; it rides beside the model's trees.
+        return tuple(name for name in self.members if name != MIXED)
+
     def cost_for(self, route: str | None) -> CostShape:
         return self._member(route).cost
 
@@ -100,6 +105,9 @@ class AutoProposer(Proposer):
         if member.method == self.model and MIXED in self.members:  # the lookup's chain beside
             slots += self.members[MIXED].slots_needed(depth, greedy)
         return slots
+
+    def catch_up_tokens(self, seq: Sequence, route: str | None = None) -> int:
+        return self._member(route).catch_up_tokens(seq)
 
     def slots_needed(self, depth: int, greedy: bool = True) -> int:
         return max(self.slots_for(route, depth, greedy) for route in self.members)

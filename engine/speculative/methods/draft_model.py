@@ -110,6 +110,9 @@ class DraftModelProposer(LevelDrafter):
             keep += 1
         seq.draft_num_computed += keep
 
+    def catch_up_tokens(self, seq: Sequence, route: str | None = None) -> int:
+        return max(seq.num_tokens - seq.draft_num_computed, 1)
+
     def on_fork(self, parent: Sequence, child: Sequence) -> None:
         child.draft_num_computed = parent.draft_num_computed
 
