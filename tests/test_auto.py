@@ -89,6 +89,28 @@ def test_the_route_follows_each_requests_own_acceptance(pair):
     assert ctl.plan([seq], 0) == [0] and seq.spec_reason == "acceptance"
 
 
+def test_switching_to_a_model_drafter_pays_for_the_tokens_it_missed(pair):
+    """A draft model that sat some steps out must catch up on every token since before it drafts: the
+    route is priced with that (``Proposer.catch_up_tokens``), so a request far behind stays with the
+    lookup where one the drafter has kept up with moves to it."""
+    target, draft = pair
+    eng = auto_engine(target, draft)
+    ctl = eng.controller
+    seq = _decoding(eng, list(range(5, 205)))
+    for t in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        ctl.cost.observe("draft", 1, t, 0.0005 * t)  # a draft forward's cost grows with its tokens
+    est = ctl.estimate(seq, "suffix")
+    est.alpha, est.found = [0.5] * ctl.max_depth, 0.5
+    ctl.estimate(seq, "draft").alpha = [0.9] * ctl.max_depth
+    assert eng.proposer.catch_up_tokens(seq, "draft") > 200  # the draft has seen none of it
+    ctl.plan([seq], 0)
+    assert seq.spec_route == "suffix"
+    seq.draft_num_computed, seq.spec_route_age = seq.num_tokens - 1, 0  # caught up: only the root to feed
+    assert eng.proposer.catch_up_tokens(seq, "draft") == 1
+    ctl.plan([seq], 0)
+    assert seq.spec_route == "draft"
+
+
 def test_a_repeating_request_moves_to_a_lookup_through_the_engine(small_vocab_pair):  # noqa: F811
     """A real run: an 8-token vocabulary, whose greedy text soon repeats, and a draft model that is
     another random model (rarely right), priced as a small draft beside a big target (so acceptance
