@@ -108,6 +108,7 @@ class Step:
     def plan(self, ahead: int = 0) -> dict[int, int]:
         """``ahead``: tokens each running sequence has on the device, not yet read (run-ahead decoding
         asks for the step after them)."""
+        self._decoding = set()
         if self.controller is None:
             return {}
         # A decode has output already: a prompt whose last chunk is one token samples its first token
