@@ -22,6 +22,7 @@ from test_spec import (  # noqa: F401
     noisy_copy,
     small_vocab_pair,
     tabular_joint,
+    tabular_pair,
     wrong_residual,
 )
 from test_step import make, prompts, run
@@ -30,7 +31,6 @@ from conftest import build_model_dir
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.request.sampling_params import SamplingParams
-from engine.sampling.sampler import SamplingMetadata, compute_probs
 from engine.sampling.tree import DraftTree
 from engine.sampling.verify import build_verify_input, verify
 from engine.speculative.methods.auto import mixed_tree
@@ -177,13 +177,7 @@ def tabular_mixed(P: torch.Tensor, Q: torch.Tensor, n: int, seed: int) -> dict:
 
 
 def test_mixed_trees_keep_the_targets_distribution_and_a_wrong_rule_fails(monkeypatch):
-    g = torch.Generator().manual_seed(0)
-    Vt = 5
-    logits = torch.randn(Vt, Vt, generator=g) * 1.5
-    params = SamplingParams(temperature=0.8, top_k=4, top_p=0.95)
-    md = SamplingMetadata.build([params] * Vt, [[1]] * Vt, [[]] * Vt, [None] * Vt, [], Vt, "cpu")
-    P = compute_probs(logits, md)
-    Q = torch.softmax(logits + torch.randn(Vt, Vt, generator=g), -1)
+    P, Q = tabular_pair()
     n = 24_000
     expected = tabular_joint(P)
     stat, dof = g_statistic(tabular_mixed(P, Q, n, seed=1), expected, n)

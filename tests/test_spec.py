@@ -209,16 +209,19 @@ def tabular_joint(P: torch.Tensor) -> dict[tuple, float]:
     return {(a, b, c): (P[0, a] * P[a, b] * P[b, c]).item() for a, b, c in itertools.product(range(Vt), repeat=3)}
 
 
-@pytest.mark.parametrize("mode", ["chain", "argmax-chain", "tree"])
-def test_tabular_speculation_matches_target_and_wrong_rule_fails(mode, monkeypatch):
+def tabular_pair(Vt: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tabular target P[last] (shaped with temperature, top-k and top-p exactly as the engine does)
+    and a draft Q[last] that often disagrees with it."""
     g = torch.Generator().manual_seed(0)
-    Vt = 5
     logits = torch.randn(Vt, Vt, generator=g) * 1.5
-    # Shape p with temperature, top-k and top-p exactly as the engine does.
     params = SamplingParams(temperature=0.8, top_k=4, top_p=0.95)
     md = SamplingMetadata.build([params] * Vt, [[1]] * Vt, [[]] * Vt, [None] * Vt, [], Vt, "cpu")
-    P = compute_probs(logits, md)
-    Q = torch.softmax(logits + torch.randn(Vt, Vt, generator=g), -1)  # a draft that often disagrees
+    return compute_probs(logits, md), torch.softmax(logits + torch.randn(Vt, Vt, generator=g), -1)
+
+
+@pytest.mark.parametrize("mode", ["chain", "argmax-chain", "tree"])
+def test_tabular_speculation_matches_target_and_wrong_rule_fails(mode, monkeypatch):
+    P, Q = tabular_pair()
     n = 24_000
     expected = tabular_joint(P)
     stat, dof = g_statistic(tabular_speculation(P, Q, n, mode, seed=1), expected, n)
