@@ -89,6 +89,22 @@ def test_the_route_follows_each_requests_own_acceptance(pair):
     assert ctl.plan([seq], 0) == [0] and seq.spec_reason == "acceptance"
 
 
+def test_a_new_request_starts_from_how_often_its_route_had_a_draft(pair):
+    """A lookup that found nothing for the requests before starts a new request's estimate there too
+    (its route's population), not at "always has a draft"."""
+    target, draft = pair
+    eng = auto_engine(target, draft)
+    ctl = eng.controller
+    seq = _decoding(eng, [5, 6, 7, 8])
+    for _ in range(60):
+        ctl.asked(seq, "suffix", False)
+    assert ctl.population[("suffix", True)].found < 0.1
+    eng.add_request("y", [9, 10, 11, 12], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    eng.step()
+    fresh = eng.groups["y"].seqs[0]
+    assert ctl.estimate(fresh, "suffix").found < 0.1 and ctl.estimate(fresh, "suffix").updates == 0
+
+
 def test_switching_to_a_model_drafter_pays_for_the_tokens_it_missed(pair):
     """A draft model that sat some steps out must catch up on every token since before it drafts: the
     route is priced with that (``Proposer.catch_up_tokens``), so a request far behind stays with the

@@ -383,8 +383,9 @@ class SpecController:
         """The request's acceptance estimate by ``route`` (None: the route it drafts by now)."""
         route = route or seq.spec_route or self.routes[0]
         est = seq.spec_estimates.get(route)
-        if est is None:
-            est = seq.spec_estimates[route] = AcceptanceEstimate(list(self._population(route, seq.params.greedy).alpha))
+        if est is None:  # what requests like it have been accepting, and how often the route had a draft
+            pop = self._population(route, seq.params.greedy)
+            est = seq.spec_estimates[route] = AcceptanceEstimate(list(pop.alpha), found=pop.found)
         return est
 
     def plan(self, seqs: list[Sequence], other_tokens: int, room: list[int] | None = None) -> list[int]:
