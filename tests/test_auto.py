@@ -152,15 +152,15 @@ def test_a_repeating_request_moves_to_a_lookup_through_the_engine(small_vocab_pa
 def test_a_mixed_tree_hangs_the_lookup_beside_the_model_and_keeps_q_exact():
     q = torch.softmax(torch.randn(2, 9), -1)
     sampled = DraftTree.chain([4, 5], q, "draft")
-    merged, own = mixed_tree(sampled, [4, 6], 9)
+    merged, own = mixed_tree(sampled, [4, 6])
     # A sampled model node is never merged, even with the lookup's same token: the lookup's branch
     # hangs under the root, after the model's nodes, with one-hot q rows.
     assert (merged.tokens, merged.parents, own) == ([4, 5, 4, 6], [-1, 0, -1, 2], 2)
     assert torch.equal(merged.q[:2], q) and merged.q[2, 4] == 1 and merged.q[3, 6] == 1 and merged.q[2:].sum() == 2
     greedy = DraftTree.chain([4, 5], None, "draft")
-    merged, own = mixed_tree(greedy, [4, 6, 7], 9)  # deterministic: the lookup follows the node it repeats
+    merged, own = mixed_tree(greedy, [4, 6, 7])  # deterministic: the lookup follows the node it repeats
     assert (merged.tokens, merged.parents, own, merged.source) == ([4, 5, 6, 7], [-1, 0, 0, 2], 2, "draft")
-    assert mixed_tree(greedy, [4, 5], 9)[0] is greedy  # nothing new
+    assert mixed_tree(greedy, [4, 5])[0] is greedy  # nothing new
 
 
 def tabular_mixed(P: torch.Tensor, Q: torch.Tensor, n: int, seed: int) -> dict:
@@ -179,7 +179,7 @@ def tabular_mixed(P: torch.Tensor, Q: torch.Tensor, n: int, seed: int) -> dict:
         trees, rows = [], []
         for j in range(len(active)):
             a, b, c = last[j].item(), t1[j].item(), t2[j].item()
-            tree, _ = mixed_tree(DraftTree.chain([b, c], torch.stack([Q[a], Q[b]])), [l1[j].item(), l2[j].item()], Vt)
+            tree, _ = mixed_tree(DraftTree.chain([b, c], torch.stack([Q[a], Q[b]])), [l1[j].item(), l2[j].item()])
             trees.append(tree)
             rows += [P[a]] + [P[t] for t in tree.tokens]
         inp, roots = build_verify_input(torch.stack(rows), trees, Vt)

@@ -33,7 +33,7 @@ LOOKUPS = ("suffix", "ngram")  # held whatever else is given: they cost no model
 MIXED = "ngram"  # the lookup whose continuation rides beside a model drafter's tree
 
 
-def mixed_tree(tree: DraftTree, chain: list[int], vocab_size: int) -> tuple[DraftTree, int]:
+def mixed_tree(tree: DraftTree, chain: list[int]) -> tuple[DraftTree, int]:
     """``tree`` with the lookup's ``chain`` beside it (see the module doc), and how many of the
     result's nodes are the tree's own (the first ones: the tree's nodes keep their indices)."""
     tokens, parents, parent, i = list(tree.tokens), list(tree.parents), -1, 0
@@ -61,9 +61,8 @@ def mixed_tree(tree: DraftTree, chain: list[int], vocab_size: int) -> tuple[Draf
 class AutoProposer(Proposer):
     method = "auto"
 
-    def __init__(self, members: dict[str, Proposer], vocab_size: int) -> None:
+    def __init__(self, members: dict[str, Proposer]) -> None:
         self.members = members
-        self.vocab_size = vocab_size
         self.model = next((n for n, m in members.items() if m.cost.kind or m.hidden_layers), None)
         self.hidden_layers = tuple(sorted({layer for m in members.values() for layer in m.hidden_layers}))
         self.kv_bytes_per_token = sum(m.kv_bytes_per_token for m in members.values())
@@ -82,7 +81,7 @@ class AutoProposer(Proposer):
             name: proposer_class(name).build(config, target, tokenizer=tokenizer, eos_token_ids=eos_token_ids)
             for name in names
         }
-        return cls(members, target.vocab_size)
+        return cls(members)
 
     def _member(self, route: str | None) -> Proposer:
         return self.members[route if route in self.members else self.routes()[0]]
@@ -143,7 +142,7 @@ class AutoProposer(Proposer):
             for k, (i, tree) in enumerate(zip(idx, drafted)):
                 tree.source = route
                 if chains is not None and len(chains[k]):
-                    merged, own = mixed_tree(tree, chains[k].tokens, self.vocab_size)
+                    merged, own = mixed_tree(tree, chains[k].tokens)
                     if merged is not tree:
                         self._own[seqs[i].seq_id] = (tree, own)
                         tree = merged
