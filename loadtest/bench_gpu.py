@@ -41,6 +41,8 @@ import transformers
 
 from engine.attention import BACKENDS as ATTENTION_BACKENDS
 from engine.models import model_class_for
+from engine.models.llama import use_fused_ops
+from engine.runner.loader import fused_ops_serve
 from engine.runner.model_runner import ForwardChunk, ModelRunner
 from engine.sampling.tree import DraftTree, tree_layout
 
@@ -125,7 +127,8 @@ def build(
     attention_backend: str = "auto",
     graphs: bool = False,
 ) -> tuple[ModelRunner, object]:
-    """The model at ``name``'s shape with random weights (N(0, 0.02); norms at 1), built on ``device``."""
+    """The model at ``name``'s shape with random weights (N(0, 0.02); norms at 1), built on ``device``,
+    on the fused kernels where the loader would put it on them (engine/models/fused.py)."""
     config = model_config(name, max_positions)
     cls_name = config.architectures[0]
     with torch.device("meta"):
@@ -139,6 +142,8 @@ def build(
                 p.normal_(0.0, 0.02, generator=g)
             else:
                 p.fill_(0.0 if cls_name == "Gemma2ForCausalLM" else 1.0)  # Gemma's norms scale by 1 + w
+    if fused_ops_serve(device, dtype):  # the small operators on fused kernels, as the loader serves them
+        use_fused_ops(model)
     runner = ModelRunner(
         model.eval(), config, device, dtype, BLOCK, attention_backend=attention_backend, cuda_graph_max_seqs=int(graphs)
     )

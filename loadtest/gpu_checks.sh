@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # The GPU checks in one run, for a machine lent for minutes (docs/benchmarks.md, "GPU step costs"):
 # the step benchmark at the 8B shape (triton and sdpa attention, CUDA graphs on and off), then every
-# GPU-marked test and the test files whose tensors live on CUDA when it exists; on request, where each
+# GPU-marked test and the test files whose tensors live on CUDA when it exists (in parallel workers
+# where pytest-xdist came in ./.whl); on request, the step costs by batch size, a prefill, the
+# drafters and the controller's choice (loadtest.bench_gpu_scale, stage "scale"), where each
 # method's steps wait for the device on the demo pair (loadtest.device_waits: reads, builds and the syncs
 # themselves, with their lines), the demo pair served (plain and the default, each with ordinary steps and
 # with --async-scheduling on; loadtest.peers), and the kernel profile of a decode against chain verifies
 # (loadtest.profile_gpu).
 #   OUT=DIR [STAGES="bench tests waits served profile"] bash loadtest/gpu_checks.sh [SHAPES...]
-# (default stages: bench tests; default shape: llama-3.1-8b). Missing Python packages (openai, pydantic,
+# (default stages: bench tests; all of them: scale bench tests waits served profile; default shape: llama-3.1-8b). Missing Python packages (openai, pydantic,
 # FastAPI, uvicorn, pyzmq, msgspec and their needs: that machine's image has none of them) install from
 # ./.whl if present: `bash loadtest/gpu_wheels.sh` fills it here, and the device call carries it.
 # Each failing test's traceback goes to $OUT/failures.log as it fails (tests/conftest.py), so a run
 # cut short by its time limit still says why.
-# In a 15-minute lease (a start costs 1-2 minutes): one call with STAGES="tests waits" (timeout_s 600), then
-# STAGES=served if 5 minutes are left, else STAGES=bench; carry .whl in every call.
+# In a 15-minute lease (a start costs 1-2 minutes): one call with STAGES="scale tests profile" (timeout_s
+# 420); then STAGES=served if 5 minutes are left; carry .whl in every call. The C++ CPU kernels the
+# tests need build in the background while the benchmarks run.
 set -u
 OUT=${OUT:-/tmp/augur-gpu-checks}
 mkdir -p "$OUT"
@@ -28,19 +31,28 @@ stages=" ${STAGES:-bench tests} "
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
     python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 } 2>&1 | tee "$OUT/env.txt"
+if [[ $stages == *" tests "* ]]; then
+    # The C++ CPU kernels build on first use (~30-60 s); built here, no test's own time limit cuts a build
+    # short (which would leave its lock for the next test to wait on). In the background: the benchmarks
+    # use the GPU meanwhile, the build two CPU cores.
+    python3 -c "from engine.attention.cpu_kernel import load_cpu_kernel; from engine.models.small_linear import \
+load_small_linear; print('C++ CPU kernels built:', load_cpu_kernel(), load_small_linear())" >"$OUT/build.log" 2>&1 &
+    build=$!
+fi
+[[ $stages == *" scale "* ]] && timeout "${SCALE_TIMEOUT:-150}" python3 -m loadtest.bench_gpu_scale --shape "${shapes[0]}" \
+    --output "$OUT/scale.json" 2>&1 | tee "$OUT/scale.log"
 [[ $stages == *" bench "* ]] && timeout "${BENCH_TIMEOUT:-200}" python3 -m loadtest.bench_gpu --shapes "${shapes[@]}" --attention-backends triton sdpa \
     --cuda-graphs on off --output "$OUT/steps.json" 2>&1 | tee "$OUT/bench.log"
 if [[ $stages == *" tests "* ]]; then
-    # The C++ CPU kernels build on first use (~30-60 s); built here, no test's own time limit cuts a build
-    # short (which would leave its lock for the next test to wait on).
-    python3 -c "from engine.attention.cpu_kernel import load_cpu_kernel; from engine.models.small_linear import \
-load_small_linear; print('C++ CPU kernels built:', load_cpu_kernel(), load_small_linear())" 2>&1 | tee "$OUT/build.log"
+    wait "$build"
+    cat "$OUT/build.log"
     export AUGUR_FAILURE_LOG=$OUT/failures.log
 fi
-# The short files first: a run cut at its limit has checked the most files. 119 tests; on an H100 (2026-11-27)
-# 60% of them took 215 s, hence 330 s.
-[[ $stages == *" tests "* ]] && timeout "${TESTS_TIMEOUT:-330}" python3 -m pytest -q -p no:cacheprovider -o addopts="" -rfE $(python3 -c "import pytest_timeout" 2>/dev/null && echo --timeout 120) \
-    tests/test_staging.py tests/test_sampler.py::test_cuda_matches_cpu_and_seeds_reproduce \
+# The short files first: a run cut at its limit has checked the most files. About 130 tests: one worker
+# checked ~119 of them in 330 s on the H200 (2026-11-28); four workers, a file each at a time, share that.
+workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-4} --dist loadfile")
+[[ $stages == *" tests "* ]] && timeout "${TESTS_TIMEOUT:-330}" python3 -m pytest -q -p no:cacheprovider -o addopts="" -rfE $workers $(python3 -c "import pytest_timeout" 2>/dev/null && echo --timeout 120) \
+    tests/test_fused.py tests/test_staging.py tests/test_sampler.py::test_cuda_matches_cpu_and_seeds_reproduce \
     "tests/test_engine.py::test_logits_match_transformers_cuda" tests/test_loading.py::test_cuda_greedy_matches_cpu \
     tests/test_int4.py tests/test_bench_gpu.py tests/test_cuda_graphs.py tests/test_gpu_speculation.py \
     tests/test_attention_backends.py tests/test_run_ahead.py::test_run_ahead_through_graphs_on_gpu 2>&1 | tee "$OUT/tests.log"

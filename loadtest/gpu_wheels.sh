@@ -24,4 +24,10 @@ for name in "${PACKAGES[@]}"; do
     "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         "${platforms[@]}" -d .whl "$name==$version" 2>&1 | grep -v '^WARNING: Location' || true
 done
+# The battery's workers (loadtest/gpu_checks.sh runs the GPU tests in parallel): not the project's needs,
+# so pinned here rather than read from the .venv.
+for spec in pytest-xdist==3.8.0 execnet==2.1.2; do
+    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d .whl "$spec" \
+        2>&1 | grep -v '^WARNING: Location' || true
+done
 printf '%s wheels in .whl (%s)\n' "$(ls .whl | wc -l)" "$(du -sh .whl | cut -f1)"

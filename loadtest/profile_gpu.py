@@ -52,12 +52,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--cuda-graphs", choices=["on", "off"], default="on")
     ap.add_argument("--top", type=int, default=14)
+    ap.add_argument(
+        "--pool-tokens", type=int, default=65536,
+        help="K/V pool size: a served pool's (a graph splits each token's keys by the longest context the pool holds)",
+    )  # fmt: skip
     ap.add_argument("--output", default=None, help="write the per-kernel figures as JSON")
     args = ap.parse_args(argv)
     device = torch.device("cuda")
     max_positions = args.context + max(args.widths) + 8
     runner, _ = build(args.shape, device, torch.bfloat16, max_positions, "triton", args.cuda_graphs == "on")
-    runner.allocate_kv(-(-max_positions // BLOCK) + 1)
+    runner.allocate_kv(max(-(-max_positions // BLOCK) + 1, args.pool_tokens // BLOCK))
     table = list(range(runner.num_blocks))
     with torch.inference_mode():
         runner.forward([ForwardChunk([7] * args.context, 0, table, 1)])

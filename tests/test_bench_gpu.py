@@ -65,3 +65,36 @@ def test_kernel_profile_by_width(tmp_path, capsys):
         assert r["wall_ms"] > 0
         assert any("paged_attention" in name for name in r["kernels"])
     assert "| **wall per forward** |" in capsys.readouterr().out
+
+
+def test_batch_scale_benchmark_runs_and_reports(tmp_path):
+    """``loadtest.bench_gpu_scale`` on toy shapes: the decode by batch size against its bounds, a prefill,
+    both drafters' steps, the speculation table from them and the serving controller's depth beside it."""
+    from loadtest import bench_gpu_scale
+
+    out = tmp_path / "scale.json"
+    argv = ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--context", "40", "--repeats", "1"]
+    argv += ["--batch-sizes", "1", "2", "--prefill", "48", "--depths", "2", "3", "--alphas", "0.6", "0.95"]
+    argv += ["--fused", "off", "--cuda-graphs", "off", "--output", str(out)]
+    assert bench_gpu_scale.main(argv) == 0
+    r = json.loads(out.read_text())
+    assert r["errors"] == [] and r["copy_bandwidth_gb_s"] > 0 and r["matmul_tflops"] > 0
+    assert set(r["fused"]) == {"off"} and r["fused"]["off"]["decode_ms"] > 0
+    assert [b["batch"] for b in r["batches"]] == [1, 2]
+    for b in r["batches"]:
+        bound = max(b["memory_bound_ms"], b["compute_bound_ms"])
+        assert b["fraction_of_bound"] == pytest.approx(bound / b["decode_ms"])
+        assert b["memory_bound_ms"] > 0 and b["compute_bound_ms"] > 0
+    assert r["batches"][1]["compute_bound_ms"] == pytest.approx(2 * r["batches"][0]["compute_bound_ms"])
+    assert r["prefill"]["tokens"] == 48 and r["prefill"]["ms"] > 0
+    assert set(r["drafters"]) == {"tiny-draft", "eagle-3 head"}
+    for name, rows in r["speculation"].items():
+        assert {(x["batch"], x["alpha"]) for x in rows} == {(1, 0.6), (1, 0.95), (2, 0.6), (2, 0.95)}
+        d = r["drafters"][name]
+        for x in rows:
+            assert 0 <= x["controller_depth"] <= 3
+            b = r["batches"][[1, 2].index(x["batch"])]
+            B, k = str(x["batch"]), x["depth"]
+            step = d["catch_up"][B] + (k - 1) * d["level"][B] + b["verify_ms"][str(k)]
+            tokens = (1 - x["alpha"] ** (k + 1)) / (1 - x["alpha"])
+            assert x["speedup"] == pytest.approx(tokens / step * b["decode_ms"])

@@ -34,7 +34,7 @@ class GemmaRMSNorm(RMSNorm):
         nn.init.zeros_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.invariant:
+        if self.invariant or self.fused:
             return super().forward(x)
         y = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return (y * (1.0 + self.weight.float())).to(x.dtype)

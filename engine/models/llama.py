@@ -33,6 +33,7 @@ from engine.parallel import SINGLE, TensorParallel
 class RMSNorm(nn.Module):
     unit_offset = False  # Gemma's: the scale is 1 + weight, in float32
     invariant = False  # on augur::invariant_rms_norm (LlamaForCausalLM.use_invariant_ops)
+    fused = False  # on augur::fused_rms_norm (LlamaForCausalLM.use_fused_ops)
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -42,6 +43,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.invariant:
             return torch.ops.augur.invariant_rms_norm(x, self.weight, self.eps, self.unit_offset)
+        if self.fused:
+            return torch.ops.augur.fused_rms_norm(x, self.weight, self.eps, self.unit_offset)
         # Normalize in float32, scale in the input dtype (the order Hugging Face's Llama uses).
         y = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * y.to(x.dtype)
@@ -91,16 +94,21 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.sliding = sliding_window_of(config, layer_idx) is not None
         self.softcap = 0.0  # attention-score soft-cap (Gemma-2); 0: none
+        self.fused = False  # RoPE on augur::fused_rope (LlamaForCausalLM.use_fused_ops)
 
     def forward(self, x, cos, sin, kv_pool: torch.Tensor, layer: int, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.fused and self.q_norm is None:
+            q, k = torch.ops.augur.fused_rope(qkv, cos, sin, self.num_heads, self.num_kv_heads)
+        else:
+            q = q.view(T, self.num_heads, self.head_dim)
+            k = k.view(T, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = paged_attention(q, k, v, kv_pool, layer, meta, self.scale, sliding=self.sliding, softcap=self.softcap)
         return self.tp.all_reduce(self.o_proj(out))
 
@@ -115,11 +123,14 @@ class LlamaMLP(nn.Module):
         self.act_name = act or config.hidden_act
         self.act = activation(self.act_name)
         self.invariant = False  # on augur::invariant_act_mul (LlamaForCausalLM.use_invariant_ops)
+        self.fused = False  # on augur::fused_act_mul (LlamaForCausalLM.use_fused_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.invariant:
             inner = torch.ops.augur.invariant_act_mul(gate_up, self.act_name)
+        elif self.fused:
+            inner = torch.ops.augur.fused_act_mul(gate_up, self.act_name)
         else:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             inner = self.act(gate) * up
@@ -133,13 +144,33 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, bias=getattr(config, "mlp_bias", False), tp=tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.fused = False  # the residual sum and the second norm in one kernel (use_fused_ops)
 
     def forward(self, x, cos, sin, kv_pool, layer, meta, attn: bool = True, mlp: bool = True) -> torch.Tensor:
+        if self.fused and attn and mlp:
+            a = self.self_attn(self.input_layernorm(x), cos, sin, kv_pool, layer, meta)
+            norm = self.post_attention_layernorm
+            h, x = torch.ops.augur.fused_add_rms_norm(x, a, norm.weight, norm.eps, norm.unit_offset)
+            return x + self.mlp(h)
         if attn:
             x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_pool, layer, meta)
         if mlp:
             x = x + self.mlp(self.post_attention_layernorm(x))
         return x
+
+
+def use_fused_ops(model: nn.Module, on: bool = True) -> None:
+    """Run ``model``'s small operators between the matrix products on fused GPU kernels
+    (engine/models/fused.py): RoPE, the norms, the residual sum before a layer's second norm, the
+    MLP's activation and product (SiLU and tanh-GELU; another activation stays eager). ``on=False``
+    turns them back off (the step benchmark compares both)."""
+    from engine.models import fused  # registers the augur::fused_* operators
+
+    for module in model.modules():
+        if isinstance(module, LlamaMLP) and module.act_name not in fused.FUSED_ACTIVATIONS:
+            continue
+        if hasattr(module, "fused"):
+            module.fused = on
 
 
 def sliding_window_of(config, layer_idx: int) -> int | None:
@@ -260,6 +291,9 @@ class LlamaForCausalLM(nn.Module):
             if hasattr(module, "invariant"):  # norms, MLPs, NF4 layers
                 module.invariant = True
         self.batch_invariant = True
+
+    def use_fused_ops(self) -> None:
+        use_fused_ops(self)
 
     # -- weights ------------------------------------------------------------------------------------
     _fused = {  # checkpoint name piece → (our fused parameter, shard)

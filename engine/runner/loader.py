@@ -5,6 +5,7 @@ Nothing is ever downloaded: a hub id that is not cached is a clear error naming 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -244,12 +245,22 @@ def load_model(
             raise RuntimeError("the batch-invariant kernels could not be built (a C++ compiler is needed)")
         model.use_invariant_ops()
         return model.eval()
+    if fused_ops_serve(device, dtype):  # RoPE, norms, residual sums and activations in one kernel each
+        model.use_fused_ops()
     packs = pack and packing_supported(dtype, device) and linear_weight_bytes(model) >= MIN_PACKED_BYTES
     if small_rows_serve(dtype, device) and not packs:  # a decode's few rows at the memory's speed
         model.pack_for_cpu(SmallRowsLinear)
     elif packs:
         model.pack_for_cpu()
     return model.eval()
+
+
+def fused_ops_serve(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a model on ``device`` in ``dtype`` runs the fused GPU kernels (engine/models/fused.py):
+    on CUDA, in bfloat16 or float16, where Triton imports."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return importlib.util.find_spec("triton") is not None
 
 
 def checkpoint_keys(path: Path) -> list[str]:

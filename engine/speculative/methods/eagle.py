@@ -42,10 +42,17 @@ import torch
 from torch import nn
 from transformers import LlamaConfig
 
-from engine.models.llama import LlamaAttention, LlamaMLP, RMSNorm, layer_slice, rope_cos_sin
+from engine.models.llama import LlamaAttention, LlamaMLP, RMSNorm, layer_slice, rope_cos_sin, use_fused_ops
 from engine.parallel import SINGLE, TensorParallel
 from engine.request.sequence import Sequence
-from engine.runner.loader import check_state, read_state_file, read_tensor, resolve_model_path, take_slice
+from engine.runner.loader import (
+    check_state,
+    fused_ops_serve,
+    read_state_file,
+    read_tensor,
+    resolve_model_path,
+    take_slice,
+)
 from engine.runner.model_runner import ForwardBatch, ForwardChunk, ModelRunner
 from engine.sampling.tree import DraftTree
 from engine.speculative.early_stop import early_stop_for
@@ -388,6 +395,8 @@ def load_eagle(path: str | Path, target_config, embed, dtype, device, max_positi
     if len(d2t) and (int(ids.min()) < 0 or int(ids.max()) >= target_config.vocab_size):
         raise ValueError(f"{file}: d2t maps draft ids outside the target's vocabulary ({target_config.vocab_size})")
     head.load_checkpoint_state({name: take_slice(t, head.checkpoint_slice(name)) for name, t in state.items()})
+    if fused_ops_serve(torch.device(device), dtype):  # as the target's layers (engine/models/fused.py)
+        use_fused_ops(head)
     return head.to(dtype=dtype).eval().requires_grad_(False), info["aux_layer_ids"]
 
 

@@ -1,0 +1,192 @@
+"""A decoder layer's small operators fused into one Triton kernel each, for GPUs: ``augur::fused_rope``,
+``augur::fused_rms_norm``, ``augur::fused_add_rms_norm`` and ``augur::fused_act_mul``.
+
+At batch 1 a decode is bound by reading the weights, and everything between the matrix products is
+overhead. On an H200 at the Llama-3.1-8B shape (docs/benchmarks.md, ``loadtest.profile_gpu``) the
+products took 4.15 ms of a 6.65 ms decode; the rest was ~2 ms of small kernels, each a few bytes of
+work and a launch: RoPE as six (two products, a negation, a concatenation and a sum per q and k, on
+strided views), an RMSNorm as four (to float32, the norm, back, the weight's product), the residual
+sums and the MLP's activation and product. Here each is one kernel:
+
+- ``fused_rope(qkv, cos, sin, heads, kv_heads)``: the rotated q and k, read from the qkv projection's
+  output, computed with the roundings of the eager expression (``apply_rope``): each product rounded
+  to the dtype, then their sum. It gives the same bits in bfloat16 and float16.
+- ``fused_rms_norm(x, weight, eps, unit_offset)`` and ``fused_add_rms_norm(x, delta, ...)``
+  (``x + delta``, rounded as torch's sum is, then its norm: both returned): one program a row, the
+  sum of squares in float32, then Llama's order (normalized, rounded to the dtype, times the weight)
+  or Gemma's (times ``1 + weight`` in float32). The sum of squares is reduced in another order than
+  torch's kernel, so a row's result can differ from eager torch's in its last bit; it never depends
+  on the other rows.
+- ``fused_act_mul(gate_up, act)``: ``act(gate) * up`` for SiLU and tanh-GELU, the activation rounded
+  to the dtype before the product, as the eager expression does.
+
+The loader turns them on for a model in bfloat16 or float16 on CUDA where Triton imports
+(``LlamaForCausalLM.use_fused_ops``); float32 keeps the eager expressions (a compiler may contract a
+float32 product and sum into one fused multiply-add, which would change RoPE's bits). On CPU tensors
+the same kernels run in Triton's interpreter (``TRITON_INTERPRET=1``): the tests check them there.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_lib = torch.library.Library("augur", "FRAGMENT")
+_lib.define("fused_rope(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads) -> (Tensor, Tensor)")
+_lib.define("fused_rms_norm(Tensor x, Tensor weight, float eps, bool unit_offset=False) -> Tensor")
+_lib.define(
+    "fused_add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps, bool unit_offset=False) -> (Tensor, Tensor)"
+)
+_lib.define("fused_act_mul(Tensor gate_up, str act) -> Tensor")
+
+FUSED_ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1}  # act name → the kernel's ACT
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr, k_ptr, qkv_ptr, cos_ptr, sin_ptr, qkv_stride, cs_stride, H, HKV,
+    D: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)  # below H: a query head; from H on: a key head
+    cols = tl.arange(0, HALF_PAD)
+    m = cols < HALF
+    src = qkv_ptr + t * qkv_stride + h * D
+    x1 = tl.load(src + cols, mask=m, other=0.0)
+    x2 = tl.load(src + HALF + cols, mask=m, other=0.0)
+    row = t * cs_stride
+    c1 = tl.load(cos_ptr + row + cols, mask=m, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + row + HALF + cols, mask=m, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + row + cols, mask=m, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + row + HALF + cols, mask=m, other=0.0).to(tl.float32)
+    dt = x1.dtype
+    a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
+    # x * cos + cat(-x2, x1) * sin, each product rounded to the dtype before the sum (as eager torch).
+    o1 = ((a1 * c1).to(dt).to(tl.float32) + (-a2 * s1).to(dt).to(tl.float32)).to(dt)
+    o2 = ((a2 * c2).to(dt).to(tl.float32) + (a1 * s2).to(dt).to(tl.float32)).to(dt)
+    if h < H:
+        dst = q_ptr + (t * H + h) * D
+    else:
+        dst = k_ptr + (t * HKV + (h - H)) * D
+    tl.store(dst + cols, o1, mask=m)
+    tl.store(dst + HALF + cols, o2, mask=m)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    out_ptr, sum_ptr, x_ptr, d_ptr, w_ptr, x_stride, d_stride, N, eps,
+    BLOCK: tl.constexpr, ADD: tl.constexpr, UNIT_OFFSET: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < N
+    x = tl.load(x_ptr + row * x_stride + cols, mask=m, other=0.0)
+    dt = x.dtype
+    if ADD:  # the residual sum, rounded to the dtype as torch's is, then normed
+        d = tl.load(d_ptr + row * d_stride + cols, mask=m, other=0.0)
+        x = (x.to(tl.float32) + d.to(tl.float32)).to(dt)
+        tl.store(sum_ptr + row * N + cols, x, mask=m)
+    xf = x.to(tl.float32)
+    y = xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    if UNIT_OFFSET:  # Gemma: y * (1 + w) in float32
+        out = y * (1.0 + w)
+    else:  # Llama: y rounded to the dtype, then times the weight
+        out = y.to(dt).to(tl.float32) * w
+    tl.store(out_ptr + row * N + cols, out.to(dt), mask=m)
+
+
+@triton.jit
+def _act_mul_kernel(out_ptr, x_ptr, x_stride, inner, BLOCK: tl.constexpr, ACT: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < inner
+    gate = tl.load(x_ptr + row * x_stride + cols, mask=m, other=0.0)
+    up = tl.load(x_ptr + row * x_stride + inner + cols, mask=m, other=0.0)
+    g = gate.to(tl.float32)
+    if ACT == 0:  # SiLU
+        a = g / (1.0 + tl.exp(-g))
+    else:  # GELU, tanh approximation: tanh(u) = 2 / (1 + exp(-2u)) - 1
+        u = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        a = 0.5 * g * (2.0 / (1.0 + tl.exp(-2.0 * u)))
+    a = a.to(gate.dtype).to(tl.float32)  # the activation rounded to the dtype, then the product
+    tl.store(out_ptr + row * inner + cols, (a * up.to(tl.float32)).to(gate.dtype), mask=m)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as [rows, last] with unit stride in the last dimension (a view where it can be)."""
+    x = x.reshape(-1, x.shape[-1])
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def fused_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int):
+    """qkv [T, (heads + 2 kv_heads) * D]; cos/sin [T, D] (or [T, 1, D]) in qkv's dtype → q [T, heads, D],
+    k [T, kv_heads, D], rotated (rotate-half convention)."""
+    qkv = _rows(qkv)
+    T = qkv.shape[0]
+    D = qkv.shape[1] // (heads + 2 * kv_heads)
+    cos, sin = _rows(cos), _rows(sin)
+    q = qkv.new_empty(T, heads, D)
+    k = qkv.new_empty(T, kv_heads, D)
+    if T:
+        half = D // 2
+        _rope_kernel[(T, heads + kv_heads)](
+            q, k, qkv, cos, sin, qkv.stride(0), cos.stride(0), heads, kv_heads,
+            D=D, HALF=half, HALF_PAD=triton.next_power_of_2(half), num_warps=1 if D <= 128 else 2,
+        )  # fmt: skip
+    return q, k
+
+
+def _norm(x, delta, weight, eps, unit_offset):
+    shape = x.shape
+    x2 = _rows(x)
+    N = x2.shape[1]
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    total = torch.empty_like(out) if delta is not None else out
+    d2 = _rows(delta) if delta is not None else x2
+    if x2.shape[0]:
+        block = triton.next_power_of_2(N)
+        _rms_norm_kernel[(x2.shape[0],)](
+            out, total, x2, d2, weight, x2.stride(0), d2.stride(0), N, eps,
+            BLOCK=block, ADD=delta is not None, UNIT_OFFSET=unit_offset, num_warps=min(16, max(1, block // 512)),
+        )  # fmt: skip
+    return out.view(shape), total.view(shape)
+
+
+def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    return _norm(x, None, weight, eps, unit_offset)[0]
+
+
+def fused_add_rms_norm(x, delta, weight, eps: float, unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm of ``x + delta``, ``x + delta``)."""
+    return _norm(x, delta, weight, eps, unit_offset)
+
+
+def fused_act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """gate_up [..., 2 I] → act(gate) * up [..., I]."""
+    shape = gate_up.shape
+    x = _rows(gate_up)
+    inner = x.shape[1] // 2
+    out = x.new_empty(x.shape[0], inner)
+    if x.shape[0]:
+        block = min(1024, triton.next_power_of_2(inner))
+        _act_mul_kernel[(x.shape[0], triton.cdiv(inner, block))](
+            out, x, x.stride(0), inner, BLOCK=block, ACT=FUSED_ACTIVATIONS[act], num_warps=4
+        )
+    return out.view(*shape[:-1], inner)
+
+
+def _fake_rope(qkv, cos, sin, heads, kv_heads):
+    D = qkv.shape[-1] // (heads + 2 * kv_heads)
+    return qkv.new_empty(qkv.shape[0], heads, D), qkv.new_empty(qkv.shape[0], kv_heads, D)
+
+
+for _name, _impl, _fake in [
+    ("fused_rope", fused_rope, _fake_rope),
+    ("fused_rms_norm", fused_rms_norm, lambda x, *_: torch.empty_like(x)),
+    ("fused_add_rms_norm", fused_add_rms_norm, lambda x, *_: (torch.empty_like(x), torch.empty_like(x))),
+    ("fused_act_mul", fused_act_mul, lambda g, act: g.new_empty(*g.shape[:-1], g.shape[-1] // 2)),
+]:
+    _lib.impl(_name, _impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"augur::{_name}", _fake, lib=_lib)
