@@ -41,12 +41,30 @@ _lib.define(
 _lib.define("fused_act_mul(Tensor gate_up, str act) -> Tensor")
 
 FUSED_ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1}  # act name → the kernel's ACT
+_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the kernels' DT
+
+
+@triton.jit
+def _round(x, DT: tl.constexpr):
+    """Float32 ``x`` rounded to the model's dtype (``DT``: 0 float32, 1 float16, 2 bfloat16), returned in
+    float32. To bfloat16 on the bits (to nearest, ties to even; finite values): a compiler may fold a
+    conversion to a narrower float and back away (on an H200 one did, and RoPE's products went
+    unrounded), never integer arithmetic; Triton's interpreter also truncates where a GPU rounds."""
+    if DT == 2:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        y = bits.to(tl.float32, bitcast=True)
+    elif DT == 1:
+        y = x.to(tl.float16).to(tl.float32)
+    else:
+        y = x
+    return y
 
 
 @triton.jit
 def _rope_kernel(
     q_ptr, k_ptr, qkv_ptr, cos_ptr, sin_ptr, qkv_stride, cs_stride, H, HKV,
-    D: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    D: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, DT: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)  # below H: a query head; from H on: a key head
@@ -63,8 +81,8 @@ def _rope_kernel(
     dt = x1.dtype
     a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
     # x * cos + cat(-x2, x1) * sin, each product rounded to the dtype before the sum (as eager torch).
-    o1 = ((a1 * c1).to(dt).to(tl.float32) + (-a2 * s1).to(dt).to(tl.float32)).to(dt)
-    o2 = ((a2 * c2).to(dt).to(tl.float32) + (a1 * s2).to(dt).to(tl.float32)).to(dt)
+    o1 = _round(_round(a1 * c1, DT) + _round(-a2 * s1, DT), DT).to(dt)
+    o2 = _round(_round(a2 * c2, DT) + _round(a1 * s2, DT), DT).to(dt)
     if h < H:
         dst = q_ptr + (t * H + h) * D
     else:
@@ -76,29 +94,29 @@ def _rope_kernel(
 @triton.jit
 def _rms_norm_kernel(
     out_ptr, sum_ptr, x_ptr, d_ptr, w_ptr, x_stride, d_stride, N, eps,
-    BLOCK: tl.constexpr, ADD: tl.constexpr, UNIT_OFFSET: tl.constexpr,
+    BLOCK: tl.constexpr, ADD: tl.constexpr, UNIT_OFFSET: tl.constexpr, DT: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < N
     x = tl.load(x_ptr + row * x_stride + cols, mask=m, other=0.0)
     dt = x.dtype
+    xf = x.to(tl.float32)
     if ADD:  # the residual sum, rounded to the dtype as torch's is, then normed
         d = tl.load(d_ptr + row * d_stride + cols, mask=m, other=0.0)
-        x = (x.to(tl.float32) + d.to(tl.float32)).to(dt)
-        tl.store(sum_ptr + row * N + cols, x, mask=m)
-    xf = x.to(tl.float32)
+        xf = _round(xf + d.to(tl.float32), DT)
+        tl.store(sum_ptr + row * N + cols, xf.to(dt), mask=m)
     y = xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
     w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
     if UNIT_OFFSET:  # Gemma: y * (1 + w) in float32
         out = y * (1.0 + w)
     else:  # Llama: y rounded to the dtype, then times the weight
-        out = y.to(dt).to(tl.float32) * w
-    tl.store(out_ptr + row * N + cols, out.to(dt), mask=m)
+        out = _round(y, DT) * w
+    tl.store(out_ptr + row * N + cols, _round(out, DT).to(dt), mask=m)
 
 
 @triton.jit
-def _act_mul_kernel(out_ptr, x_ptr, x_stride, inner, BLOCK: tl.constexpr, ACT: tl.constexpr):
+def _act_mul_kernel(out_ptr, x_ptr, x_stride, inner, BLOCK: tl.constexpr, ACT: tl.constexpr, DT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < inner
@@ -107,11 +125,11 @@ def _act_mul_kernel(out_ptr, x_ptr, x_stride, inner, BLOCK: tl.constexpr, ACT: t
     g = gate.to(tl.float32)
     if ACT == 0:  # SiLU
         a = g / (1.0 + tl.exp(-g))
-    else:  # GELU, tanh approximation: tanh(u) = 2 / (1 + exp(-2u)) - 1
+    else:  # GELU, tanh approximation, 1 + tanh(u) summed as torch does (tanh(u) = 1 - 2 / (exp(2u) + 1))
         u = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        a = 0.5 * g * (2.0 / (1.0 + tl.exp(-2.0 * u)))
-    a = a.to(gate.dtype).to(tl.float32)  # the activation rounded to the dtype, then the product
-    tl.store(out_ptr + row * inner + cols, (a * up.to(tl.float32)).to(gate.dtype), mask=m)
+        a = 0.5 * g * (1.0 + (1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)))
+    a = _round(a, DT)  # the activation rounded to the dtype, then the product
+    tl.store(out_ptr + row * inner + cols, _round(a * up.to(tl.float32), DT).to(gate.dtype), mask=m)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -133,7 +151,8 @@ def fused_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: i
         half = D // 2
         _rope_kernel[(T, heads + kv_heads)](
             q, k, qkv, cos, sin, qkv.stride(0), cos.stride(0), heads, kv_heads,
-            D=D, HALF=half, HALF_PAD=triton.next_power_of_2(half), num_warps=1 if D <= 128 else 2,
+            D=D, HALF=half, HALF_PAD=triton.next_power_of_2(half), DT=_DTYPES[qkv.dtype],
+            num_warps=1 if D <= 128 else 2,
         )  # fmt: skip
     return q, k
 
@@ -149,7 +168,8 @@ def _norm(x, delta, weight, eps, unit_offset):
         block = triton.next_power_of_2(N)
         _rms_norm_kernel[(x2.shape[0],)](
             out, total, x2, d2, weight, x2.stride(0), d2.stride(0), N, eps,
-            BLOCK=block, ADD=delta is not None, UNIT_OFFSET=unit_offset, num_warps=min(16, max(1, block // 512)),
+            BLOCK=block, ADD=delta is not None, UNIT_OFFSET=unit_offset, DT=_DTYPES[x.dtype],
+            num_warps=min(16, max(1, block // 512)),
         )  # fmt: skip
     return out.view(shape), total.view(shape)
 
@@ -172,7 +192,7 @@ def fused_act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     if x.shape[0]:
         block = min(1024, triton.next_power_of_2(inner))
         _act_mul_kernel[(x.shape[0], triton.cdiv(inner, block))](
-            out, x, x.stride(0), inner, BLOCK=block, ACT=FUSED_ACTIVATIONS[act], num_warps=4
+            out, x, x.stride(0), inner, BLOCK=block, ACT=FUSED_ACTIVATIONS[act], DT=_DTYPES[x.dtype], num_warps=4
         )
     return out.view(*shape[:-1], inner)
 
