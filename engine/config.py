@@ -61,7 +61,8 @@ class EngineConfig:
     # the rows beside it (engine/models/invariant.py), attention on one path for every query (a decode's,
     # a verify's, a prefill chunk's), and compiled forwards round as eager ones do. auto | on | off; auto:
     # on for CPUs (float32, bfloat16; int4 and NF4 weights too), where it is faster than the batch-variant
-    # path (docs/benchmarks.md); off on GPUs, whose invariant kernels are not built yet.
+    # path (docs/benchmarks.md); off on GPUs, where "on" runs Triton kernels (engine/models/invariant_cuda.py)
+    # whose cost is not measured yet.
     batch_invariant: str = "auto"
     # Speculative decoding.
     # none | draft | ouroboros | ngram | suffix | lookahead | layer-skip | medusa | eagle | mtp

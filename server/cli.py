@@ -67,8 +67,8 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
         choices=["auto", "on", "off"],
         help="a request's tokens depend on nothing but the request (not its batch, the step budget, speculation, "
         "the prefix cache, compiled or eager forwards): the target on operators whose every output has one order "
-        "of operations whatever the rows, attention on one path (auto: on for CPUs, float32 or bfloat16; "
-        "docs/speculative.md)",
+        "of operations whatever the rows, attention on one path (auto: on for CPUs, float32 or bfloat16; off on "
+        "GPUs, where on runs Triton kernels, one GPU, full-precision weights; docs/speculative.md)",
     )
     g.add_argument(
         "--enforce-eager",

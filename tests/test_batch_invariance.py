@@ -263,3 +263,41 @@ def test_the_batch_variant_kernels_fail_these_checks(ids):
     batched = run(eng, ids, PARAMS["greedy"])
     chunked = run(make("bfloat16", "off", max_num_batched_tokens=48), ids, PARAMS["greedy"])
     assert batched != alone or chunked != alone
+
+
+# -- the mode's GPU kernels, as far as a CPU can check them (their promise itself: test_batch_invariance_gpu.py)
+def test_the_gpu_attention_takes_one_program_size_and_no_key_split_in_the_mode():
+    """Under the mode the triton backend's metadata gives every batch the same program size and no key
+    split, whatever the batch feeds and whatever split a captured graph asks for; without it both follow
+    the batch (so a check of the mode's metadata can fail)."""
+    from engine.attention.triton_paged import BLOCK_Q_CHUNK, build_triton_metadata
+
+    def meta(q_lens, **kw):
+        tables = [list(range(i * 8, i * 8 + 8)) for i in range(len(q_lens))]
+        pos = torch.zeros(sum(q_lens), dtype=torch.int64)
+        return build_triton_metadata(q_lens, [20] * len(q_lens), tables, 16, pos, **kw)
+
+    for q_lens in ([1], [5], [1, 1, 1], [40, 3]):
+        m = meta(q_lens, num_splits=4, invariant=True)
+        assert (m.block_q, m.num_splits) == (BLOCK_Q_CHUNK, 1), q_lens
+    assert {meta(q).block_q for q in ([1], [5], [40])} == {1, 8, BLOCK_Q_CHUNK}
+    assert meta([1], num_splits=4).num_splits == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gpu_linear_kernel_computes_the_product(dtype):
+    """``augur::invariant_linear``'s CUDA kernel (Triton; here in its interpreter): the product, with its
+    inner dimension whole or split into fixed ranges. Whether a row keeps its bits in any batch needs
+    the GPU (the interpreter's tile products are numpy's, which reduce by a row's place in the tile)."""
+    from engine.models import invariant_cuda
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(70, 1100, generator=g).to(dtype)
+    w = (torch.randn(150, 1100, generator=g) / 30).to(dtype)
+    b = torch.randn(150, generator=g).to(dtype)
+    ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    tol = 1e-5 if dtype == torch.float32 else 0.05
+    for splits in (1, 2, 3):
+        out = invariant_cuda.invariant_linear(x, w, b, splits=splits)
+        assert out.dtype == dtype and (out.float() - ref).abs().max() <= tol, splits
+    assert invariant_cuda.invariant_linear(x[:0], w, b).shape == (0, 150)

@@ -89,6 +89,7 @@ def build_triton_metadata(
     write_lens: list[int] | None = None,  # per sequence: how many new tokens are real (the rest are padding)
     scratch_slot: int = -1,  # ... and the slot padding tokens write to
     pack: Pack | None = None,  # the forward's other inputs: the metadata joins their one copy
+    invariant: bool = False,  # the batch-invariant mode: one program size and no key split for every batch
 ) -> TritonMetadata:
     """Metadata for sequences laid out back to back in the flat batch (same arguments and meaning as
     :func:`engine.attention.sdpa.build_sdpa_metadata`). Everything is built on the host from the lists
@@ -98,14 +99,21 @@ def build_triton_metadata(
     ``num_splits`` > 0 forces how many key ranges each program's keys are split into (the tests use
     it, and captured graphs, whose launch grid is fixed); 0 lets the operator choose from the GPU's
     size (:func:`key_splits`). Padding tokens (a sequence's new tokens past ``write_lens``) write
-    their K/V to ``scratch_slot`` instead of the block table's slot, which is not theirs."""
+    their K/V to ``scratch_slot`` instead of the block table's slot, which is not theirs.
+
+    ``invariant`` (the batch-invariant mode): every batch takes the same program size
+    (``BLOCK_Q_CHUNK`` tokens) and no key split, whatever ``num_splits`` says, so a query walks its keys
+    in the same tiles, in the same order, with the same products, in a decode, a verify or a prefill
+    chunk: tiles past its own position are masked whole for it, and a masked tile leaves its running
+    softmax as it was."""
     pack = pack if pack is not None else direct_pack(device)
     B = len(q_lens)
     kv_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
     if not isinstance(block_tables, np.ndarray):  # else already padded (PersistentBlockTables.rows)
         block_tables = padded_block_tables(block_tables, kv_lens, block_size)
 
-    block_q = program_tokens(max(q_lens, default=0))
+    block_q = BLOCK_Q_CHUNK if invariant else program_tokens(max(q_lens, default=0))
+    num_splits = 1 if invariant else num_splits
     info: list[list[int]] = []
     programs: list[tuple[int, int]] = []
     host_masks: list[np.ndarray] = []

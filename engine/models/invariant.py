@@ -16,9 +16,9 @@ layer of the target, its tied output layer included, for an :class:`InvariantLin
 norms, MLP activations and logit soft cap for these operators (``use_invariant_ops`` of
 engine/models/llama.py); what is left of a forward (embedding look-ups, RoPE's products and sums, the
 residual sums) is exactly rounded element by element, and a compiled forward keeps eager's roundings
-(``emulate_precision_casts``, engine/runner/model_runner.py). On other devices the operators' references
-(the eager expressions they replace) run: the promise there needs kernels of its own (not built yet:
-docs/speculative.md says where it holds).
+(``emulate_precision_casts``, engine/runner/model_runner.py). On CUDA the operators run Triton kernels
+(engine/models/invariant_cuda.py, registered when the mode loads a model there); elsewhere their
+references (the eager expressions they replace), which keep no promise.
 """
 
 from __future__ import annotations

@@ -175,6 +175,10 @@ def batch_invariant_serves(config) -> bool:
     warning. ``on`` there fails at load, naming the missing kernel."""
     if not config.batch_invariant_enabled:
         return False
+    if config.torch_device.type == "cuda":  # its kernels are Triton's (engine/models/invariant_cuda.py)
+        if importlib.util.find_spec("triton") is None:
+            raise RuntimeError("the batch-invariant mode on a GPU needs Triton")
+        return True
     # A first start builds both (about half a minute each on two cores): side by side, the compilers
     # are other processes.
     with ThreadPoolExecutor(2) as pool:
@@ -238,10 +242,18 @@ def load_model(
     # a large eager model keeps only the packed weights (half the memory), as before.
     # The batch-invariant operators (engine/models/invariant.py), quantized layers included.
     if batch_invariant:
-        if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"the batch-invariant mode is built for float32 and bfloat16 on CPUs, not {dtype} on "
-                             f"{device.type}: serve with --batch-invariant off")  # fmt: skip
-        if not load_invariant_kernels():
+        if device.type == "cuda":
+            if quantization or prequantized:
+                raise ValueError(f"the batch-invariant mode on a GPU is built for full-precision weights, not "
+                                 f"{quantization or prequantized}: serve with --batch-invariant off")  # fmt: skip
+            if tp.size > 1:  # NCCL picks its reduction's algorithm by the message's size: by the batch
+                raise ValueError("the batch-invariant mode on GPUs is built for one GPU: serve with --batch-invariant "
+                                 "off or without tensor parallelism")  # fmt: skip
+            from engine.models import invariant_cuda  # noqa: F401  (registers its CUDA kernels)
+        elif device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"the batch-invariant mode is built for float32 and bfloat16 on CPUs and for CUDA, not "
+                             f"{dtype} on {device.type}: serve with --batch-invariant off")  # fmt: skip
+        elif not load_invariant_kernels():
             raise RuntimeError("the batch-invariant kernels could not be built (a C++ compiler is needed)")
         model.use_invariant_ops()
         return model.eval()

@@ -246,9 +246,13 @@ class ModelRunner:
         self._build_metadata = metadata_builder(self.attention_backend)
         self.batch_invariant = batch_invariant
         if batch_invariant:
-            if self.attention_backend != "sdpa" or device.type != "cpu":
-                raise ValueError("the batch-invariant mode is built for CPUs (the sdpa attention backend)")
-            self._build_metadata = functools.partial(self._build_metadata, rows_only=True)
+            if (device.type, self.attention_backend) not in (("cpu", "sdpa"), ("cuda", "triton")):
+                raise ValueError(
+                    "the batch-invariant mode is built for CPUs (the sdpa attention backend) and CUDA (the triton "
+                    f"backend), not {device.type} with {self.attention_backend}"
+                )
+            flag = "rows_only" if self.attention_backend == "sdpa" else "invariant"
+            self._build_metadata = functools.partial(self._build_metadata, **{flag: True})
         self._block_rows = PersistentBlockTables()  # block tables kept as array rows between forwards
         self.staging = Staging(device)  # a forward's inputs in one copy, from a pinned ring
         if device.type == "cpu" and self.attention_backend == "sdpa":
