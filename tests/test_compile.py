@@ -124,7 +124,8 @@ def test_speculation_through_compiled_forwards_is_exact(tmp_path, tokenizer_dir)
 def test_background_compile_serves_without_recompiling(tmp_path, tokenizer_dir):
     """The graphs a server warms up in the background, over its runners' scratch pools, are the ones
     its live pools run: swapped in, no request compiles another (a scratch pool's shape differs from
-    the live pool's in its slots only, and both are marked alike)."""
+    the live pool's in its slots only, and both are marked alike). And the swap starts the
+    controller's timings afresh (``SpecController.forwards_changed``)."""
     target = build_model_dir(tmp_path / "t", tokenizer_dir, "LlamaForCausalLM", seed=5, std=0.3)
     draft = build_model_dir(tmp_path / "d", tokenizer_dir, "LlamaForCausalLM", seed=5, std=0.3, num_hidden_layers=1)
     kw = dict(model=str(target), device="cpu", num_kv_blocks=64, block_size=4)
@@ -132,11 +133,23 @@ def test_background_compile_serves_without_recompiling(tmp_path, tokenizer_dir):
     assert engine.compile_state == "pending"
     engine.compile_in_background().join()
     assert engine.compile_state == "ready"
+    # What the eager minutes may have taught the controller, under the compiler's load: drafting off at
+    # this batch size for a long while, the exploration budget overdrawn.
+    ctl = engine.controller
+    stale_guard, stale_cost = ctl.guard, ctl.cost
+    bucket = ctl.guard.bucket(1, True)
+    bucket.on, bucket.interval, bucket.wait = False, 1024, 1024
+    ctl.budget.spent = 1e9
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, num_draft_tokens=2)
     out = engine.generate([[5, 9, 11, 5, 9], [40, 41, 42]], params)
     assert engine.compile_state == "on" and all(o.outputs[0].num_tokens == 12 for o in out)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    # The swap started the controller's timings afresh: a request that pins no depth drafts again.
+    drafts = engine.spec_stats.num_drafts
+    engine.generate([[5, 9, 11, 5, 9, 11, 5, 9]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert engine.spec_stats.num_drafts > drafts
+    assert ctl.guard is not stale_guard and ctl.cost is not stale_cost and ctl.budget.spent < 1e9
 
 
 def test_compile_setting(monkeypatch):

@@ -246,6 +246,8 @@ class LLMEngine:
             for runner in self._runners():
                 runner.use_compiled()
             self.compile_state = "on"
+            if self.controller is not None:  # its timings were the eager forwards', under the compiler's load
+                self.controller.forwards_changed()
 
     @property
     def spec_method(self) -> str:

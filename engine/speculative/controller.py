@@ -373,6 +373,21 @@ class SpecController:
         self.bursting = False  # this step's plan is a guard's probe burst
         self.on_probation = False  # this step's bucket is on probation (see Guard): its drafting is charged
 
+    def forwards_changed(self) -> None:
+        """The engine swapped its forwards (the compiled ones in for the eager ones, between two steps):
+        every timing learned so far is another forward's, and those of the minutes before were taken
+        while a compiler shared the cores. The cost model, the guard's verdicts and the exploration
+        budget start afresh (the cost model relearns from the steps that follow: until it has timings,
+        requests draft at full depth, as at start-up before the profile); what requests accept stays,
+        being their texts'. Without it a verdict of those minutes (drafting turned off, an overdrawn
+        budget, verify rows priced at eager, contended costs) outlives them for hundreds of steps."""
+        self.cost = CostModel(self.cost.window)
+        self.guard = Guard(self.max_depth)
+        self.budget = ExplorationBudget(self.budget.fraction, self.budget.decay)
+        self.depth = {True: self.max_depth, False: self.max_depth}
+        self._challenger, self._streak = {True: None, False: None}, {True: 0, False: 0}
+        self._memo, self._last_key, self._last_plan, self._reused = {}, None, (), 0
+
     def _population(self, route: str, greedy: bool) -> AcceptanceEstimate:
         key = (route, greedy)
         if key not in self.population:
