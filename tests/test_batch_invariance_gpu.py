@@ -35,7 +35,9 @@ def test_a_row_of_the_linear_kernel_keeps_its_bits_in_any_batch(dtype):
     full = invariant_cuda.invariant_linear(x, w)
     for lo, hi in [(0, 1), (7, 8), (5, 9), (64, 70), (3, 200), (0, 300)]:
         assert torch.equal(invariant_cuda.invariant_linear(x[lo:hi], w), full[lo:hi]), (lo, hi)
-    # The control: cuBLAS's own product picks kernels by the rows, and some row's bits move.
+    if dtype != torch.bfloat16:
+        return
+    # The control (bfloat16): cuBLAS's own product picks its kernel by the rows, and some row's bits move.
     ref = torch.nn.functional.linear(x, w)
     moved = [(lo, hi) for lo, hi in [(0, 1), (7, 8), (5, 9), (3, 200)] if not torch.equal(torch.nn.functional.linear(
         x[lo:hi], w), ref[lo:hi])]  # fmt: skip
