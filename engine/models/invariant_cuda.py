@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from engine.attention.common import triton_interpreted
-from engine.models import fused
+from engine.models.fused import FUSED_ACTIVATIONS, fused_act_mul, fused_rms_norm
 from engine.models.invariant import ACTIVATIONS
 
 _lib = torch.library.Library("augur", "IMPL")
@@ -141,12 +141,12 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def invariant_act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
-    if act in fused.FUSED_ACTIVATIONS:
-        return fused.fused_act_mul(gate_up, act)
+    if act in FUSED_ACTIVATIONS:
+        return fused_act_mul(gate_up, act)
     gate, up = gate_up.chunk(2, dim=-1)  # element by element: invariant as it is
     return ACTIVATIONS[act](gate) * up
 
 
 _lib.impl("invariant_linear", lambda x, weight, bias=None: invariant_linear(x, weight, bias), "CUDA")
-_lib.impl("invariant_rms_norm", fused.fused_rms_norm, "CUDA")
+_lib.impl("invariant_rms_norm", fused_rms_norm, "CUDA")
 _lib.impl("invariant_act_mul", invariant_act_mul, "CUDA")

@@ -164,10 +164,11 @@ def use_fused_ops(model: nn.Module, on: bool = True) -> None:
     (engine/models/fused.py): RoPE, the norms, the residual sum before a layer's second norm, the
     MLP's activation and product (SiLU and tanh-GELU; another activation stays eager). ``on=False``
     turns them back off (the step benchmark compares both)."""
-    from engine.models import fused  # registers the augur::fused_* operators
+    # (here, not at the top: it needs Triton) Importing it registers the augur::fused_* operators.
+    from engine.models.fused import FUSED_ACTIVATIONS
 
     for module in model.modules():
-        if isinstance(module, LlamaMLP) and module.act_name not in fused.FUSED_ACTIVATIONS:
+        if isinstance(module, LlamaMLP) and module.act_name not in FUSED_ACTIVATIONS:
             continue
         if hasattr(module, "fused"):
             module.fused = on
