@@ -1,26 +1,24 @@
 """Model registry keyed by the ``architectures`` entry of a Hugging Face config.
 
-Adding a family is one new file plus one line here.
+Adding a family is one new file plus one line here. Entries name the module and class, imported on
+first use: a process imports only the family it serves.
 """
 
 from __future__ import annotations
 
+import importlib
+
 from torch import nn
 
-from engine.models.gemma2 import Gemma2ForCausalLM
-from engine.models.llama import (
-    LlamaForCausalLM,
-    MistralForCausalLM,
-    Qwen2ForCausalLM,
-    Qwen3ForCausalLM,
-)
-
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    "Gemma2ForCausalLM": Gemma2ForCausalLM,
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+MODEL_REGISTRY: dict[str, str] = {  # architecture → "module:class" under engine.models
+    "Gemma2ForCausalLM": "gemma2:Gemma2ForCausalLM",
+    "LlamaForCausalLM": "llama:LlamaForCausalLM",
+    "MistralForCausalLM": "llama:MistralForCausalLM",
+    "MixtralForCausalLM": "mixtral:MixtralForCausalLM",
+    "Qwen2ForCausalLM": "llama:Qwen2ForCausalLM",
+    "Qwen2MoeForCausalLM": "qwen3_moe:Qwen2MoeForCausalLM",
+    "Qwen3ForCausalLM": "llama:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "qwen3_moe:Qwen3MoeForCausalLM",
 }
 
 
@@ -28,11 +26,17 @@ class UnsupportedModelError(ValueError):
     pass
 
 
+def model_class(arch: str) -> type[nn.Module]:
+    """The class serving architecture ``arch`` (a key of MODEL_REGISTRY)."""
+    module, name = MODEL_REGISTRY[arch].split(":")
+    return getattr(importlib.import_module(f"engine.models.{module}"), name)
+
+
 def model_class_for(config) -> type[nn.Module]:
     archs = list(getattr(config, "architectures", None) or [])
     for arch in archs:
         if arch in MODEL_REGISTRY:
-            return MODEL_REGISTRY[arch]
+            return model_class(arch)
     raise UnsupportedModelError(
         f"unsupported model architecture {archs or '(none given in config.json)'}; "
         f"supported: {', '.join(sorted(MODEL_REGISTRY))}"

@@ -138,10 +138,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp=SINGLE) -> None:
+    """Attention and an MLP, each after its norm and added to the residual. ``mlp``: the feed-forward
+    block when not Llama's dense one (a mixture of experts: engine/models/moe.py)."""
+
+    def __init__(
+        self, config, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp=SINGLE, mlp=None
+    ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, qkv_bias, o_bias, qk_norm, tp)
-        self.mlp = LlamaMLP(config, bias=getattr(config, "mlp_bias", False), tp=tp)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config, bias=getattr(config, "mlp_bias", False), tp=tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fused = False  # the residual sum and the second norm in one kernel (use_fused_ops)
@@ -201,7 +206,7 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias, o_bias = self.attention_biases(config)
         self.embed_tokens = nn.Embedding(self.vocab_shard, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias, o_bias, self.qk_norm, tp) for i in range(config.num_hidden_layers)
+            self.decoder_layer(config, i, qkv_bias, o_bias, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -222,6 +227,10 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = rope_cos_sin(self.config, max_positions)
         self.rope_cos = cos.to(device)
         self.rope_sin = sin.to(device)
+
+    def decoder_layer(self, config, i: int, qkv_bias: bool, o_bias: bool, tp: TensorParallel) -> nn.Module:
+        """Layer ``i`` (a family whose layers differ, e.g. dense and mixture-of-experts, overrides this)."""
+        return LlamaDecoderLayer(config, i, qkv_bias, o_bias, self.qk_norm, tp)
 
     @staticmethod
     def attention_biases(config) -> tuple[bool, bool]:
@@ -307,20 +316,18 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load Hugging Face checkpoint tensors, fusing q/k/v and gate/up as they arrive."""
+        """Load Hugging Face checkpoint tensors, fusing q/k/v and gate/up as they arrive. Each tensor
+        goes where :meth:`weight_target` says (a whole parameter, or a slot of a fused one); every
+        slot :meth:`expected_slots` lists must have arrived."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
-            name = name.removeprefix("model.")
+            name = self.checkpoint_name(name)
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding serves as the output layer
-            target, shard = name, None
-            for piece, (fused, s) in self._fused.items():
-                if piece in name:
-                    target, shard = name.replace(piece, fused), s
-                    break
+            target, shard = self.weight_target(name)
             if target not in params:
                 raise ValueError(f"unexpected weight in checkpoint: {name}")
             param = params[target]
@@ -331,29 +338,52 @@ class LlamaForCausalLM(nn.Module):
                     )
                 param.copy_(tensor)
             else:
-                param.narrow(0, *self._shard_range(target, shard)).copy_(tensor)
+                slot = self.weight_slot(target, param, shard)
+                if slot.shape != tensor.shape:
+                    raise ValueError(
+                        f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model {tuple(slot.shape)}"
+                    )
+                slot.copy_(tensor)
             loaded.add(f"{target}:{shard}")
-        expected = set()
-        for pname in params:
-            if ".qkv_proj." in pname:
-                expected |= {f"{pname}:q", f"{pname}:k", f"{pname}:v"}
-            elif ".gate_up_proj." in pname:
-                expected |= {f"{pname}:0", f"{pname}:1"}
-            else:
-                expected.add(f"{pname}:None")
+        expected = set().union(*(self.expected_slots(pname) for pname in params))
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
 
+    def checkpoint_name(self, name: str) -> str:
+        """A checkpoint tensor's name in our module tree's terms (before fusing)."""
+        return name.removeprefix("model.")
+
+    def weight_target(self, name: str) -> tuple[str, object]:
+        """(our parameter, its slot or None for all of it) for checkpoint tensor ``name``."""
+        for piece, (fused, s) in self._fused.items():
+            if piece in name:
+                return name.replace(piece, fused), s
+        return name, None
+
+    def weight_slot(self, target: str, param: torch.Tensor, shard) -> torch.Tensor:
+        """The part of fused parameter ``target`` that checkpoint slot ``shard`` fills."""
+        return param.narrow(0, *self._shard_range(target, shard))
+
+    def expected_slots(self, pname: str) -> set[str]:
+        """The ``target:slot`` keys a complete checkpoint fills for parameter ``pname``."""
+        if ".qkv_proj." in pname:
+            return {f"{pname}:q", f"{pname}:k", f"{pname}:v"}
+        if ".gate_up_proj." in pname:
+            return {f"{pname}:0", f"{pname}:1"}
+        return {f"{pname}:None"}
+
     def _shard_range(self, target: str, shard) -> tuple[int, int]:
+        """(start, length) of slot ``shard`` in the fused parameter ``target``, from the module owning it
+        (layers may differ: a dense MLP beside a mixture's shared expert)."""
         if shard in ("q", "k", "v"):
-            attn = self.layers[0].self_attn
+            attn = self.get_submodule(target.split(".qkv_proj.")[0])
             return {
                 "q": (0, attn.q_size),
                 "k": (attn.q_size, attn.kv_size),
                 "v": (attn.q_size + attn.kv_size, attn.kv_size),
             }[shard]
-        inter = self.layers[0].mlp.intermediate_size
+        inter = self.get_submodule(target.split(".gate_up_proj.")[0]).intermediate_size
         return (shard * inter, inter)
 
     def checkpoint_slice(self, name: str) -> tuple[int, int, int] | str | None:

@@ -1,0 +1,229 @@
+"""Mixture-of-experts feed-forward blocks: a router picks each token's top-k experts (gated MLPs) and
+the block returns their outputs weighted by the router's probabilities.
+
+Terms: ``E`` experts, each a gated MLP of inner size ``I`` (``moe_intermediate_size``); ``k``
+(``num_experts_per_tok``) experts per token; a *slot* is one (token, choice) pair, ``T * k`` of them.
+
+How the experts run (``augur::moe_experts``): the slots are sorted by expert, so that each expert's
+rows are one contiguous block multiplied in one matrix product per projection, not one call per
+token; the outputs go back to slot order and each token's ``k`` outputs are summed in its choice
+order (first choice first) in float32, element by element, then rounded once to the hidden dtype.
+That sum's order depends on nothing but the token, so a token's output is the same whatever else is
+in the step as long as each expert's product is: under the batch-invariant mode the products run on
+``augur::invariant_linear`` and the activation on ``augur::invariant_act_mul``
+(engine/models/invariant.py), which keep a row's bits whatever rows come with it.
+
+The operator is opaque to ``torch.compile`` (how many rows each expert gets is data the host reads:
+one sync a layer), so a compiled forward compiles around it instead of recompiling per routing. It is
+not captured in CUDA graphs (the same sync): a mixture-of-experts model on a GPU runs eagerly.
+
+Tensor parallelism (``-tp``) splits every expert like a dense MLP, each rank holding its slice of
+each expert's inner dimension (Megatron's layout, every rank's experts all of them): the router is
+replicated, so every rank routes alike, and the block's partial sums take one all-reduce, as a dense
+MLP's do. Whole experts per rank (expert parallelism) would balance worse at decode batch sizes,
+where a step's few tokens touch few experts.
+
+Mixtral, Qwen2-MoE and Qwen3-MoE route the same way (softmax over the experts' logits in float32,
+the top k, optionally renormalized to sum to one: ``norm_topk_prob``; Mixtral always renormalizes);
+Qwen2-MoE adds a *shared expert*, a dense MLP every token goes through, scaled by a sigmoid gate.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from engine.models.invariant import ACTIVATIONS, activation
+from engine.models.llama import LlamaMLP, layer_slice
+from engine.parallel import SINGLE, TensorParallel
+
+_lib = torch.library.Library("augur", "FRAGMENT")
+_lib.define(
+    "moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor gate_up, Tensor down, str act, str ops) -> Tensor"
+)
+
+OPS = ("eager", "invariant", "fused")  # the products' and activation's operators (see SparseMoE.ops)
+
+
+def _act_mul(gate_up: torch.Tensor, act: str, ops: str) -> torch.Tensor:
+    if ops == "invariant":
+        return torch.ops.augur.invariant_act_mul(gate_up, act)
+    if ops == "fused":
+        return torch.ops.augur.fused_act_mul(gate_up, act)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return ACTIVATIONS[act](gate) * up
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, ops: str) -> torch.Tensor:
+    if ops == "invariant":
+        return torch.ops.augur.invariant_linear(x, w, None)
+    return torch.nn.functional.linear(x, w)
+
+
+def moe_experts(x, ids, weights, gate_up, down, act: str, ops: str) -> torch.Tensor:
+    """x [T, H]; ids [T, k] the chosen experts; weights [T, k] float32 their router weights;
+    gate_up [E, 2I, H] (gate rows, then up rows); down [E, H, I]. Returns [T, H] in x's dtype."""
+    T, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # slots grouped by expert, in slot order within one
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    rows = x.index_select(0, order // k)
+    out = torch.empty(T * k, down.shape[1], dtype=x.dtype, device=x.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            seg = rows[start : start + n]
+            out[start : start + n] = _linear(_act_mul(_linear(seg, gate_up[e], ops), act, ops), down[e], ops)
+            start += n
+    by_slot = torch.empty_like(out)
+    by_slot[order] = out
+    by_slot = by_slot.view(T, k, -1)
+    acc = by_slot[:, 0].float() * weights[:, :1]
+    for j in range(1, k):  # the token's choices in order, each product and sum rounded alone
+        acc = acc + by_slot[:, j].float() * weights[:, j : j + 1]
+    return acc.to(x.dtype)
+
+
+_lib.impl("moe_experts", moe_experts, "CompositeExplicitAutograd")
+torch.library.register_fake(
+    "augur::moe_experts", lambda x, ids, weights, gate_up, down, act, ops: torch.empty_like(x), lib=_lib
+)
+
+
+class SparseMoE(nn.Module):
+    """A mixture-of-experts MLP block (see the module docstring). Parameters: ``gate`` (the router,
+    [E, H]), ``experts_gate_up`` [E, 2I, H] and ``experts_down`` [E, H, I] (this rank's I), and a
+    ``shared_expert`` with its ``shared_expert_gate`` where the family has one."""
+
+    invariant = False  # the products and activation on the batch-invariant operators (use_invariant_ops)
+    fused = False  # the activation on augur::fused_act_mul (use_fused_ops)
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        act: str,
+        tp: TensorParallel = SINGLE,
+        shared_intermediate: int = 0,
+    ) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok must be in 1..{num_experts} (the experts), got {top_k}")
+        self.tp = tp
+        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+        self.act_name = act
+        activation(act)  # an unknown activation fails at construction
+        self.intermediate_size = tp.split(intermediate, "experts' inner size")  # this rank's
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size, hidden))
+        self.experts_down = nn.Parameter(torch.empty(num_experts, hidden, self.intermediate_size))
+        self.shared_expert: LlamaMLP | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if shared_intermediate:
+            mine = tp.split(shared_intermediate, "shared expert's inner size")
+            shape = SimpleNamespace(hidden_size=hidden, intermediate_size=mine, hidden_act=act)
+            # This rank's slice, its partial sums added before the block's one all-reduce (so no tp here).
+            self.shared_expert = LlamaMLP(shape, bias=False, tp=SINGLE)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    @property
+    def ops(self) -> str:
+        return "invariant" if self.invariant else "fused" if self.fused else "eager"
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids [T, k], weights [T, k] float32): each token's experts, most probable first."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(x)
+        out = torch.ops.augur.moe_experts(
+            x, ids, weights, self.experts_gate_up, self.experts_down, self.act_name, self.ops
+        )
+        if self.shared_expert is not None:
+            gate = torch.sigmoid(self.shared_expert_gate(x))
+            out = out + gate * self.shared_expert(x)
+        return self.tp.all_reduce(out)
+
+
+class MoEWeights:
+    """Checkpoint loading for a model with :class:`SparseMoE` blocks, mixed into a
+    ``LlamaForCausalLM`` subclass: each expert's ``gate_proj`` / ``up_proj`` / ``down_proj`` (as the
+    checkpoints ship them, one matrix per expert) into its slot of the stacked parameters, and, under
+    tensor parallelism, this rank's slice of each."""
+
+    EXPERT_PIECES = {"gate_proj": 0, "up_proj": 1, "down_proj": None}
+
+    @staticmethod
+    def _expert_parts(name: str) -> tuple[str, int, str] | None:
+        """(the block's path, expert index, projection) of ``...mlp.experts.{e}.{proj}.weight``."""
+        block, sep, rest = name.partition(".experts.")
+        if not sep:
+            return None
+        e, _, proj = rest.partition(".")
+        proj = proj.removesuffix(".weight")
+        if not e.isdigit() or proj not in MoEWeights.EXPERT_PIECES:
+            return None
+        return block, int(e), proj
+
+    def weight_target(self, name: str) -> tuple[str, object]:
+        parts = self._expert_parts(name)
+        if parts is None:
+            return super().weight_target(name)
+        block, e, proj = parts
+        piece = MoEWeights.EXPERT_PIECES[proj]
+        return (f"{block}.experts_down", (e, None)) if piece is None else (f"{block}.experts_gate_up", (e, piece))
+
+    def weight_slot(self, target: str, param: torch.Tensor, shard) -> torch.Tensor:
+        if not isinstance(shard, tuple):
+            return super().weight_slot(target, param, shard)
+        e, piece = shard
+        if piece is None:
+            return param[e]
+        inter = param.shape[1] // 2
+        return param[e].narrow(0, piece * inter, inter)
+
+    def expected_slots(self, pname: str) -> set[str]:
+        if pname.endswith(".experts_gate_up"):
+            n = self.get_submodule(pname.rsplit(".", 1)[0]).num_experts
+            return {f"{pname}:{(e, p)}" for e in range(n) for p in (0, 1)}
+        if pname.endswith(".experts_down"):
+            n = self.get_submodule(pname.rsplit(".", 1)[0]).num_experts
+            return {f"{pname}:{(e, None)}" for e in range(n)}
+        return super().expected_slots(pname)
+
+    def checkpoint_slice(self, name: str) -> tuple[int, int, int] | str | None:
+        if self.tp.size == 1:
+            return None
+        ours = self.checkpoint_name(name)
+        parts = self._expert_parts(ours)
+        if parts is not None:
+            inter = self.get_submodule(parts[0]).intermediate_size
+            dim = 1 if parts[2] == "down_proj" else 0
+            return dim, self.tp.rank * inter, inter
+        if ".shared_expert." in ours:
+            inter = self.get_submodule(ours.split(".shared_expert.")[0]).shared_expert.intermediate_size
+            dim = 1 if ".down_proj." in ours else 0
+            return dim, self.tp.rank * inter, inter
+        if ".mlp.gate." in ours or ".shared_expert_gate." in ours:
+            return None  # the router and the shared expert's gate: replicated
+        if ".mlp." in ours:  # a dense layer's MLP: the mixture's model may mix both
+            layer = self.get_submodule(ours.split(".mlp.")[0])
+            return layer_slice(ours, layer.self_attn, layer.mlp, self.tp.rank)
+        return super().checkpoint_slice(name)
+
+
+def is_sparse_layer(config, i: int) -> bool:
+    """Whether layer ``i`` of a Qwen-MoE config is a mixture (``decoder_sparse_step``,
+    ``mlp_only_layers``), as transformers builds it."""
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    only_mlp = getattr(config, "mlp_only_layers", None) or []
+    return i not in only_mlp and getattr(config, "num_experts", 0) > 0 and (i + 1) % step == 0

@@ -1,0 +1,316 @@
+"""Mixture-of-experts targets (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral) against
+transformers on tiny random checkpoints, and every proposer exact on one.
+
+- The grouped experts (slots sorted by expert, one product per expert) compute what a token-by-token
+  loop over its chosen experts computes, and a batch routes each token as the token alone.
+- Logits within float32 tolerance of transformers' through chunked prefill and paged decodes, at 1 and
+  2 ranks; greedy tokens equal to ``generate`` with requests joining a running batch.
+- Greedy speculation gives the plain decoder's tokens with each proposer (draft model, n-gram, suffix,
+  lookahead, layer skipping over mixture blocks, an EAGLE-3 head); sampled speculation keeps the MoE
+  target's distribution (G-test), and a wrong rule fails the same test.
+- Under the batch-invariant mode, in bfloat16, a request's tokens alone equal its tokens in a batch.
+- Served through the OpenAI SDK.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from test_engine import check_logits_parity, hf_greedy, run_staggered
+from test_spec import (  # noqa: F401
+    check_speculative_sampling,
+    noisy_copy,
+    small_vocab_pair,
+)
+from test_step import prompts as repetitive_prompts
+from tp_ranks import model_logits, sharded_logits
+from transformers import PreTrainedTokenizerFast
+
+from conftest import VOCAB, build_model_dir
+from engine.config import EngineConfig
+from engine.core.llm_engine import LLMEngine
+from engine.models.moe import SparseMoE
+from engine.request.sampling_params import SamplingParams
+from engine.runner.loader import load_config, load_model
+from server.app import ServerSettings, create_app
+from servers import engine_factory, serve
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+COMMON = dict(
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=2,
+)
+
+
+def moe_config(arch: str, vocab: int = VOCAB) -> transformers.PretrainedConfig:
+    """Tiny configs with a dense layer among the mixtures where the family allows one."""
+    common = dict(COMMON, vocab_size=vocab, architectures=[arch])
+    if arch == "Qwen3MoeForCausalLM":  # layer 1 dense (mlp_only_layers), top-2 of 8, renormalized
+        return transformers.Qwen3MoeConfig(
+            **common, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+            num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+        )  # fmt: skip
+    if arch == "Qwen2MoeForCausalLM":  # every second layer a mixture; a shared expert; top-3, not renormalized
+        return transformers.Qwen2MoeConfig(
+            **common, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+            num_experts=6, num_experts_per_tok=3, norm_topk_prob=False, decoder_sparse_step=2,
+        )  # fmt: skip
+    if arch == "MixtralForCausalLM":
+        return transformers.MixtralConfig(**common, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)
+    raise ValueError(arch)
+
+
+ARCHS = ["Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM"]
+
+
+def build_moe_dir(path: Path, tokenizer_dir: Path, arch: str, vocab: int = VOCAB, std: float = 0.08) -> Path:
+    """A random-weight checkpoint saved as transformers saves it (one matrix per expert). Routers get
+    larger weights than the rest, so that tokens spread over the experts."""
+    torch.manual_seed(0)
+    config = moe_config(arch, vocab)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight") or name.endswith("block_sparse_moe.gate.weight"):
+                p.normal_(0.0, 0.5)
+            elif p.dim() > 1:
+                p.normal_(0.0, std)
+            else:
+                p.normal_(1.0 if p.shape[0] in (config.hidden_size, getattr(config, "head_dim", -1)) else 0.0, 0.05)
+    model.save_pretrained(path)
+    PreTrainedTokenizerFast.from_pretrained(tokenizer_dir).save_pretrained(path)
+    transformers.GenerationConfig(bos_token_id=0, eos_token_id=1, pad_token_id=2).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("moe")
+    return {arch: build_moe_dir(root / arch, tokenizer_dir, arch) for arch in ARCHS}
+
+
+def make(model_dir, method: str | None = None, **kw) -> LLMEngine:
+    kw.setdefault("num_kv_blocks", 256)
+    kw.setdefault("block_size", 4)
+    kw.setdefault("dtype", "float32")
+    return LLMEngine(EngineConfig(model=str(model_dir), device="cpu", speculative_method=method, **kw))
+
+
+# -- the block -----------------------------------------------------------------------------------------
+def token_by_token(block: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    """The mixture by its definition: each token through each of its chosen experts, weighted."""
+    ids, weights = block.route(x)
+    inter = block.intermediate_size
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for t in range(x.shape[0]):
+        for j in range(block.top_k):
+            e = int(ids[t, j])
+            gate_up = block.experts_gate_up[e] @ x[t]
+            h = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
+            out[t] += weights[t, j] * (block.experts_down[e] @ h)
+    return out
+
+
+@pytest.fixture(scope="module")
+def block() -> SparseMoE:
+    torch.manual_seed(1)
+    b = SparseMoE(32, 24, num_experts=6, top_k=2, norm_topk_prob=True, act="silu")
+    with torch.no_grad():
+        for p in b.parameters():
+            p.normal_(0.0, 0.3)
+    return b
+
+
+def test_grouped_experts_compute_the_token_by_token_mixture(block):
+    x = torch.randn(40, 32)
+    with torch.no_grad():
+        ids, _ = block.route(x)
+        assert len(ids.unique()) == 6, "every expert should get tokens here"
+        torch.testing.assert_close(block(x), token_by_token(block, x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_batch_routes_each_token_as_the_token_alone(block):
+    x = torch.randn(33, 32)
+    with torch.no_grad():
+        ids, weights = block.route(x)
+        batch = block(x)
+        for t in range(x.shape[0]):
+            one_ids, one_weights = block.route(x[t : t + 1])
+            assert torch.equal(one_ids, ids[t : t + 1])
+            torch.testing.assert_close(one_weights, weights[t : t + 1], rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(block(x[t : t + 1]), batch[t : t + 1], rtol=1e-5, atol=1e-5)
+
+
+def test_the_mixture_keeps_a_rows_bits_in_any_batch_under_the_invariant_operators(block):
+    """bfloat16 on augur::invariant_linear / invariant_act_mul: a token's output alone equals its row
+    in batches of every size (its expert's other rows differ by batch)."""
+    from engine.models.invariant import load_invariant_kernels
+
+    if not load_invariant_kernels():
+        pytest.skip("no C++ compiler")
+    b = SparseMoE(32, 24, num_experts=6, top_k=2, norm_topk_prob=True, act="silu").to(torch.bfloat16)
+    b.load_state_dict(block.state_dict())
+    b.invariant = True
+    x = torch.randn(48, 32).to(torch.bfloat16)
+    with torch.no_grad():
+        alone = torch.cat([b(x[t : t + 1]) for t in range(x.shape[0])])
+        for n in (2, 7, 16, 48):
+            assert torch.equal(b(x[:n]), alone[:n]), n
+
+
+# -- families against transformers --------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_match_transformers(moe_dirs, arch):
+    check_logits_parity(moe_dirs[arch], "cpu")
+
+
+def test_the_checkpoints_route_tokens_to_many_experts(moe_dirs):
+    """So that parity above is about routing: the tiny Qwen3-MoE's first layer sends a prompt's tokens
+    to most of its experts, and its dense layer is a plain MLP."""
+    model = make(moe_dirs["Qwen3MoeForCausalLM"]).runner.model
+    assert isinstance(model.layers[0].mlp, SparseMoE) and not isinstance(model.layers[1].mlp, SparseMoE)
+    x = model.embed(torch.tensor(list(range(3, 60))))
+    with torch.no_grad():
+        ids, _ = model.layers[0].mlp.route(model.layers[0].post_attention_layernorm(x))
+    assert len(ids.unique()) >= 6
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_hf_generate(moe_dirs, arch):
+    from test_engine import prompts
+
+    engine = make(moe_dirs[arch], max_num_batched_tokens=40)
+    ps = prompts(5, seed=3, lo=8, hi=40)
+    got = run_staggered(engine, ps, SamplingParams(temperature=0.0, max_tokens=10))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(moe_dirs[arch], dtype=torch.float32).eval()
+    for i, p in enumerate(ps):
+        assert got[f"r{i}"] == hf_greedy(ref, p, 10), i
+
+
+def test_sharded_logits_match_the_unsharded_model(moe_dirs):
+    """-tp 2: each rank holds half of every expert's inner dimension (and of the dense layer's and the
+    shared expert's), the routers whole."""
+    dirs = [moe_dirs[a] for a in ARCHS]
+    for arch, d, sharded in zip(ARCHS, dirs, sharded_logits(dirs, 2), strict=True):
+        for want, have in zip(model_logits(d), sharded, strict=True):
+            torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5, msg=arch)
+
+
+def test_an_engine_at_two_ranks_decodes_as_one_rank_does(moe_dirs):
+    d = moe_dirs["Qwen2MoeForCausalLM"]
+    ps = repetitive_prompts(4, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, num_draft_tokens=3)
+    one = [o.outputs[0].delta_token_ids for o in make(d, "ngram", compile="off").generate(ps, params)]
+    eng = make(d, "ngram", compile="off", tensor_parallel_size=2)
+    try:
+        assert [o.outputs[0].delta_token_ids for o in eng.generate(ps, params)] == one
+    finally:
+        eng.close()
+
+
+def test_a_rank_holds_half_of_each_expert():
+    from engine.parallel import TensorParallel
+
+    whole = SparseMoE(32, 24, 4, 2, True, "silu", shared_intermediate=16)
+    half = SparseMoE(32, 24, 4, 2, True, "silu", tp=TensorParallel(1, 2, ""), shared_intermediate=16)
+    assert half.experts_gate_up.shape == (4, 24, 32) and whole.experts_gate_up.shape == (4, 48, 32)
+    assert half.experts_down.shape == (4, 32, 12) and half.gate.weight.shape == whole.gate.weight.shape
+    assert half.shared_expert.gate_up_proj.weight.shape == (16, 32)
+
+
+# -- speculating on a mixture -------------------------------------------------------------------------------
+def speculators(target: Path, root: Path, tokenizer_dir: Path) -> dict[str, dict]:
+    from test_eagle import write_eagle
+    from test_layer_skip import write_skip
+
+    from engine.models.layer_skip import LayerSkip
+
+    dense_draft = build_model_dir(root / "draft", tokenizer_dir, "LlamaForCausalLM", std=0.3)
+    return {
+        "draft": dict(draft_model=str(dense_draft), spec_tree_topk=2),
+        "ngram": {},
+        "suffix": {},
+        "lookahead": {},
+        "layer-skip": dict(layer_skip_config=write_skip(root, LayerSkip(frozenset({2}), frozenset({2, 3})))),
+        "eagle": dict(draft_model=str(write_eagle(target, root / "eagle")), spec_tree_topk=2),
+    }
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram", "suffix", "lookahead", "layer-skip", "eagle"])
+def test_every_proposer_gives_the_plain_decoders_tokens(moe_dirs, tmp_path, tokenizer_dir, method):
+    target = moe_dirs["Qwen3MoeForCausalLM"]
+    ps = repetitive_prompts(6, seed=9)
+    ps += [ps[0] + [5, 6, 7, 8]]  # a shared prefix: cached blocks reused
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    plain = [o.outputs[0].delta_token_ids for o in make(target).generate(ps, params)]
+    kw = speculators(target, tmp_path, tokenizer_dir)[method]
+    eng = make(target, method, num_kv_blocks=64, max_num_batched_tokens=40, **kw)
+    pinned = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, num_draft_tokens=3)
+    assert [o.outputs[0].delta_token_ids for o in eng.generate(ps, pinned)] == plain
+    assert eng.spec_stats.num_drafts > 0
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def test_sampled_speculation_keeps_the_mixtures_distribution(small_vocab_pair, tmp_path, monkeypatch):  # noqa: F811
+    """An 8-token Qwen3-MoE target with a noisy copy of itself drafting: the joint of three sampled
+    tokens is the target's (G-test), and the wrong residual rule fails it."""
+    tok_dir = Path(small_vocab_pair[0]).parent / "tok"
+    target = build_moe_dir(tmp_path / "target", tok_dir, "Qwen3MoeForCausalLM", vocab=8, std=0.5)
+    check_speculative_sampling(target, noisy_copy(target, tmp_path / "draft", 0.3), 1, monkeypatch)
+
+
+# -- the batch-invariant mode, bfloat16 ------------------------------------------------------------------
+def test_a_requests_tokens_alone_equal_its_tokens_in_a_batch_in_bfloat16(moe_dirs):
+    from test_engine import prompts
+
+    eng = make(moe_dirs["Qwen3MoeForCausalLM"], "none", dtype="bfloat16", batch_invariant="on", compile="off")
+    assert eng.batch_invariant
+    ps = prompts(10, seed=4, lo=5, hi=30)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    alone = [eng.generate([p], params)[0].outputs[0].delta_token_ids for p in ps]
+    got = run_staggered(eng, ps, params, every=1)
+    assert [got[f"r{i}"] for i in range(len(ps))] == alone
+
+
+# -- served ---------------------------------------------------------------------------------------------
+def test_served_through_the_sdk(moe_dirs):
+    import openai
+
+    d = moe_dirs["MixtralForCausalLM"]
+    with serve(create_app(ServerSettings(served_model_name="moe"), engine_factory(d))) as srv:
+        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="none")
+        chat = client.chat.completions.create(
+            model="moe", messages=[{"role": "user", "content": "a b c"}], max_tokens=8, temperature=0
+        )
+        assert chat.choices[0].message.content is not None and chat.usage.completion_tokens > 0
+        text = client.completions.create(model="moe", prompt="a b c a b", max_tokens=8, temperature=0)
+    ref = make(d).generate([load_tokenizer_ids(d, "a b c a b")], SamplingParams(temperature=0.0, max_tokens=8))
+    assert text.choices[0].text == ref[0].outputs[0].text
+
+
+def load_tokenizer_ids(model_dir: Path, text: str) -> list[int]:
+    return transformers.AutoTokenizer.from_pretrained(model_dir).encode(text)
+
+
+def test_an_unknown_mixture_is_a_clear_error(tmp_path, moe_dirs):
+    import json
+    import shutil
+
+    from engine.models import UnsupportedModelError
+
+    d = tmp_path / "unknown"
+    shutil.copytree(moe_dirs["MixtralForCausalLM"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["DeepseekV3ForCausalLM"]}))
+    with pytest.raises(UnsupportedModelError, match=r"DeepseekV3ForCausalLM.*supported: .*Qwen3MoeForCausalLM"):
+        load_model(d, load_config(d), torch.float32, torch.device("cpu"), 64)
