@@ -93,7 +93,7 @@ def random_batch(seed: int, kinds: list[str], H: int, Hkv: int, D: int, block_si
     return lists, torch.tensor(positions), pool, q, k, v
 
 
-def attend_both(lists, positions, pool, q, k, v, window, softcap, sliding, **triton_args):
+def attend_both(lists, positions, pool, q, k, v, window, softcap, sliding, sinks=None, **triton_args):
     """(reference output, pool) and (triton output, pool) for the same inputs."""
     results = []
     for name, extra in (("sdpa", {}), ("triton", triton_args)):
@@ -105,9 +105,11 @@ def attend_both(lists, positions, pool, q, k, v, window, softcap, sliding, **tri
         args = (q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), p, 0)
         if name == "sdpa":  # the op's Python implementation, whichever kernel serves CPU tensors
             mask = meta.sliding_mask if sliding else meta.mask
-            out = _paged_attention_impl(*args, meta.slot_mapping, meta.kv_slots, mask, meta.q_index, D**-0.5, softcap)
+            out = _paged_attention_impl(
+                *args, meta.slot_mapping, meta.kv_slots, mask, meta.q_index, D**-0.5, softcap, sinks
+            )  # fmt: skip
         else:
-            out = paged_attention(*args, meta, D**-0.5, sliding=sliding, softcap=softcap)
+            out = paged_attention(*args, meta, D**-0.5, sliding=sliding, softcap=softcap, sinks=sinks)
         results.append((out.float().cpu(), p.float().cpu()))
     return results
 
@@ -171,6 +173,20 @@ def test_triton_split_keys(splits, window, softcap, kinds):
     (ref, ref_pool), (got, got_pool) = attend_both(*args, num_splits=splits)
     torch.testing.assert_close(got_pool, ref_pool, atol=0, rtol=0)
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("window", [None, 5])
+def test_triton_attention_sinks(splits, window):
+    """gpt-oss's sinks (a logit per query head in each softmax, with no value), in one key range and
+    in split ranges combined, against the reference; the sinks change the output."""
+    lists, positions, pool, q, k, v = random_batch(21, KINDS["mixed"] + ["tree"], 8, 2, 16, 4)
+    sinks = torch.linspace(-2.0, 6.0, 8)
+    args = (lists, positions, pool, q * 3, k, v, window, 0.0, window is not None)
+    (ref, _), (got, _) = attend_both(*args, sinks=sinks, num_splits=splits)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+    (plain, _), _ = attend_both(*args)
+    assert (plain - ref).abs().max() > 1e-2
 
 
 def test_triton_bfloat16():

@@ -58,13 +58,13 @@ def batch(seed: int, q_lens: list[int], H: int, Hkv: int, D: int, dtype, trees: 
     return meta, pool, q.reshape(T, H, D) * 2, k.view(T, Hkv, D), v.unflatten(-1, (Hkv, D))
 
 
-def both(meta, pool, q, k, v, window, softcap):
+def both(meta, pool, q, k, v, window, softcap, sinks=None, op=None):
     """(reference output, pool) and (kernel output, pool), layer 1 of a two-layer pool."""
     mask = meta.sliding_mask if window is not None else meta.mask
-    args = (1, meta.slot_mapping, meta.kv_slots, mask, meta.q_index, q.shape[-1] ** -0.5, softcap)
+    args = (1, meta.slot_mapping, meta.kv_slots, mask, meta.q_index, q.shape[-1] ** -0.5, softcap, sinks)
     ref_pool, got_pool = pool.clone(), pool.clone()
     ref = _paged_attention_impl(q, k, v, ref_pool, *args)
-    got = torch.ops.augur.paged_attention(q, k, v, got_pool, *args)
+    got = (op or torch.ops.augur.paged_attention)(q, k, v, got_pool, *args)
     return (ref, ref_pool), (got, got_pool)
 
 
@@ -102,6 +102,35 @@ def test_kernel_sliding_window_and_softcap(window, softcap, lens):
     if softcap and window != 1:  # (a window of 1 leaves one key per query: nothing for the cap to change)
         (uncapped, _), _ = both(meta, pool, q, k, v, window, 0.0)
         assert (uncapped - ref).abs().max() > 1e-2  # the cap bit
+
+
+@pytest.mark.parametrize("lens", ["decodes", "trees", "gathered"])
+@pytest.mark.parametrize("rows", [False, True], ids=["paged_attention", "paged_attention_rows"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_attention_sinks(lens, rows, dtype):
+    """gpt-oss's sinks (a logit per query head in each softmax, with no value), on both the kernel's
+    paths and both ops, against the reference; and the reference against attention by hand: the
+    weights are the sink-less softmax's times sigmoid(logsumexp(scores) - sink)."""
+    H, Hkv, D = 4, 2, 64
+    meta, pool, q, k, v = batch(13, BATCHES[lens], H, Hkv, D, dtype, trees=True, window=6 if lens == "decodes" else None)
+    window = 6 if lens == "decodes" else None
+    sinks = torch.tensor([-1.0, 0.5, 2.0, 8.0])  # the last takes nearly all of its head's weight
+    op = torch.ops.augur.paged_attention_rows if rows else torch.ops.augur.paged_attention
+    (ref, ref_pool), (got, got_pool) = both(meta, pool, q, k, v, window, 0.0, sinks, op)
+    torch.testing.assert_close(got_pool, ref_pool, atol=0, rtol=0)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+    (plain, _), _ = both(meta, pool, q, k, v, window, 0.0)
+    assert (plain.float() - ref.float()).abs().max() > 0.1  # the sinks bit
+    # By hand, for the first token: its keys, scores and the sink's share.
+    mask = (meta.sliding_mask if window else meta.mask)[0, 0, int(meta.q_index[0])]
+    slots = meta.kv_slots[0][mask]
+    keys, values = ref_pool[1, 0, slots].float(), ref_pool[1, 1, slots].float()
+    for h in range(H):
+        scores = keys[:, h // (H // Hkv)] @ q[0, h].float() * D**-0.5
+        keep = torch.sigmoid(torch.logsumexp(scores, 0) - sinks[h])
+        want = keep * (torch.softmax(scores, 0) @ values[:, h // (H // Hkv)])
+        torch.testing.assert_close(ref[0, h * D : (h + 1) * D].float(), want, atol=tol, rtol=tol)
 
 
 def test_a_wrong_mask_changes_the_kernel_output():

@@ -49,6 +49,7 @@ class AttentionMetadata(Protocol):
         scale: float,
         sliding: bool,
         softcap: float,
+        sinks: torch.Tensor | None = None,  # [H] float32
     ) -> torch.Tensor: ...  # [T, H * D]
 
     def tie_shapes(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
@@ -100,7 +101,13 @@ def paged_attention(
     scale: float,
     sliding: bool = False,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,  # [H] float32
 ) -> torch.Tensor:  # [T, H * D]
     """Write the new K/V into ``kv_pool[layer]``, then attend each sequence's queries to its context.
-    ``sliding`` applies the model's sliding window; ``softcap`` > 0 soft-caps the scores at that value."""
-    return meta.attend(q, k, v, kv_pool, layer, scale, sliding, softcap)
+    ``sliding`` applies the model's sliding window; ``softcap`` > 0 soft-caps the scores at that value.
+    ``sinks``: *attention sinks* (gpt-oss), one learned logit per query head that joins every query's
+    softmax as a key with no value: the weights of the real keys sum to less than one, by as much as
+    the sink takes."""
+    if sinks is None:
+        return meta.attend(q, k, v, kv_pool, layer, scale, sliding, softcap)
+    return meta.attend(q, k, v, kv_pool, layer, scale, sliding, softcap, sinks)

@@ -69,7 +69,8 @@ inline float exp_nonpositive(float x) {
 template <typename scalar_t, int kD>
 void attend_item(const float* qf /* [G, D], scaled */, const scalar_t* kc, const scalar_t* vc, const int64_t* slots,
                  const int64_t* visible, int64_t n, int64_t Hkv, int64_t kvh, int64_t G, int64_t D_runtime,
-                 int64_t Kmax, float fscale, float fcap, float* scores /* [G, Kmax] */,
+                 int64_t Kmax, float fscale, float fcap, const float* sinks /* [G] or null */,
+                 float* scores /* [G, Kmax] */,
                  float* rows /* [Kmax, D] */, float* spare /* [2 * D]: the accumulators when kD == 0 */,
                  scalar_t* dst /* [G, D] */) {
   const int64_t D = kD > 0 ? kD : D_runtime;
@@ -125,6 +126,7 @@ void attend_item(const float* qf /* [G, D], scaled */, const scalar_t* kc, const
     float mx = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : mx)
     for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sg[j]);
+    if (sinks) mx = std::max(mx, sinks[g]);  // the head's sink: one more logit, with no value
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t j = 0; j < n; ++j) {
@@ -132,6 +134,7 @@ void attend_item(const float* qf /* [G, D], scaled */, const scalar_t* kc, const
       sg[j] = e;
       sum += e;
     }
+    if (sinks) sum += exp_nonpositive(sinks[g] - mx);
     const float inv = 1.f / sum;  // every real query sees at least its own key: the sum is positive
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
@@ -171,7 +174,8 @@ void fused_attention(const at::Tensor& q,         // [T, H, D]
                      const at::Tensor& kv_slots,  // [B, Kmax] int64
                      const at::Tensor& mask,      // [B, Q, Kmax] bool (contiguous)
                      const at::Tensor& q_index,   // [T] int64: token -> b * Q + i
-                     double scale, double softcap, at::Tensor& out /* [T, H, D] */) {
+                     double scale, double softcap, const float* sinks /* [H] or null */,
+                     at::Tensor& out /* [T, H, D] */) {
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t Hkv = k_cache.size(1), G = H / Hkv;
   const int64_t Kmax = kv_slots.size(1), Q = mask.size(1);
@@ -212,7 +216,8 @@ void fused_attention(const at::Tensor& q,         // [T, H, D]
       scalar_t* dst = op + (t * H + kvh * G) * D;
       auto run = [&](auto kd) {
         attend_item<scalar_t, decltype(kd)::value>(qf.data(), kc, vc, slots, visible.data(), n, Hkv, kvh, G, D, Kmax,
-                                                   fscale, fcap, scores.data(), rows.data(), spare.data(), dst);
+                                                   fscale, fcap, sinks ? sinks + kvh * G : nullptr, scores.data(),
+                                                   rows.data(), spare.data(), dst);
       };
       if (D == 64) {
         run(std::integral_constant<int, 64>{});
@@ -228,7 +233,8 @@ void fused_attention(const at::Tensor& q,         // [T, H, D]
 // The reference's path for long query runs, in ATen: gather each sequence's keys, pad the queries.
 at::Tensor gathered_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& kv_slots, const at::Tensor& mask /* [B,1,Q,Kmax] */,
-                              const at::Tensor& q_index, double scale, double softcap) {
+                              const at::Tensor& q_index, double scale, double softcap,
+                              const c10::optional<at::Tensor>& sinks) {
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t B = kv_slots.size(0), Q = mask.size(2), Hkv = k_cache.size(1);
   const at::Tensor flat = kv_slots.reshape({-1});
@@ -238,12 +244,19 @@ at::Tensor gathered_attention(const at::Tensor& q, const at::Tensor& k_cache, co
   qp.index_copy_(0, q_index, q);
   qp = qp.view({B, Q, H, D}).transpose(1, 2);  // [B, H, Q, D]
   at::Tensor out;
-  if (softcap > 0.0) {  // grouped query heads, scores capped in float32 (as the reference does)
+  if (softcap > 0.0 || sinks.has_value()) {  // grouped query heads, scores in float32 (as the reference's)
     at::Tensor qg = qp.reshape({B, Hkv, H / Hkv, Q, D});
     at::Tensor scores = at::matmul(qg, keys.unsqueeze(2).transpose(-1, -2)).to(at::kFloat) * scale;
-    scores = at::tanh(scores / softcap) * softcap;
+    if (softcap > 0.0) scores = at::tanh(scores / softcap) * softcap;
     scores = scores.masked_fill(mask.unsqueeze(2).logical_not(), -std::numeric_limits<double>::infinity());
-    at::Tensor probs = at::softmax(scores, -1).to(values.scalar_type());
+    at::Tensor probs;
+    if (sinks.has_value()) {  // each head's sink joins its softmax, then leaves (it has no value)
+      at::Tensor sink = sinks->to(at::kFloat).view({1, Hkv, H / Hkv, 1, 1}).expand({B, Hkv, H / Hkv, Q, 1});
+      probs = at::softmax(at::cat({scores, sink}, -1), -1).narrow(-1, 0, scores.size(-1));
+    } else {
+      probs = at::softmax(scores, -1);
+    }
+    probs = probs.to(values.scalar_type());
     out = at::matmul(probs, values.unsqueeze(2)).reshape({B, H, Q, D});
   } else {
     out = at::scaled_dot_product_attention(qp, keys, values, mask, 0.0, false, scale, Hkv != H);
@@ -253,7 +266,8 @@ at::Tensor gathered_attention(const at::Tensor& q, const at::Tensor& k_cache, co
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor kv_pool, int64_t layer,
                      const at::Tensor& slot_mapping, const at::Tensor& kv_slots, const at::Tensor& mask,
-                     const at::Tensor& q_index, double scale, double softcap, bool rows_only) {
+                     const at::Tensor& q_index, double scale, double softcap,
+                     const c10::optional<at::Tensor>& sinks, bool rows_only) {
   TORCH_CHECK(kv_pool.is_contiguous(), "augur::paged_attention: the KV pool must be contiguous");
   TORCH_CHECK(k.scalar_type() == kv_pool.scalar_type() && v.scalar_type() == kv_pool.scalar_type(),
               "augur::paged_attention: new K/V and the pool must share a dtype");
@@ -268,21 +282,25 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   if (T == 0) return q.new_empty({0, H * D});
   const int64_t Q = mask.size(2);
   if ((Q > kMaxFusedQueries && !rows_only) || q.scalar_type() != kv_pool.scalar_type()) {
-    return gathered_attention(q, k_cache, v_cache, kv_slots, mask, q_index, scale, softcap);
+    return gathered_attention(q, k_cache, v_cache, kv_slots, mask, q_index, scale, softcap, sinks);
   }
+  at::Tensor sink_f;
+  if (sinks.has_value()) sink_f = sinks->to(at::kFloat).contiguous();
+  const float* sink_ptr = sinks.has_value() ? sink_f.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty({T, H, D}, q.options());
   const at::Tensor m = mask.reshape({mask.size(0), Q, mask.size(3)}).contiguous();
   const at::Tensor ks = kv_slots.to(at::kLong).contiguous(), qi = q_index.to(at::kLong).contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "augur_paged_attention", [&] {
-    fused_attention<scalar_t>(q, k_cache, v_cache, ks, m, qi, scale, softcap, out);
+    fused_attention<scalar_t>(q, k_cache, v_cache, ks, m, qi, scale, softcap, sink_ptr, out);
   });
   return out.view({T, H * D});
 }
 
 at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor kv_pool,
                                int64_t layer, const at::Tensor& slot_mapping, const at::Tensor& kv_slots,
-                               const at::Tensor& mask, const at::Tensor& q_index, double scale, double softcap) {
-  return attention(q, k, v, kv_pool, layer, slot_mapping, kv_slots, mask, q_index, scale, softcap, false);
+                               const at::Tensor& mask, const at::Tensor& q_index, double scale, double softcap,
+                               const c10::optional<at::Tensor>& sinks) {
+  return attention(q, k, v, kv_pool, layer, slot_mapping, kv_slots, mask, q_index, scale, softcap, sinks, false);
 }
 
 // augur::paged_attention_rows: every query by the fused path, whatever the number of queries. Each
@@ -290,9 +308,10 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
 // is the same in a decode, a verify tree and a prefill chunk of any length: the batch-invariant mode.
 at::Tensor paged_attention_rows_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor kv_pool,
                                     int64_t layer, const at::Tensor& slot_mapping, const at::Tensor& kv_slots,
-                                    const at::Tensor& mask, const at::Tensor& q_index, double scale, double softcap) {
+                                    const at::Tensor& mask, const at::Tensor& q_index, double scale, double softcap,
+                                    const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.scalar_type() == kv_pool.scalar_type(), "augur::paged_attention_rows: q and the pool share a dtype");
-  return attention(q, k, v, kv_pool, layer, slot_mapping, kv_slots, mask, q_index, scale, softcap, true);
+  return attention(q, k, v, kv_pool, layer, slot_mapping, kv_slots, mask, q_index, scale, softcap, sinks, true);
 }
 
 }  // namespace

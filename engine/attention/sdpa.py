@@ -4,8 +4,9 @@ It builds the metadata once per forward (shared by all layers) and computes atte
 ``scaled_dot_product_attention`` on padded ``[B, Qmax]`` queries and ``[B, Kmax]`` gathered keys (the
 terms are defined in ``engine.attention``). Its memory grows with ``B * Qmax * Kmax``: it is the CPU
 path and the reference the other backends are tested against, not a large-batch GPU path.
-*Soft-capping* (Gemma-2: ``scores = cap * tanh(scores / cap)`` before the mask and softmax) has no
-SDPA form, so a layer with a cap gets its scores from plain matmuls instead (cap and softmax in float32).
+*Soft-capping* (Gemma-2: ``scores = cap * tanh(scores / cap)`` before the mask and softmax) and
+*attention sinks* (gpt-oss: a logit per head in every softmax, with no value) have no SDPA form, so a
+layer with either gets its scores from plain matmuls instead (cap and softmax in float32).
 
 Attention is the custom operator ``torch.ops.augur.paged_attention``: it writes the KV pool in place,
 which ``torch.compile`` keeps opaque (a compiled model calls it as it is, and never copies the pool).
@@ -59,10 +60,11 @@ class SdpaMetadata:
         torch._check(self.kv_slots.size(0) == self.mask.size(0))
         torch._check(self.kv_slots.size(1) == self.mask.size(3))
 
-    def attend(self, q, k, v, kv_pool, layer: int, scale: float, sliding: bool, softcap: float) -> torch.Tensor:
+    def attend(self, q, k, v, kv_pool, layer: int, scale: float, sliding: bool, softcap: float, sinks=None):
         mask = self.sliding_mask if sliding else self.mask
         op = torch.ops.augur.paged_attention_rows if self.rows_only else torch.ops.augur.paged_attention
-        return op(q, k, v, kv_pool, layer, self.slot_mapping, self.kv_slots, mask, self.q_index, scale, softcap)
+        args = (q, k, v, kv_pool, layer, self.slot_mapping, self.kv_slots, mask, self.q_index, scale, softcap)
+        return op(*args) if sinks is None else op(*args, sinks)
 
 
 def build_sdpa_metadata(
@@ -185,11 +187,13 @@ def build_sdpa_metadata(
 _lib = torch.library.Library("augur", "DEF")
 _lib.define(
     "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_pool, int layer, Tensor slot_mapping, "
-    "Tensor kv_slots, Tensor mask, Tensor q_index, float scale, float softcap=0.0) -> Tensor"
+    "Tensor kv_slots, Tensor mask, Tensor q_index, float scale, float softcap=0.0, Tensor? sinks=None) -> Tensor"
 )
 
 
-def _paged_attention_impl(q, k, v, kv_pool, layer, slot_mapping, kv_slots, mask, q_index, scale, softcap=0.0):
+def _paged_attention_impl(
+    q, k, v, kv_pool, layer, slot_mapping, kv_slots, mask, q_index, scale, softcap=0.0, sinks=None
+):
     T, H, D = q.shape
     B, Q = kv_slots.shape[0], mask.shape[2]
     k_cache, v_cache = kv_pool[layer, 0], kv_pool[layer, 1]
@@ -204,8 +208,8 @@ def _paged_attention_impl(q, k, v, kv_pool, layer, slot_mapping, kv_slots, mask,
         qp = q.new_zeros(B * Q, H, D)
         qp.index_copy_(0, q_index, q)
         qp = qp.view(B, Q, H, D)
-    if softcap > 0.0:
-        out = _softcapped_attention(qp.transpose(1, 2), keys, values, mask, scale, softcap)
+    if softcap > 0.0 or sinks is not None:
+        out = _scored_attention(qp.transpose(1, 2), keys, values, mask, scale, softcap, sinks)
     else:
         out = F.scaled_dot_product_attention(
             qp.transpose(1, 2), keys, values, attn_mask=mask, scale=scale, enable_gqa=keys.shape[1] != H
@@ -214,27 +218,36 @@ def _paged_attention_impl(q, k, v, kv_pool, layer, slot_mapping, kv_slots, mask,
     return out if Q == 1 else out.index_select(0, q_index)
 
 
-def _softcapped_attention(
+def _scored_attention(
     q: torch.Tensor,  # [B, H, Q, D]
     keys: torch.Tensor,  # [B, Hkv, Kmax, D]
     values: torch.Tensor,  # [B, Hkv, Kmax, D]
     mask: torch.Tensor,  # [B, 1, Q, Kmax] bool, True = may attend
     scale: float,
     softcap: float,
+    sinks: torch.Tensor | None = None,  # [H]
 ) -> torch.Tensor:  # [B, H, Q, D]
-    """Attention with soft-capped scores. Query head ``h`` reads KV head ``h // (H // Hkv)``: the
-    query heads are grouped per KV head instead of repeating the keys."""
+    """Attention from explicit scores: soft-capped (``softcap`` > 0), and with a sink logit per head
+    joining each softmax (then dropped: it has no value). Query head ``h`` reads KV head
+    ``h // (H // Hkv)``: the query heads are grouped per KV head instead of repeating the keys."""
     B, H, Q, D = q.shape
     Hkv = keys.shape[1]
     qg = q.reshape(B, Hkv, H // Hkv, Q, D)
     scores = torch.matmul(qg, keys.unsqueeze(2).transpose(-1, -2)).float() * scale  # [B, Hkv, G, Q, Kmax]
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap > 0.0:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    if sinks is not None:
+        sink = sinks.float().view(1, Hkv, H // Hkv, 1, 1).expand(B, -1, -1, Q, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].to(values.dtype)
+    else:
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
     return torch.matmul(probs, values.unsqueeze(2)).reshape(B, H, Q, D)
 
 
-def _paged_attention_fake(q, k, v, kv_pool, layer, slot_mapping, kv_slots, mask, q_index, scale, softcap=0.0):
+def _paged_attention_fake(
+    q, k, v, kv_pool, layer, slot_mapping, kv_slots, mask, q_index, scale, softcap=0.0, sinks=None
+):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
@@ -244,7 +257,7 @@ torch.library.register_fake("augur::paged_attention", _paged_attention_fake, lib
 # C++ one's fused path; elsewhere the reference serves (the mode is built for CPUs only).
 _lib.define(
     "paged_attention_rows(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_pool, int layer, Tensor slot_mapping, "
-    "Tensor kv_slots, Tensor mask, Tensor q_index, float scale, float softcap=0.0) -> Tensor"
+    "Tensor kv_slots, Tensor mask, Tensor q_index, float scale, float softcap=0.0, Tensor? sinks=None) -> Tensor"
 )
 _lib.impl("paged_attention_rows", _paged_attention_impl, "CompositeExplicitAutograd")
 torch.library.register_fake("augur::paged_attention_rows", _paged_attention_fake, lib=_lib)

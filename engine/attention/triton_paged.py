@@ -66,12 +66,12 @@ class TritonMetadata:
         """Nothing declared: the GPU runs small batches as captured graphs, where no compiled wrapper is
         called per step, and a padded batch's sizes are not the unpadded ones."""
 
-    def attend(self, q, k, v, kv_pool, layer: int, scale: float, sliding: bool, softcap: float) -> torch.Tensor:
+    def attend(self, q, k, v, kv_pool, layer: int, scale: float, sliding: bool, softcap: float, sinks=None):
         window = self.sliding_window if sliding else 0
         return torch.ops.augur.triton_paged_attention(
             q, k, v, kv_pool, layer, self.slot_mapping, self.block_tables, self.seq_info, self.programs,
             self.positions, self.masks, self.block_size, self.block_q, window, scale, softcap, self.max_kv_len,
-            self.num_splits,
+            self.num_splits, sinks,
         )  # fmt: skip
 
 
@@ -187,6 +187,7 @@ def _paged_attention_kernel(
     programs_ptr,  # [P, 2] int32
     positions_ptr,  # [T] int64
     masks_ptr,  # flat uint8 tree masks
+    sinks_ptr,  # SINKS: [H] float32, each query head's sink logit
     stride_qt,
     stride_qh,
     stride_ot,
@@ -208,6 +209,7 @@ def _paged_attention_kernel(
     PAGE: tl.constexpr,  # tokens per KV block
     SOFTCAP: tl.constexpr,
     SLIDING: tl.constexpr,
+    SINKS: tl.constexpr,  # a sink logit per head joins each softmax (added where the sums are final)
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,  # multiply in float32 (Triton's interpreter multiplies 16-bit floats wrongly)
     SPLIT: tl.constexpr,  # the third grid axis splits the keys into num_splits ranges (flash-decoding)
@@ -305,6 +307,9 @@ def _paged_attention_kernel(
         tl.store(ml_ptr + at * 2, m_i, mask=row_ok)
         tl.store(ml_ptr + at * 2 + 1, l_i, mask=row_ok)
     else:
+        if SINKS:  # one more term of the softmax's sum: exp(sink - max), in base 2
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634
+            l_i = l_i + tl.exp2(sink - tl.where(m_i == float("-inf"), sink, m_i))
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # (padding rows saw nothing)
         tl.store(
             out_ptr + tok[:, None] * stride_ot + head[:, None] * D + d[None, :],
@@ -318,6 +323,7 @@ def _combine_splits_kernel(
     out_ptr,  # [T, H * D]
     partial_ptr,  # [splits, T, H, D] float32
     ml_ptr,  # [splits, T, H, 2] float32
+    sinks_ptr,  # SINKS: [H] float32
     stride_ot,
     num_tokens,
     num_heads,
@@ -325,6 +331,7 @@ def _combine_splits_kernel(
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     S_PAD: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     """One (token, head): rescale each key range's output to the common max and normalise once."""
     tok = tl.program_id(0)
@@ -334,11 +341,15 @@ def _combine_splits_kernel(
     at = (s * num_tokens + tok) * num_heads + head
     m = tl.load(ml_ptr + at * 2, mask=s_ok, other=float("-inf"))
     l_s = tl.load(ml_ptr + at * 2 + 1, mask=s_ok, other=0.0)
-    w = tl.exp2(m - tl.max(m, axis=0))  # an empty range (max -inf) weighs 0
+    top = tl.max(m, axis=0)
+    w = tl.exp2(m - top)  # an empty range (max -inf) weighs 0
     d = tl.arange(0, D_PAD)
     d_ok = d < D
     acc = tl.load(partial_ptr + at[:, None] * D + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
+    total = tl.sum(l_s * w, axis=0)
+    if SINKS:  # the head's sink, once: one more term of the sum (base 2, at the common max)
+        total = total + tl.exp2(tl.load(sinks_ptr + head) * 1.4426950408889634 - top)
+    out = tl.sum(acc * w[:, None], axis=0) / total
     tl.store(out_ptr + tok * stride_ot + head * D + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
@@ -346,7 +357,7 @@ _lib = torch.library.Library("augur", "FRAGMENT")
 _lib.define(
     "triton_paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_pool, int layer, Tensor slot_mapping, "
     "Tensor block_tables, Tensor seq_info, Tensor programs, Tensor positions, Tensor masks, int block_size, "
-    "int block_q, int window, float scale, float softcap, int max_kv_len, int num_splits) -> Tensor"
+    "int block_q, int window, float scale, float softcap, int max_kv_len, int num_splits, Tensor? sinks=None) -> Tensor"
 )
 
 
@@ -381,7 +392,7 @@ def key_splits(programs: int, tokens: int, max_kv_len: int, device: torch.device
 
 def _triton_paged_attention_impl(
     q, k, v, kv_pool, layer, slot_mapping, block_tables, seq_info, programs, positions, masks,
-    block_size, block_q, window, scale, softcap, max_kv_len, num_splits,
+    block_size, block_q, window, scale, softcap, max_kv_len, num_splits, sinks=None,
 ):  # fmt: skip
     T, H, D = q.shape
     k_cache, v_cache = kv_pool[layer, 0], kv_pool[layer, 1]  # [num_slots, Hkv, D]
@@ -401,25 +412,27 @@ def _triton_paged_attention_impl(
         partial = torch.empty(splits, T, H, D, dtype=torch.float32, device=q.device)
         ml = torch.empty(splits, T, H, 2, dtype=torch.float32, device=q.device)
     upcast = triton_interpreted() and q.dtype != torch.float32
+    sinks = out if sinks is None else sinks.float().contiguous()  # (unused unless SINKS)
     _paged_attention_kernel[(programs.shape[0], Hkv, splits)](
-        out, partial, ml, q, k_cache, v_cache, block_tables, seq_info, programs, positions, masks,
+        out, partial, ml, q, k_cache, v_cache, block_tables, seq_info, programs, positions, masks, sinks,
         q.stride(0), q.stride(1), out.stride(0), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         scale, softcap if softcap > 0.0 else 1.0, window, T, H, splits,
         G=G, D=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=64 if d_pad <= 128 else 32,
-        PAGE=block_size, SOFTCAP=softcap > 0.0, SLIDING=window > 0,
+        PAGE=block_size, SOFTCAP=softcap > 0.0, SLIDING=window > 0, SINKS=sinks is not out,
         PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast, SPLIT=splits > 1,
         num_warps=8 if block_m >= 128 else 4,
     )  # fmt: skip
     if splits > 1:
         _combine_splits_kernel[(T, H)](
-            out, partial, ml, out.stride(0), T, H, splits, D=D, D_PAD=d_pad, S_PAD=triton.next_power_of_2(splits)
-        )
+            out, partial, ml, sinks, out.stride(0), T, H, splits, D=D, D_PAD=d_pad,
+            S_PAD=triton.next_power_of_2(splits), SINKS=sinks is not out,
+        )  # fmt: skip
     return out
 
 
 def _triton_paged_attention_fake(
     q, k, v, kv_pool, layer, slot_mapping, block_tables, seq_info, programs, positions, masks,
-    block_size, block_q, window, scale, softcap, max_kv_len, num_splits,
+    block_size, block_q, window, scale, softcap, max_kv_len, num_splits, sinks=None,
 ):  # fmt: skip
     # The output; a split batch also takes float32 scratch of at most SPLIT_SCRATCH_TOKENS tokens' outputs.
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])

@@ -12,6 +12,7 @@ from torch import nn
 
 MODEL_REGISTRY: dict[str, str] = {  # architecture → "module:class" under engine.models
     "Gemma2ForCausalLM": "gemma2:Gemma2ForCausalLM",
+    "GptOssForCausalLM": "gpt_oss:GptOssForCausalLM",
     "LlamaForCausalLM": "llama:LlamaForCausalLM",
     "MistralForCausalLM": "llama:MistralForCausalLM",
     "MixtralForCausalLM": "mixtral:MixtralForCausalLM",

@@ -94,6 +94,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.sliding = sliding_window_of(config, layer_idx) is not None
         self.softcap = 0.0  # attention-score soft-cap (Gemma-2); 0: none
+        self.sinks: nn.Parameter | None = None  # [this rank's heads] attention-sink logits (gpt-oss)
         self.fused = False  # RoPE on augur::fused_rope (LlamaForCausalLM.use_fused_ops)
 
     def forward(self, x, cos, sin, kv_pool: torch.Tensor, layer: int, meta: AttentionMetadata) -> torch.Tensor:
@@ -109,7 +110,9 @@ class LlamaAttention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = paged_attention(q, k, v, kv_pool, layer, meta, self.scale, sliding=self.sliding, softcap=self.softcap)
+        out = paged_attention(
+            q, k, v, kv_pool, layer, meta, self.scale, sliding=self.sliding, softcap=self.softcap, sinks=self.sinks
+        )
         return self.tp.all_reduce(self.o_proj(out))
 
 
@@ -139,13 +142,14 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     """Attention and an MLP, each after its norm and added to the residual. ``mlp``: the feed-forward
-    block when not Llama's dense one (a mixture of experts: engine/models/moe.py)."""
+    block when not Llama's dense one (a mixture of experts: engine/models/moe.py); ``attn``: the
+    attention when not Llama's."""
 
     def __init__(
-        self, config, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp=SINGLE, mlp=None
+        self, config, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp=SINGLE, mlp=None, attn=None
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, qkv_bias, o_bias, qk_norm, tp)
+        self.self_attn = attn if attn is not None else LlamaAttention(config, layer_idx, qkv_bias, o_bias, qk_norm, tp)
         self.mlp = mlp if mlp is not None else LlamaMLP(config, bias=getattr(config, "mlp_bias", False), tp=tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

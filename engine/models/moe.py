@@ -41,13 +41,29 @@ from engine.parallel import SINGLE, TensorParallel
 
 _lib = torch.library.Library("augur", "FRAGMENT")
 _lib.define(
-    "moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor gate_up, Tensor down, str act, str ops) -> Tensor"
+    "moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor gate_up, Tensor down, Tensor? gate_up_bias, "
+    "Tensor? down_bias, str act, str ops, float alpha=1.0, float limit=0.0) -> Tensor"
 )
 
 OPS = ("eager", "invariant", "fused")  # the products' and activation's operators (see SparseMoE.ops)
+CLAMPED_SWIGLU = "clamped_swiglu"  # gpt-oss's expert activation (see _clamped_swiglu)
 
 
-def _act_mul(gate_up: torch.Tensor, act: str, ops: str) -> torch.Tensor:
+def _clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float, ops: str) -> torch.Tensor:
+    """gpt-oss's activation: ``(up + 1) * gate * sigmoid(alpha * gate)``, gate clamped above at
+    ``limit`` and up to ``[-limit, limit]``. Under the invariant operators it runs as
+    ``silu(alpha * gate) * (up + 1) / alpha`` on ``augur::invariant_act_mul`` (the same function, its
+    sigmoid on a kernel that treats every element alike)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    if ops == "invariant":
+        return torch.ops.augur.invariant_act_mul(torch.cat([gate * alpha, (up + 1) / alpha], dim=-1), "silu")
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def _act_mul(gate_up: torch.Tensor, act: str, ops: str, alpha: float = 1.0, limit: float = 0.0) -> torch.Tensor:
+    if act == CLAMPED_SWIGLU:
+        return _clamped_swiglu(gate_up, alpha, limit, ops)
     if ops == "invariant":
         return torch.ops.augur.invariant_act_mul(gate_up, act)
     if ops == "fused":
@@ -56,15 +72,19 @@ def _act_mul(gate_up: torch.Tensor, act: str, ops: str) -> torch.Tensor:
     return ACTIVATIONS[act](gate) * up
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, ops: str) -> torch.Tensor:
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ops: str) -> torch.Tensor:
     if ops == "invariant":
-        return torch.ops.augur.invariant_linear(x, w, None)
-    return torch.nn.functional.linear(x, w)
+        return torch.ops.augur.invariant_linear(x, w, b)
+    return torch.nn.functional.linear(x, w, b)
 
 
-def moe_experts(x, ids, weights, gate_up, down, act: str, ops: str) -> torch.Tensor:
+def moe_experts(
+    x, ids, weights, gate_up, down, gate_up_bias, down_bias, act: str, ops: str, alpha: float = 1.0, limit: float = 0.0
+) -> torch.Tensor:
     """x [T, H]; ids [T, k] the chosen experts; weights [T, k] float32 their router weights;
-    gate_up [E, 2I, H] (gate rows, then up rows); down [E, H, I]. Returns [T, H] in x's dtype."""
+    gate_up [E, 2I, H] (gate rows, then up rows); down [E, H, I]; the biases [E, 2I] and [E, H] or
+    None. ``alpha`` and ``limit``: the clamped SwiGLU's (``act`` "clamped_swiglu"). Returns [T, H] in
+    x's dtype."""
     T, k = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # slots grouped by expert, in slot order within one
@@ -74,8 +94,10 @@ def moe_experts(x, ids, weights, gate_up, down, act: str, ops: str) -> torch.Ten
     start = 0
     for e, n in enumerate(counts):
         if n:
-            seg = rows[start : start + n]
-            out[start : start + n] = _linear(_act_mul(_linear(seg, gate_up[e], ops), act, ops), down[e], ops)
+            b1 = None if gate_up_bias is None else gate_up_bias[e]
+            b2 = None if down_bias is None else down_bias[e]
+            h = _act_mul(_linear(rows[start : start + n], gate_up[e], b1, ops), act, ops, alpha, limit)
+            out[start : start + n] = _linear(h, down[e], b2, ops)
             start += n
     by_slot = torch.empty_like(out)
     by_slot[order] = out
@@ -87,9 +109,7 @@ def moe_experts(x, ids, weights, gate_up, down, act: str, ops: str) -> torch.Ten
 
 
 _lib.impl("moe_experts", moe_experts, "CompositeExplicitAutograd")
-torch.library.register_fake(
-    "augur::moe_experts", lambda x, ids, weights, gate_up, down, act, ops: torch.empty_like(x), lib=_lib
-)
+torch.library.register_fake("augur::moe_experts", lambda x, *_, **__: torch.empty_like(x), lib=_lib)
 
 
 class SparseMoE(nn.Module):
@@ -110,18 +130,33 @@ class SparseMoE(nn.Module):
         act: str,
         tp: TensorParallel = SINGLE,
         shared_intermediate: int = 0,
+        biases: bool = False,
+        softmax_after_topk: bool = False,
+        swiglu: tuple[float, float] | None = None,
     ) -> None:
+        """``biases``: the router and every expert projection have biases (gpt-oss).
+        ``softmax_after_topk``: the weights are the softmax of the k largest logits (gpt-oss), not
+        the top k of the softmax over all experts. ``swiglu``: (alpha, limit) of gpt-oss's clamped
+        SwiGLU, which then replaces ``act``."""
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in 1..{num_experts} (the experts), got {top_k}")
         self.tp = tp
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
-        self.act_name = act
-        activation(act)  # an unknown activation fails at construction
+        self.softmax_after_topk = softmax_after_topk
+        self.act_name = CLAMPED_SWIGLU if swiglu else act
+        self.alpha, self.limit = swiglu or (1.0, 0.0)
+        if not swiglu:
+            activation(act)  # an unknown activation fails at construction
         self.intermediate_size = tp.split(intermediate, "experts' inner size")  # this rank's
-        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.gate = nn.Linear(hidden, num_experts, bias=biases)
         self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size, hidden))
         self.experts_down = nn.Parameter(torch.empty(num_experts, hidden, self.intermediate_size))
+        self.experts_gate_up_bias: nn.Parameter | None = None
+        self.experts_down_bias: nn.Parameter | None = None
+        if biases:  # (the down projection's is added on rank 0 only: its other ranks load zeros)
+            self.experts_gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size))
+            self.experts_down_bias = nn.Parameter(torch.empty(num_experts, hidden))
         self.shared_expert: LlamaMLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if shared_intermediate:
@@ -137,6 +172,9 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids [T, k], weights [T, k] float32): each token's experts, most probable first."""
+        if self.softmax_after_topk:
+            top, ids = torch.topk(self.gate(x), self.top_k, dim=-1)
+            return ids, torch.softmax(top.float(), dim=-1)
         probs = torch.softmax(self.gate(x).float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -146,8 +184,9 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)
         out = torch.ops.augur.moe_experts(
-            x, ids, weights, self.experts_gate_up, self.experts_down, self.act_name, self.ops
-        )
+            x, ids, weights, self.experts_gate_up, self.experts_down, self.experts_gate_up_bias,
+            self.experts_down_bias, self.act_name, self.ops, self.alpha, self.limit,
+        )  # fmt: skip
         if self.shared_expert is not None:
             gate = torch.sigmoid(self.shared_expert_gate(x))
             out = out + gate * self.shared_expert(x)
@@ -163,24 +202,27 @@ class MoEWeights:
     EXPERT_PIECES = {"gate_proj": 0, "up_proj": 1, "down_proj": None}
 
     @staticmethod
-    def _expert_parts(name: str) -> tuple[str, int, str] | None:
-        """(the block's path, expert index, projection) of ``...mlp.experts.{e}.{proj}.weight``."""
+    def _expert_parts(name: str) -> tuple[str, int, str, str] | None:
+        """(the block's path, expert index, projection, "" or "_bias") of
+        ``...mlp.experts.{e}.{proj}.weight`` (or ``.bias``)."""
         block, sep, rest = name.partition(".experts.")
         if not sep:
             return None
         e, _, proj = rest.partition(".")
-        proj = proj.removesuffix(".weight")
-        if not e.isdigit() or proj not in MoEWeights.EXPERT_PIECES:
+        proj, dot, kind = proj.rpartition(".")
+        if not e.isdigit() or proj not in MoEWeights.EXPERT_PIECES or kind not in ("weight", "bias") or not dot:
             return None
-        return block, int(e), proj
+        return block, int(e), proj, "_bias" if kind == "bias" else ""
 
     def weight_target(self, name: str) -> tuple[str, object]:
         parts = self._expert_parts(name)
         if parts is None:
             return super().weight_target(name)
-        block, e, proj = parts
+        block, e, proj, bias = parts
         piece = MoEWeights.EXPERT_PIECES[proj]
-        return (f"{block}.experts_down", (e, None)) if piece is None else (f"{block}.experts_gate_up", (e, piece))
+        if piece is None:
+            return f"{block}.experts_down{bias}", (e, None)
+        return f"{block}.experts_gate_up{bias}", (e, piece)
 
     def weight_slot(self, target: str, param: torch.Tensor, shard) -> torch.Tensor:
         if not isinstance(shard, tuple):
@@ -192,10 +234,10 @@ class MoEWeights:
         return param[e].narrow(0, piece * inter, inter)
 
     def expected_slots(self, pname: str) -> set[str]:
-        if pname.endswith(".experts_gate_up"):
+        if pname.endswith((".experts_gate_up", ".experts_gate_up_bias")):
             n = self.get_submodule(pname.rsplit(".", 1)[0]).num_experts
             return {f"{pname}:{(e, p)}" for e in range(n) for p in (0, 1)}
-        if pname.endswith(".experts_down"):
+        if pname.endswith((".experts_down", ".experts_down_bias")):
             n = self.get_submodule(pname.rsplit(".", 1)[0]).num_experts
             return {f"{pname}:{(e, None)}" for e in range(n)}
         return super().expected_slots(pname)
@@ -207,8 +249,9 @@ class MoEWeights:
         parts = self._expert_parts(ours)
         if parts is not None:
             inter = self.get_submodule(parts[0]).intermediate_size
-            dim = 1 if parts[2] == "down_proj" else 0
-            return dim, self.tp.rank * inter, inter
+            if parts[2] == "down_proj":  # row-parallel: a bias is added once (rank 0's)
+                return (1, self.tp.rank * inter, inter) if not parts[3] else None if self.tp.rank == 0 else "zeros"
+            return 0, self.tp.rank * inter, inter
         if ".shared_expert." in ours:
             inter = self.get_submodule(ours.split(".shared_expert.")[0]).shared_expert.intermediate_size
             dim = 1 if ".down_proj." in ours else 0

@@ -144,8 +144,7 @@ def iter_safetensors(path: Path, select: Callable[[str], object] | None = None) 
                     yield key, f.get_tensor(key).zero_()
                 else:
                     dim, start, length = part
-                    sliced = f.get_slice(key)
-                    yield key, sliced[start : start + length] if dim == 0 else sliced[:, start : start + length]
+                    yield key, f.get_slice(key)[(slice(None),) * dim + (slice(start, start + length),)]
 
 
 def take_slice(tensor: torch.Tensor, part) -> torch.Tensor:
@@ -214,8 +213,12 @@ def load_model(
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)} or None, got {quantization!r}")
     cls = model_class_for(config)
+    qconfig = getattr(config, "quantization_config", None)
+    own = dict(qconfig or {}).get("quant_method") in getattr(cls, "checkpoint_quantizations", ())
+    if own and quantization is not None:  # (gpt-oss's MXFP4 experts: the family dequantizes them itself)
+        raise ValueError(f"{path}: a {qconfig['quant_method']} checkpoint cannot be re-quantized to {quantization}")
     try:
-        prequantized = bnb_quantization_kind(getattr(config, "quantization_config", None))
+        prequantized = None if own else bnb_quantization_kind(qconfig)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
     if prequantized and quantization == "int4":
