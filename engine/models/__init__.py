@@ -12,6 +12,8 @@ from torch import nn
 
 MODEL_REGISTRY: dict[str, str] = {  # architecture → "module:class" under engine.models
     "Gemma2ForCausalLM": "gemma2:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "gemma3:Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration": "gemma3:Gemma3TextForCausalLM",
     "GptOssForCausalLM": "gpt_oss:GptOssForCausalLM",
     "LlamaForCausalLM": "llama:LlamaForCausalLM",
     "MistralForCausalLM": "llama:MistralForCausalLM",

@@ -63,7 +63,21 @@ def resolve_model_path(model: str) -> Path:
 
 
 def load_config(path: Path):
-    return AutoConfig.from_pretrained(path, local_files_only=True)
+    """The checkpoint's config. A multimodal checkpoint served as text only (its architecture one of
+    ``text_towers``) gives its text model's config, so that what the engine reads (vocabulary, hidden
+    size, heads, positions, EOS ids) is the decoder's; it keeps the checkpoint's ``architectures``
+    (the registry serves them with a text-tower class, which knows the checkpoint's weight names)
+    and its top-level ``eos_token_id`` where it sets one (the chat turn's end, for instance)."""
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    text_towers = {"Gemma3ForConditionalGeneration"}
+    archs = list(getattr(config, "architectures", None) or [])
+    if text_towers.isdisjoint(archs):
+        return config
+    text = config.get_text_config()
+    text.architectures = archs
+    if getattr(config, "eos_token_id", None) is not None:
+        text.eos_token_id = config.eos_token_id
+    return text
 
 
 def load_tokenizer(path: Path):

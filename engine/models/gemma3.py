@@ -1,0 +1,234 @@
+"""Gemma 3: Gemma-2's decoder with per-head q/k norms and two RoPE tables, on the same flattened batch
+and paged KV cache.
+
+What differs from ``engine.models.gemma2``:
+- q and k are normalized per head (``q_norm`` / ``k_norm``, Gemma's RMSNorm: scale ``1 + weight``)
+  before RoPE;
+- layers come in a *local* : *global* pattern (``layer_types``; 5 : 1 in every released model):
+  a local layer attends within the sliding window, a global layer to the whole context;
+- local and global layers rotate with different RoPE parameters (``rope_parameters`` is keyed by
+  layer type in transformers 5: ``sliding_attention`` with the local base, 10 000 in the releases;
+  ``full_attention`` with the global base, 1 000 000, and on the 4B and larger models a linear
+  scaling of factor 8 — older configs' ``rope_local_base_freq`` and ``rope_scaling`` are converted
+  to that form by the config class). So the model keeps two cos/sin tables and each layer reads the
+  one of its type;
+- no attention soft-cap in the released configs; one set in a config is applied (as Gemma-2's is),
+  though transformers' Gemma 3 ignores it.
+
+Two classes:
+- :class:`Gemma3ForCausalLM`: text-only checkpoints (the 1B, and ``Gemma3ForCausalLM`` exports);
+- :class:`Gemma3TextForCausalLM`: the language model of a multimodal ``Gemma3ForConditionalGeneration``
+  checkpoint (4B, 12B, 27B), served as text only. Images are not served: the vision tower and the
+  projector's weights are skipped as they load, and the API refuses image content parts. The loader's
+  ``load_config`` hands this class the checkpoint's ``text_config`` (with the top-level EOS ids),
+  so the rest of the engine sees an ordinary decoder's config.
+
+Bidirectional Gemma 3 configs (``use_bidirectional_attention``: an encoder for embeddings) are refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from engine.attention import AttentionMetadata
+from engine.models.gemma2 import Gemma2Attention, Gemma2DecoderLayer, Gemma2ForCausalLM, GemmaRMSNorm, ScaledEmbedding
+from engine.models.layer_skip import LayerSkip
+from engine.models.llama import LlamaMLP, sliding_window_of
+from engine.parallel import SINGLE, TensorParallel
+from engine.quant import NF4Linear
+
+LOCAL, GLOBAL = "sliding_attention", "full_attention"  # the two layer types (transformers' names)
+
+
+def rope_tables(config, layer_type: str, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_positions, head_dim] for the layers of ``layer_type``, from that type's
+    entry of ``config.rope_parameters`` (a ``default`` or a scaled RoPE, computed by transformers)."""
+    by_type = getattr(config, "rope_parameters", None) or {}
+    params = by_type.get(layer_type)
+    if not isinstance(params, dict):
+        raise ValueError(f"Gemma 3 config has no RoPE parameters for {layer_type} layers: {by_type}")
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "dynamic":
+        raise ValueError("dynamic NTK RoPE scaling is not supported (its frequencies change with length)")
+    if rope_type == "default":
+        head_dim = config.head_dim
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+        inv_freq, scaling = 1.0 / (params["rope_theta"] ** exponents), 1.0
+    else:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", layer_type=layer_type)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * scaling, emb.sin() * scaling
+
+
+class Gemma3Attention(Gemma2Attention):
+    """Gemma-2's attention (score scale ``query_pre_attn_scalar ** -0.5``, a soft-cap where the config
+    sets one) with q and k normalized per head before RoPE."""
+
+    def __init__(self, config, layer_idx: int, tp: TensorParallel = SINGLE) -> None:
+        super().__init__(config, layer_idx, tp)
+        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+
+
+class Gemma3DecoderLayer(Gemma2DecoderLayer):
+    """Gemma-2's four-norm layer around :class:`Gemma3Attention`; ``local`` says which RoPE table the
+    model hands it (a local layer's, even where the config sets no window and it attends to all)."""
+
+    def __init__(self, config, layer_idx: int, tp: TensorParallel = SINGLE) -> None:
+        nn.Module.__init__(self)
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.local = config.layer_types[layer_idx] == LOCAL
+        self.self_attn = Gemma3Attention(config, layer_idx, tp)
+        self.mlp = LlamaMLP(config, bias=False, act=config.hidden_activation, tp=tp)  # GeGLU (tanh GELU)
+        self.input_layernorm = GemmaRMSNorm(h, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(h, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
+
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    """Gemma 3 causal LM over a paged KV cache.
+
+    ``rope_cos`` / ``rope_sin`` hold the global layers' table (what code outside reads for the model's
+    positions), ``rope_local_cos`` / ``rope_local_sin`` the local layers'. The forward is Llama's loop
+    with each layer handed its own table; ``skip`` and ``hidden_layers`` mean what they mean there.
+    Weights load as Gemma-2's (checkpoint names match once q/k/v and gate/up are fused; ``q_norm`` and
+    ``k_norm`` are per head, whole on every tensor-parallel rank); the final logits are soft-capped
+    where the config sets ``final_logit_softcapping``."""
+
+    def __init__(self, config, max_positions: int | None = None, tp: TensorParallel = SINGLE) -> None:
+        nn.Module.__init__(self)
+        if getattr(config, "use_bidirectional_attention", None):
+            raise ValueError(
+                "Gemma 3 with use_bidirectional_attention is an encoder (every token attends to later ones), "
+                "not a causal LM: Augur cannot serve it"
+            )
+        unknown = sorted(set(config.layer_types) - {LOCAL, GLOBAL})
+        if unknown:
+            raise ValueError(f"Gemma 3 layer types {unknown} are not supported (only {LOCAL} and {GLOBAL})")
+        self.config = config
+        self.tp = tp
+        self.vocab_shard = tp.split(config.vocab_size, "vocabulary")
+        self.embed_tokens = ScaledEmbedding(self.vocab_shard, config.hidden_size)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, self.vocab_shard, bias=False)
+        self.final_softcap = float(getattr(config, "final_logit_softcapping", None) or 0.0)  # 0: no cap
+        windows = {sliding_window_of(config, i) for i in range(config.num_hidden_layers)} - {None}
+        if len(windows) > 1:
+            raise ValueError(f"layers with different sliding windows are not supported: {sorted(windows)}")
+        self.sliding_window: int | None = windows.pop() if windows else None
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)  # [max_positions, head_dim], global
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self.register_buffer("rope_local_cos", torch.empty(0), persistent=False)  # the local layers'
+        self.register_buffer("rope_local_sin", torch.empty(0), persistent=False)
+        self.init_buffers(max_positions or config.max_position_embeddings)
+
+    def init_buffers(self, max_positions: int) -> None:
+        """(Re)compute both RoPE tables, e.g. after construction on the meta device."""
+        device = self.embed_tokens.weight.device
+        if device.type == "meta":
+            return
+        cos, sin = rope_tables(self.config, GLOBAL, max_positions)
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+        cos, sin = rope_tables(self.config, LOCAL, max_positions)
+        self.rope_local_cos, self.rope_local_sin = cos.to(device), sin.to(device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        kv_caches: torch.Tensor,  # [num_layers, 2, num_slots, Hkv, D]
+        skip: LayerSkip | None = None,
+        hidden_layers: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Returns the final-normed hidden states [T, hidden] and ``{layer: its output [T, hidden]}`` for
+        each layer in ``hidden_layers``. ``skip`` leaves those attention / MLP sublayers out (a
+        skipped attention writes no K/V: self-speculative drafts, which verification overwrites)."""
+        x = self.embed(input_ids)
+        tables = {  # local? → (cos, sin), each [T, 1, D]
+            False: (
+                self.rope_cos[positions].to(x.dtype).unsqueeze(1),
+                self.rope_sin[positions].to(x.dtype).unsqueeze(1),
+            ),
+            True: (
+                self.rope_local_cos[positions].to(x.dtype).unsqueeze(1),
+                self.rope_local_sin[positions].to(x.dtype).unsqueeze(1),
+            ),
+        }
+        wanted = set(hidden_layers)
+        captured: dict[int, torch.Tensor] = {}
+        for i in range(self.num_layers):
+            layer = self.layers[i]
+            cos, sin = tables[layer.local]
+            if skip is None:
+                x = layer(x, cos, sin, kv_caches, i, meta)
+            elif i not in skip.attn or i not in skip.mlp:
+                x = layer(x, cos, sin, kv_caches, i, meta, i not in skip.attn, i not in skip.mlp)
+            if i in wanted:
+                captured[i] = x
+        return self.norm(x), captured
+
+
+class Gemma3TextForCausalLM(Gemma3ForCausalLM):
+    """The language model of a ``Gemma3ForConditionalGeneration`` checkpoint, served as text only.
+
+    Built from the checkpoint's ``text_config`` (what ``load_config`` returns for this architecture),
+    it is :class:`Gemma3ForCausalLM`; only the checkpoint's names differ. Two layouts are read: the
+    one transformers' ``save_pretrained`` writes and the released checkpoints use
+    (``language_model.model.…``, ``language_model.lm_head.weight`` where untied, ``vision_tower.…``,
+    ``multi_modal_projector.…``) and the one transformers 5 builds in memory (``model.language_model.…``,
+    ``lm_head.weight``, ``model.vision_tower.…``, ``model.multi_modal_projector.…``). Vision and
+    projector tensors are skipped; images are not served.
+
+    Transformers' ``Gemma3ForConditionalGeneration`` does not apply ``final_logit_softcapping``; this
+    class does where the text config sets it, as its text-only sibling does (no released config sets it)."""
+
+    _text_prefixes = ("language_model.model.", "model.language_model.")
+    _head_names = ("language_model.lm_head.weight", "lm_head.weight")
+    _skipped_prefixes = (
+        "vision_tower.",
+        "multi_modal_projector.",
+        "model.vision_tower.",
+        "model.multi_modal_projector.",
+    )
+
+    def text_name(self, name: str) -> str | None:
+        """A checkpoint tensor's name as a text-only Gemma 3 checkpoint spells it, or None for a vision
+        or projector tensor (left out). Other names pass as they are (the loader names the unexpected)."""
+        if name.startswith(self._skipped_prefixes):
+            return None
+        if name in self._head_names:
+            return "lm_head.weight"
+        for prefix in self._text_prefixes:
+            if name.startswith(prefix):
+                return "model." + name.removeprefix(prefix)
+        return name
+
+    def _text_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            text = self.text_name(name)
+            if text is not None:
+                yield text, tensor
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if any(isinstance(m, NF4Linear) for m in self.modules()):
+            # The NF4 loader picks the tensors it quantizes by name before they reach this method, and
+            # does not know this checkpoint's prefixes: the layers it swapped in would never be filled.
+            raise ValueError(
+                "--quantization nf4 cannot load a Gemma3ForConditionalGeneration checkpoint (the NF4 loader "
+                "does not read its language model's prefixed weight names): serve it in full precision or "
+                "with --quantization int4"
+            )
+        super().load_weights(self._text_weights(weights))
+
+    def checkpoint_slice(self, name: str) -> tuple[int, int, int] | str | None:
+        text = self.text_name(name)
+        return None if text is None else super().checkpoint_slice(text)
