@@ -314,3 +314,78 @@ def test_an_unknown_mixture_is_a_clear_error(tmp_path, moe_dirs):
     (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["DeepseekV3ForCausalLM"]}))
     with pytest.raises(UnsupportedModelError, match=r"DeepseekV3ForCausalLM.*supported: .*Qwen3MoeForCausalLM"):
         load_model(d, load_config(d), torch.float32, torch.device("cpu"), 64)
+
+
+# -- the GPU kernels (Triton's interpreter on CPU tensors) ------------------------------------------------
+def test_row_blocks_cover_each_experts_rows_once():
+    from engine.models.moe_triton import row_blocks
+
+    ids = torch.tensor([[3, 0], [3, 1], [0, 3], [3, 2], [1, 0]])
+    order, block_expert, block_start, seg_end = row_blocks(ids, 5, 2)
+    flat = ids.flatten()
+    assert torch.equal(flat[order], flat.sort(stable=True).values)
+    assert seg_end.tolist() == [3, 5, 6, 10, 10]  # expert 4 has no rows
+    rows = {}
+    for e, s in zip(block_expert.tolist(), block_start.tolist()):
+        if e < 5:
+            rows.setdefault(e, []).extend(r for r in range(s, s + 2) if r < seg_end[e])
+    assert rows == {0: [0, 1, 2], 1: [3, 4], 2: [5], 3: [6, 7, 8, 9]}
+    assert block_expert.shape[0] == 5 + 5 and (block_expert == 5).sum() == 10 - 6  # the grid's bound, the rest idle
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh", "clamped_swiglu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_gpu_kernels_compute_the_mixture(act, dtype):
+    """The Triton kernels (on CPU tensors, interpreted) against the host version: every activation, the
+    biases gpt-oss has, decode-sized and prefill-sized row blocks."""
+    from engine.models.moe import moe_experts
+    from engine.models.moe_triton import triton_moe_experts
+
+    g = torch.Generator().manual_seed(5)
+    E, H, I, k = 4, 48, 40, 2  # noqa: E741  (widths off the tiles' multiples)
+    for T in (3, 140):  # 140 * 2 rows over 4 experts: 64-row blocks
+        x = torch.randn(T, H, generator=g).to(dtype)
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+        weights = torch.softmax(torch.randn(T, k, generator=g), -1)
+        gate_up = (0.2 * torch.randn(E, 2 * I, H, generator=g)).to(dtype)
+        down = (0.2 * torch.randn(E, H, I, generator=g)).to(dtype)
+        biases = (torch.randn(E, 2 * I, generator=g).to(dtype), torch.randn(E, H, generator=g).to(dtype))
+        biases = biases if act == "clamped_swiglu" else (None, None)
+        args = (x, ids, weights, gate_up, down, *biases, act, "eager", 1.702, 0.8)
+        want, got = moe_experts(*args), triton_moe_experts(*args)
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_gpu_kernels_on_a_gpu_keep_a_rows_bits_and_serve_graphs(moe_dirs, dtype):
+    """On CUDA: the kernels against the host version; under the invariant row blocks a token's output
+    alone equals its row in batches of several sizes; an engine with CUDA graphs (a mixture's forward
+    has no host sync there) decodes greedily as the CPU engine does (float32)."""
+    from engine.models.moe import moe_experts
+    from engine.models.moe_triton import triton_moe_experts
+
+    g = torch.Generator().manual_seed(6)
+    E, H, I, k, T = 8, 256, 128, 2, 96  # noqa: E741
+    x = torch.randn(T, H, generator=g).to(dtype).cuda()
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).cuda()
+    weights = torch.softmax(torch.randn(T, k, generator=g), -1).cuda()
+    gate_up = (0.1 * torch.randn(E, 2 * I, H, generator=g)).to(dtype).cuda()
+    down = (0.1 * torch.randn(E, H, I, generator=g)).to(dtype).cuda()
+    args = (gate_up, down, None, None, "silu", "invariant")
+    got = triton_moe_experts(x, ids, weights, *args)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(
+        got.float(), moe_experts(x, ids, weights, *args[:4], "silu", "eager").float(), atol=tol, rtol=tol
+    )
+    alone = torch.cat([triton_moe_experts(x[t : t + 1], ids[t : t + 1], weights[t : t + 1], *args) for t in range(T)])
+    for n in (2, 17, 96):
+        assert torch.equal(triton_moe_experts(x[:n], ids[:n], weights[:n], *args), alone[:n]), n
+    d = moe_dirs["Qwen3MoeForCausalLM"]
+    ps = repetitive_prompts(4, seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    cpu = [o.outputs[0].delta_token_ids for o in make(d).generate(ps, params)]
+    eng = LLMEngine(EngineConfig(model=str(d), device="cuda", dtype="float32", num_kv_blocks=256, block_size=16))
+    assert eng.runner.cuda_graph_max_seqs > 0
+    assert [o.outputs[0].delta_token_ids for o in eng.generate(ps, params)] == cpu

@@ -14,8 +14,9 @@ in the step as long as each expert's product is: under the batch-invariant mode 
 (engine/models/invariant.py), which keep a row's bits whatever rows come with it.
 
 The operator is opaque to ``torch.compile`` (how many rows each expert gets is data the host reads:
-one sync a layer), so a compiled forward compiles around it instead of recompiling per routing. It is
-not captured in CUDA graphs (the same sync): a mixture-of-experts model on a GPU runs eagerly.
+one sync a layer), so a compiled forward compiles around it instead of recompiling per routing. On
+CUDA it runs Triton kernels instead (engine/models/moe_triton.py): no sync, one launch per
+projection, so a mixture's forward is captured in CUDA graphs like a dense one's.
 
 Tensor parallelism (``-tp``) splits every expert like a dense MLP, each rank holding its slice of
 each expert's inner dimension (Megatron's layout, every rank's experts all of them): the router is
@@ -262,6 +263,10 @@ class MoEWeights:
             layer = self.get_submodule(ours.split(".mlp.")[0])
             return layer_slice(ours, layer.self_attn, layer.mlp, self.tp.rank)
         return super().checkpoint_slice(name)
+
+
+def has_experts(model: nn.Module) -> bool:
+    return any(isinstance(m, SparseMoE) for m in model.modules())
 
 
 def is_sparse_layer(config, i: int) -> bool:

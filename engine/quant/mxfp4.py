@@ -22,7 +22,8 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
         raise ValueError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
     if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != BLOCK // 2:
         raise ValueError(
-            f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)} (want [..., G, 16] / [..., G])"
+            f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)} "
+            "(want [..., G, 16] and [..., G])"
         )
     lut = torch.tensor(E2M1, dtype=dtype, device=blocks.device)
     values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)  # [..., G, 16, 2]

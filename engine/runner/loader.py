@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from engine.attention.cpu_kernel import load_cpu_kernel
 from engine.models import model_class_for
 from engine.models.invariant import load_invariant_kernels
+from engine.models.moe import has_experts
 from engine.models.packed import MIN_PACKED_BYTES, linear_weight_bytes, packing_supported
 from engine.models.small_linear import SmallRowsLinear, small_rows_serve
 from engine.parallel import SINGLE, TensorParallel
@@ -254,6 +255,8 @@ def load_model(
         nf4.install()
     if quantization == "int4":
         quantize_linears_int4(model)
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None and has_experts(model):
+        import engine.models.moe_triton  # noqa: F401  (the mixture's GPU kernels: no host sync, graph-capturable)
     # Both replace plain nn.Linear layers only; quantized layers are not nn.Linear and stay as they are.
     # Small-rows layers keep their weights and a packed copy, as a compiled model's frozen graph did;
     # a large eager model keeps only the packed weights (half the memory), as before.
