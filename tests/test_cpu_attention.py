@@ -112,8 +112,8 @@ def test_attention_sinks(lens, rows, dtype):
     paths and both ops, against the reference; and the reference against attention by hand: the
     weights are the sink-less softmax's times sigmoid(logsumexp(scores) - sink)."""
     H, Hkv, D = 4, 2, 64
-    meta, pool, q, k, v = batch(13, BATCHES[lens], H, Hkv, D, dtype, trees=True, window=6 if lens == "decodes" else None)
     window = 6 if lens == "decodes" else None
+    meta, pool, q, k, v = batch(13, BATCHES[lens], H, Hkv, D, dtype, trees=True, window=window)
     sinks = torch.tensor([-1.0, 0.5, 2.0, 8.0])  # the last takes nearly all of its head's weight
     op = torch.ops.augur.paged_attention_rows if rows else torch.ops.augur.paged_attention
     (ref, ref_pool), (got, got_pool) = both(meta, pool, q, k, v, window, 0.0, sinks, op)

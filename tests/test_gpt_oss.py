@@ -201,3 +201,21 @@ def test_speculation_gives_the_plain_decoders_tokens(oss_dir, tmp_path, method):
     pinned = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, num_draft_tokens=3)
     assert [o.outputs[0].delta_token_ids for o in eng.generate(ps, pinned)] == plain
     assert eng.spec_stats.num_drafts > 0
+
+
+def test_served_through_the_sdk(oss_dir):
+    import openai
+
+    from server.app import ServerSettings, create_app
+    from servers import engine_factory, serve
+
+    with serve(create_app(ServerSettings(served_model_name="oss"), engine_factory(oss_dir))) as srv:
+        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="none")
+        chat = client.chat.completions.create(
+            model="oss", messages=[{"role": "user", "content": "a b c"}], max_tokens=8, temperature=0
+        )
+        assert chat.choices[0].message.content is not None and chat.usage.completion_tokens > 0
+        text = client.completions.create(model="oss", prompt="a b c a b", max_tokens=8, temperature=0)
+    ids = transformers.AutoTokenizer.from_pretrained(oss_dir).encode("a b c a b")
+    want = make(oss_dir).generate([ids], SamplingParams(temperature=0.0, max_tokens=8))[0].outputs[0].text
+    assert text.choices[0].text == want

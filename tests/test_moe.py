@@ -283,10 +283,11 @@ def test_a_requests_tokens_alone_equal_its_tokens_in_a_batch_in_bfloat16(moe_dir
 
 
 # -- served ---------------------------------------------------------------------------------------------
-def test_served_through_the_sdk(moe_dirs):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_served_through_the_sdk(moe_dirs, arch):
     import openai
 
-    d = moe_dirs["MixtralForCausalLM"]
+    d = moe_dirs[arch]
     with serve(create_app(ServerSettings(served_model_name="moe"), engine_factory(d))) as srv:
         client = openai.OpenAI(base_url=srv.base + "/v1", api_key="none")
         chat = client.chat.completions.create(

@@ -18,10 +18,13 @@ MODEL_REGISTRY: dict[str, str] = {  # architecture → "module:class" under engi
     "LlamaForCausalLM": "llama:LlamaForCausalLM",
     "MistralForCausalLM": "llama:MistralForCausalLM",
     "MixtralForCausalLM": "mixtral:MixtralForCausalLM",
+    "Olmo2ForCausalLM": "olmo2:Olmo2ForCausalLM",
+    "Phi3ForCausalLM": "phi3:Phi3ForCausalLM",
     "Qwen2ForCausalLM": "llama:Qwen2ForCausalLM",
     "Qwen2MoeForCausalLM": "qwen3_moe:Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM": "llama:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "qwen3_moe:Qwen3MoeForCausalLM",
+    "SmolLM3ForCausalLM": "smollm3:SmolLM3ForCausalLM",
 }
 
 
