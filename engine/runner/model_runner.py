@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import logging
 import os
 import time
 import types
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -159,6 +161,11 @@ def compile_settings(device: torch.device) -> None:
 
     fx_config.backed_size_oblivious = True
     fx_config.use_duck_shape = False  # equal sizes seen once are not assumed equal forever
+    # Inductor's on-disk cache keys a graph by its code, not by what its custom operators (ours) take
+    # or do: code compiled against an older augur::paged_attention called the new one with the old
+    # arguments and crashed. Our code's hash in the key: another version of Augur compiles afresh.
+    user_tag = os.environ.get("TORCH_COMPILE_CACHE_KEY_TAG", "")
+    torch.compiler.config.cache_key_tag = f"{user_tag}augur-{engine_code_hash()}"
     # A module's float attributes (norm epsilons, attention scales) are constants, not graph inputs
     # guarded by Python lambdas on every call (the model never changes; see _module_guards).
     torch._dynamo.config.specialize_float = True
@@ -167,6 +174,18 @@ def compile_settings(device: torch.device) -> None:
         # Dynamo reads the global flag when it traces (whether a graph may be frozen at all); each
         # compile's option then says whether its graph is.
         torch._inductor.config.freezing = True
+
+
+@functools.cache
+def engine_code_hash() -> str:
+    """A hash of the engine's Python and C++ sources (where its custom operators are defined)."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha1()
+    for path in sorted(root.rglob("*")):
+        if path.suffix in (".py", ".cpp") and path.is_file():
+            digest.update(path.relative_to(root).as_posix().encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def _module_guards(entries) -> list[bool]:
