@@ -25,6 +25,7 @@ from engine.models.packed import MIN_PACKED_BYTES, linear_weight_bytes, packing_
 from engine.models.small_linear import SmallRowsLinear, small_rows_serve
 from engine.parallel import SINGLE, TensorParallel
 from engine.quant import QUANTIZATIONS, quantize_linears_int4
+from engine.quant.checkpoint import checkpoint_format
 from engine.quant.nf4 import (
     BNB_SUFFIXES,
     QUANT_STATE_PREFIX,
@@ -230,10 +231,14 @@ def load_model(
     cls = model_class_for(config)
     qconfig = getattr(config, "quantization_config", None)
     own = dict(qconfig or {}).get("quant_method") in getattr(cls, "checkpoint_quantizations", ())
-    if own and quantization is not None:  # (gpt-oss's MXFP4 experts: the family dequantizes them itself)
+    try:  # GPTQ, AWQ, compressed-tensors, FP8: dequantized as they load (engine/quant/checkpoint.py)
+        reader = None if own else checkpoint_format(qconfig)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    if (own or reader) and quantization is not None:  # (gpt-oss's MXFP4 experts: the family reads them itself)
         raise ValueError(f"{path}: a {qconfig['quant_method']} checkpoint cannot be re-quantized to {quantization}")
     try:
-        prequantized = None if own else bnb_quantization_kind(qconfig)
+        prequantized = None if own or reader else bnb_quantization_kind(qconfig)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
     if prequantized and quantization == "int4":
@@ -249,7 +254,11 @@ def load_model(
     model = model.to_empty(device=device).to(dtype)
     model.init_buffers(max_positions)
     select = model.checkpoint_slice if tp.size > 1 else None
-    weights = ((k, v.to(device)) for k, v in iter_safetensors(path, select))
+    if reader is None:
+        weights = ((k, v.to(device)) for k, v in iter_safetensors(path, select))
+    else:  # whole tensors read and dequantized, then cut: a rank's slice of a packed tensor is no slice of it
+        plain = reader.read(iter_safetensors(path))
+        weights = ((k, take_slice(v, select(k) if select else None).to(device)) for k, v in plain)
     model.load_weights(nf4.intercept(weights) if nf4 else weights)
     if nf4:
         nf4.install()

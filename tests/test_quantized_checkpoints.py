@@ -1,0 +1,185 @@
+"""Checkpoints saved quantized, loaded by their quantization_config (engine/quant/checkpoint.py).
+
+The fixtures in tests/fixtures/quant/ were written by the formats' own tools (compressed-tensors,
+llm-compressor, GPTQModel, transformers' FP8 quantizer) from a tiny random Llama, each with the format
+library's own dequantized weights beside it (``reference.safetensors``; tests/fixtures/quant/README.md
+says which tool wrote what and how to write them again). Here:
+
+- every quantized layer loads as the library's dequantized weight;
+- the engine's greedy tokens equal transformers' on the dequantized model (the checkpoint's other
+  tensors and the reference weights, saved plain), chunked prefill and a running batch included;
+- at -tp 2 the logits equal one rank's; every proposer is greedy-exact on a quantized target;
+  served through the SDK; a format or scheme not served, and re-quantizing, are clear errors.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from test_engine import hf_greedy, prompts, run_staggered
+from test_step import prompts as repetitive_prompts
+from tp_ranks import model_logits, sharded_logits
+from transformers import PreTrainedTokenizerFast
+
+from engine.config import EngineConfig
+from engine.core.llm_engine import LLMEngine
+from engine.quant.checkpoint import checkpoint_format
+from engine.request.sampling_params import SamplingParams
+from engine.runner.loader import iter_safetensors, load_config, load_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+FIXTURES = Path(__file__).parent / "fixtures" / "quant"
+NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "reference.safetensors").is_file())
+
+
+def quant_config(name: str) -> dict:
+    return json.loads((FIXTURES / name / "config.json").read_text())["quantization_config"]
+
+
+@pytest.fixture(scope="module")
+def served_dirs(tmp_path_factory, tokenizer_dir) -> dict[str, tuple[Path, Path]]:
+    """Per fixture: (the quantized checkpoint with the test tokenizer, the same model dequantized by
+    the format's library and saved plain)."""
+    out = {}
+    for name in NAMES:
+        root = tmp_path_factory.mktemp(name)
+        quantized, plain = root / "quantized", root / "plain"
+        shutil.copytree(FIXTURES / name, quantized, ignore=shutil.ignore_patterns("reference.safetensors"))
+        reference = load_file(FIXTURES / name / "reference.safetensors")
+        reader = checkpoint_format(quant_config(name))
+        tensors = {}
+        for key, tensor in iter_safetensors(quantized):  # the checkpoint's unquantized tensors
+            module, _, suffix = key.rpartition(".")
+            if suffix in reader.parts + reader.dropped and f"{module}.weight" in reference:
+                continue
+            tensors[key] = tensor
+        tensors.update(reference)
+        plain.mkdir()
+        save_file({k: v.float().contiguous() for k, v in tensors.items()}, plain / "model.safetensors")
+        config = json.loads((quantized / "config.json").read_text())
+        config.pop("quantization_config")
+        (plain / "config.json").write_text(json.dumps(config))
+        for d in (quantized, plain):
+            PreTrainedTokenizerFast.from_pretrained(tokenizer_dir).save_pretrained(d)
+            transformers.GenerationConfig(bos_token_id=0, eos_token_id=1, pad_token_id=2).save_pretrained(d)
+        out[name] = (quantized, plain)
+    return out
+
+
+def make(model_dir: Path, method: str | None = None, **kw) -> LLMEngine:
+    kw.setdefault("num_kv_blocks", 256)
+    kw.setdefault("block_size", 4)
+    kw.setdefault("dtype", "float32")
+    return LLMEngine(EngineConfig(model=str(model_dir), device="cpu", speculative_method=method, **kw))
+
+
+def test_every_format_is_covered():
+    methods = {quant_config(n)["quant_method"] for n in NAMES}
+    formats = {quant_config(n).get("format") for n in NAMES if quant_config(n)["quant_method"] == "compressed-tensors"}
+    assert methods == {"gptq", "awq", "fp8", "compressed-tensors"}
+    assert {"pack-quantized", "naive-quantized", "int-quantized", "float-quantized"} <= formats
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_layers_load_as_the_librarys_dequantized_weights(name):
+    reference = load_file(FIXTURES / name / "reference.safetensors")
+    reader = checkpoint_format(quant_config(name))
+    got = dict(reader.read(iter_safetensors(FIXTURES / name)))
+    assert reference and set(reference) <= set(got)
+    for key, want in reference.items():
+        torch.testing.assert_close(got[key].float(), want.float(), rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_tokens_equal_transformers_on_the_dequantized_model(served_dirs, name):
+    quantized, plain = served_dirs[name]
+    engine = make(quantized, max_num_batched_tokens=40)
+    ps = prompts(4, seed=3, lo=8, hi=40)
+    got = run_staggered(engine, ps, SamplingParams(temperature=0.0, max_tokens=10))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
+    for i, p in enumerate(ps):
+        assert got[f"r{i}"] == hf_greedy(ref, p, 10), i
+
+
+def test_sharded_logits_match_one_rank(served_dirs):
+    """-tp 2: each rank cuts its slices from the dequantized weights (a packed tensor's rows are not
+    a rank's rows)."""
+    dirs = [served_dirs[n][0] for n in ("gptq-4bit-g32-asym-actorder", "awq-gemm-g32", "ct-w4a16-g32-asym")]
+    for d, sharded in zip(dirs, sharded_logits(dirs, 2), strict=True):
+        for want, have in zip(model_logits(d), sharded, strict=True):
+            torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5, msg=str(d))
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram", "suffix", "lookahead", "layer-skip", "eagle"])
+def test_every_proposer_is_greedy_exact_on_a_quantized_target(served_dirs, tmp_path, method):
+    from test_eagle import write_eagle
+    from test_layer_skip import write_skip
+
+    from engine.models.layer_skip import LayerSkip
+
+    target, plain = served_dirs["gptq-4bit-g32-asym-actorder"]
+    kw = {
+        "draft": dict(draft_model=str(served_dirs["ct-fp8-channel-dynamic"][0]), spec_tree_topk=2),  # quantized too
+        "layer-skip": dict(layer_skip_config=write_skip(tmp_path, LayerSkip(frozenset({1}), frozenset()))),
+        "eagle": dict(draft_model=str(write_eagle(plain, tmp_path / "eagle")), spec_tree_topk=2),
+    }.get(method, {})
+    ps = repetitive_prompts(6, seed=9)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    plain_tokens = [o.outputs[0].delta_token_ids for o in make(target).generate(ps, params)]
+    eng = make(target, method, num_kv_blocks=64, max_num_batched_tokens=40, **kw)
+    pinned = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, num_draft_tokens=3)
+    assert [o.outputs[0].delta_token_ids for o in eng.generate(ps, pinned)] == plain_tokens
+    assert eng.spec_stats.num_drafts > 0
+
+
+def test_served_through_the_sdk(served_dirs):
+    import openai
+
+    from server.app import ServerSettings, create_app
+    from servers import engine_factory, serve
+
+    quantized, _ = served_dirs["awq-gemm-g32"]
+    with serve(create_app(ServerSettings(served_model_name="q"), engine_factory(quantized))) as srv:
+        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="none")
+        chat = client.chat.completions.create(
+            model="q", messages=[{"role": "user", "content": "a b c"}], max_tokens=8, temperature=0
+        )
+        assert chat.usage.completion_tokens > 0
+        text = client.completions.create(model="q", prompt="a b c a b", max_tokens=8, temperature=0)
+    ids = transformers.AutoTokenizer.from_pretrained(quantized).encode("a b c a b")
+    want = make(quantized).generate([ids], SamplingParams(temperature=0.0, max_tokens=8))[0].outputs[0].text
+    assert text.choices[0].text == want
+
+
+def test_what_is_not_served_is_a_clear_error(served_dirs, tmp_path):
+    quantized, _ = served_dirs["gptq-4bit-g32-sym"]
+    with pytest.raises(ValueError, match="cannot be re-quantized to int4"):
+        load_model(quantized, load_config(quantized), torch.float32, torch.device("cpu"), 64, quantization="int4")
+    cases = {
+        "hqq": (quantized, {"quant_method": "hqq"}, "quantization method 'hqq' is not supported"),
+        "nvfp4": (
+            served_dirs["ct-w4a16-g32-sym"][0],
+            {"weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}},
+            "float weights of 4 bits are not supported",
+        ),
+        "gptq 3 bits": (quantized, {"bits": 3}, "GPTQ with 3 bits is not supported"),
+    }
+    for label, (src, change, message) in cases.items():
+        d = tmp_path / label.replace(" ", "-")
+        shutil.copytree(src, d)
+        config = json.loads((d / "config.json").read_text())
+        qc = config["quantization_config"]
+        if "weights" in change:
+            qc["config_groups"]["group_0"]["weights"] = change["weights"]
+        else:
+            qc.update(change)
+        (d / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=message):
+            load_model(d, load_config(d), torch.float32, torch.device("cpu"), 64)
