@@ -597,9 +597,10 @@ def _serve_parser(sub, common: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--tool-call-parser",
-        choices=["auto", "hermes", "llama3_json", "mistral"],
+        choices=["auto", "hermes", "llama3_json", "mistral", "harmony"],
         default="auto",
-        help="how the model writes tool calls (auto: from its chat template; Hermes-style where it says nothing)",
+        help="how the model writes tool calls (auto: from its chat template; Hermes-style where it says nothing; "
+        "harmony: gpt-oss's messages to functions.NAME)",
     )
     serve.add_argument(
         "--chat-template",
@@ -620,7 +621,8 @@ def _serve_parser(sub, common: argparse.ArgumentParser) -> None:
         choices=list(REASONING_SYNTAXES),
         default=None,
         help="split a reasoning model's thinking into reasoning_content (qwen3: Qwen3/QwQ <think>; deepseek_r1: "
-        "DeepSeek-R1, which thinks first); enables reasoning_effort and thinking_token_budget",
+        "DeepSeek-R1, which thinks first; harmony: gpt-oss's analysis channel); enables reasoning_effort and "
+        "thinking_token_budget (not with harmony)",
     )
     serve.add_argument(
         "--generation-config",

@@ -17,13 +17,21 @@ QwQ and DeepSeek-R1) before its answer. ``--reasoning-parser`` names the convent
 
 ``reasoning_effort`` maps to the template's switch: ``none`` and ``minimal`` turn thinking off, the
 other levels on (docs/reasoning.md).
+
+gpt-oss (``--reasoning-parser harmony``) writes no markers around its thinking but messages on channels
+(server/harmony.py): :class:`HarmonySyntax` reads its analysis channel as the reasoning, and frames a
+grammar with a :class:`~engine.request.structured.Prelude` of analysis messages rather than a
+:class:`~engine.request.structured.Thinking`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass
 
-from engine.request.structured import Thinking
+from engine.request.structured import Prelude, StructuredOutput, Thinking
+from server.harmony import CALL, END, HarmonyStream, HarmonyVocab, call_header, prelude_lark
 
 # Chat template variables that turn a hybrid model's thinking on or off, by the families that read
 # them: Qwen3 and GLM-4.5 ``enable_thinking``, DeepSeek-V3.1 ``thinking``.
@@ -39,6 +47,7 @@ class ReasoningFrame:
     # True: inside it (the prompt opened it); False: the model may open it; None: turned off (the
     # template closed it before the output): no thinking is expected.
     opened: bool | None
+    opening: str = ""  # harmony: the text the prompt wrote for the output's turn, which the output goes on from
 
 
 @dataclass(frozen=True)
@@ -49,6 +58,7 @@ class ReasoningSyntax:
     # DeepSeek-R1's convention: the model thinks first even where the prompt did not open the
     # thinking (its older templates leave the opening marker to the model, which may omit it).
     thinks_first: bool = False
+    budgets = True  # thinking_token_budget can force the end of thinking (its end marker is one token)
 
     # -- the prompt -------------------------------------------------------------------------------------
     def frame(self, opening: str) -> ReasoningFrame:
@@ -69,6 +79,25 @@ class ReasoningSyntax:
         reasoning, content = stream.feed(text)
         more_reasoning, more_content = stream.finish()
         return (reasoning + more_reasoning if stream.thought else None), content + more_content
+
+    def behind(self, structured: StructuredOutput | None, tokenizer, frame: ReasoningFrame, budget: int | None,
+               call: bool) -> StructuredOutput | None:  # fmt: skip
+        """A request's grammar applied to the answer, after the thinking (a free-text one where only a
+        budget needs the grammar's masks); ``call``: the grammar is a forced tool call's."""
+        thinking = self.thinking(tokenizer, frame, budget)
+        if thinking is None:
+            return structured
+        if structured is not None:
+            return dataclasses.replace(structured, thinking=thinking)
+        return StructuredOutput.free_text(thinking, "thinking_token_budget") if budget is not None else None
+
+    def reader(self, tokenizer, frame: ReasoningFrame, calls: bool) -> ReasoningReader:
+        """How a request's outputs are read (``calls`` is for harmony: its calls are messages)."""
+        return ReasoningReader(self, frame, self.token_ids(tokenizer)[1])
+
+    def check(self, tokenizer) -> None:
+        """ValueError where this is not the tokenizer of a model of this convention."""
+        self.token_ids(tokenizer)
 
     def thinking(self, tokenizer, frame: ReasoningFrame, budget: int | None) -> Thinking | None:
         """The engine's frame for a grammar behind the thinking (None: thinking is off)."""
@@ -91,9 +120,45 @@ class ReasoningSyntax:
         return ids[0], ids[1]
 
 
+class HarmonySyntax:
+    """gpt-oss's harmony format: the analysis channel is the thinking, the final channel (and preambles,
+    commentary without a recipient) the answer, messages to ``functions.NAME`` calls (server/harmony.py)."""
+
+    name = "harmony"
+    budgets = False  # no one token ends the analysis (a message ends with <|end|>, then another starts)
+
+    def frame(self, opening: str) -> ReasoningFrame:
+        """Where the output starts: in a new message's header (the generation prompt
+        ``<|start|>assistant``: the model may think), inside an analysis message the prompt opened, or
+        inside another message (no thinking: the grammar has no prelude)."""
+        stream = HarmonyStream(opening)
+        if stream.state == stream.HEADER:
+            return ReasoningFrame(False, opening)
+        inside_analysis = stream.state == stream.BODY and stream.announced and stream.message.kind == "reasoning"
+        return ReasoningFrame(True if inside_analysis else None, opening)
+
+    def behind(self, structured: StructuredOutput | None, tokenizer, frame: ReasoningFrame, budget: int | None,
+               call: bool) -> StructuredOutput | None:  # fmt: skip
+        """The grammar behind a :class:`~engine.request.structured.Prelude` of analysis messages (and
+        preambles): a call writes its own header, any other grammar is the final message's."""
+        if structured is None or frame.opened is None:
+            return structured
+        end = HarmonyVocab.of(tokenizer).ids[END]
+        word = tokenizer.encode("commentary" if call else "final", add_special_tokens=False)[0]
+        return dataclasses.replace(structured, prelude=Prelude(prelude_lark(call, frame.opened), (end, word)))
+
+    def reader(self, tokenizer, frame: ReasoningFrame, calls: bool, visible: bool = True) -> HarmonyReader:
+        return HarmonyReader(frame, HarmonyVocab.of(tokenizer), visible, calls)
+
+    def check(self, tokenizer) -> None:
+        HarmonyVocab.of(tokenizer)
+
+
+HARMONY = HarmonySyntax()
 SYNTAXES = {
     "qwen3": ReasoningSyntax("qwen3"),
     "deepseek_r1": ReasoningSyntax("deepseek_r1", thinks_first=True),
+    "harmony": HARMONY,
 }
 
 
@@ -165,6 +230,11 @@ class ReasoningStream:
             text = ""
         return reasoning, content
 
+    @property
+    def ended(self) -> bool:
+        """The output is past its thinking (or never had one)."""
+        return self.phase == self.AFTER
+
     def finish(self) -> tuple[str, str]:
         """What was held back, once the output has ended: a marker that never came is text."""
         held, self.held = self.held, ""
@@ -194,13 +264,69 @@ def reasoning_token_count(token_ids: list[int], end_id: int, thought: bool) -> i
     return token_ids.index(end_id) + 1 if end_id in token_ids else len(token_ids)
 
 
+class HarmonyReasoningStream:
+    """A harmony output's text, as it grows, split as :class:`ReasoningStream` splits: the analysis
+    messages' text is the reasoning (left out unless ``visible``), the final message's and preambles'
+    the content, each message set apart from the one before by a blank line. With ``calls`` a call's
+    message goes into the content as gpt-oss writes it (``<|channel|>commentary to=functions.NAME
+    <|constrain|>json<|message|>ARGS``, then ``<|call|>`` where a marker ended it), for the harmony tool
+    parser to read; without, it is dropped, so no marker is ever content."""
+
+    def __init__(self, opening: str, visible: bool, calls: bool) -> None:
+        self.stream = HarmonyStream(opening)
+        self.visible, self.calls = visible, calls
+        self.kind = self.stream.message.kind if self.stream.state == self.stream.BODY else None  # the open message's
+        self.thought = visible and self.kind == "reasoning"
+        self.said = {"reasoning": False, "content": False}  # a message of each had text
+        self.fresh = True  # the open message has had no text yet
+
+    @property
+    def ended(self) -> bool:
+        return self.kind != "reasoning"
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        return self._route(self.stream.feed(delta))
+
+    def finish(self) -> tuple[str, str]:
+        return self._route(self.stream.finish())
+
+    def _route(self, events: list[tuple]) -> tuple[str, str]:
+        out = {"reasoning": "", "content": ""}
+        for event in events:
+            if event[0] == "open":
+                self.kind, self.fresh = event[1].kind, True
+                self.thought = self.thought or (self.visible and self.kind == "reasoning")
+                if self.kind == "call" and self.calls:
+                    out["content"] += call_header(event[1].function)
+            elif event[0] == "text":
+                if self.kind == "call" and self.calls:
+                    out["content"] += event[1]
+                elif self.kind == "content" or (self.kind == "reasoning" and self.visible):
+                    apart = self.fresh and self.said[self.kind]
+                    out[self.kind] += ("\n\n" if apart else "") + event[1]
+                    self.said[self.kind], self.fresh = True, False
+            else:
+                if self.kind == "call" and self.calls:
+                    out["content"] += CALL
+                self.kind = None
+        return out["reasoning"], out["content"]
+
+
+_NAME = r"(?<![\w.'\"]){}(?![\w'\"])"  # a template variable read by itself (not message.thinking, not 'thinking')
+
+
 def effort_switch(chat_template: str | None) -> str | None:
     """The template variable that turns thinking on or off, if the template reads one."""
     template = chat_template or ""
     for name in SWITCHES:
-        if name in template:
+        if re.search(_NAME.format(name), template):
             return name
     return None
+
+
+def reads_effort(chat_template: str | None) -> bool:
+    """The template reads the level itself, as ``reasoning_effort`` (gpt-oss's: ``Reasoning: high``)."""
+    return re.search(_NAME.format("reasoning_effort"), chat_template or "") is not None
 
 
 @dataclass(frozen=True)
@@ -211,9 +337,39 @@ class ReasoningReader:
     syntax: ReasoningSyntax
     frame: ReasoningFrame
     end_id: int
+    visible = True  # the reasoning is shown (and counted in usage)
 
     def stream(self) -> ReasoningStream:
         return ReasoningStream(self.syntax, self.frame)
 
     def split(self, text: str) -> tuple[str | None, str]:
         return self.syntax.split(text, self.frame)
+
+    def count(self, token_ids: list[int], thought: bool) -> int:
+        """Reasoning tokens of an output (usage's ``reasoning_tokens``)."""
+        return reasoning_token_count(token_ids, self.end_id, thought)
+
+
+@dataclass(frozen=True)
+class HarmonyReader:
+    """How one request's harmony outputs are read: where the output starts, the markers' tokens, whether
+    the analysis is shown as reasoning (``visible``: --reasoning-parser harmony; otherwise it is left
+    out) and whether calls go on to the tool parser (``calls``)."""
+
+    frame: ReasoningFrame
+    vocab: HarmonyVocab
+    visible: bool
+    calls: bool
+
+    def stream(self) -> HarmonyReasoningStream:
+        return HarmonyReasoningStream(self.frame.opening, self.visible, self.calls)
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        """(reasoning, content) of a whole output; reasoning None where it had no analysis (or it is not shown)."""
+        stream = self.stream()
+        reasoning, content = stream.feed(text)
+        more_reasoning, more_content = stream.finish()
+        return (reasoning + more_reasoning if stream.thought else None), content + more_content
+
+    def count(self, token_ids: list[int], thought: bool) -> int:
+        return self.vocab.reasoning_tokens(token_ids, self.frame.opening) if thought else 0

@@ -6,11 +6,12 @@ import time
 from dataclasses import dataclass, field
 
 from engine.core.async_engine import EngineFront
+from server.harmony import HarmonyVocab
 from server.metrics import Metrics
-from server.reasoning import SYNTAXES, ReasoningSyntax
+from server.reasoning import SYNTAXES, HarmonySyntax, ReasoningSyntax
 from server.responses.store import ResponseStore
 from server.tokens import TokenTexts
-from server.tools import FORMATS, ToolFormat, detect_format
+from server.tools import TOOL_PARSERS, HarmonyFormat, ToolFormat, detect_format
 
 
 @dataclass
@@ -26,7 +27,7 @@ class ServerSettings:
     # otherwise (unseeded, temperature > 0); None: every request is verified exactly.
     typical_acceptance: tuple[float, float] | None = None
     metrics_compat: str = "vllm"  # also export vLLM's metric names ("none": only augur_*)
-    # How the model writes tool calls: auto (from its chat template) | hermes | llama3_json | mistral.
+    # How the model writes tool calls: auto (from its chat template) | hermes | llama3_json | mistral | harmony.
     tool_call_parser: str = "auto"
     # The Responses API's store (store: true): oldest out first past either bound.
     responses_store_max: int = 1024
@@ -59,7 +60,7 @@ class ServerState:
     metrics: Metrics = field(init=False)
     created: int = field(default_factory=lambda: int(time.time()))
     responses: ResponseStore = field(init=False)
-    reasoning: ReasoningSyntax | None = None  # set by attach when --reasoning-parser names one
+    reasoning: ReasoningSyntax | HarmonySyntax | None = None  # set by attach when --reasoning-parser names one
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.settings.served_model_name, self.settings.metrics_compat)
@@ -67,9 +68,9 @@ class ServerState:
         self.metrics.bind_store(self.responses)
 
     @property
-    def tool_format(self) -> ToolFormat:
+    def tool_format(self) -> ToolFormat | HarmonyFormat:
         name = self.settings.tool_call_parser
-        return detect_format(self.engine.chat_template) if name == "auto" else FORMATS[name]
+        return detect_format(self.engine.chat_template) if name == "auto" else TOOL_PARSERS[name]
 
     @property
     def sampling_defaults(self) -> dict:
@@ -77,11 +78,17 @@ class ServerState:
         return self.engine.generation_config if self.settings.generation_config == "auto" else {}
 
     def attach(self, engine: EngineFront) -> None:
-        if self.settings.chat_template is not None:
-            engine.use_chat_template(self.settings.chat_template)
-        if self.settings.reasoning_parser is not None:
-            self.reasoning = SYNTAXES[self.settings.reasoning_parser]
-            self.reasoning.token_ids(engine.tokenizer)  # ValueError: not this model's markers
+        try:
+            if self.settings.chat_template is not None:
+                engine.use_chat_template(self.settings.chat_template)
+            if self.settings.reasoning_parser is not None:
+                self.reasoning = SYNTAXES[self.settings.reasoning_parser]
+                self.reasoning.check(engine.tokenizer)  # ValueError: not this model's markers
+            if self.settings.tool_call_parser == "harmony":
+                HarmonyVocab.of(engine.tokenizer, "--tool-call-parser harmony")
+        except Exception:
+            engine.shutdown()  # refused: an engine process would otherwise outlive the server
+            raise
         self.metrics.bind_engine(engine)
         engine.step_hooks.append(self.metrics.on_step)
         engine.start()

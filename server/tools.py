@@ -2,7 +2,8 @@
 parser that reads them back.
 
 A :class:`ToolFormat` is one family's call syntax (Hermes-style ``<tool_call>{json}</tool_call>``,
-Llama-3's bare JSON, Mistral's ``[TOOL_CALLS][...]``). With ``tool_choice`` ``required`` or a named
+Llama-3's bare JSON, Mistral's ``[TOOL_CALLS][...]``); :class:`HarmonyFormat` is gpt-oss's, where a
+call is a message addressed ``to=functions.NAME`` (server/harmony.py). With ``tool_choice`` ``required`` or a named
 function the output is constrained by :meth:`ToolFormat.grammar` (a Lark grammar whose calls are
 JSON-schema-checked by llguidance), so the arguments always parse and match the schema; with
 ``auto`` the model writes what it likes and :meth:`ToolFormat.parse` finds calls in it. Models whose
@@ -18,6 +19,8 @@ import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
+
+from server.harmony import CALL, CHANNEL, HarmonyStream, call_header, call_lark
 
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ARGUMENT_PIECE = 16  # characters of a parsed call's arguments per streamed delta
@@ -67,6 +70,10 @@ class ToolFormat:
     def marker(self) -> str:
         """The text that starts the calls: a stream holds text back while it may be starting."""
         return (self.open + self.call_open).strip() or "{"
+
+    def scanner(self) -> CallScanner:
+        """A reader of forced calls as they are written."""
+        return CallScanner(self)
 
     # -- writing --------------------------------------------------------------------------------------
     def grammar(self, tools: list[dict], parallel: bool) -> str:
@@ -175,10 +182,100 @@ FORMATS = {
 }
 
 
-def detect_format(chat_template: str | None) -> ToolFormat:
+class HarmonyFormat:
+    """gpt-oss's calls: a message on the commentary channel addressed ``to=functions.NAME``, its body the
+    arguments, ended by ``<|call|>`` (an end of generation: one call per output). It reads the content
+    a :class:`~server.reasoning.HarmonyReasoningStream` leaves (the answer's text, and the call messages
+    as written); text outside any message is content, and a body's JSON is kept as written."""
+
+    name = "harmony"
+    marker = CHANNEL
+    # Arguments as gpt-oss writes them (compact JSON).
+    layout = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+
+    def grammar(self, tools: list[dict], parallel: bool) -> str:
+        """One call of one of ``tools``: gpt-oss ends its output with a call, so ``parallel`` gives one too."""
+        return call_lark(tools, self.layout)
+
+    def render(self, calls: list[tuple[str, Any]]) -> str:
+        return "".join(call_header(n) + json.dumps(a, ensure_ascii=False) + CALL for n, a in calls)
+
+    def scanner(self) -> HarmonyCallScanner:
+        return HarmonyCallScanner()
+
+    def start_of_calls(self, text: str) -> int:
+        return text.find(CHANNEL)
+
+    def content_end(self, text: str) -> int:
+        start = text.find(CHANNEL)
+        if start >= 0:
+            return start
+        for k in range(min(len(CHANNEL) - 1, len(text)), 0, -1):
+            if CHANNEL.startswith(text[-k:]):
+                return len(text) - k
+        return len(text)
+
+    def parse(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls), as :meth:`ToolFormat.parse`: a call whose message a marker ended is whole, and
+        so is the one the output ended inside unless ``cut`` (then it is dropped, neither call nor content)."""
+        stream = HarmonyStream()
+        content: list[str] = []
+        calls: list[ToolCall] = []
+        call: list[str] | None = None  # the open call: name, arguments so far
+        for event in stream.feed(text) + stream.finish():
+            if event[0] == "open":
+                call = [event[1].function, ""] if event[1].kind == "call" else None
+                if event[1].kind == "content":
+                    content.append("")
+            elif event[0] == "text":
+                if call is not None:
+                    call[1] += event[1]
+                elif content:
+                    content[-1] += event[1]
+            elif call is not None:
+                calls.append(ToolCall(call[0], call[1].strip() or "{}", call_id()))
+                call = None
+        if call is not None and not cut:
+            calls.append(ToolCall(call[0], call[1].strip() or "{}", call_id()))
+        joined = "\n\n".join(x for x in content if x)
+        if not calls and not cut:
+            return joined, []
+        return (joined if joined.strip() else None), calls
+
+
+class HarmonyCallScanner:
+    """Forced harmony calls read as they are written, with :class:`CallScanner`'s events: ``("call", name)``
+    once a call's header is complete, ``("args", text)`` for each piece of its body, ``("end",)`` where a
+    marker ends it."""
+
+    def __init__(self) -> None:
+        self.stream = HarmonyStream()
+        self.open = False
+
+    def feed(self, delta: str) -> list[tuple]:
+        events: list[tuple] = []
+        for event in self.stream.feed(delta):
+            if event[0] == "open":
+                self.open = event[1].kind == "call"
+                if self.open:
+                    events.append(("call", event[1].function))
+            elif event[0] == "text" and self.open:
+                events.append(("args", event[1]))
+            elif event[0] == "close" and self.open:
+                events.append(("end",))
+                self.open = False
+        return events
+
+
+TOOL_PARSERS: dict[str, ToolFormat | HarmonyFormat] = {**FORMATS, "harmony": HarmonyFormat()}
+
+
+def detect_format(chat_template: str | None) -> ToolFormat | HarmonyFormat:
     """The call syntax a chat template teaches its model; Hermes-style where it says nothing (the
     fallback template writes that style)."""
     t = chat_template or ""
+    if CHANNEL in t:  # harmony (gpt-oss): messages on channels
+        return TOOL_PARSERS["harmony"]
     if "[TOOL_CALLS]" in t:
         return FORMATS["mistral"]
     if "<tool_call>" in t:

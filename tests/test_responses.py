@@ -18,9 +18,9 @@ from test_tools import MODELS, Lookup, Weather
 
 from conftest import build_model_dir
 from server.app import ServerSettings, create_app
-from server.responses.output import CallScanner, OutputBuilder
+from server.responses.output import OutputBuilder
 from server.responses.store import ResponseStore
-from server.tools import FORMATS
+from server.tools import FORMATS, CallScanner
 from servers import Served, engine_factory, serve
 
 MODEL = "tiny-llama"

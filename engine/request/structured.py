@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 Kind = Literal["json", "regex", "choice", "grammar", "text"]
+ANSWER = "augur_answer"  # the answer's grammar, as a frame around it refers to it (``@augur_answer``)
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,20 @@ class Thinking:
 
 
 @dataclass(frozen=True)
+class Prelude:
+    """Output a grammar lets come before the answer it constrains, written as Lark rules whose
+    ``start`` takes the answer as ``@augur_answer``: a harmony model's (gpt-oss's) analysis messages
+    before its final message or its call. Unlike :class:`Thinking` it has no single end token and no
+    budget."""
+
+    lark: str
+    # Tokens an ending tries first from inside the prelude, when the output is closed within
+    # max_tokens (engine/structured/closing.py): the token that ends a message, the first token of
+    # the answer's header.
+    first: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class StructuredOutput:
     """``kind`` and its ``spec``:
 
@@ -40,7 +55,8 @@ class StructuredOutput:
     - ``text``: any text (``spec`` empty): for a ``thinking`` budget on an unconstrained answer.
 
     ``param`` names the request field it came from, so that an invalid one is refused by name.
-    ``thinking``: the output starts with a reasoning model's thinking, which the grammar leaves free.
+    ``thinking``: the output starts with a reasoning model's thinking, which the grammar leaves free;
+    ``prelude``: it starts with what those rules allow (a harmony model's analysis), the answer after.
     """
 
     kind: Kind
@@ -48,6 +64,7 @@ class StructuredOutput:
     whitespace_pattern: str | None = None  # json only: the whitespace allowed between tokens
     param: str = "structured_outputs"
     thinking: Thinking | None = None
+    prelude: Prelude | None = None
 
     @classmethod
     def json_schema(cls, schema: dict | bool, param: str, whitespace_pattern: str | None = None) -> StructuredOutput:
@@ -68,4 +85,4 @@ class StructuredOutput:
         """What identifies the compiled grammar (the field it came from and a thinking budget do not)."""
         t = self.thinking
         frame = None if t is None else (t.start_id, t.end_id, t.end_text, t.opened)
-        return (self.kind, self.spec, self.whitespace_pattern, frame)
+        return (self.kind, self.spec, self.whitespace_pattern, frame, self.prelude)

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from engine.request.checks import InvalidRequestError
-from engine.request.structured import StructuredOutput, Thinking
+from engine.request.structured import ANSWER, Prelude, StructuredOutput, Thinking
 from engine.structured.closing import Closing, ClosingVocab, close, ending
 
 MAX_SPEC_CHARS = 256 * 1024  # a schema, regex or grammar longer than this is refused unread
@@ -53,6 +53,8 @@ def grammar_text(so: StructuredOutput) -> str:
     """The llguidance grammar (its JSON form, or Lark) for a spec; raises GrammarError for what is not
     even well-formed (the matcher's construction checks the rest)."""
     answer = _answer_grammar(so)
+    if so.prelude is not None:
+        return _after_prelude(answer, so.prelude)
     return answer if so.thinking is None else _after_thinking(answer, so.thinking, free=so.kind == "text")
 
 
@@ -86,9 +88,6 @@ def _answer_grammar(so: StructuredOutput) -> str:
     raise GrammarError(f"unknown structured output kind {so.kind!r}", so.param)
 
 
-ANSWER = "augur_answer"  # the answer's grammar, as the thinking frame refers to it (``@augur_answer``)
-
-
 def _after_thinking(answer: str, t: Thinking, free: bool) -> str:
     """The answer's grammar behind a reasoning model's thinking: the thinking is any text without its
     end marker (the opening marker may come first), closed by the end marker token, then a little
@@ -111,6 +110,13 @@ def _after_thinking(answer: str, t: Thinking, free: bool) -> str:
     grammars[0] = {**grammars[0], "name": ANSWER}
     top = {"lark_grammar": "\n".join([f"start: {start}", *lines]) + "\n"}
     return json.dumps({"grammars": [top, *grammars]})
+
+
+def _after_prelude(answer: str, prelude: Prelude) -> str:
+    """The answer's grammar behind a prelude's rules (which refer to it as ``@augur_answer``)."""
+    grammars = _grammar_list(answer)
+    grammars[0] = {**grammars[0], "name": ANSWER}
+    return json.dumps({"grammars": [{"lark_grammar": prelude.lark}, *grammars]})
 
 
 def _regex_literal(text: str) -> str:
@@ -199,6 +205,7 @@ class Grammars:
         closing = None
         if left is not None and so.kind != "text":  # free text has no structure to close
             first = [so.thinking.end_id] if so.thinking is not None else []
+            first += list(so.prelude.first) if so.prelude is not None else []
             closing = Closing(self.closing_vocab(), first, left)
             shortest = ending(matcher, closing.vocab, first, torch.empty(self.words, dtype=torch.int32))
             if shortest is None:  # a grammar beyond the closers: not closed

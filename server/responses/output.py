@@ -22,17 +22,18 @@ from __future__ import annotations
 
 import json
 
-from server.reasoning import ReasoningStream
+from server.reasoning import HarmonyReasoningStream, ReasoningStream
 from server.responses.protocol import new_id
-from server.tools import CallScanner, ToolFormat, argument_pieces
+from server.tools import HarmonyFormat, ToolFormat, argument_pieces
 
 
 class OutputBuilder:
-    def __init__(self, tools: ToolFormat | None, forced: bool, reasoning: ReasoningStream | None = None) -> None:
+    def __init__(self, tools: ToolFormat | HarmonyFormat | None, forced: bool,
+                 reasoning: ReasoningStream | HarmonyReasoningStream | None = None) -> None:  # fmt: skip
         self.reasoning = reasoning  # splits a reasoning model's thinking off (None: no reasoning parser)
         self.thinking: dict | None = None  # the open reasoning item
         self.tools = tools  # calls are read from the text (None: plain text)
-        self.scanner = CallScanner(tools) if tools is not None and forced else None
+        self.scanner = tools.scanner() if tools is not None and forced else None
         self.items: list[dict] = []
         self.index: dict[str, int] = {}  # item id -> output_index
         self.text = ""  # the whole output so far
@@ -71,7 +72,7 @@ class OutputBuilder:
         if self.reasoning is not None:
             thought, rest = self.reasoning.finish()
             events += self._think(thought)
-            ended = self.reasoning.phase == ReasoningStream.AFTER
+            ended = self.reasoning.ended
             events += self._close_thinking("completed" if ended or reason == "stop" else "incomplete")
             events += self._answer(rest)
         if self.scanner is not None:

@@ -14,11 +14,28 @@ from engine.request.sequence import TokenLogprob
 from engine.request.structured import StructuredOutput
 from server.common import bad_request, check_model, off_loop, parse_request, ready_engine, request_body
 from server.protocol import ChatCompletionRequest, UnsupportedError
-from server.reasoning import OFF_EFFORTS, ReasoningReader, ReasoningStream, effort_switch, reasoning_token_count
+from server.reasoning import (
+    HARMONY,
+    OFF_EFFORTS,
+    HarmonyReader,
+    HarmonyReasoningStream,
+    ReasoningReader,
+    ReasoningStream,
+    effort_switch,
+    reads_effort,
+)
 from server.relay import Job, prepare, respond, sampling_params
 from server.state import ServerState
 from server.tokens import TokenTexts
-from server.tools import CallScanner, ToolFormat, argument_pieces, call_id, fallback_messages
+from server.tools import (
+    CallScanner,
+    HarmonyCallScanner,
+    HarmonyFormat,
+    ToolFormat,
+    argument_pieces,
+    call_id,
+    fallback_messages,
+)
 
 
 @dataclass
@@ -43,13 +60,14 @@ def template_kwargs(state: ServerState, chat_template: str | None, turn: ChatTur
     kw = dict(state.settings.default_chat_template_kwargs or {})
     if turn.effort is not None:
         off = turn.effort in OFF_EFFORTS
-        if state.reasoning is None and not off:
+        level = reads_effort(chat_template)  # the template reads the level itself (gpt-oss's)
+        if state.reasoning is None and not off and not level:
             raise bad_request(f"{turn.effort_param} {turn.effort!r}: this model does not reason (the server was "
                               "started without --reasoning-parser)", turn.effort_param)  # fmt: skip
         switch = effort_switch(chat_template)
         if switch is not None:
             kw[switch] = not off
-        elif off and state.reasoning is not None:
+        elif off and (state.reasoning is not None or level):
             raise bad_request(f"{turn.effort_param} {turn.effort!r}: this model's chat template has no switch that "
                               "turns its thinking off", turn.effort_param)  # fmt: skip
         kw["reasoning_effort"] = turn.effort  # templates that read the level itself (gpt-oss's)
@@ -58,21 +76,31 @@ def template_kwargs(state: ServerState, chat_template: str | None, turn: ChatTur
 
 
 async def chat_job(state: ServerState, request: Request, req, turn: ChatTurn, prefix: str
-                   ) -> tuple[Job, ReasoningReader | None]:  # fmt: skip
+                   ) -> tuple[Job, ReasoningReader | HarmonyReader | None]:  # fmt: skip
     """The one path from a chat-shaped request to an admitted :class:`Job`: the messages rendered
     with the chat template (tools through it, or the fallback), the sampling parameters, a forced
     call's grammar behind the thinking of a reasoning model, the prompt checked and the grammar
     compiled, queue places reserved. ``req`` is the request model: its sampling fields, ``n``,
     ``stream``, ``completion_limit``, its offered ``tool_functions`` and its
     :class:`~server.protocol.ToolChoiceRules`. Also returns how its outputs' thinking is read
-    (None: the server has no reasoning parser)."""
+    (None: the server has no reasoning parser, or the request keeps the thinking in its content).
+
+    A harmony output (gpt-oss's: ``--reasoning-parser harmony``, or the harmony tool format, which a
+    harmony chat template selects) is detokenized with its markers, which the reader takes out: its
+    analysis is reasoning where the reasoning parser is harmony, and left out otherwise."""
     eng = ready_engine(state)
     if not eng.has_chat_template:
         raise bad_request("this model has no chat template (serve it with --chat-template, or use /v1/completions)",
                           turn.param)  # fmt: skip
-    if turn.thinking_budget is not None and state.reasoning is None:
+    syntax = state.reasoning
+    if turn.thinking_budget is not None and syntax is None:
         raise bad_request("thinking_token_budget bounds a reasoning model's thinking: the server was started "
                           "without --reasoning-parser", "thinking_token_budget")  # fmt: skip
+    if turn.thinking_budget is not None and not syntax.budgets:
+        raise bad_request(f"thinking_token_budget is not supported with --reasoning-parser {syntax.name}: no one "
+                          "token ends gpt-oss's analysis (it is a message, ended by <|end|> and followed by "
+                          "another)", "thinking_token_budget")  # fmt: skip
+    harmony = syntax is HARMONY or isinstance(state.tool_format, HarmonyFormat)
     messages = turn.messages
     functions = req.tool_functions
     tools = [{"type": "function", "function": f} for f in functions] or None
@@ -82,18 +110,22 @@ async def chat_job(state: ServerState, request: Request, req, turn: ChatTurn, pr
 
     def render() -> tuple[list[int], str]:
         text = eng.render_chat_text(messages, turn.add_generation_prompt, tools, turn.continue_final_message, kwargs)
-        opening = _opening(eng, messages, tools, turn, kwargs, text) if state.reasoning is not None else ""
+        opening = _opening(eng, messages, tools, turn, kwargs, text) if syntax is not None or harmony else ""
         return eng.tokenizer.encode(text, add_special_tokens=False), opening
 
     try:
         prompt_ids, opening = await off_loop(render, sum(len(m["content"]) for m in messages))
     except InvalidRequestError as e:
         raise bad_request(str(e), turn.param) from None
-    reader = thinking = None
-    if state.reasoning is not None:
-        frame = state.reasoning.frame(opening)
-        reader = ReasoningReader(state.reasoning, frame, state.reasoning.token_ids(eng.tokenizer)[1])
-        thinking = state.reasoning.thinking(eng.tokenizer, frame, turn.thinking_budget)
+    frame = syntax.frame(opening) if syntax is not None else None
+    separate = getattr(req, "separate_reasoning", True)  # SGLang's false: the thinking stays in the content
+    harmony_calls = req.parses_tool_calls and isinstance(state.tool_format, HarmonyFormat)  # calls are messages
+    reader = None
+    if harmony:  # markers are never content: an analysis not shown as reasoning is left out
+        visible = syntax is HARMONY and separate
+        reader = HARMONY.reader(eng.tokenizer, HARMONY.frame(opening), harmony_calls, visible)
+    elif syntax is not None and separate:
+        reader = syntax.reader(eng.tokenizer, frame, harmony_calls)
     max_tokens = req.completion_limit
     if max_tokens is None:  # the model's default, else as long as the context allows
         max_tokens = state.sampling_defaults.get("max_tokens") or max(1, eng.max_model_len - len(prompt_ids))
@@ -102,12 +134,11 @@ async def chat_job(state: ServerState, request: Request, req, turn: ChatTurn, pr
     if req.forces_tool_call:  # required / a named function: the calls are the output, by grammar
         calls = state.tool_format.grammar(functions, req.parallel)
         structured = StructuredOutput("grammar", calls, None, "tool_choice")
-    if thinking is not None:  # the grammar applies to the answer, after the thinking; a budget needs one
-        if structured is not None:
-            structured = dataclasses.replace(structured, thinking=thinking)
-        elif thinking.budget is not None:
-            structured = StructuredOutput.free_text(thinking, "thinking_token_budget")
+    if syntax is not None:  # the grammar applies to the answer, after the thinking; a budget needs one
+        structured = syntax.behind(structured, eng.tokenizer, frame, turn.thinking_budget, req.forces_tool_call)
     params = dataclasses.replace(params, structured=structured)
+    if harmony:  # the markers are read (and taken out) by the reader
+        params = dataclasses.replace(params, skip_special_tokens=False)
     ids = await prepare(eng, [prompt_ids], params)
     job = Job.admit(state, eng, request, prefix, ids, params, req.n, req.stream, req.include_usage)
     job.continuous_usage = req.continuous_usage
@@ -146,7 +177,6 @@ def add_chat_routes(app: FastAPI, state: ServerState) -> None:
         )  # fmt: skip
         job, reader = await chat_job(state, request, req, turn, "chatcmpl")
         tools = state.tool_format if req.parses_tool_calls else None
-        reader = reader if req.separate_reasoning else None  # SGLang's false: the thinking stays in content
         fmt = ChatFormat(req.logprobs, state.token_texts, tools, req.forces_tool_call, reader, req.include_reasoning)
         return await respond(job, fmt)
 
@@ -155,13 +185,13 @@ def add_chat_routes(app: FastAPI, state: ServerState) -> None:
 class ChoiceState:
     """One choice of a chat response, as its outputs arrive."""
 
-    reasoning: ReasoningStream | None = None  # splits its thinking off (a reasoning model's)
+    reasoning: ReasoningStream | HarmonyReasoningStream | None = None  # splits its thinking off (a reasoning model's)
     started: bool = False  # streamed: its role chunk was sent
     token_ids: list[int] = field(default_factory=list)
     thought: bool = False  # its output had a thinking part
     content: str = ""  # streamed with tools: the content so far, and how much of it went out
     sent: int = 0
-    scanner: CallScanner | None = None  # streamed forced calls: read as they are written
+    scanner: CallScanner | HarmonyCallScanner | None = None  # streamed forced calls: read as they are written
     calls: int = 0  # streamed forced calls opened so far
     logprobs: list = field(default_factory=list)  # streamed: logprobs not yet sent with a chunk
 
@@ -170,9 +200,9 @@ class ChoiceState:
 class ChatFormat:
     logprobs: bool
     texts: TokenTexts
-    tools: ToolFormat | None = None  # tool calls are parsed out of the text (tool_choice not none)
+    tools: ToolFormat | HarmonyFormat | None = None  # tool calls are parsed out of the text (tool_choice not none)
     forced: bool = False  # required / a named function: the answer is calls only, by grammar
-    reader: ReasoningReader | None = None  # a reasoning model's thinking is split off
+    reader: ReasoningReader | HarmonyReader | None = None  # a reasoning model's thinking is split off
     include_reasoning: bool = True
     choices: dict[int, ChoiceState] = field(default_factory=dict)
 
@@ -184,7 +214,7 @@ class ChatFormat:
         if st is None:
             st = self.choices[idx] = ChoiceState(self.reader.stream() if self.reader is not None else None)
             if self.forced and self.tools is not None:
-                st.scanner = CallScanner(self.tools)
+                st.scanner = self.tools.scanner()
         return st
 
     def adjust(self, c: CompletionOutput) -> CompletionOutput:
@@ -192,9 +222,8 @@ class ChatFormat:
         return c
 
     def usage(self, usage: dict) -> dict:
-        if self.reader is not None:
-            end = self.reader.end_id
-            count = sum(reasoning_token_count(s.token_ids, end, s.thought) for s in self.choices.values())
+        if self.reader is not None and self.reader.visible:
+            count = sum(self.reader.count(s.token_ids, s.thought) for s in self.choices.values())
             usage["completion_tokens_details"] = {"reasoning_tokens": count}
         return usage
 

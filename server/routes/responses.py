@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.core.async_engine import EngineDeadError
 from server.common import APIError, check_model, parse_request, request_body
-from server.reasoning import ReasoningReader, reasoning_token_count
+from server.reasoning import HarmonyReader, ReasoningReader
 from server.relay import Job, outputs, until_disconnect
 from server.responses.output import OutputBuilder
 from server.responses.protocol import ResponsesRequest
@@ -91,7 +91,7 @@ class ResponseRun:
     """One response: the engine's outputs made into items and events, the final object, the store."""
 
     def __init__(self, state: ServerState, req: ResponsesRequest, job: Job, history: list[dict],
-                 owner: str | None, reader: ReasoningReader | None = None) -> None:  # fmt: skip
+                 owner: str | None, reader: ReasoningReader | HarmonyReader | None = None) -> None:  # fmt: skip
         self.state, self.req, self.job = state, req, job
         self.history, self.owner, self.reader = history, owner, reader
         self.id = "resp_" + job.id.rsplit("-", 1)[-1]
@@ -136,7 +136,7 @@ class ResponseRun:
     def reasoning_tokens(self) -> int:
         if self.reader is None or self.builder.reasoning is None:
             return 0
-        return reasoning_token_count(self.token_ids, self.reader.end_id, self.builder.reasoning.thought)
+        return self.reader.count(self.token_ids, self.builder.reasoning.thought)
 
     async def _events(self) -> AsyncIterator[dict]:
         """The output's events as they happen, then the closing ones (without the framing ones)."""
