@@ -14,9 +14,9 @@ even rows of the fused projection): in bfloat16, ``gate_up_proj`` [E, H, 2I] and
 (``*_blocks`` / ``*_scales``, [E, out, ...]: engine/quant/mxfp4.py), dequantized to full precision at
 load. :meth:`GptOssForCausalLM.load_weights` hands both to the mixture's loader one expert at a time.
 
-Its chat format, harmony, is the tokenizer's chat template (prompts render as the model expects).
-Reading harmony *output* (the analysis channel as ``reasoning_content``, commentary-channel calls as
-``tool_calls``) is not built yet: its channel markers are special tokens, which responses skip.
+Its chat format, harmony, is the tokenizer's chat template; the server reads harmony output (the
+analysis channel as ``reasoning_content``, calls ``to=functions.NAME`` as ``tool_calls``) with
+``--reasoning-parser harmony`` and the ``harmony`` tool parser (server/harmony.py, docs/reasoning.md).
 """
 
 from __future__ import annotations
