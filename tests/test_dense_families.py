@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from families import check_served, hf_logits, paged_logits
+from families import hf_eager as hf_model
 from test_engine import hf_greedy, prompts, run_staggered
 from test_step import prompts as repetitive_prompts
 from tp_ranks import model_logits, sharded_logits
@@ -27,7 +29,6 @@ from engine.core.llm_engine import LLMEngine
 from engine.parallel import TensorParallel
 from engine.request.sampling_params import SamplingParams
 from engine.runner.loader import load_config, load_model
-from engine.runner.model_runner import ForwardChunk
 
 PHI3_WINDOW, SMOL_WINDOW = 16, 8
 ORIGINAL = 32  # the LongRoPE model's original_max_position_embeddings
@@ -107,30 +108,8 @@ def make_engine(model_dir: Path, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(model_dir), device="cpu", **kw))
 
 
-def hf_model(model_dir: Path, **config_overrides):
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="eager", **config_overrides
-    ).eval()
-
-
-def hf_logits(model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float()
-
-
 def engine_logits(model_dir: Path, ids: list[int], **kw) -> torch.Tensor:
-    """Every position's logits: the first 20 tokens prefilled in two chunks (11 + 9), the rest decoded
-    one at a time through the paged cache."""
-    engine = make_engine(model_dir, **kw)
-    runner, table = engine.runner, engine.block_manager.fork([]) or []
-    assert engine.block_manager.reserve(table, 0, len(ids)) is not None
-    got = [
-        runner.forward([ForwardChunk(ids[:11], 0, table, num_logits=11)]).logits,
-        runner.forward([ForwardChunk(ids[11:20], 11, table, num_logits=9)]).logits,
-    ]
-    for t in range(20, len(ids)):
-        got.append(runner.forward([ForwardChunk(ids[t : t + 1], t, table, num_logits=1)]).logits)
-    return torch.cat(got)
+    return paged_logits(make_engine(model_dir, **kw), ids)
 
 
 # -- parity with transformers -------------------------------------------------------------------------
@@ -275,23 +254,4 @@ def test_olmo2_whole_projection_qk_norm_matters(dirs):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_served_through_the_sdk(dirs, family):
-    """A chat completion (the tokenizer's chat template) and a completion through the official SDK;
-    the completion's text is the engine's greedy text for the same prompt."""
-    import openai
-    import transformers
-
-    from engine.request.sampling_params import SamplingParams
-    from server.app import ServerSettings, create_app
-    from servers import engine_factory, serve
-
-    d = dirs[family]
-    with serve(create_app(ServerSettings(served_model_name=family), engine_factory(d))) as srv:
-        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="none")
-        chat = client.chat.completions.create(
-            model=family, messages=[{"role": "user", "content": "a b c"}], max_tokens=8, temperature=0
-        )
-        assert chat.choices[0].message.content is not None and chat.usage.completion_tokens > 0
-        text = client.completions.create(model=family, prompt="a b c a b", max_tokens=8, temperature=0)
-    ids = transformers.AutoTokenizer.from_pretrained(d).encode("a b c a b")
-    want = make_engine(d).generate([ids], SamplingParams(temperature=0.0, max_tokens=8))[0].outputs[0].text
-    assert text.choices[0].text == want
+    check_served(dirs[family], make_engine(dirs[family]))

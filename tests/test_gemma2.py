@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from families import hf_eager as hf_model
+from families import hf_logits, paged_logits
 from test_engine import hf_greedy, prompts
 from transformers import PreTrainedTokenizerFast
 
@@ -79,17 +81,6 @@ def make_engine(model_dir: Path, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", **kw))
 
 
-def hf_model(model_dir: Path, **config_overrides):
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="eager", **config_overrides
-    ).eval()
-
-
-def hf_logits(model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float()
-
-
 def test_config_alternates_sliding_and_full_layers(gemma_dirs):
     model = make_engine(gemma_dirs["mild"]).runner.model
     assert model.sliding_window == WINDOW
@@ -103,18 +94,9 @@ def test_logits_match_transformers(gemma_dirs, case):
     """A 30-token prompt (beyond the 8-token window): a 20-token prefill split in two chunks, then
     one token at a time through the paged cache."""
     engine = make_engine(gemma_dirs[case])
-    runner = engine.runner
     ids = prompts(1, seed=1, lo=30, hi=31)[0]
     expected = hf_logits(hf_model(gemma_dirs[case]), ids)
-    table = engine.block_manager.fork([]) or []
-    assert engine.block_manager.reserve(table, 0, len(ids)) is not None
-    got = [
-        runner.forward([ForwardChunk(ids[:11], 0, table, num_logits=11)]).logits,
-        runner.forward([ForwardChunk(ids[11:20], 11, table, num_logits=9)]).logits,
-    ]
-    for t in range(20, len(ids)):
-        got.append(runner.forward([ForwardChunk(ids[t : t + 1], t, table, num_logits=1)]).logits)
-    torch.testing.assert_close(torch.cat(got), expected, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(paged_logits(engine, ids), expected, atol=2e-4, rtol=2e-4)
 
 
 def test_capped_model_needs_both_caps(gemma_dirs):

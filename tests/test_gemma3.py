@@ -18,6 +18,7 @@ import openai
 import pytest
 import torch
 import transformers
+from families import paged_logits
 from safetensors import safe_open
 from test_engine import hf_greedy, prompts
 from test_step import prompts as repetitive_prompts
@@ -30,7 +31,6 @@ from engine.models.gemma3 import Gemma3ForCausalLM, Gemma3TextForCausalLM
 from engine.models.layer_skip import LayerSkip
 from engine.request.sampling_params import SamplingParams
 from engine.runner.loader import load_config
-from engine.runner.model_runner import ForwardChunk
 from server.app import ServerSettings, create_app
 from servers import engine_factory, serve
 
@@ -183,18 +183,9 @@ def test_logits_match_transformers(gemma_dirs, hf_models, kind):
     """A 30-token prompt (beyond the 8-token window): a 20-token prefill split in two chunks, then
     one token at a time through the paged cache."""
     engine = make_engine(gemma_dirs[kind])
-    runner = engine.runner
     ids = prompts(1, seed=1, lo=30, hi=31)[0]
     expected = hf_logits(hf_models[kind], ids)
-    table = engine.block_manager.fork([]) or []
-    assert engine.block_manager.reserve(table, 0, len(ids)) is not None
-    got = [
-        runner.forward([ForwardChunk(ids[:11], 0, table, num_logits=11)]).logits,
-        runner.forward([ForwardChunk(ids[11:20], 11, table, num_logits=9)]).logits,
-    ]
-    for t in range(20, len(ids)):
-        got.append(runner.forward([ForwardChunk(ids[t : t + 1], t, table, num_logits=1)]).logits)
-    torch.testing.assert_close(torch.cat(got), expected, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(paged_logits(engine, ids), expected, atol=2e-4, rtol=2e-4)
 
 
 def test_both_rope_tables_and_the_cap_change_transformers_logits(gemma_dirs, hf_models):

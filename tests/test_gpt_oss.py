@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from families import check_served, hf_logits, paged_logits
+from families import hf_eager as hf_model
 from safetensors.torch import load_file, save_file
 from test_engine import hf_greedy, prompts, run_staggered
 from test_step import prompts as repetitive_prompts
@@ -23,7 +25,6 @@ from engine.models.llama import LlamaForCausalLM
 from engine.quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from engine.request.sampling_params import SamplingParams
 from engine.runner.loader import load_config, load_model
-from engine.runner.model_runner import ForwardChunk
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -101,30 +102,8 @@ def make(model_dir, method: str | None = None, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(model_dir), device="cpu", speculative_method=method, **kw))
 
 
-def hf_model(model_dir: Path, **overrides):
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="eager", **overrides
-    ).eval()
-
-
-def hf_logits(model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float()
-
-
 def our_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
-    """A two-chunk prefill, then one token at a time through the paged cache."""
-    engine = make(model_dir)
-    runner = engine.runner
-    table = engine.block_manager.fork([]) or []
-    assert engine.block_manager.reserve(table, 0, len(ids)) is not None
-    got = [
-        runner.forward([ForwardChunk(ids[:11], 0, table, num_logits=11)]).logits,
-        runner.forward([ForwardChunk(ids[11:20], 11, table, num_logits=9)]).logits,
-    ]
-    for t in range(20, len(ids)):
-        got.append(runner.forward([ForwardChunk(ids[t : t + 1], t, table, num_logits=1)]).logits)
-    return torch.cat(got)
+    return paged_logits(make(model_dir), ids)
 
 
 def test_layers_alternate_and_hold_sinks(oss_dir):
@@ -204,18 +183,4 @@ def test_speculation_gives_the_plain_decoders_tokens(oss_dir, tmp_path, method):
 
 
 def test_served_through_the_sdk(oss_dir):
-    import openai
-
-    from server.app import ServerSettings, create_app
-    from servers import engine_factory, serve
-
-    with serve(create_app(ServerSettings(served_model_name="oss"), engine_factory(oss_dir))) as srv:
-        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="none")
-        chat = client.chat.completions.create(
-            model="oss", messages=[{"role": "user", "content": "a b c"}], max_tokens=8, temperature=0
-        )
-        assert chat.choices[0].message.content is not None and chat.usage.completion_tokens > 0
-        text = client.completions.create(model="oss", prompt="a b c a b", max_tokens=8, temperature=0)
-    ids = transformers.AutoTokenizer.from_pretrained(oss_dir).encode("a b c a b")
-    want = make(oss_dir).generate([ids], SamplingParams(temperature=0.0, max_tokens=8))[0].outputs[0].text
-    assert text.choices[0].text == want
+    check_served(oss_dir, make(oss_dir))

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from families import check_served
 from test_engine import check_logits_parity, hf_greedy, run_staggered
 from test_spec import (  # noqa: F401
     check_speculative_sampling,
@@ -35,8 +36,6 @@ from engine.core.llm_engine import LLMEngine
 from engine.models.moe import SparseMoE
 from engine.request.sampling_params import SamplingParams
 from engine.runner.loader import load_config, load_model
-from server.app import ServerSettings, create_app
-from servers import engine_factory, serve
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -285,22 +284,7 @@ def test_a_requests_tokens_alone_equal_its_tokens_in_a_batch_in_bfloat16(moe_dir
 # -- served ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("arch", ARCHS)
 def test_served_through_the_sdk(moe_dirs, arch):
-    import openai
-
-    d = moe_dirs[arch]
-    with serve(create_app(ServerSettings(served_model_name="moe"), engine_factory(d))) as srv:
-        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="none")
-        chat = client.chat.completions.create(
-            model="moe", messages=[{"role": "user", "content": "a b c"}], max_tokens=8, temperature=0
-        )
-        assert chat.choices[0].message.content is not None and chat.usage.completion_tokens > 0
-        text = client.completions.create(model="moe", prompt="a b c a b", max_tokens=8, temperature=0)
-    ref = make(d).generate([load_tokenizer_ids(d, "a b c a b")], SamplingParams(temperature=0.0, max_tokens=8))
-    assert text.choices[0].text == ref[0].outputs[0].text
-
-
-def load_tokenizer_ids(model_dir: Path, text: str) -> list[int]:
-    return transformers.AutoTokenizer.from_pretrained(model_dir).encode(text)
+    check_served(moe_dirs[arch], make(moe_dirs[arch]))
 
 
 def test_an_unknown_mixture_is_a_clear_error(tmp_path, moe_dirs):

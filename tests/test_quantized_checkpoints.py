@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from families import check_served
 from safetensors.torch import load_file, save_file
 from test_engine import hf_greedy, prompts, run_staggered
 from test_step import prompts as repetitive_prompts
@@ -140,22 +141,8 @@ def test_every_proposer_is_greedy_exact_on_a_quantized_target(served_dirs, tmp_p
 
 
 def test_served_through_the_sdk(served_dirs):
-    import openai
-
-    from server.app import ServerSettings, create_app
-    from servers import engine_factory, serve
-
     quantized, _ = served_dirs["awq-gemm-g32"]
-    with serve(create_app(ServerSettings(served_model_name="q"), engine_factory(quantized))) as srv:
-        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="none")
-        chat = client.chat.completions.create(
-            model="q", messages=[{"role": "user", "content": "a b c"}], max_tokens=8, temperature=0
-        )
-        assert chat.usage.completion_tokens > 0
-        text = client.completions.create(model="q", prompt="a b c a b", max_tokens=8, temperature=0)
-    ids = transformers.AutoTokenizer.from_pretrained(quantized).encode("a b c a b")
-    want = make(quantized).generate([ids], SamplingParams(temperature=0.0, max_tokens=8))[0].outputs[0].text
-    assert text.choices[0].text == want
+    check_served(quantized, make(quantized))
 
 
 def test_what_is_not_served_is_a_clear_error(served_dirs, tmp_path):

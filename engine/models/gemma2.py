@@ -96,13 +96,13 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config, max_positions: int | None = None, tp: TensorParallel = SINGLE) -> None:
         nn.Module.__init__(self)
-        if getattr(config, "use_bidirectional_attention", None):
-            raise ValueError("Gemma-2 with bidirectional attention is not a causal LM")
+        self.check_config(config)
         self.config = config
         self.tp = tp
         self.vocab_shard = tp.split(config.vocab_size, "vocabulary")
         self.embed_tokens = ScaledEmbedding(self.vocab_shard, config.hidden_size)
-        self.layers = nn.ModuleList(Gemma2DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
+        layers = range(config.num_hidden_layers)
+        self.layers = nn.ModuleList(self.decoder_layer(config, i, False, False, tp) for i in layers)
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, self.vocab_shard, bias=False)
@@ -111,9 +111,20 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         if len(windows) > 1:
             raise ValueError(f"layers with different sliding windows are not supported: {sorted(windows)}")
         self.sliding_window: int | None = windows.pop() if windows else None
+        self.register_rope_buffers()
+        self.init_buffers(max_positions or config.max_position_embeddings)
+
+    @staticmethod
+    def check_config(config) -> None:
+        if getattr(config, "use_bidirectional_attention", None):
+            raise ValueError("Gemma-2 with bidirectional attention is not a causal LM")
+
+    def decoder_layer(self, config, i: int, qkv_bias: bool, o_bias: bool, tp: TensorParallel) -> nn.Module:
+        return Gemma2DecoderLayer(config, i, tp)
+
+    def register_rope_buffers(self) -> None:
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)  # [max_positions, head_dim]
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
-        self.init_buffers(max_positions or config.max_position_embeddings)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] → [N, vocab] float32
         logits = super().compute_logits(hidden)

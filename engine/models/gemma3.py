@@ -35,9 +35,9 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.attention import AttentionMetadata
-from engine.models.gemma2 import Gemma2Attention, Gemma2DecoderLayer, Gemma2ForCausalLM, GemmaRMSNorm, ScaledEmbedding
+from engine.models.gemma2 import Gemma2Attention, Gemma2DecoderLayer, Gemma2ForCausalLM, GemmaRMSNorm
 from engine.models.layer_skip import LayerSkip
-from engine.models.llama import LlamaMLP, sliding_window_of
+from engine.models.llama import LlamaMLP
 from engine.parallel import SINGLE, TensorParallel
 from engine.quant import NF4Linear
 
@@ -101,8 +101,8 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
     ``k_norm`` are per head, whole on every tensor-parallel rank); the final logits are soft-capped
     where the config sets ``final_logit_softcapping``."""
 
-    def __init__(self, config, max_positions: int | None = None, tp: TensorParallel = SINGLE) -> None:
-        nn.Module.__init__(self)
+    @staticmethod
+    def check_config(config) -> None:
         if getattr(config, "use_bidirectional_attention", None):
             raise ValueError(
                 "Gemma 3 with use_bidirectional_attention is an encoder (every token attends to later ones), "
@@ -111,24 +111,14 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
         unknown = sorted(set(config.layer_types) - {LOCAL, GLOBAL})
         if unknown:
             raise ValueError(f"Gemma 3 layer types {unknown} are not supported (only {LOCAL} and {GLOBAL})")
-        self.config = config
-        self.tp = tp
-        self.vocab_shard = tp.split(config.vocab_size, "vocabulary")
-        self.embed_tokens = ScaledEmbedding(self.vocab_shard, config.hidden_size)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, self.vocab_shard, bias=False)
-        self.final_softcap = float(getattr(config, "final_logit_softcapping", None) or 0.0)  # 0: no cap
-        windows = {sliding_window_of(config, i) for i in range(config.num_hidden_layers)} - {None}
-        if len(windows) > 1:
-            raise ValueError(f"layers with different sliding windows are not supported: {sorted(windows)}")
-        self.sliding_window: int | None = windows.pop() if windows else None
-        self.register_buffer("rope_cos", torch.empty(0), persistent=False)  # [max_positions, head_dim], global
-        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+
+    def decoder_layer(self, config, i: int, qkv_bias: bool, o_bias: bool, tp: TensorParallel) -> nn.Module:
+        return Gemma3DecoderLayer(config, i, tp)
+
+    def register_rope_buffers(self) -> None:
+        super().register_rope_buffers()  # [max_positions, head_dim]: the global layers' table
         self.register_buffer("rope_local_cos", torch.empty(0), persistent=False)  # the local layers'
         self.register_buffer("rope_local_sin", torch.empty(0), persistent=False)
-        self.init_buffers(max_positions or config.max_position_embeddings)
 
     def init_buffers(self, max_positions: int) -> None:
         """(Re)compute both RoPE tables, e.g. after construction on the meta device."""
