@@ -231,12 +231,17 @@ def test_a_rank_holds_half_of_each_expert():
 def speculators(target: Path, root: Path, tokenizer_dir: Path) -> dict[str, dict]:
     from test_eagle import write_eagle
     from test_layer_skip import write_skip
+    from test_medusa import write_heads as medusa_heads
+    from test_mtp import write_heads as mtp_heads
 
     from engine.models.layer_skip import LayerSkip
 
     dense_draft = build_model_dir(root / "draft", tokenizer_dir, "LlamaForCausalLM", std=0.3)
     return {
         "draft": dict(draft_model=str(dense_draft), spec_tree_topk=2),
+        "ouroboros": dict(draft_model=str(dense_draft)),
+        "medusa": dict(draft_model=str(medusa_heads(target, root / "medusa", like_target=True))),
+        "mtp": dict(draft_model=str(mtp_heads(target, root / "mtp"))),
         "ngram": {},
         "suffix": {},
         "lookahead": {},
@@ -245,7 +250,9 @@ def speculators(target: Path, root: Path, tokenizer_dir: Path) -> dict[str, dict
     }
 
 
-@pytest.mark.parametrize("method", ["draft", "ngram", "suffix", "lookahead", "layer-skip", "eagle"])
+@pytest.mark.parametrize(
+    "method", ["draft", "ouroboros", "ngram", "suffix", "lookahead", "layer-skip", "medusa", "mtp", "eagle"]
+)
 def test_every_proposer_gives_the_plain_decoders_tokens(moe_dirs, tmp_path, tokenizer_dir, method):
     target = moe_dirs["Qwen3MoeForCausalLM"]
     ps = repetitive_prompts(6, seed=9)
