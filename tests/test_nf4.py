@@ -248,7 +248,7 @@ def test_bnb_layout_checkpoint_loads_as_nf4(tmp_path, model_dirs, arch, nested, 
     [
         ({"bnb_4bit_quant_type": "fp4"}, "'fp4' is not supported"),
         ({"load_in_4bit": False, "load_in_8bit": True}, "8-bit"),
-        ({"quant_method": "gptq"}, "'gptq' is not supported"),
+        ({"quant_method": "hqq"}, r"'hqq' is not supported \(supported: bitsandbytes NF4, gptq, awq"),
     ],
 )
 def test_other_quantizations_are_refused(tmp_path, llama_dir, change, match):

@@ -263,8 +263,11 @@ def bnb_quantization_kind(quantization_config: dict | None) -> str | None:
         return None
     qc = dict(quantization_config)
     method = qc.get("quant_method", "bitsandbytes")  # configs from before quant_method existed were bnb's
-    if method != "bitsandbytes":
-        raise ValueError(f"quantization method {method!r} is not supported; Augur loads bitsandbytes NF4 weights only")
+    if method != "bitsandbytes":  # (the formats engine/quant/checkpoint.py reads never come here)
+        raise ValueError(
+            f"quantization method {method!r} is not supported (supported: bitsandbytes NF4, gptq, awq, "
+            "compressed-tensors, fp8, and gpt-oss's mxfp4)"
+        )
     if qc.get("load_in_8bit") or qc.get("_load_in_8bit"):
         raise ValueError("8-bit bitsandbytes (LLM.int8) checkpoints are not supported; Augur loads 4-bit NF4 only")
     if not (qc.get("load_in_4bit") or qc.get("_load_in_4bit")):
