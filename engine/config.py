@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import BACKENDS as ATTENTION_BACKENDS
+from engine.attention.kv_dtype import KV_CACHE_DTYPES
 from engine.platform import cpu_has_bf16_units
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -25,12 +26,18 @@ class EngineConfig:
     # Weight quantization at load: None (as the checkpoint is) | nf4 (every linear layer but the LM head in
     # 4-bit NF4, dequantized on each call: less memory, not faster; checkpoints saved by bitsandbytes in
     # NF4 load as NF4 without it) | int4 (grouped affine 4-bit on PyTorch's int4 matmul kernels: less
-    # memory and faster decoding; bf16 activations at those layers).
+    # memory and faster decoding; bf16 activations at those layers; on a 4-bit GPTQ / AWQ / compressed-tensors
+    # checkpoint: its own groups on those kernels, not re-quantized) | fp8 (e4m3 weights with a scale per row and
+    # per-token e4m3 activations on torch._scaled_mm; an FP8 checkpoint's own weights where its scales are per
+    # tensor or row; engine/quant/fp8.py).
     quantization: str | None = None
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     block_size: int = 16
     num_kv_blocks: int | None = None  # sizes the KV pool exactly; else from kv_cache_memory_fraction
     kv_cache_memory_fraction: float = 0.85  # of free GPU memory (CUDA) or of available RAM (CPU, capped)
+    # What the KV pool stores: auto (the model's dtype) | fp8 (float8 e4m3 with per-layer, per-head scales from
+    # the checkpoint, else 1.0: half the bytes a token; engine/attention/kv_dtype.py). Draft caches too.
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
@@ -158,6 +165,10 @@ class EngineConfig:
         check(self.block_size >= 1, f"block_size must be positive, got {self.block_size}")
         check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be positive")
         check(0.0 < self.kv_cache_memory_fraction <= 1.0, "kv_cache_memory_fraction must be in (0, 1]")
+        check(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}",
+        )
         check(self.max_num_seqs >= 1, "max_num_seqs must be positive")
         check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be positive")
         check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be at least 2")

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from engine.attention import BACKENDS as ATTENTION_BACKENDS
+from engine.attention.kv_dtype import KV_CACHE_DTYPES
 from engine.config import EngineConfig
 from engine.quant import QUANTIZATIONS
 from engine.speculative.methods import known_methods
@@ -32,8 +33,10 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
         default=None,
         choices=list(QUANTIZATIONS),
         help="quantize the linear layers at load, LM head kept (nf4: 4-bit NormalFloat, dequantized per call; "
-        "int4: grouped 4-bit on PyTorch's int4 kernels, the fast one); bitsandbytes NF4 checkpoints load as NF4 "
-        "without it",
+        "int4: grouped 4-bit on PyTorch's int4 kernels; on a 4-bit GPTQ/AWQ/compressed-tensors checkpoint, its own "
+        "groups; fp8: e4m3 weights and per-token activations on torch._scaled_mm, an FP8 checkpoint's own weights); "
+        "checkpoints saved quantized (GPTQ, AWQ, compressed-tensors, FP8, bitsandbytes NF4) load without "
+        "it, dequantized (docs/quantization.md)",
     )
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
@@ -44,6 +47,13 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
         type=float,
         default=0.85,
         help="fraction of free GPU memory (or available RAM on CPU) for the KV pool",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=list(KV_CACHE_DTYPES),
+        help="what the KV cache stores: auto (the model's dtype) | fp8 (8-bit floats, e4m3, with the checkpoint's "
+        "K/V scales or 1.0: twice the tokens in the same memory; docs/quantization.md)",
     )
     g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")

@@ -40,15 +40,16 @@ def paged_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     return torch.cat(got)
 
 
-def check_served(model_dir: Path, engine: LLMEngine) -> None:
+def check_served(model_dir: Path, engine: LLMEngine, **config) -> None:
     """A chat completion (the tokenizer's chat template) and a completion through the official SDK on
-    a real server; the completion's text is ``engine``'s greedy text for the same prompt."""
+    a real server (``config``: its engine's fields besides the test defaults); the completion's text
+    is ``engine``'s greedy text for the same prompt."""
     import openai
 
     from server.app import ServerSettings, create_app
     from servers import engine_factory, serve
 
-    with serve(create_app(ServerSettings(served_model_name="m"), engine_factory(model_dir))) as srv:
+    with serve(create_app(ServerSettings(served_model_name="m"), engine_factory(model_dir, **config))) as srv:
         client = openai.OpenAI(base_url=srv.base + "/v1", api_key="none")
         chat = client.chat.completions.create(
             model="m", messages=[{"role": "user", "content": "a b c"}], max_tokens=8, temperature=0

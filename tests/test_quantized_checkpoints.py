@@ -147,8 +147,8 @@ def test_served_through_the_sdk(served_dirs):
 
 def test_what_is_not_served_is_a_clear_error(served_dirs, tmp_path):
     quantized, _ = served_dirs["gptq-4bit-g32-sym"]
-    with pytest.raises(ValueError, match="cannot be re-quantized to int4"):
-        load_model(quantized, load_config(quantized), torch.float32, torch.device("cpu"), 64, quantization="int4")
+    with pytest.raises(ValueError, match="cannot be re-quantized to nf4"):
+        load_model(quantized, load_config(quantized), torch.float32, torch.device("cpu"), 64, quantization="nf4")
     cases = {
         "hqq": (quantized, {"quant_method": "hqq"}, "quantization method 'hqq' is not supported"),
         "nvfp4": (
@@ -170,3 +170,70 @@ def test_what_is_not_served_is_a_clear_error(served_dirs, tmp_path):
         (d / "config.json").write_text(json.dumps(config))
         with pytest.raises(ValueError, match=message):
             load_model(d, load_config(d), torch.float32, torch.device("cpu"), 64)
+
+
+# -- --quantization int4: a 4-bit checkpoint's own groups on the int4 kernels --------------------------------
+INT4 = ("gptq-4bit-g32-sym", "awq-gemm-g32", "ct-w4a16-g32-asym")
+
+
+@pytest.mark.parametrize("name", INT4)
+def test_int4_serves_the_checkpoints_own_groups(name):
+    """Every linear but the LM head becomes an int4-kernel layer holding the checkpoint's integers,
+    scales and zero points: multiplied by the identity it gives the library's dequantized weight, but
+    for the bfloat16 rounding of its scales and zero points (a wrong nibble or zero point is off by a
+    whole step, a fifteenth of the group's range). The weights take about a quarter of their float32 bytes."""
+    from engine.quant import Int4Linear
+
+    d = FIXTURES / name
+    model = load_model(d, load_config(d), torch.float32, torch.device("cpu"), 64, pack=False, quantization="int4")
+    reference = load_file(d / "reference.safetensors")
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, Int4Linear)}
+    assert len(layers) == 4 * model.num_layers  # qkv, o, gate_up and down of every layer
+    for n, layer in layers.items():
+        weight = layer(torch.eye(layer.in_features)).t()
+        parts = {
+            "qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+        }.get(n.rsplit(".", 1)[-1], (n.rsplit(".", 1)[-1],))  # fmt: skip
+        prefix = "model." + n.rsplit(".", 1)[0]
+        want = torch.cat([reference[f"{prefix}.{p}.weight"] for p in parts]).float()
+        step = want.abs().max() / 15
+        torch.testing.assert_close(weight, want, atol=0.1 * step, rtol=0.02)
+    packed = sum(t.numel() * t.element_size() for layer in layers.values() for t in layer.buffers())
+    dense = sum(layer.in_features * layer.out_features * 4 for layer in layers.values())
+    assert packed < 0.2 * dense
+
+
+def test_int4_where_the_groups_do_not_fit_stays_dequantized_and_other_widths_are_refused(served_dirs):
+    """Act order out of order: the layers keep their dequantized weights (as without the flag);
+    8-bit and FP8 checkpoints are not re-quantized to 4 bits."""
+    from engine.quant import Int4Linear
+
+    d = FIXTURES / "gptq-4bit-g32-asym-actorder"
+    model = load_model(d, load_config(d), torch.float32, torch.device("cpu"), 64, pack=False, quantization="int4")
+    assert not any(isinstance(m, Int4Linear) for m in model.modules())
+    for name in ("gptq-8bit-channel", "ct-fp8-block", "fp8-block-dynamic"):
+        d = FIXTURES / name
+        with pytest.raises(ValueError, match="cannot be re-quantized to int4"):
+            load_model(d, load_config(d), torch.float32, torch.device("cpu"), 64, quantization="int4")
+
+
+def test_int4_sharded_logits_match_one_rank(served_dirs):
+    """-tp 2: a rank takes its rows of the column-parallel layers and its whole groups of the row-parallel ones."""
+    d = served_dirs["gptq-4bit-g32-sym"][0]
+    (sharded,) = sharded_logits([d], 2, quantization="int4")
+    for want, have in zip(model_logits(d, quantization="int4"), sharded, strict=True):
+        torch.testing.assert_close(have, want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_every_proposer_is_greedy_exact_on_an_int4_target(served_dirs, method):
+    target = served_dirs["awq-gemm-g32"][0]
+    kw = {"draft": dict(draft_model=str(served_dirs["ct-w4a16-g32-sym"][0]), spec_tree_topk=2)}.get(method, {})
+    ps = repetitive_prompts(6, seed=9)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    plain = make(target, quantization="int4", dtype="bfloat16")
+    plain_tokens = [o.outputs[0].delta_token_ids for o in plain.generate(ps, params)]
+    eng = make(target, method, quantization="int4", dtype="bfloat16", max_num_batched_tokens=40, **kw)
+    pinned = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, num_draft_tokens=3)
+    assert [o.outputs[0].delta_token_ids for o in eng.generate(ps, pinned)] == plain_tokens
+    assert eng.spec_stats.num_drafts > 0

@@ -20,7 +20,8 @@ calls (through :func:`paged_attention`). The model code never knows which backen
   per-sequence tree masks; memory proportional to what is computed. The GPU path; on a CPU its
   kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``), which is how the tests check it.
 
-``auto`` picks ``triton`` on a CUDA device where Triton imports, ``sdpa`` otherwise.
+``auto`` picks ``triton`` on a CUDA device where Triton imports, ``sdpa`` otherwise. Both read a pool
+of the model's dtype or of 8-bit floats (``kv_dtype.py``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class AttentionMetadata(Protocol):
         sliding: bool,
         softcap: float,
         sinks: torch.Tensor | None = None,  # [H] float32
+        kv_scales: torch.Tensor | None = None,  # [2, Hkv] float32: an FP8 pool's K and V scales (kv_dtype.py)
     ) -> torch.Tensor: ...  # [T, H * D]
 
     def tie_shapes(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
@@ -102,12 +104,14 @@ def paged_attention(
     sliding: bool = False,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,  # [H] float32
+    kv_scales: torch.Tensor | None = None,  # [2, Hkv] float32
 ) -> torch.Tensor:  # [T, H * D]
     """Write the new K/V into ``kv_pool[layer]``, then attend each sequence's queries to its context.
     ``sliding`` applies the model's sliding window; ``softcap`` > 0 soft-caps the scores at that value.
     ``sinks``: *attention sinks* (gpt-oss), one learned logit per query head that joins every query's
     softmax as a key with no value: the weights of the real keys sum to less than one, by as much as
-    the sink takes."""
-    if sinks is None:
+    the sink takes. ``kv_scales``: the layer's K and V scales per KV head, where the pool stores 8-bit
+    floats (``kv_dtype.py``; None there: 1.0); a pool in the model's dtype ignores them."""
+    if sinks is None and kv_scales is None:
         return meta.attend(q, k, v, kv_pool, layer, scale, sliding, softcap)
-    return meta.attend(q, k, v, kv_pool, layer, scale, sliding, softcap, sinks)
+    return meta.attend(q, k, v, kv_pool, layer, scale, sliding, softcap, sinks, kv_scales)

@@ -5,11 +5,19 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import torch
 
 
 def triton_interpreted() -> bool:
     """Whether Triton kernels run in its interpreter (on CPU tensors) instead of being compiled."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def optional_inputs(sinks: torch.Tensor | None, kv_scales: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The attention ops' optional tensors, named only where given (a call without them stays the call
+    every compiled forward of a model without sinks or FP8 scales was traced with)."""
+    given = {"sinks": sinks, "kv_scales": kv_scales}
+    return {name: t for name, t in given.items() if t is not None}
 
 
 def padded_block_tables(block_tables: list[list[int]], kv_lens: list[int], block_size: int) -> list[list[int]]:

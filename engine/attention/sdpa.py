@@ -10,6 +10,7 @@ layer with either gets its scores from plain matmuls instead (cap and softmax in
 
 Attention is the custom operator ``torch.ops.augur.paged_attention``: it writes the KV pool in place,
 which ``torch.compile`` keeps opaque (a compiled model calls it as it is, and never copies the pool).
+An FP8 pool (``kv_dtype.py``) is written quantized with the layer's ``kv_scales`` and read dequantized.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.attention.common import padded_block_tables
+from engine.attention import kv_dtype
+from engine.attention.common import optional_inputs, padded_block_tables
 from engine.attention.staging import Pack, direct_pack
 
 
@@ -60,11 +62,13 @@ class SdpaMetadata:
         torch._check(self.kv_slots.size(0) == self.mask.size(0))
         torch._check(self.kv_slots.size(1) == self.mask.size(3))
 
-    def attend(self, q, k, v, kv_pool, layer: int, scale: float, sliding: bool, softcap: float, sinks=None):
+    def attend(
+        self, q, k, v, kv_pool, layer: int, scale: float, sliding: bool, softcap: float, sinks=None, kv_scales=None
+    ):
         mask = self.sliding_mask if sliding else self.mask
         op = torch.ops.augur.paged_attention_rows if self.rows_only else torch.ops.augur.paged_attention
         args = (q, k, v, kv_pool, layer, self.slot_mapping, self.kv_slots, mask, self.q_index, scale, softcap)
-        return op(*args) if sinks is None else op(*args, sinks)
+        return op(*args, **optional_inputs(sinks, kv_scales))
 
 
 def build_sdpa_metadata(
@@ -187,21 +191,24 @@ def build_sdpa_metadata(
 _lib = torch.library.Library("augur", "DEF")
 _lib.define(
     "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_pool, int layer, Tensor slot_mapping, "
-    "Tensor kv_slots, Tensor mask, Tensor q_index, float scale, float softcap=0.0, Tensor? sinks=None) -> Tensor"
+    "Tensor kv_slots, Tensor mask, Tensor q_index, float scale, float softcap=0.0, Tensor? sinks=None, "
+    "Tensor? kv_scales=None) -> Tensor"
 )
 
 
 def _paged_attention_impl(
-    q, k, v, kv_pool, layer, slot_mapping, kv_slots, mask, q_index, scale, softcap=0.0, sinks=None
+    q, k, v, kv_pool, layer, slot_mapping, kv_slots, mask, q_index, scale, softcap=0.0, sinks=None, kv_scales=None
 ):
     T, H, D = q.shape
     B, Q = kv_slots.shape[0], mask.shape[2]
     k_cache, v_cache = kv_pool[layer, 0], kv_pool[layer, 1]
-    k_cache.index_copy_(0, slot_mapping, k)
-    v_cache.index_copy_(0, slot_mapping, v)
+    k_scale, v_scale = (None, None) if kv_scales is None else kv_scales.unbind(0)
+    kv_dtype.write_rows(k_cache, slot_mapping, k, k_scale)
+    kv_dtype.write_rows(v_cache, slot_mapping, v, v_scale)
     flat_slots = kv_slots.view(-1)
-    keys = k_cache.index_select(0, flat_slots).view(B, -1, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, Kmax, D]
-    values = v_cache.index_select(0, flat_slots).view(B, -1, *v_cache.shape[1:]).transpose(1, 2)
+    kv_shape = (B, -1, *k_cache.shape[1:])
+    keys = kv_dtype.read_rows(k_cache, flat_slots, k_scale, q.dtype).view(kv_shape).transpose(1, 2)  # [B, Hkv, Kmax, D]
+    values = kv_dtype.read_rows(v_cache, flat_slots, v_scale, q.dtype).view(kv_shape).transpose(1, 2)
     if Q == 1:  # one new token per sequence: the flat batch is already [B, 1]
         qp = q.view(B, 1, H, D)
     else:
@@ -246,7 +253,7 @@ def _scored_attention(
 
 
 def _paged_attention_fake(
-    q, k, v, kv_pool, layer, slot_mapping, kv_slots, mask, q_index, scale, softcap=0.0, sinks=None
+    q, k, v, kv_pool, layer, slot_mapping, kv_slots, mask, q_index, scale, softcap=0.0, sinks=None, kv_scales=None
 ):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
@@ -257,7 +264,8 @@ torch.library.register_fake("augur::paged_attention", _paged_attention_fake, lib
 # C++ one's fused path; elsewhere the reference serves (the mode is built for CPUs only).
 _lib.define(
     "paged_attention_rows(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_pool, int layer, Tensor slot_mapping, "
-    "Tensor kv_slots, Tensor mask, Tensor q_index, float scale, float softcap=0.0, Tensor? sinks=None) -> Tensor"
+    "Tensor kv_slots, Tensor mask, Tensor q_index, float scale, float softcap=0.0, Tensor? sinks=None, "
+    "Tensor? kv_scales=None) -> Tensor"
 )
 _lib.impl("paged_attention_rows", _paged_attention_impl, "CompositeExplicitAutograd")
 torch.library.register_fake("augur::paged_attention_rows", _paged_attention_fake, lib=_lib)

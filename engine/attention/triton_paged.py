@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.common import padded_block_tables, triton_interpreted
+from engine.attention import kv_dtype
+from engine.attention.common import optional_inputs, padded_block_tables, triton_interpreted
 from engine.attention.staging import Pack, direct_pack
 
 # ``seq_info`` has one int32 row per sequence: context length, KV length (context + new tokens), its
@@ -66,12 +67,14 @@ class TritonMetadata:
         """Nothing declared: the GPU runs small batches as captured graphs, where no compiled wrapper is
         called per step, and a padded batch's sizes are not the unpadded ones."""
 
-    def attend(self, q, k, v, kv_pool, layer: int, scale: float, sliding: bool, softcap: float, sinks=None):
+    def attend(
+        self, q, k, v, kv_pool, layer: int, scale: float, sliding: bool, softcap: float, sinks=None, kv_scales=None
+    ):
         window = self.sliding_window if sliding else 0
         return torch.ops.augur.triton_paged_attention(
             q, k, v, kv_pool, layer, self.slot_mapping, self.block_tables, self.seq_info, self.programs,
             self.positions, self.masks, self.block_size, self.block_q, window, scale, softcap, self.max_kv_len,
-            self.num_splits, sinks,
+            self.num_splits, **optional_inputs(sinks, kv_scales),
         )  # fmt: skip
 
 
@@ -188,6 +191,7 @@ def _paged_attention_kernel(
     positions_ptr,  # [T] int64
     masks_ptr,  # flat uint8 tree masks
     sinks_ptr,  # SINKS: [H] float32, each query head's sink logit
+    kv_scales_ptr,  # SCALED: [2, Hkv] float32, an FP8 pool's K and V scale of each KV head
     stride_qt,
     stride_qh,
     stride_ot,
@@ -210,6 +214,8 @@ def _paged_attention_kernel(
     SOFTCAP: tl.constexpr,
     SLIDING: tl.constexpr,
     SINKS: tl.constexpr,  # a sink logit per head joins each softmax (added where the sums are final)
+    FP8: tl.constexpr,  # the pool holds 8-bit floats: tiles are converted to the queries' dtype as loaded
+    SCALED: tl.constexpr,  # FP8 with scales (else 1.0): K's multiplies the scores, V's the output
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,  # multiply in float32 (Triton's interpreter multiplies 16-bit floats wrongly)
     SPLIT: tl.constexpr,  # the third grid axis splits the keys into num_splits ranges (flash-decoding)
@@ -255,6 +261,12 @@ def _paged_attention_kernel(
         lo = lo + tl.program_id(2) * per
         hi = tl.minimum(hi, lo + per)
 
+    k_scale = 1.0
+    v_scale = 1.0
+    if SCALED:
+        k_scale = tl.load(kv_scales_ptr + kv_head)
+        v_scale = tl.load(kv_scales_ptr + tl.num_programs(1) + kv_head)
+
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
@@ -267,9 +279,13 @@ def _paged_attention_kernel(
         kv_offs = slot[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
         kv_ok = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_ok, other=0.0)
+        if FP8:
+            k = k.to(q.dtype)  # (exact: every 8-bit float is one of the queries' dtype)
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if SCALED:
+            s = s * k_scale
         if SOFTCAP:
             # softcap * tanh(s * scale / softcap), tanh written with exp (stable at both ends)
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s * scale / softcap) + 1.0)) * 1.4426950408889634
@@ -296,10 +312,14 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - shift)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + kv_offs, mask=kv_ok, other=0.0)
+        if FP8:
+            v = v.to(q.dtype)
         if UPCAST:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
+    if SCALED:
+        acc = acc * v_scale
 
     if SPLIT:
         at = (tl.program_id(2) * num_tokens + tok) * num_heads + head  # [BLOCK_M]
@@ -357,7 +377,8 @@ _lib = torch.library.Library("augur", "FRAGMENT")
 _lib.define(
     "triton_paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_pool, int layer, Tensor slot_mapping, "
     "Tensor block_tables, Tensor seq_info, Tensor programs, Tensor positions, Tensor masks, int block_size, "
-    "int block_q, int window, float scale, float softcap, int max_kv_len, int num_splits, Tensor? sinks=None) -> Tensor"
+    "int block_q, int window, float scale, float softcap, int max_kv_len, int num_splits, Tensor? sinks=None, "
+    "Tensor? kv_scales=None) -> Tensor"
 )
 
 
@@ -392,12 +413,13 @@ def key_splits(programs: int, tokens: int, max_kv_len: int, device: torch.device
 
 def _triton_paged_attention_impl(
     q, k, v, kv_pool, layer, slot_mapping, block_tables, seq_info, programs, positions, masks,
-    block_size, block_q, window, scale, softcap, max_kv_len, num_splits, sinks=None,
+    block_size, block_q, window, scale, softcap, max_kv_len, num_splits, sinks=None, kv_scales=None,
 ):  # fmt: skip
     T, H, D = q.shape
     k_cache, v_cache = kv_pool[layer, 0], kv_pool[layer, 1]  # [num_slots, Hkv, D]
-    k_cache.index_copy_(0, slot_mapping, k)
-    v_cache.index_copy_(0, slot_mapping, v)
+    k_scale, v_scale = (None, None) if kv_scales is None else kv_scales.unbind(0)
+    kv_dtype.write_rows(k_cache, slot_mapping, k, k_scale)
+    kv_dtype.write_rows(v_cache, slot_mapping, v, v_scale)
     out = q.new_empty(T, H * D)
     if T == 0:
         return out
@@ -413,13 +435,16 @@ def _triton_paged_attention_impl(
         ml = torch.empty(splits, T, H, 2, dtype=torch.float32, device=q.device)
     upcast = triton_interpreted() and q.dtype != torch.float32
     sinks = out if sinks is None else sinks.float().contiguous()  # (unused unless SINKS)
+    fp8 = kv_dtype.is_fp8(kv_pool)
+    scales = out if kv_scales is None or not fp8 else kv_scales.float().contiguous()  # (unused unless SCALED)
     _paged_attention_kernel[(programs.shape[0], Hkv, splits)](
-        out, partial, ml, q, k_cache, v_cache, block_tables, seq_info, programs, positions, masks, sinks,
+        out, partial, ml, q, k_cache, v_cache, block_tables, seq_info, programs, positions, masks, sinks, scales,
         q.stride(0), q.stride(1), out.stride(0), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         scale, softcap if softcap > 0.0 else 1.0, window, T, H, splits,
         G=G, D=D, D_PAD=d_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=64 if d_pad <= 128 else 32,
         PAGE=block_size, SOFTCAP=softcap > 0.0, SLIDING=window > 0, SINKS=sinks is not out,
-        PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast, SPLIT=splits > 1,
+        FP8=fp8, SCALED=scales is not out, UPCAST=upcast, SPLIT=splits > 1,
+        PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
         num_warps=8 if block_m >= 128 else 4,
     )  # fmt: skip
     if splits > 1:
@@ -432,7 +457,7 @@ def _triton_paged_attention_impl(
 
 def _triton_paged_attention_fake(
     q, k, v, kv_pool, layer, slot_mapping, block_tables, seq_info, programs, positions, masks,
-    block_size, block_q, window, scale, softcap, max_kv_len, num_splits, sinks=None,
+    block_size, block_q, window, scale, softcap, max_kv_len, num_splits, sinks=None, kv_scales=None,
 ):  # fmt: skip
     # The output; a split batch also takes float32 scratch of at most SPLIT_SCRATCH_TOKENS tokens' outputs.
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])

@@ -107,7 +107,7 @@ class LLMEngine:
         self.runner = runner_cls(
             *front, model, self.hf_config, self.device, self.dtype, config.block_size, compile=compiled,
             attention_backend=config.attention_backend, cuda_graph_max_seqs=config.cuda_graph_max_seqs,
-            batch_invariant=invariant,
+            batch_invariant=invariant, kv_cache_dtype=config.kv_cache_dtype,
         )  # fmt: skip
         self.proposer = None
         if config.speculative_method != "none" and config.num_speculative_tokens > 0:

@@ -17,7 +17,8 @@ checkpoint tensor this rank reads.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import re
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -75,6 +76,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+# An FP8 KV cache's scales in a checkpoint: llm-compressor's (self_attn.k_scale) or AutoFP8's (k_proj.output_scale)
+_KV_SCALE = re.compile(r"layers\.(?P<layer>\d+)\.self_attn\.(?:(?P<kv>[kv])_scale|(?P<proj>[kv])_proj\.output_scale)$")
+
+
 class LlamaAttention(nn.Module):
     def __init__(
         self, config, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TensorParallel = SINGLE
@@ -84,7 +89,8 @@ class LlamaAttention(nn.Module):
         heads = config.num_attention_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         self.num_heads = tp.split(heads, "attention heads")  # this rank's
-        self.num_kv_heads, self.first_kv_head = tp.kv_heads(config.num_key_value_heads or heads)
+        self.total_kv_heads = config.num_key_value_heads or heads
+        self.num_kv_heads, self.first_kv_head = tp.kv_heads(self.total_kv_heads)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
@@ -95,6 +101,9 @@ class LlamaAttention(nn.Module):
         self.sliding = sliding_window_of(config, layer_idx) is not None
         self.softcap = 0.0  # attention-score soft-cap (Gemma-2); 0: none
         self.sinks: nn.Parameter | None = None  # [this rank's heads] attention-sink logits (gpt-oss)
+        # [2, this rank's KV heads] float32: K and V scales of an FP8 KV cache, where the checkpoint carries
+        # them (engine/attention/kv_dtype.py; set by LlamaForCausalLM.load_weights); None: 1.0
+        self.register_buffer("kv_scales", None, persistent=False)
         self.fused = False  # RoPE on augur::fused_rope (LlamaForCausalLM.use_fused_ops)
 
     def forward(self, x, cos, sin, kv_pool: torch.Tensor, layer: int, meta: AttentionMetadata) -> torch.Tensor:
@@ -110,10 +119,29 @@ class LlamaAttention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = paged_attention(
-            q, k, v, kv_pool, layer, meta, self.scale, sliding=self.sliding, softcap=self.softcap, sinks=self.sinks
-        )
-        return self.tp.all_reduce(self.o_proj(out))
+        return self.tp.all_reduce(self.o_proj(self.attend(q, k, v, kv_pool, layer, meta)))
+
+    def set_kv_scale(self, which: str, scale: torch.Tensor) -> None:
+        """A checkpoint's FP8 KV-cache scale for K or V (``which``): one for the layer, or one per KV head
+        (this rank's are kept)."""
+        scale = scale.detach().float().flatten()
+        if scale.numel() == self.total_kv_heads:
+            scale = scale[self.first_kv_head : self.first_kv_head + self.num_kv_heads]
+        elif scale.numel() != 1:
+            raise ValueError(
+                f"a {which} scale of the KV cache has {scale.numel()} values: one or {self.total_kv_heads} expected"
+            )
+        if self.kv_scales is None:
+            self.kv_scales = torch.ones(2, self.num_kv_heads, device=self.o_proj.weight.device)
+        self.kv_scales[0 if which == "k" else 1] = scale.to(self.kv_scales.device)
+
+    def attend(self, q, k, v, kv_pool: torch.Tensor, layer: int, meta: AttentionMetadata) -> torch.Tensor:
+        """Paged attention with this layer's options (scale, window, soft-cap, sinks, KV scales): the
+        call every family's attention makes once its q, k and v are ready."""
+        return paged_attention(
+            q, k, v, kv_pool, layer, meta, self.scale, sliding=self.sliding, softcap=self.softcap, sinks=self.sinks,
+            kv_scales=self.kv_scales,
+        )  # fmt: skip
 
 
 class LlamaMLP(nn.Module):
@@ -325,7 +353,7 @@ class LlamaForCausalLM(nn.Module):
         slot :meth:`expected_slots` lists must have arrived."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for name, tensor in weights:
+        for name, tensor in self.take_kv_scales(weights):
             if "rotary_emb.inv_freq" in name:
                 continue
             name = self.checkpoint_name(name)
@@ -353,6 +381,16 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
+
+    def take_kv_scales(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``weights`` without the FP8 KV-cache scales a checkpoint may carry, each given to its layer's
+        attention (:meth:`LlamaAttention.set_kv_scale`); they serve ``--kv-cache-dtype fp8``."""
+        for name, tensor in weights:
+            found = _KV_SCALE.search(name)
+            if found is None:
+                yield name, tensor
+            else:
+                self.layers[int(found["layer"])].self_attn.set_kv_scale(found["kv"] or found["proj"], tensor)
 
     def checkpoint_name(self, name: str) -> str:
         """A checkpoint tensor's name in our module tree's terms (before fusing)."""
@@ -404,6 +442,8 @@ class LlamaForCausalLM(nn.Module):
 def layer_slice(name: str, attn: LlamaAttention, mlp: LlamaMLP, r: int) -> tuple[int, int, int] | str | None:
     """What of a decoder layer's checkpoint tensor ``name`` rank ``r`` holds (see ``checkpoint_slice``),
     given a layer of this rank's shapes (every layer of a model has the same)."""
+    if _KV_SCALE.search(name):
+        return None  # (a KV-cache scale: every rank reads all of it, and keeps its heads')
     weight = name.endswith(".weight")
     if ".q_proj." in name:
         return 0, r * attn.q_size, attn.q_size

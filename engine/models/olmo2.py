@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention
+from engine.attention import AttentionMetadata
 from engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, apply_rope
 from engine.parallel import SINGLE, TensorParallel
 
@@ -85,8 +85,7 @@ class Olmo2Attention(LlamaAttention):
         k = self.k_norm(k).view(T, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_pool, layer, meta, self.scale, sliding=self.sliding, softcap=self.softcap)
-        return self.tp.all_reduce(self.o_proj(out))
+        return self.tp.all_reduce(self.o_proj(self.attend(q, k, v, kv_pool, layer, meta)))
 
 
 class Olmo2DecoderLayer(nn.Module):

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.attention import AttentionMetadata, paged_attention
+from engine.attention import AttentionMetadata
 from engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, apply_rope
 from engine.parallel import SINGLE, TensorParallel
 
@@ -98,8 +98,7 @@ class Phi3Attention(LlamaAttention):
         q = apply_partial_rope(q.view(T, self.num_heads, self.head_dim), cos, sin)
         k = apply_partial_rope(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_pool, layer, meta, self.scale, sliding=self.sliding, softcap=self.softcap)
-        return self.tp.all_reduce(self.o_proj(out))
+        return self.tp.all_reduce(self.o_proj(self.attend(q, k, v, kv_pool, layer, meta)))
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
@@ -147,7 +146,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             )
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for name, tensor in weights:
+        for name, tensor in self.take_kv_scales(weights):
             if "rotary_emb.inv_freq" in name:
                 continue
             name = name.removeprefix("model.")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention
+from engine.attention import AttentionMetadata
 from engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from engine.parallel import SINGLE, TensorParallel
 
@@ -40,8 +40,7 @@ class SmolLM3Attention(LlamaAttention):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_pool, layer, meta, self.scale, sliding=self.sliding, softcap=self.softcap)
-        return self.tp.all_reduce(self.o_proj(out))
+        return self.tp.all_reduce(self.o_proj(self.attend(q, k, v, kv_pool, layer, meta)))
 
 
 class SmolLM3ForCausalLM(LlamaForCausalLM):

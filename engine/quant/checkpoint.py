@@ -22,7 +22,8 @@ input column its group where the columns were quantized out of order.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -47,7 +48,12 @@ class QuantizedReader:
     parts: tuple[str, ...] = ()  # suffixes of a quantized layer's tensors (after "<module>.")
     dropped: tuple[str, ...] = ()
 
-    def read(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    def read(
+        self, weights: Iterable[tuple[str, torch.Tensor]], keep: Callable[[str, dict], None] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The stream with each quantized layer's tensors replaced by its dequantized ``weight``; ``keep``
+        sees each layer's stored tensors first (by module name): a loader serving the stored form
+        (:meth:`int4_groups`, :meth:`fp8_rows`) takes it there."""
         pending: dict[str, dict[str, torch.Tensor]] = {}
         for key, tensor in weights:
             module, _, suffix = key.rpartition(".")
@@ -60,6 +66,8 @@ class QuantizedReader:
             got[suffix] = tensor
             if all(p in got for p in self.needed(got)):
                 del pending[module]
+                if keep is not None:
+                    keep(module, got)
                 yield f"{module}.weight", self.dequantize(module, got)
         for module, got in pending.items():
             missing = [p for p in self.needed(got) if p not in got]
@@ -73,6 +81,44 @@ class QuantizedReader:
 
     def dequantize(self, module: str, got: dict[str, torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
+
+    int4 = False  # whether the format can hold 4-bit integer groups (--quantization int4 serves those)
+    fp8 = False  # whether it can hold FP8 weights (--quantization fp8 serves those)
+
+    def int4_groups(self, got: dict[str, torch.Tensor]) -> Int4Groups | None:
+        """A layer's weight as 4-bit groups of consecutive input columns, where it is stored so: None
+        for another layout (other widths, act order out of order, a scale per channel or tensor)."""
+        return None
+
+    def fp8_rows(self, got: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A layer's weight as e4m3 values ``[out, in]`` and a float32 scale per row ``[out]`` (a tensor's
+        scale spread over its rows), where it is stored so: None for another layout (block scales)."""
+        return None
+
+
+@dataclass
+class Int4Groups:
+    """A weight ``[out, in]`` as ``q * scale + lo``, ``q`` in 0..15 (uint8 ``[out, in]``), ``scale`` and
+    ``lo`` float32 ``[out, in / group]``: the form PyTorch's int4 kernels take (engine/quant/int4.py)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    lo: torch.Tensor
+
+    @classmethod
+    def of(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Int4Groups:
+        """From ``(q - zero) * scale``, each ``[out, ...]``."""
+        scale = scale.float()
+        return cls(q.to(torch.uint8).contiguous(), scale.contiguous(), (-zero.float() * scale).contiguous())
+
+    @property
+    def group_size(self) -> int:
+        return self.q.shape[1] // self.scale.shape[1]
+
+
+def in_order(g_idx: torch.Tensor | None, n_in: int, group_size: int) -> bool:
+    """Whether a group index (act order) puts every input column in group ``column // group_size``."""
+    return g_idx is None or torch.equal(g_idx.long(), torch.arange(n_in) // group_size)
 
 
 class GPTQReader(QuantizedReader):
@@ -114,6 +160,18 @@ class GPTQReader(QuantizedReader):
         w = (q.float() - zeros[g_idx, : q.shape[1]].float()) * scales[g_idx, : q.shape[1]]
         return w.t().contiguous()
 
+    @property
+    def int4(self) -> bool:
+        return self.bits == 4
+
+    def int4_groups(self, got: dict[str, torch.Tensor]) -> Int4Groups | None:
+        q = unpack_int32(got["qweight"], self.bits, 0)  # [in, out]
+        n_in, n_out = q.shape
+        if self.bits != 4 or self.group_size <= 0 or not in_order(got.get("g_idx"), n_in, self.group_size):
+            return None
+        zeros = unpack_int32(got["qzeros"], self.bits, 1)[:, :n_out] + self.zero_offset  # [groups, out]
+        return Int4Groups.of(q.t(), got["scales"].t(), zeros.t())
+
 
 class AWQReader(GPTQReader):
     """AWQ, GEMM layout (AutoAWQ, GPTQModel): ``qweight`` int32 [in, out / 8] and ``qzeros`` int32
@@ -149,6 +207,12 @@ class AWQReader(GPTQReader):
         g = torch.arange(q.shape[0]) // self.group_size
         return ((q - zeros[g]).float() * scales[g]).t().contiguous()
 
+    int4 = True
+
+    def int4_groups(self, got: dict[str, torch.Tensor]) -> Int4Groups | None:
+        q, zeros = self.unpack(got["qweight"]), self.unpack(got["qzeros"])
+        return Int4Groups.of(q.t(), got["scales"].t(), zeros.t())
+
 
 class FP8Reader(QuantizedReader):
     """``quant_method: fp8``: ``weight`` float8_e4m3fn [out, in] and its multiplier, per 128 x 128 block
@@ -178,6 +242,14 @@ class FP8Reader(QuantizedReader):
             return w * expand_blocks(got["weight_scale_inv"].float(), w.shape)
         scale = got["weight_scale"].float()
         return w * (scale.reshape(()) if scale.numel() == 1 else scale.reshape(-1, 1))
+
+    fp8 = True
+
+    def fp8_rows(self, got: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        w = got["weight"]
+        if self.block or w.dtype != torch.float8_e4m3fn:
+            return None
+        return w, got["weight_scale"].float().reshape(-1).expand(w.shape[0]).contiguous()
 
 
 def expand_blocks(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -268,6 +340,40 @@ class CompressedTensorsReader(QuantizedReader):
         spread = self._spreader(scale, (out, inp), got.get("weight_g_idx"))
         w = q - spread(zero) if zero is not None else q
         return w * spread(scale)
+
+    @property
+    def int4(self) -> bool:
+        return self.packed and self.bits == 4 and self.scheme.get("type", "int") == "int"
+
+    @property
+    def fp8(self) -> bool:
+        return self.scheme.get("type") == "float" and self.bits == 8
+
+    def fp8_rows(self, got: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        w = got.get("weight")
+        if not self.fp8 or w is None or w.dtype != torch.float8_e4m3fn:
+            return None
+        if self.scheme.get("strategy", "tensor") not in ("tensor", "channel") or not self.symmetric:
+            return None
+        return w, got["weight_scale"].float().reshape(-1).expand(w.shape[0]).contiguous()
+
+    def int4_groups(self, got: dict[str, torch.Tensor]) -> Int4Groups | None:
+        if not self.int4 or self.scheme.get("strategy") != "group" or "weight_packed" not in got:
+            return None
+        out, inp = (int(x) for x in got["weight_shape"].tolist())
+        size = int(self.scheme["group_size"])
+        if not in_order(got.get("weight_g_idx"), inp, size):
+            return None
+        u = unpack_int32(got["weight_packed"], 4, 1)[:, :inp]  # the signed values plus 8: 0..15
+        scale = got["weight_scale"].float().reshape(out, -1)
+        zero = got.get("weight_zero_point")
+        if zero is None:
+            signed_zero = torch.zeros_like(scale)
+        elif zero.dtype == torch.int32 and zero.numel() * 8 >= out:  # (as dequantize reads it)
+            signed_zero = unpack_int32(zero, 4, 0)[:out].float() - 8  # packed along the output
+        else:
+            signed_zero = zero.float().reshape(out, -1)
+        return Int4Groups.of(u, scale, signed_zero + 8)  # (u - 8 - zero) * scale
 
     def _spreader(self, scale: torch.Tensor, shape: tuple[int, int], g_idx: torch.Tensor | None):
         """A function spreading a per-(tensor | channel | group | block) tensor over the weight."""

@@ -26,6 +26,8 @@ import logging
 import torch
 from torch import nn
 
+from engine.quant.install import assemble, replace
+
 logger = logging.getLogger(__name__)
 
 GROUP_SIZES = (128, 64, 32)  # tried in order: the first that divides the input features
@@ -114,3 +116,45 @@ def quantize_linears_int4(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)
         setattr(model.get_submodule(parent) if parent else model, attr, Int4Linear.from_linear(module, group))
         replaced += 1
     return replaced
+
+
+KERNEL_GROUP_SIZES = (32, 64, 128, 256)  # the group sizes the int4 kernels take
+
+
+def install_checkpoint_int4(model: nn.Module, groups: dict, select=None) -> int:
+    """Serve a 4-bit checkpoint's own groups on the int4 kernels (``--quantization int4`` on a GPTQ, AWQ or
+    compressed-tensors int4 checkpoint): each linear layer whose every checkpoint part (q/k/v, gate/up)
+    came as 4-bit groups (:class:`engine.quant.checkpoint.Int4Groups`, by checkpoint module) of one size
+    the kernels take becomes an :class:`Int4Linear` of those groups, not re-quantized: the same integers,
+    scales and zero points (rounded to bfloat16, as the kernels keep them). ``select`` is the model's
+    ``checkpoint_slice`` under tensor parallelism: a rank's rows, or its columns where they fall on
+    group boundaries. Other layers keep the dequantized weights they loaded. Returns how many were replaced."""
+    stored = {module: (g.q, g.scale, g.lo) for module, g in groups.items()}
+    replaced = 0
+    for path, (linear, (q, scale, lo)) in assemble(model, stored, select, _int4_rank_part).items():
+        g = q.shape[1] // scale.shape[1]
+        if g not in KERNEL_GROUP_SIZES or linear.out_features % 16:
+            logger.info("int4: %s stays dequantized (group size %d, %d rows)", path, g, linear.out_features)
+            continue
+        layer = Int4Linear(linear.in_features, linear.out_features, g, linear.bias)
+        layer.set_weight(q, scale, lo, device=linear.weight.device)
+        replace(model, path, layer)
+        replaced += 1
+    return replaced
+
+
+def _int4_rank_part(parts, cut):
+    """A rank's part of a layer's groups (``cut`` as ``checkpoint_slice`` gives it), or None where its
+    columns would split a group."""
+    if cut is None:
+        return parts
+    if isinstance(cut, str):
+        return None
+    q, scale, lo = parts
+    dim, start, length = cut
+    if dim == 0:
+        return tuple(t.narrow(0, start, length) for t in parts)
+    g = q.shape[1] // scale.shape[1]
+    if start % g or length % g:
+        return None
+    return q.narrow(1, start, length), scale.narrow(1, start // g, length // g), lo.narrow(1, start // g, length // g)

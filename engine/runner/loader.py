@@ -26,6 +26,8 @@ from engine.models.small_linear import SmallRowsLinear, small_rows_serve
 from engine.parallel import SINGLE, TensorParallel
 from engine.quant import QUANTIZATIONS, quantize_linears_int4
 from engine.quant.checkpoint import checkpoint_format
+from engine.quant.fp8 import install_checkpoint_fp8, quantize_linears_fp8
+from engine.quant.int4 import install_checkpoint_int4
 from engine.quant.nf4 import (
     BNB_SUFFIXES,
     QUANT_STATE_PREFIX,
@@ -225,6 +227,10 @@ def load_model(
     checkpoint saved by bitsandbytes in NF4 (config.json ``quantization_config``) loads as NF4 either way.
     ``quantization="int4"``: once loaded, each linear but the LM head becomes an int4 layer on PyTorch's
     int4 kernels (:mod:`engine.quant.int4`), one at a time: the load peaks at the full-precision model.
+    On a 4-bit integer checkpoint (GPTQ, AWQ, compressed-tensors) the layers get the checkpoint's own
+    groups instead (:func:`engine.quant.int4.install_checkpoint_int4`), where the kernels take them.
+    ``quantization="fp8"``: each linear but the LM head on FP8 products (:mod:`engine.quant.fp8`), an
+    FP8 checkpoint's own e4m3 weights where their scales are per tensor or row, else quantized per row.
     ``tp``: build this rank's shard and read only its slices of the checkpoint (``checkpoint_slice``)."""
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)} or None, got {quantization!r}")
@@ -235,14 +241,17 @@ def load_model(
         reader = None if own else checkpoint_format(qconfig)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
-    if (own or reader) and quantization is not None:  # (gpt-oss's MXFP4 experts: the family reads them itself)
+    # --quantization int4 on a 4-bit integer checkpoint serves its own groups on the int4 kernels, and
+    # --quantization fp8 on an FP8 checkpoint its own e4m3 weights on FP8 products
+    serves_stored = reader is not None and quantization in ("int4", "fp8") and getattr(reader, quantization)
+    if (own or reader) and quantization is not None and not serves_stored:  # (gpt-oss's MXFP4: read by its family)
         raise ValueError(f"{path}: a {qconfig['quant_method']} checkpoint cannot be re-quantized to {quantization}")
     try:
         prequantized = None if own or reader else bnb_quantization_kind(qconfig)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
-    if prequantized and quantization == "int4":
-        raise ValueError(f"{path}: a bitsandbytes NF4 checkpoint cannot be re-quantized to int4")
+    if prequantized and quantization in ("int4", "fp8"):
+        raise ValueError(f"{path}: a bitsandbytes NF4 checkpoint cannot be re-quantized to {quantization}")
     if prequantized and tp.size > 1:
         raise ValueError(
             f"{path}: a bitsandbytes NF4 checkpoint cannot be sharded (its 4-bit blocks span the rows of "
@@ -257,13 +266,26 @@ def load_model(
     if reader is None:
         weights = ((k, v.to(device)) for k, v in iter_safetensors(path, select))
     else:  # whole tensors read and dequantized, then cut: a rank's slice of a packed tensor is no slice of it
-        plain = reader.read(iter_safetensors(path))
+        stored: dict = {}  # the stored form of each layer, by checkpoint module, where it is served
+
+        def keep(module: str, got: dict) -> None:
+            form = reader.int4_groups(got) if quantization == "int4" else reader.fp8_rows(got)
+            if form is not None:
+                stored[module] = form
+
+        plain = reader.read(iter_safetensors(path), keep if serves_stored else None)
         weights = ((k, take_slice(v, select(k) if select else None).to(device)) for k, v in plain)
     model.load_weights(nf4.intercept(weights) if nf4 else weights)
     if nf4:
         nf4.install()
-    if quantization == "int4":
+    if serves_stored:
+        install = install_checkpoint_int4 if quantization == "int4" else install_checkpoint_fp8
+        replaced = install(model, stored, select)
+        logging.getLogger(__name__).info("%s: %d layers serve the checkpoint's own weights", quantization, replaced)
+    elif quantization == "int4":
         quantize_linears_int4(model)
+    elif quantization == "fp8":
+        quantize_linears_fp8(model)
     if device.type == "cuda" and importlib.util.find_spec("triton") is not None and has_experts(model):
         import engine.models.moe_triton  # noqa: F401  (the mixture's GPU kernels: no host sync, graph-capturable)
     # Both replace plain nn.Linear layers only; quantized layers are not nn.Linear and stay as they are.

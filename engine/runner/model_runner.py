@@ -23,6 +23,7 @@ import torch
 from engine.attention import AttentionMetadata, metadata_builder, resolve_backend
 from engine.attention.common import PersistentBlockTables
 from engine.attention.cpu_kernel import load_cpu_kernel
+from engine.attention.kv_dtype import pool_dtype, raw
 from engine.attention.staging import Staging, to_device
 from engine.models.layer_skip import LayerSkip
 from engine.models.packed import linear_weight_bytes
@@ -253,14 +254,17 @@ class ModelRunner:
         freeze: bool = True,  # compiled on a CPU: weights as prepacked constants (see compile_forward)
         cuda_graph_max_seqs: int = 0,  # largest batch run as a captured graph (engine.runner.cuda_graphs); 0: none
         batch_invariant: bool = False,  # attention on one path for every query (engine/models/invariant.py)
+        kv_cache_dtype: str = "auto",  # what the KV pool stores: auto (the model's dtype) | fp8 (kv_dtype.py)
     ) -> None:
         self.model = model
         self.hf_config = hf_config
         self.device = device
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype
+        self.pool_dtype = pool_dtype(kv_cache_dtype, dtype)
         self.block_size = block_size
         self.vocab_size = hf_config.vocab_size
-        self.kv_bytes_per_token = kv_bytes_per_token(hf_config, dtype, getattr(model, "tp", SINGLE))
+        self.kv_bytes_per_token = kv_bytes_per_token(hf_config, self.pool_dtype, getattr(model, "tp", SINGLE))
         self.attention_backend = resolve_backend(attention_backend, device)  # see engine.attention
         self._build_metadata = metadata_builder(self.attention_backend)
         self.batch_invariant = batch_invariant
@@ -323,7 +327,7 @@ class ModelRunner:
         view.num_blocks = num_blocks
         view.kv_cache = torch.zeros(
             (self.kv_cache.shape[0], 2, num_blocks * self.block_size, *self.kv_cache.shape[3:]),
-            dtype=self.dtype,
+            dtype=self.pool_dtype,
             device=self.device,
         )
         mark_pool_static(view.kv_cache)  # marked as the live pool is: its graphs are the live pool's
@@ -342,15 +346,16 @@ class ModelRunner:
             (num_blocks + scratch) * self.block_size,
             attn.num_kv_heads,
             attn.head_dim,
-            dtype=self.dtype,
+            dtype=self.pool_dtype,
             device=self.device,
         )
         mark_pool_static(self.kv_cache)
         logger.info(
-            "KV pool: %d blocks x %d tokens (%.1f MiB)",
+            "KV pool: %d blocks x %d tokens (%.1f MiB, %s)",
             num_blocks,
             self.block_size,
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
+            str(self.pool_dtype).removeprefix("torch."),
         )
         if scratch:  # (new graphs: the old ones read the old pool)
             from engine.runner.cuda_graphs import CudaGraphs
@@ -366,7 +371,8 @@ class ModelRunner:
         if not src:
             return
         s, d = to_device([src, dst], self.device, torch.int64)
-        self.kv_cache[:, :, d] = self.kv_cache[:, :, s].clone()
+        pool = raw(self.kv_cache)  # (8-bit floats have no index operations on CPUs: their bytes move)
+        pool[:, :, d] = pool[:, :, s].clone()
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate whole blocks' K/V (all layers) from src to dst."""
@@ -376,7 +382,8 @@ class ModelRunner:
         offsets = torch.arange(bs, device=self.device)
         src, dst = to_device(copies, self.device, torch.int64).unbind(1)
         src, dst = (src[:, None] * bs + offsets).flatten(), (dst[:, None] * bs + offsets).flatten()
-        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        pool = raw(self.kv_cache)
+        pool[:, :, dst] = pool[:, :, src]
 
     # -- forward ----------------------------------------------------------------------------------
     def prepare(self, chunks: list[ForwardChunk]) -> ForwardBatch:

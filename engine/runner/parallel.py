@@ -370,7 +370,7 @@ def run_worker(config, rank: int, init_method: str, log_level: int) -> None:
     runner = ModelRunner(
         model, hf_config, device, config.torch_dtype, config.block_size, compile=compiled,
         attention_backend=config.attention_backend, cuda_graph_max_seqs=config.cuda_graph_max_seqs,
-        batch_invariant=model.batch_invariant,
+        batch_invariant=model.batch_invariant, kv_cache_dtype=config.kv_cache_dtype,
     )  # fmt: skip
     logger.info("rank %d of %d: shard loaded on %s", rank, tp.size, device)
     runners = {"target": runner}

@@ -444,7 +444,7 @@ class EagleProposer(DraftModelProposer):
         runner_kwargs = dict(
             block_size=config.block_size, compile=target.compiled, attention_backend=target.attention_backend,
             freeze=False,  # its levels run a row or two each
-            cuda_graph_max_seqs=target.cuda_graph_max_seqs,
+            cuda_graph_max_seqs=target.cuda_graph_max_seqs, kv_cache_dtype=target.kv_cache_dtype,
         )  # fmt: skip
         if config.draft_tensor_parallel_size > 1:  # sharded like the target, over its ranks
             from engine.runner.parallel import open_sharded
