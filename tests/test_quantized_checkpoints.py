@@ -173,7 +173,7 @@ def test_what_is_not_served_is_a_clear_error(served_dirs, tmp_path):
 
 
 # -- --quantization int4: a 4-bit checkpoint's own groups on the int4 kernels --------------------------------
-INT4 = ("gptq-4bit-g32-sym", "awq-gemm-g32", "ct-w4a16-g32-asym")
+INT4 = ("gptq-4bit-g32-sym", "awq-gemm-g32", "ct-w4a16-g32-asym", "gptq-4bit-g32-asym-actorder", "ct-w4a16-actorder")
 
 
 @pytest.mark.parametrize("name", INT4)
@@ -181,7 +181,8 @@ def test_int4_serves_the_checkpoints_own_groups(name):
     """Every linear but the LM head becomes an int4-kernel layer holding the checkpoint's integers,
     scales and zero points: multiplied by the identity it gives the library's dequantized weight, but
     for the bfloat16 rounding of its scales and zero points (a wrong nibble or zero point is off by a
-    whole step, a fifteenth of the group's range). The weights take about a quarter of their float32 bytes."""
+    whole step, a fifteenth of the group's range). Act order: the columns are stored in the groups'
+    order and the inputs taken in it. The weights take about a quarter of their float32 bytes."""
     from engine.quant import Int4Linear
 
     d = FIXTURES / name
@@ -198,19 +199,30 @@ def test_int4_serves_the_checkpoints_own_groups(name):
         want = torch.cat([reference[f"{prefix}.{p}.weight"] for p in parts]).float()
         step = want.abs().max() / 15
         torch.testing.assert_close(weight, want, atol=0.1 * step, rtol=0.02)
+    assert any(layer.perm is not None for layer in layers.values()) == ("actorder" in name)
     packed = sum(t.numel() * t.element_size() for layer in layers.values() for t in layer.buffers())
     dense = sum(layer.in_features * layer.out_features * 4 for layer in layers.values())
     assert packed < 0.2 * dense
 
 
-def test_int4_where_the_groups_do_not_fit_stays_dequantized_and_other_widths_are_refused(served_dirs):
-    """Act order out of order: the layers keep their dequantized weights (as without the flag);
-    8-bit and FP8 checkpoints are not re-quantized to 4 bits."""
-    from engine.quant import Int4Linear
+def test_int4_where_the_groups_do_not_fit_stays_dequantized_and_other_widths_are_refused(llama_dir):
+    """Groups of a size the kernels do not take (16 columns) leave the layer as it loaded (dequantized);
+    32 columns make it an int4 layer; 8-bit and FP8 checkpoints are not re-quantized to 4 bits."""
+    from torch import nn
 
-    d = FIXTURES / "gptq-4bit-g32-asym-actorder"
-    model = load_model(d, load_config(d), torch.float32, torch.device("cpu"), 64, pack=False, quantization="int4")
-    assert not any(isinstance(m, Int4Linear) for m in model.modules())
+    from engine.quant import Int4Linear
+    from engine.quant.checkpoint import Int4Groups
+    from engine.quant.int4 import install_checkpoint_int4
+
+    model = load_model(llama_dir, load_config(llama_dir), torch.float32, torch.device("cpu"), 64, pack=False)
+    q = torch.randint(0, 16, (64, 64), dtype=torch.uint8)
+    groups = {
+        "model.layers.0.self_attn.o_proj": Int4Groups(q, torch.rand(64, 4), torch.zeros(64, 4)),  # 16 columns
+        "model.layers.1.self_attn.o_proj": Int4Groups(q, torch.rand(64, 2), torch.zeros(64, 2)),  # 32
+    }
+    assert install_checkpoint_int4(model, groups) == 1
+    assert type(model.layers[0].self_attn.o_proj) is nn.Linear
+    assert isinstance(model.layers[1].self_attn.o_proj, Int4Linear)
     for name in ("gptq-8bit-channel", "ct-fp8-block", "fp8-block-dynamic"):
         d = FIXTURES / name
         with pytest.raises(ValueError, match="cannot be re-quantized to int4"):
@@ -218,11 +230,13 @@ def test_int4_where_the_groups_do_not_fit_stays_dequantized_and_other_widths_are
 
 
 def test_int4_sharded_logits_match_one_rank(served_dirs):
-    """-tp 2: a rank takes its rows of the column-parallel layers and its whole groups of the row-parallel ones."""
-    d = served_dirs["gptq-4bit-g32-sym"][0]
-    (sharded,) = sharded_logits([d], 2, quantization="int4")
-    for want, have in zip(model_logits(d, quantization="int4"), sharded, strict=True):
-        torch.testing.assert_close(have, want, rtol=2e-2, atol=2e-2)
+    """-tp 2: a rank takes its rows of the column-parallel layers and its whole groups of the
+    row-parallel ones; under act order those stay dequantized (a rank's inputs are no share of the
+    permuted ones), within the kernels' bfloat16 rounding of one rank's."""
+    dirs = [served_dirs[n][0] for n in ("gptq-4bit-g32-sym", "gptq-4bit-g32-asym-actorder")]
+    for d, sharded in zip(dirs, sharded_logits(dirs, 2, quantization="int4"), strict=True):
+        for want, have in zip(model_logits(d, quantization="int4"), sharded, strict=True):
+            torch.testing.assert_close(have, want, rtol=3e-2, atol=3e-2, msg=str(d))
 
 
 @pytest.mark.parametrize("method", ["draft", "ngram"])
@@ -237,3 +251,21 @@ def test_every_proposer_is_greedy_exact_on_an_int4_target(served_dirs, method):
     pinned = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, num_draft_tokens=3)
     assert [o.outputs[0].delta_token_ids for o in eng.generate(ps, pinned)] == plain_tokens
     assert eng.spec_stats.num_drafts > 0
+
+
+@pytest.mark.gpu
+def test_int4_checkpoint_groups_on_a_gpu(served_dirs):
+    """The repacked groups on CUDA's int4 kernel give the CPU kernel's logits (both bfloat16 activations)."""
+    from tp_ranks import _chunks
+
+    from engine.runner.model_runner import ModelRunner
+
+    d = served_dirs["gptq-4bit-g32-sym"][0]
+    config = load_config(d)
+    logits = []
+    for device in (torch.device("cpu"), torch.device("cuda")):
+        model = load_model(d, config, torch.bfloat16, device, 256, pack=False, quantization="int4")
+        runner = ModelRunner(model, config, device, torch.bfloat16, 16, num_blocks=8)
+        logits.append([runner.forward(chunks).logits.float().cpu() for chunks in _chunks()])
+    for want, got in zip(*logits, strict=True):
+        torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)

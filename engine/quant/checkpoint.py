@@ -53,7 +53,7 @@ class QuantizedReader:
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """The stream with each quantized layer's tensors replaced by its dequantized ``weight``; ``keep``
         sees each layer's stored tensors first (by module name): a loader serving the stored form
-        (:meth:`int4_groups`, :meth:`fp8_rows`) takes it there."""
+        (:meth:`int4_groups`, :meth:`fp8_weights`) takes it there."""
         pending: dict[str, dict[str, torch.Tensor]] = {}
         for key, tensor in weights:
             module, _, suffix = key.rpartition(".")
@@ -90,26 +90,41 @@ class QuantizedReader:
         for another layout (other widths, act order out of order, a scale per channel or tensor)."""
         return None
 
-    def fp8_rows(self, got: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A layer's weight as e4m3 values ``[out, in]`` and a float32 scale per row ``[out]`` (a tensor's
-        scale spread over its rows), where it is stored so: None for another layout (block scales)."""
+    fp8_block_k: int | None = None  # FP8 block scales: the block's width along the input (None: per row)
+
+    def fp8_weights(self, got: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A layer's weight as e4m3 values ``[out, in]`` and float32 scales ``[out, in blocks]``, one per
+        row and block of ``fp8_block_k`` inputs (a tensor's scale spread over its rows; a row's or
+        tensor's: one block), where it is stored so: None for another layout."""
         return None
 
 
 @dataclass
 class Int4Groups:
     """A weight ``[out, in]`` as ``q * scale + lo``, ``q`` in 0..15 (uint8 ``[out, in]``), ``scale`` and
-    ``lo`` float32 ``[out, in / group]``: the form PyTorch's int4 kernels take (engine/quant/int4.py)."""
+    ``lo`` float32 ``[out, in / group]``: the form PyTorch's int4 kernels take (engine/quant/int4.py).
+    Act order: ``perm`` [in] lists the input columns in the order the groups hold them (``q``'s columns
+    are in that order: the layer takes ``x[:, perm]``); None where they are in their own order."""
 
     q: torch.Tensor
     scale: torch.Tensor
     lo: torch.Tensor
+    perm: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Int4Groups:
-        """From ``(q - zero) * scale``, each ``[out, ...]``."""
+    def of(
+        cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, g_idx=None, size: int = 0
+    ) -> Int4Groups | None:
+        """From ``(q - zero) * scale``, each ``[out, ...]``, column ``i`` in group ``g_idx[i]`` (None: ``i //
+        size``). None where the groups are not all ``size`` columns (no order makes them contiguous)."""
         scale = scale.float()
-        return cls(q.to(torch.uint8).contiguous(), scale.contiguous(), (-zero.float() * scale).contiguous())
+        perm = None
+        if g_idx is not None and not in_order(g_idx, q.shape[1], size):
+            perm = torch.argsort(g_idx.long(), stable=True)
+            if not in_order(g_idx[perm], q.shape[1], size):
+                return None
+            q = q[:, perm]
+        return cls(q.to(torch.uint8).contiguous(), scale.contiguous(), (-zero.float() * scale).contiguous(), perm)
 
     @property
     def group_size(self) -> int:
@@ -166,11 +181,11 @@ class GPTQReader(QuantizedReader):
 
     def int4_groups(self, got: dict[str, torch.Tensor]) -> Int4Groups | None:
         q = unpack_int32(got["qweight"], self.bits, 0)  # [in, out]
-        n_in, n_out = q.shape
-        if self.bits != 4 or self.group_size <= 0 or not in_order(got.get("g_idx"), n_in, self.group_size):
+        n_out = q.shape[1]
+        if self.bits != 4 or self.group_size <= 0:
             return None
         zeros = unpack_int32(got["qzeros"], self.bits, 1)[:, :n_out] + self.zero_offset  # [groups, out]
-        return Int4Groups.of(q.t(), got["scales"].t(), zeros.t())
+        return Int4Groups.of(q.t(), got["scales"].t(), zeros.t(), got.get("g_idx"), self.group_size)
 
 
 class AWQReader(GPTQReader):
@@ -239,24 +254,38 @@ class FP8Reader(QuantizedReader):
     def dequantize(self, module: str, got: dict[str, torch.Tensor]) -> torch.Tensor:
         w = got["weight"].float()
         if self.block:
-            return w * expand_blocks(got["weight_scale_inv"].float(), w.shape)
+            return w * expand_blocks(got["weight_scale_inv"].float(), w.shape, tuple(self.block))
         scale = got["weight_scale"].float()
         return w * (scale.reshape(()) if scale.numel() == 1 else scale.reshape(-1, 1))
 
     fp8 = True
 
-    def fp8_rows(self, got: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    @property
+    def fp8_block_k(self) -> int | None:
+        return int(self.block[1]) if self.block else None
+
+    def fp8_weights(self, got: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
         w = got["weight"]
-        if self.block or w.dtype != torch.float8_e4m3fn:
+        if w.dtype != torch.float8_e4m3fn:
             return None
-        return w, got["weight_scale"].float().reshape(-1).expand(w.shape[0]).contiguous()
+        if self.block:
+            return w, rows_of_blocks(got["weight_scale_inv"], w.shape[0], int(self.block[0]))
+        return w, got["weight_scale"].float().reshape(-1, 1).expand(w.shape[0], 1).contiguous()
 
 
-def expand_blocks(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+def rows_of_blocks(scale: torch.Tensor, rows: int, block_rows: int) -> torch.Tensor:
+    """Block scales ``[ceil(out / bo), in blocks]`` (blocks ``block_rows`` tall) as one row of them per
+    output row ``[out, in blocks]``."""
+    scale = scale.float().reshape(scale.shape[0], -1)
+    return scale.repeat_interleave(block_rows, 0)[:rows].contiguous()
+
+
+def expand_blocks(scale: torch.Tensor, shape: torch.Size, block: tuple[int, int] | None = None) -> torch.Tensor:
     """A per-block scale [ceil(out / bo), ceil(in / bi)] spread over the weight's [out, in] (the last
-    blocks may be partial)."""
+    blocks may be partial). ``block``: (bo, bi); None: the smallest that cover the weight (those are
+    the block's size wherever the blocks' count is not rounded up)."""
     out, inp = shape
-    bo, bi = -(-out // scale.shape[0]), -(-inp // scale.shape[1])
+    bo, bi = block or (-(-out // scale.shape[0]), -(-inp // scale.shape[1]))
     return scale.repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :inp]
 
 
@@ -349,21 +378,31 @@ class CompressedTensorsReader(QuantizedReader):
     def fp8(self) -> bool:
         return self.scheme.get("type") == "float" and self.bits == 8
 
-    def fp8_rows(self, got: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _block(self) -> tuple[int, int]:
+        """A block strategy's (rows, columns) (compressed-tensors' ``block_structure``; 128 x 128 if unsaid)."""
+        rows, cols = self.scheme.get("block_structure") or (128, 128)
+        return int(rows), int(cols)
+
+    @property
+    def fp8_block_k(self) -> int | None:
+        return self._block()[1] if self.scheme.get("strategy") == "block" else None
+
+    def fp8_weights(self, got: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
         w = got.get("weight")
-        if not self.fp8 or w is None or w.dtype != torch.float8_e4m3fn:
+        if not self.fp8 or w is None or w.dtype != torch.float8_e4m3fn or not self.symmetric:
             return None
-        if self.scheme.get("strategy", "tensor") not in ("tensor", "channel") or not self.symmetric:
+        strategy = self.scheme.get("strategy", "tensor")
+        if strategy == "block":
+            return w, rows_of_blocks(got["weight_scale"], w.shape[0], self._block()[0])
+        if strategy not in ("tensor", "channel"):
             return None
-        return w, got["weight_scale"].float().reshape(-1).expand(w.shape[0]).contiguous()
+        return w, got["weight_scale"].float().reshape(-1, 1).expand(w.shape[0], 1).contiguous()
 
     def int4_groups(self, got: dict[str, torch.Tensor]) -> Int4Groups | None:
         if not self.int4 or self.scheme.get("strategy") != "group" or "weight_packed" not in got:
             return None
         out, inp = (int(x) for x in got["weight_shape"].tolist())
         size = int(self.scheme["group_size"])
-        if not in_order(got.get("weight_g_idx"), inp, size):
-            return None
         u = unpack_int32(got["weight_packed"], 4, 1)[:, :inp]  # the signed values plus 8: 0..15
         scale = got["weight_scale"].float().reshape(out, -1)
         zero = got.get("weight_zero_point")
@@ -373,7 +412,7 @@ class CompressedTensorsReader(QuantizedReader):
             signed_zero = unpack_int32(zero, 4, 0)[:out].float() - 8  # packed along the output
         else:
             signed_zero = zero.float().reshape(out, -1)
-        return Int4Groups.of(u, scale, signed_zero + 8)  # (u - 8 - zero) * scale
+        return Int4Groups.of(u, scale, signed_zero + 8, got.get("weight_g_idx"), size)  # (u - 8 - zero) * scale
 
     def _spreader(self, scale: torch.Tensor, shape: tuple[int, int], g_idx: torch.Tensor | None):
         """A function spreading a per-(tensor | channel | group | block) tensor over the weight."""
@@ -386,7 +425,7 @@ class CompressedTensorsReader(QuantizedReader):
             if strategy == "channel":
                 return t.reshape(out, 1).expand(out, inp)
             if strategy == "block":
-                return expand_blocks(t.reshape(t.shape[0], -1), torch.Size((out, inp)))
+                return expand_blocks(t.reshape(t.shape[0], -1), torch.Size((out, inp)), self._block())
             groups = g_idx.long() if g_idx is not None else torch.arange(inp) // int(self.scheme["group_size"])
             return t.reshape(out, -1)[:, groups]
 

@@ -9,8 +9,9 @@ Half of bfloat16's bytes a weight: a decode bound by reading the weights reads h
 *Where the weights come from*: an FP8 checkpoint whose scales are per tensor or per row (AutoFP8's
 ``quant_method: fp8`` with ``weight_scale``, compressed-tensors ``float-quantized`` with tensor or channel
 strategy) is served with its own e4m3 values and scales (a tensor's scale spread over its rows), not
-re-quantized; a full-precision checkpoint is quantized per row at load; a block-scaled checkpoint
-(128 x 128, DeepSeek-V3, Qwen3's ``-FP8``) keeps its dequantized weights (not built for it yet).
+re-quantized; a full-precision checkpoint is quantized per row at load. A block-scaled checkpoint
+(128 x 128, DeepSeek-V3, Qwen3's ``-FP8``) is served from its bytes weight-only on a Triton kernel
+(engine/quant/fp8_block.py), where its scales vary along a row.
 
 The served model is this W8A8 product, not the dequantized one: activations lose bits at every layer
 (E4M3 keeps about two significant digits), and every speculative method is exact against it. Under the
@@ -102,29 +103,45 @@ def quantize_linears_fp8(model: nn.Module, skip: tuple[str, ...] = ("lm_head",))
     return replaced
 
 
-def install_checkpoint_fp8(model: nn.Module, rows: dict, select=None) -> int:
-    """Serve an FP8 checkpoint's own e4m3 weights and row scales (``rows``: by checkpoint module, as
-    :meth:`engine.quant.checkpoint.QuantizedReader.fp8_rows` gives them), each fused layer's parts
-    stacked (``select``: a rank's cut under tensor parallelism). Other layers keep the dequantized
-    weights they loaded. Returns how many were replaced."""
+def install_checkpoint_fp8(model: nn.Module, weights: dict, select=None, block_k: int | None = None) -> int:
+    """Serve an FP8 checkpoint's own e4m3 weights and scales (``weights``: by checkpoint module, as
+    :meth:`engine.quant.checkpoint.QuantizedReader.fp8_weights` gives them: values ``[out, in]`` and a
+    scale per row and block of ``block_k`` inputs), each fused layer's parts stacked (``select``: a
+    rank's cut under tensor parallelism, on block boundaries). A layer with one scale per row becomes
+    an :class:`Fp8Linear`; one whose scales vary along its rows (128 x 128 blocks) an
+    :class:`engine.quant.fp8_block.Fp8BlockLinear`, where its kernel runs (CUDA; Triton's interpreter).
+    Other layers keep the dequantized weights they loaded. Returns how many were replaced."""
+    from engine.quant.fp8_block import Fp8BlockLinear, kernel_serves
+
     replaced = 0
-    for path, (linear, (w8, scale)) in assemble(model, rows, select, _fp8_rank_part).items():
-        if not fits(linear.in_features, linear.out_features):
-            logger.info("fp8: %s stays dequantized (shape)", path)
-            continue
+    for path, (linear, (w8, scale)) in assemble(model, weights, select, _fp8_rank_part(block_k)).items():
         device = linear.weight.device
-        replace(model, path, Fp8Linear(w8.to(device), scale.to(device), linear.bias))
+        if scale.shape[1] == 1 and fits(linear.in_features, linear.out_features):
+            layer = Fp8Linear(w8.to(device), scale[:, 0].to(device), linear.bias)
+        elif scale.shape[1] > 1 and kernel_serves(device):
+            layer = Fp8BlockLinear(w8.to(device), scale.to(device), (1, block_k), linear.bias)
+        else:
+            logger.info("fp8: %s stays dequantized (shape, or no block kernel on %s)", path, device.type)
+            continue
+        replace(model, path, layer)
         replaced += 1
     return replaced
 
 
-def _fp8_rank_part(parts, cut):
-    if cut is None:
-        return parts
-    if isinstance(cut, str):
-        return None
-    w8, scale = parts
-    dim, start, length = cut
-    if dim == 0:
-        return w8.narrow(0, start, length), scale.narrow(0, start, length)
-    return w8.narrow(1, start, length), scale
+def _fp8_rank_part(block_k: int | None):
+    def part(parts, cut, module: str = ""):
+        if cut is None:
+            return parts
+        if isinstance(cut, str):
+            return None
+        w8, scale = parts
+        dim, start, length = cut
+        if dim == 0:
+            return w8.narrow(0, start, length), scale.narrow(0, start, length)
+        if scale.shape[1] == 1:
+            return w8.narrow(1, start, length), scale
+        if start % block_k or (length % block_k and start + length != w8.shape[1]):
+            return None  # a rank's inputs would split a block
+        return w8.narrow(1, start, length), scale.narrow(1, start // block_k, -(-length // block_k))
+
+    return part

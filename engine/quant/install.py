@@ -26,7 +26,7 @@ def assemble(
     model: nn.Module,
     stored: dict[str, Parts],  # checkpoint module name → its stored form
     select: Callable[[str], object] | None,  # the model's checkpoint_slice under tensor parallelism
-    rank_part: Callable[[Parts, object], Parts | None],  # a rank's part of a module's form (None: none fits)
+    rank_part: Callable[..., Parts | None],  # (form, cut, module) → a rank's part of it (None: none fits)
 ) -> dict[str, tuple[nn.Linear, Parts]]:
     """The stored forms of ``model``'s linear layers (by module path; the LM head left out): each
     fused layer's parts stacked along its rows in the model's slot order. A layer is left out where a
@@ -35,7 +35,7 @@ def assemble(
     layers: dict[str, _Layer] = {}  # by parameter name
     for module, form in stored.items():
         name = f"{module}.weight"
-        form = rank_part(form, select(name) if select else None)
+        form = rank_part(form, select(name) if select else None, module)
         target, shard = model.weight_target(model.checkpoint_name(name))
         path = target.removesuffix(".weight")
         linear = _linear(model, path)

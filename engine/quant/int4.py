@@ -65,6 +65,8 @@ class Int4Linear(nn.Module):
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
         self.register_buffer("packed", torch.empty(0, dtype=torch.uint8), persistent=False)
         self.register_buffer("scales_and_zeros", torch.empty(0), persistent=False)  # [K/g, N, 2]
+        # [K] int64: the input columns in the order the groups were made (act order), None: as they come
+        self.register_buffer("perm", None, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     @classmethod
@@ -88,6 +90,8 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
+        if self.perm is not None:
+            flat = flat.index_select(1, self.perm)
         if x.device.type == "cuda":
             y = torch.ops.aten._weight_int4pack_mm(flat, self.packed, self.group_size, self.scales_and_zeros)
         else:
@@ -129,32 +133,53 @@ def install_checkpoint_int4(model: nn.Module, groups: dict, select=None) -> int:
     scales and zero points (rounded to bfloat16, as the kernels keep them). ``select`` is the model's
     ``checkpoint_slice`` under tensor parallelism: a rank's rows, or its columns where they fall on
     group boundaries. Other layers keep the dequantized weights they loaded. Returns how many were replaced."""
+    # Act order: a layer's groups hold its input columns in ``perm``'s order, so its columns are stored
+    # so and its inputs taken so (exact). The parts of a fused layer share their input, and must share
+    # the order; a rank's share of a row-parallel layer's inputs is no share of the permuted ones.
+    perms: dict[str, list] = {}  # layer path → the orders of its parts
+    for module, g in groups.items():
+        target, _ = model.weight_target(model.checkpoint_name(f"{module}.weight"))
+        perms.setdefault(target.removesuffix(".weight"), []).append(g.perm)
     stored = {module: (g.q, g.scale, g.lo) for module, g in groups.items()}
+    permuted = {m for m, g in groups.items() if g.perm is not None}
     replaced = 0
-    for path, (linear, (q, scale, lo)) in assemble(model, stored, select, _int4_rank_part).items():
+    for path, (linear, (q, scale, lo)) in assemble(model, stored, select, _int4_rank_part(permuted)).items():
         g = q.shape[1] // scale.shape[1]
-        if g not in KERNEL_GROUP_SIZES or linear.out_features % 16:
-            logger.info("int4: %s stays dequantized (group size %d, %d rows)", path, g, linear.out_features)
+        orders = perms[path]
+        same = all(o is None for o in orders) or all(o is not None and torch.equal(o, orders[0]) for o in orders)
+        if g not in KERNEL_GROUP_SIZES or linear.out_features % 16 or not same:
+            logger.info("int4: %s stays dequantized (group size %d, %d rows, act orders alike: %s)",
+                        path, g, linear.out_features, same)  # fmt: skip
             continue
         layer = Int4Linear(linear.in_features, linear.out_features, g, linear.bias)
         layer.set_weight(q, scale, lo, device=linear.weight.device)
+        if orders[0] is not None:
+            layer.perm = orders[0].to(linear.weight.device)
         replace(model, path, layer)
         replaced += 1
     return replaced
 
 
-def _int4_rank_part(parts, cut):
+def _int4_rank_part(permuted: set[str]):
     """A rank's part of a layer's groups (``cut`` as ``checkpoint_slice`` gives it), or None where its
-    columns would split a group."""
-    if cut is None:
-        return parts
-    if isinstance(cut, str):
-        return None
-    q, scale, lo = parts
-    dim, start, length = cut
-    if dim == 0:
-        return tuple(t.narrow(0, start, length) for t in parts)
-    g = q.shape[1] // scale.shape[1]
-    if start % g or length % g:
-        return None
-    return q.narrow(1, start, length), scale.narrow(1, start // g, length // g), lo.narrow(1, start // g, length // g)
+    columns would split a group or the layer's inputs are permuted (act order)."""
+
+    def part(parts, cut, module: str = ""):
+        if cut is None:
+            return parts
+        if isinstance(cut, str):
+            return None
+        q, scale, lo = parts
+        dim, start, length = cut
+        if dim == 0:
+            return tuple(t.narrow(0, start, length) for t in parts)
+        g = q.shape[1] // scale.shape[1]
+        if start % g or length % g or module in permuted:
+            return None
+        return (
+            q.narrow(1, start, length),
+            scale.narrow(1, start // g, length // g),
+            lo.narrow(1, start // g, length // g),
+        )
+
+    return part

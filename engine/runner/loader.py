@@ -269,7 +269,7 @@ def load_model(
         stored: dict = {}  # the stored form of each layer, by checkpoint module, where it is served
 
         def keep(module: str, got: dict) -> None:
-            form = reader.int4_groups(got) if quantization == "int4" else reader.fp8_rows(got)
+            form = reader.int4_groups(got) if quantization == "int4" else reader.fp8_weights(got)
             if form is not None:
                 stored[module] = form
 
@@ -279,8 +279,10 @@ def load_model(
     if nf4:
         nf4.install()
     if serves_stored:
-        install = install_checkpoint_int4 if quantization == "int4" else install_checkpoint_fp8
-        replaced = install(model, stored, select)
+        if quantization == "int4":
+            replaced = install_checkpoint_int4(model, stored, select)
+        else:
+            replaced = install_checkpoint_fp8(model, stored, select, reader.fp8_block_k)
         logging.getLogger(__name__).info("%s: %d layers serve the checkpoint's own weights", quantization, replaced)
     elif quantization == "int4":
         quantize_linears_int4(model)
