@@ -222,3 +222,21 @@ def test_a_block_scaled_layer_is_served_from_its_bytes_and_rows_stay_independent
     together = layer(x)
     for i in range(6):
         assert torch.equal(layer(x[i : i + 1]), together[i : i + 1])
+
+
+def test_a_mixtures_router_stays_in_full_precision(tmp_path):
+    """Its scores choose the experts: --quantization fp8 leaves the router as loaded, as FP8 checkpoints
+    do (16 experts: a shape the FP8 product takes; the stacked experts are not linear layers)."""
+    import transformers
+    from torch import nn
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=384, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=16, num_experts_per_tok=2,
+        max_position_embeddings=128, architectures=["Qwen3MoeForCausalLM"],
+    )  # fmt: skip
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "moe")
+    d = tmp_path / "moe"
+    model = load_model(d, load_config(d), torch.float32, torch.device("cpu"), 64, pack=False, quantization="fp8")
+    assert type(model.layers[0].mlp.gate) is nn.Linear and model.layers[0].mlp.gate.out_features == 16
+    assert isinstance(model.layers[0].self_attn.qkv_proj, Fp8Linear)

@@ -88,9 +88,11 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 weights, per-row scales"
 
 
-def quantize_linears_fp8(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> int:
-    """Replace every ``nn.Linear`` of ``model`` the kernels can take, but those named in ``skip``, by an
-    :class:`Fp8Linear` quantized per row from its loaded weight, one at a time. Returns how many were."""
+def quantize_linears_fp8(model: nn.Module, skip: tuple[str, ...] = ("lm_head", "gate")) -> int:
+    """Replace every ``nn.Linear`` of ``model`` the kernels can take, but those named in ``skip`` (the LM
+    head, and a mixture's router: its scores pick the experts, and FP8 checkpoints leave it unquantized
+    too), by an :class:`Fp8Linear` quantized per row from its loaded weight, one at a time. Returns how
+    many were."""
     replaced = 0
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or name.rsplit(".", 1)[-1] in skip:
