@@ -10,6 +10,12 @@ import os
 import time
 
 
+def triton_interpreted() -> bool:
+    """Whether Triton kernels run in its interpreter (on CPU tensors) instead of being compiled (read on
+    each call: a test may set it)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 @functools.cache
 def cpu_flags() -> tuple[str, ...]:
     """This CPU's feature flags, as Linux reports them (empty where it does not)."""

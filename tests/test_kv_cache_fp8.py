@@ -35,6 +35,7 @@ from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.models.llama import LlamaAttention
 from engine.parallel import TensorParallel
+from engine.platform import triton_interpreted
 from engine.request.sampling_params import SamplingParams
 from engine.runner.loader import load_config, load_model
 from engine.runner.model_runner import ModelRunner, kv_pool_blocks
@@ -127,7 +128,7 @@ def test_the_triton_kernel_reads_fp8_tiles(splits, scaled):
     scales to the scores (K) and the output (V), in one key range and in split ranges combined."""
     pytest.importorskip("triton")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and not kv_dtype_triton_interpretable():
+    if device.type == "cpu" and not triton_interpreted():
         pytest.skip("Triton's interpreter is not on (TRITON_INTERPRET=1)")
     lists, positions, pool, q, k, v = fp8_batch(9, KINDS["mixed"] + ["tree"])
     scales = torch.tensor([[0.5, 2.0], [0.25, 4.0]]) if scaled else None
@@ -138,12 +139,6 @@ def test_the_triton_kernel_reads_fp8_tiles(splits, scaled):
     got = paged_attention(*dev, got_pool, 0, meta, 16**-0.5, kv_scales=None if scales is None else scales.to(device))
     assert torch.equal(kv_dtype.raw(got_pool).cpu(), kv_dtype.raw(want_pool))
     torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=2e-5)
-
-
-def kv_dtype_triton_interpretable() -> bool:
-    from engine.attention.common import triton_interpreted
-
-    return triton_interpreted()
 
 
 # -- the pool -----------------------------------------------------------------------------------------

@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
-
-def triton_interpreted() -> bool:
-    """Whether Triton kernels run in its interpreter (on CPU tensors) instead of being compiled."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+from engine.platform import triton_interpreted  # noqa: F401  (the attention backends' callers read it here)
 
 
 def optional_inputs(sinks: torch.Tensor | None, kv_scales: torch.Tensor | None) -> dict[str, torch.Tensor]:

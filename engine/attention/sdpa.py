@@ -21,8 +21,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.attention import kv_dtype
 from engine.attention.common import optional_inputs, padded_block_tables
+from engine.attention.kv_dtype import read_rows, write_rows
 from engine.attention.staging import Pack, direct_pack
 
 
@@ -203,12 +203,12 @@ def _paged_attention_impl(
     B, Q = kv_slots.shape[0], mask.shape[2]
     k_cache, v_cache = kv_pool[layer, 0], kv_pool[layer, 1]
     k_scale, v_scale = (None, None) if kv_scales is None else kv_scales.unbind(0)
-    kv_dtype.write_rows(k_cache, slot_mapping, k, k_scale)
-    kv_dtype.write_rows(v_cache, slot_mapping, v, v_scale)
+    write_rows(k_cache, slot_mapping, k, k_scale)
+    write_rows(v_cache, slot_mapping, v, v_scale)
     flat_slots = kv_slots.view(-1)
     kv_shape = (B, -1, *k_cache.shape[1:])
-    keys = kv_dtype.read_rows(k_cache, flat_slots, k_scale, q.dtype).view(kv_shape).transpose(1, 2)  # [B, Hkv, Kmax, D]
-    values = kv_dtype.read_rows(v_cache, flat_slots, v_scale, q.dtype).view(kv_shape).transpose(1, 2)
+    keys = read_rows(k_cache, flat_slots, k_scale, q.dtype).view(kv_shape).transpose(1, 2)  # [B, Hkv, Kmax, D]
+    values = read_rows(v_cache, flat_slots, v_scale, q.dtype).view(kv_shape).transpose(1, 2)
     if Q == 1:  # one new token per sequence: the flat batch is already [B, 1]
         qp = q.view(B, 1, H, D)
     else:

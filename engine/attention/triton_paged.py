@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention import kv_dtype
 from engine.attention.common import optional_inputs, padded_block_tables, triton_interpreted
+from engine.attention.kv_dtype import is_fp8, write_rows
 from engine.attention.staging import Pack, direct_pack
 
 # ``seq_info`` has one int32 row per sequence: context length, KV length (context + new tokens), its
@@ -418,8 +418,8 @@ def _triton_paged_attention_impl(
     T, H, D = q.shape
     k_cache, v_cache = kv_pool[layer, 0], kv_pool[layer, 1]  # [num_slots, Hkv, D]
     k_scale, v_scale = (None, None) if kv_scales is None else kv_scales.unbind(0)
-    kv_dtype.write_rows(k_cache, slot_mapping, k, k_scale)
-    kv_dtype.write_rows(v_cache, slot_mapping, v, v_scale)
+    write_rows(k_cache, slot_mapping, k, k_scale)
+    write_rows(v_cache, slot_mapping, v, v_scale)
     out = q.new_empty(T, H * D)
     if T == 0:
         return out
@@ -435,7 +435,7 @@ def _triton_paged_attention_impl(
         ml = torch.empty(splits, T, H, 2, dtype=torch.float32, device=q.device)
     upcast = triton_interpreted() and q.dtype != torch.float32
     sinks = out if sinks is None else sinks.float().contiguous()  # (unused unless SINKS)
-    fp8 = kv_dtype.is_fp8(kv_pool)
+    fp8 = is_fp8(kv_pool)
     scales = out if kv_scales is None or not fp8 else kv_scales.float().contiguous()  # (unused unless SCALED)
     _paged_attention_kernel[(programs.shape[0], Hkv, splits)](
         out, partial, ml, q, k_cache, v_cache, block_tables, seq_info, programs, positions, masks, sinks, scales,

@@ -132,8 +132,8 @@ class LlamaAttention(nn.Module):
                 f"a {which} scale of the KV cache has {scale.numel()} values: one or {self.total_kv_heads} expected"
             )
         if self.kv_scales is None:
-            self.kv_scales = torch.ones(2, self.num_kv_heads, device=self.o_proj.weight.device)
-        self.kv_scales[0 if which == "k" else 1] = scale.to(self.kv_scales.device)
+            self.kv_scales = torch.ones(2, self.num_kv_heads, device=scale.device)
+        self.kv_scales[0 if which == "k" else 1] = scale
 
     def attend(self, q, k, v, kv_pool: torch.Tensor, layer: int, meta: AttentionMetadata) -> torch.Tensor:
         """Paged attention with this layer's options (scale, window, soft-cap, sinks, KV scales): the

@@ -18,19 +18,13 @@ the rows beside it).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import nn
 
-
-def triton_interpreted() -> bool:
-    """Whether Triton kernels run in its interpreter, on CPU tensors (as engine.attention.common says it;
-    this floor may not import that one)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+from engine.platform import triton_interpreted
 
 
 @triton.jit
