@@ -26,6 +26,13 @@ way once, in a rotated order; a cell is the median over rounds and a ratio the m
 own ratios to plain's. Greedy tokens of each way are compared with plain's (the quantized ways are other
 models: the count of leading tokens they share is reported, not asserted).
 
+Once per way that changes the weights (and for the FP8 checkpoint under ``--quantization fp8``, served
+from its own bytes), in a process of its own: the load's peak anonymous memory
+(``RssAnon``, sampled every millisecond while ``load_model`` runs, less what the process held before),
+against the loaded model's weight bytes: ``--quantization int4`` / ``fp8`` convert each layer as its
+weight arrives (engine/quant/streamed.py), so their peak is the quantized model plus a layer, not the
+full-precision model.
+
 With ``--demo`` (the shipped demo target), it also reports the FP8 cache's logit error on a trained
 model: teacher-forced logits over held-out prompts with each cache, the largest difference relative
 to the largest logit and the share of positions whose top token agrees.
@@ -36,8 +43,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -123,6 +133,49 @@ def measure(engine: LLMEngine, vocab: int, seed: int, long_ctx: int) -> tuple[di
         "weights_MiB": mem["weights_bytes"] / 2**20,
         "kv_bytes_per_token": engine.runner.kv_bytes_per_token,
     }, c1_tokens[0]
+
+
+_LOAD_PEAK = """
+import sys, threading, time, torch
+from pathlib import Path
+from engine.runner.loader import load_config, load_model
+
+def anon():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+
+path, quantization, dtype = Path(sys.argv[1]), sys.argv[2] or None, getattr(torch, sys.argv[3])
+config = load_config(path)
+base, peak, done = anon(), [0], []
+
+def sample():
+    while not done:
+        peak[0] = max(peak[0], anon())
+        time.sleep(0.001)
+
+t = threading.Thread(target=sample)
+t.start()
+model = load_model(path, config, dtype, torch.device("cpu"), 2048, pack=False, quantization=quantization)
+done.append(1)
+t.join()
+held = sum({t.data_ptr(): t.nbytes for t in [*model.parameters(), *model.buffers()]}.values())
+print(max(peak[0], anon()) - base, held)
+"""
+
+
+def load_peak(path: Path, quantization: str | None, dtype: torch.dtype) -> tuple[float, float]:
+    """(the load's peak anonymous memory, the loaded model's tensors' bytes: parameters and buffers, the
+    int4 layers' packed weights and the RoPE tables included), MiB, in a fresh process."""
+    out = subprocess.run(
+        [sys.executable, "-c", _LOAD_PEAK, str(path), quantization or "", str(dtype).removeprefix("torch.")],
+        capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[1],
+        # glibc's malloc otherwise raises its mmap threshold as large blocks are freed and keeps later
+        # ones in its heap: the process's memory would then count freed weights, by chance
+        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"},
+    )  # fmt: skip
+    peak, held = out.stdout.split()[-2:]
+    return int(peak) / 2**20, int(held) / 2**20
 
 
 def leading_agreement(a: list[int], b: list[int]) -> int:
@@ -220,11 +273,21 @@ def main(argv: list[str] | None = None) -> int:
         }
         row = " | ".join(f"{med[k]:.1f} ({ratios[k]:.2f}x)" for k in keys)
         print(f"| {way} | {row} | {statistics.median(agree[way]):.0f} |")
+    dtype = EngineConfig(model="m", dtype=args.dtype).torch_dtype
+    peaks = {}
+    loads = {way: WAYS[way] for way in ("plain", "fp8 checkpoint", "int4 kernel", "fp8 W8A8")}
+    loads["fp8 checkpoint, --quantization fp8"] = dict(checkpoint="fp8", quantization="fp8")  # its own bytes
+    for way, spec in loads.items():
+        peaks[way] = load_peak(paths[spec.get("checkpoint", "plain")], spec.get("quantization"), dtype)
+    print("\n| way | load peak MiB | loaded tensors MiB |\n| --- | --- | --- |")
+    for way, (peak, held) in peaks.items():
+        print(f"| {way} | {peak:.0f} | {held:.0f} |")
     demo = demo_logit_error() if args.demo else None
     if demo:
         print("\nFP8 cache on the demo target (teacher-forced):", json.dumps(demo, indent=1))
     if args.json:
-        args.json.write_text(json.dumps({"cells": cells, "agree": agree, "demo": demo, "params": params}, indent=1))
+        out = {"cells": cells, "agree": agree, "demo": demo, "params": params, "load_peak": peaks}
+        args.json.write_text(json.dumps(out, indent=1))
     shutil.rmtree(root, ignore_errors=True)
     return 0
 

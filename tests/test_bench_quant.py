@@ -28,3 +28,8 @@ def test_quick_run_gives_a_row_per_way_with_the_memory_each_takes(tmp_path, caps
     assert cells["fp8 W8A8"]["weights_MiB"] < 0.75 * plain["weights_MiB"]
     assert cells["fp8 checkpoint"]["weights_MiB"] == plain["weights_MiB"]  # served dequantized, as read
     assert all(v > 0 for row in cells.values() for v in row.values())
+    peaks = json.loads(out.read_text())["load_peak"]  # (peak MiB, loaded tensors MiB), a process each
+    assert list(peaks) == ["plain", "fp8 checkpoint", "int4 kernel", "fp8 W8A8", "fp8 checkpoint, --quantization fp8"]
+    assert "load peak MiB" in table
+    assert all(peak > 0 for peak, _ in peaks.values())
+    assert peaks["int4 kernel"][1] < 0.75 * peaks["plain"][1] and peaks["fp8 W8A8"][1] < 0.75 * peaks["plain"][1]

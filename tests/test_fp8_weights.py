@@ -19,7 +19,7 @@ import pytest
 import torch
 from families import check_served
 from safetensors.torch import load_file
-from test_quantized_checkpoints import FIXTURES
+from test_quantized_checkpoints import FIXTURES, checkpoint_dir
 from test_step import prompts as repetitive_prompts
 from tp_ranks import _chunks, model_logits, sharded_logits
 
@@ -60,13 +60,13 @@ def test_the_product_is_the_w8a8_one_and_rows_are_independent_under_invariance()
 @pytest.mark.parametrize(
     "name", ["ct-fp8-channel-dynamic", "ct-fp8-tensor-static", "ct-naive-fp8", "ct-fp8-block", "fp8-block-dynamic"]
 )
-def test_an_fp8_checkpoint_is_served_with_its_own_bytes(name):
+def test_an_fp8_checkpoint_is_served_with_its_own_bytes(name, tmp_path):
     """Each layer holds the checkpoint's e4m3 bytes and its scales, spread over their rows: one per row
     where a row has one (a tensor's, a channel's, a block's in a layer at most 128 inputs wide), one
     per row and block where they vary along it (the block fixtures' down projections: two blocks)."""
     from engine.quant.fp8_block import Fp8BlockLinear
 
-    d = FIXTURES / name
+    d = checkpoint_dir(name, tmp_path)
     stored = load_file(d / "model.safetensors")
     model = load_model(d, load_config(d), torch.float32, torch.device("cpu"), 64, pack=False, quantization="fp8")
     layers = {n: m for n, m in model.named_modules() if isinstance(m, Fp8Linear | Fp8BlockLinear)}

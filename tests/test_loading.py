@@ -98,6 +98,16 @@ def test_missing_weights_are_named(tmp_path, tokenizer_dir):
         greedy_tokens(str(d))
 
 
+def test_a_second_copy_of_the_weights_is_an_error_not_a_reload(tmp_path, llama_dir):
+    """Without an index every *.safetensors file is read: one holding tensors another holds (a stray
+    copy, a reference beside a checkpoint) is named, where it used to overwrite the first silently."""
+    d = tmp_path / "m"
+    shutil.copytree(llama_dir, d)
+    shutil.copy(d / "model.safetensors", d / "zz-copy.safetensors")
+    with pytest.raises(ValueError, match=r"is in both model\.safetensors and zz-copy\.safetensors"):
+        greedy_tokens(str(d))
+
+
 def test_bench_command_reports_ratios(tmp_path, llama_dir):
     out = tmp_path / "bench.json"
     proc = subprocess.run(

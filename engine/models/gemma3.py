@@ -181,6 +181,7 @@ class Gemma3TextForCausalLM(Gemma3ForCausalLM):
     Transformers' ``Gemma3ForConditionalGeneration`` does not apply ``final_logit_softcapping``; this
     class does where the text config sets it, as its text-only sibling does (no released config sets it)."""
 
+    streams_linear_weights = False  # its names are read by text_name in load_weights
     _text_prefixes = ("language_model.model.", "model.language_model.")
     _head_names = ("language_model.lm_head.weight", "lm_head.weight")
     _skipped_prefixes = (

@@ -228,6 +228,9 @@ class LlamaForCausalLM(nn.Module):
     """Llama-architecture causal LM over a paged KV cache."""
 
     qk_norm = False
+    # Every linear layer's weight reaches load_weights under the name checkpoint_name / weight_target
+    # place it by: --quantization int4 / fp8 convert each as it arrives (engine/quant/streamed.py)
+    streams_linear_weights = True
     batch_invariant = False  # on the batch-invariant operators (use_invariant_ops)
 
     def __init__(self, config, max_positions: int | None = None, tp: TensorParallel = SINGLE) -> None:

@@ -107,6 +107,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     operators) with Phi-3's attention, RoPE tables and loading of pre-fused checkpoint tensors."""
 
     _fused: dict = {}  # no checkpoint tensor is a piece of one of ours: qkv_proj and gate_up_proj come fused
+    streams_linear_weights = False  # its load_weights places them (and cuts a rank's rows) by name
 
     def __init__(self, config, max_positions: int | None = None, tp: TensorParallel = SINGLE) -> None:
         rotary = rotary_dim_of(config)

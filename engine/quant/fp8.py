@@ -88,20 +88,30 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 weights, per-row scales"
 
 
-def quantize_linears_fp8(model: nn.Module, skip: tuple[str, ...] = ("lm_head", "gate")) -> int:
+ROUTERS = ("gate",)  # a mixture's router: its scores pick the experts (FP8 checkpoints leave it unquantized too)
+
+
+def fp8_layer(name: str, linear: nn.Linear, skip: tuple[str, ...] = ("lm_head", *ROUTERS)) -> Fp8Linear | None:
+    """``linear`` (at module path ``name``) quantized per row to an :class:`Fp8Linear`, or None where it
+    stays in full precision: named in ``skip``, or a shape the kernels cannot take."""
+    if name.rsplit(".", 1)[-1] in skip:
+        return None
+    if not fits(linear.in_features, linear.out_features):
+        logger.info("fp8: %s %s stays in full precision (shape)", name, tuple(linear.weight.shape))
+        return None
+    return Fp8Linear.from_linear(linear)
+
+
+def quantize_linears_fp8(model: nn.Module, skip: tuple[str, ...] = ("lm_head", *ROUTERS)) -> int:
     """Replace every ``nn.Linear`` of ``model`` the kernels can take, but those named in ``skip`` (the LM
-    head, and a mixture's router: its scores pick the experts, and FP8 checkpoints leave it unquantized
-    too), by an :class:`Fp8Linear` quantized per row from its loaded weight, one at a time. Returns how
-    many were."""
+    head, and a mixture's router), by an :class:`Fp8Linear` quantized per row from its loaded weight,
+    one at a time. Returns how many were."""
     replaced = 0
     for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear) or name.rsplit(".", 1)[-1] in skip:
-            continue
-        if not fits(module.in_features, module.out_features):
-            logger.info("fp8: %s %s stays in full precision (shape)", name, tuple(module.weight.shape))
-            continue
-        replace(model, name, Fp8Linear.from_linear(module))
-        replaced += 1
+        layer = fp8_layer(name, module, skip) if isinstance(module, nn.Linear) else None
+        if layer is not None:
+            replace(model, name, layer)
+            replaced += 1
     return replaced
 
 

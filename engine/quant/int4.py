@@ -105,20 +105,27 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
 
 
+def int4_layer(name: str, linear: nn.Linear, skip: tuple[str, ...] = ("lm_head",)) -> Int4Linear | None:
+    """``linear`` (at module path ``name``) quantized to an :class:`Int4Linear`, or None where it stays in
+    full precision: named in ``skip``, or a shape the kernels cannot take."""
+    if name.rsplit(".", 1)[-1] in skip:
+        return None
+    group = group_size_for(linear.in_features, linear.out_features)
+    if group is None:
+        logger.info("int4: %s %s stays in full precision (shape)", name, tuple(linear.weight.shape))
+        return None
+    return Int4Linear.from_linear(linear, group)
+
+
 def quantize_linears_int4(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> int:
     """Replace every ``nn.Linear`` of ``model`` but those named in ``skip`` by an :class:`Int4Linear`, one
     at a time (each full-precision weight is freed as its layer is replaced). Returns how many were."""
     replaced = 0
     for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear) or name.rsplit(".", 1)[-1] in skip:
-            continue
-        group = group_size_for(module.in_features, module.out_features)
-        if group is None:
-            logger.info("int4: %s %s stays in full precision (shape)", name, tuple(module.weight.shape))
-            continue
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attr, Int4Linear.from_linear(module, group))
-        replaced += 1
+        layer = int4_layer(name, module, skip) if isinstance(module, nn.Linear) else None
+        if layer is not None:
+            replace(model, name, layer)
+            replaced += 1
     return replaced
 
 

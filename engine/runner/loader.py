@@ -24,10 +24,10 @@ from engine.models.moe import has_experts
 from engine.models.packed import MIN_PACKED_BYTES, linear_weight_bytes, packing_supported
 from engine.models.small_linear import SmallRowsLinear, small_rows_serve
 from engine.parallel import SINGLE, TensorParallel
-from engine.quant import QUANTIZATIONS, quantize_linears_int4
+from engine.quant import QUANTIZATIONS
 from engine.quant.checkpoint import checkpoint_format
-from engine.quant.fp8 import install_checkpoint_fp8, quantize_linears_fp8
-from engine.quant.int4 import install_checkpoint_int4
+from engine.quant.fp8 import fp8_layer, install_checkpoint_fp8, quantize_linears_fp8
+from engine.quant.int4 import install_checkpoint_int4, int4_layer, quantize_linears_int4
 from engine.quant.nf4 import (
     BNB_SUFFIXES,
     QUANT_STATE_PREFIX,
@@ -37,6 +37,7 @@ from engine.quant.nf4 import (
     nf4_from_bnb,
     quantize_nf4,
 )
+from engine.quant.streamed import StreamedLayers
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -152,9 +153,16 @@ def iter_safetensors(path: Path, select: Callable[[str], object] | None = None) 
     files = _weight_files(path)
     if not files:
         raise ModelNotFoundError(f"no *.safetensors weights in {path}")
+    seen: dict[str, str] = {}  # tensor → its file: a stray second copy of the weights is an error, not a reload
     for file in files:
         with safe_open(file, framework="pt") as f:
             for key in f.keys():
+                if key in seen:
+                    raise ValueError(
+                        f"{path}: tensor {key} is in both {seen[key]} and {file.name}; without a "
+                        "model.safetensors.index.json every *.safetensors file is read as part of the weights"
+                    )
+                seen[key] = file.name
                 part = select(key) if select is not None else None
                 if part is None:
                     yield key, f.get_tensor(key)
@@ -260,34 +268,52 @@ def load_model(
     with torch.device("meta"):
         model = cls(config, max_positions, tp=tp) if tp.size > 1 else cls(config, max_positions)
     nf4 = _NF4Loading(model, path, quantize=quantization == "nf4") if prequantized or quantization == "nf4" else None
+    select = model.checkpoint_slice if tp.size > 1 else None
+    stored: dict[str, dict] = {}  # layer path → the stored form of each of its checkpoint modules, where served
+    if serves_stored:
+        install = install_checkpoint_int4 if quantization == "int4" else install_checkpoint_fp8
+        more = () if quantization == "int4" else (reader.fp8_block_k,)
+
+        def convert(layer: str, linear: torch.nn.Linear) -> torch.nn.Module | None:
+            forms = stored.pop(layer, None)
+            return model.get_submodule(layer) if forms and install(model, forms, select, *more) else None
+    else:
+        convert = int4_layer if quantization == "int4" else fp8_layer
+    # --quantization int4 / fp8: each linear converted the moment its weight has loaded (engine/quant/
+    # streamed.py), so the load never holds the full-precision model; other families after the load
+    streamed = quantization in ("int4", "fp8") and getattr(model, "streams_linear_weights", False)
+    layers = StreamedLayers(model, convert, dtype) if streamed else None
     model = model.to_empty(device=device).to(dtype)
     model.init_buffers(max_positions)
-    select = model.checkpoint_slice if tp.size > 1 else None
     if reader is None:
         weights = ((k, v.to(device)) for k, v in iter_safetensors(path, select))
     else:  # whole tensors read and dequantized, then cut: a rank's slice of a packed tensor is no slice of it
-        stored: dict = {}  # the stored form of each layer, by checkpoint module, where it is served
 
         def keep(module: str, got: dict) -> None:
             form = reader.int4_groups(got) if quantization == "int4" else reader.fp8_weights(got)
             if form is not None:
-                stored[module] = form
+                layer = model.weight_target(model.checkpoint_name(f"{module}.weight"))[0].removesuffix(".weight")
+                stored.setdefault(layer, {})[module] = form
 
         plain = reader.read(iter_safetensors(path), keep if serves_stored else None)
         weights = ((k, take_slice(v, select(k) if select else None).to(device)) for k, v in plain)
-    model.load_weights(nf4.intercept(weights) if nf4 else weights)
+    if nf4:
+        weights = nf4.intercept(weights)
+    elif layers:
+        weights = layers.intercept(weights)
+    model.load_weights(weights)
     if nf4:
         nf4.install()
-    if serves_stored:
-        if quantization == "int4":
-            replaced = install_checkpoint_int4(model, stored, select)
-        else:
-            replaced = install_checkpoint_fp8(model, stored, select, reader.fp8_block_k)
-        logging.getLogger(__name__).info("%s: %d layers serve the checkpoint's own weights", quantization, replaced)
-    elif quantization == "int4":
-        quantize_linears_int4(model)
-    elif quantization == "fp8":
-        quantize_linears_fp8(model)
+    if layers:
+        layers.finish()
+        replaced = layers.converted
+    elif serves_stored:  # a family that reads its linears its own way: converted after its load
+        replaced = install(model, {m: f for forms in stored.values() for m, f in forms.items()}, select, *more)
+    elif quantization in ("int4", "fp8"):
+        replaced = (quantize_linears_int4 if quantization == "int4" else quantize_linears_fp8)(model)
+    if quantization in ("int4", "fp8"):
+        what = "serve the checkpoint's own weights" if serves_stored else "quantized"
+        logging.getLogger(__name__).info("%s: %d layers %s", quantization, replaced, what)
     if device.type == "cuda" and importlib.util.find_spec("triton") is not None and has_experts(model):
         import engine.models.moe_triton  # noqa: F401  (the mixture's GPU kernels: no host sync, graph-capturable)
     # Both replace plain nn.Linear layers only; quantized layers are not nn.Linear and stay as they are.
