@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,12 @@ class EngineConfig:
     # per-token e4m3 activations on torch._scaled_mm; an FP8 checkpoint's own weights where its scales are per
     # tensor or row; engine/quant/fp8.py).
     quantization: str | None = None
+    # LoRA adapters in PEFT's format served over the base model, by name → directory (engine/lora): a
+    # request picks one by its ``model`` field. max_loras: adapters held in the forward's slots at once;
+    # max_lora_rank: the largest rank an adapter may have (slots are sized by it).
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    max_loras: int = 4
+    max_lora_rank: int = 16
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     block_size: int = 16
     num_kv_blocks: int | None = None  # sizes the KV pool exactly; else from kv_cache_memory_fraction
@@ -162,6 +168,15 @@ class EngineConfig:
             self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
             f"device must be auto, cpu or cuda[:N], got {self.device!r}",
         )
+        check(self.max_loras >= 1 and self.max_lora_rank >= 1, "--max-loras and --max-lora-rank must be positive")
+        check(
+            len(self.lora_modules) <= self.max_loras,
+            f"{len(self.lora_modules)} --lora-modules need --max-loras {len(self.lora_modules)} or more "
+            f"(got {self.max_loras}): every adapter given at start keeps its slot",
+        )
+        if self.lora_modules:
+            check(self.compile != "on", "LoRA adapters are served by the eager forward: --compile on cannot be used")
+            check(self.tensor_parallel_size == 1, "LoRA adapters under --tensor-parallel-size > 1 are not built yet")
         check(self.block_size >= 1, f"block_size must be positive, got {self.block_size}")
         check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be positive")
         check(0.0 < self.kv_cache_memory_fraction <= 1.0, "kv_cache_memory_fraction must be in (0, 1]")
@@ -215,6 +230,8 @@ class EngineConfig:
 
     @property
     def compile_enabled(self) -> bool:
+        if self.lora_modules:  # the adapters' weights change at run time: a frozen compiled graph would keep them
+            return False
         if self.compile != "auto":
             return self.compile == "on"
         env = os.environ.get("AUGUR_COMPILE")

@@ -38,6 +38,17 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
         "checkpoints saved quantized (GPTQ, AWQ, compressed-tensors, FP8, bitsandbytes NF4) load without "
         "it, dequantized (docs/quantization.md)",
     )
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        type=_lora_module,
+        metavar="NAME=PATH",
+        help="LoRA adapters in PEFT's format (adapter_config.json + adapter_model.safetensors) served over the "
+        "model: a request picks one by its model field; /v1/models lists them (docs/lora.md)",
+    )
+    g.add_argument("--max-loras", type=int, default=4, help="LoRA adapters held at once (one forward serves them all)")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="the largest LoRA rank served (slots are sized by it)")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -200,6 +211,13 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
         g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
 
 
+def _lora_module(text: str) -> str:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora-modules takes NAME=PATH, got {text!r}")
+    return text
+
+
 def engine_argv(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> list[str]:
     """The inverse of :func:`add_engine_args`: the engine flags of ``args`` that differ from their
     defaults, as ``augur serve`` arguments (learnt from a scratch parser, so a new engine flag is passed
@@ -227,6 +245,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from the flags; no --model means the shipped demo pair (engine/assets/demo)."""
     fields = EngineConfig.field_names()
     values = {k: v for k, v in vars(args).items() if k in fields}
+    modules = values.pop("lora_modules", None) or []
+    values["lora_modules"] = dict(m.split("=", 1) for m in modules)
+    if len(values["lora_modules"]) < len(modules):
+        raise SystemExit("augur: error: --lora-modules names an adapter twice")
     if not values.get("model"):
         from engine.assets import shipped_demo
 
@@ -295,6 +317,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
         return serve_headless(config)
     name = args.served_model_name or ("augur-demo" if demo else os.path.basename(os.path.normpath(config.model)))
+    if name in config.lora_modules:
+        raise SystemExit(f"augur: error: the LoRA adapter {name!r} has the served model's name; rename one")
     # Several keys: --api-key given more than once, or AUGUR_API_KEY with commas between them.
     env_keys = os.environ.get("AUGUR_API_KEY") or ""
     api_key = args.api_key or [k.strip() for k in env_keys.split(",") if k.strip()]
@@ -315,6 +339,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         chat_template=args.chat_template,
         default_chat_template_kwargs=args.default_chat_template_kwargs,
         reasoning_parser=args.reasoning_parser,
+        lora_modules=config.lora_modules,
         generation_config=args.generation_config,
     )
     server: uvicorn.Server | None = None

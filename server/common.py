@@ -39,7 +39,8 @@ def ready_engine(state: ServerState) -> EngineFront:
 
 
 def check_model(state: ServerState, name: str | None) -> None:
-    if name is not None and name != state.settings.served_model_name:
+    """A 404 unless ``name`` is the served model, one of its LoRA adapters, or left out."""
+    if name is not None and name != state.settings.served_model_name and name not in state.settings.lora_modules:
         raise APIError(404, f"The model `{name}` does not exist.", "not_found_error", "model", "model_not_found")
 
 

@@ -38,9 +38,12 @@ def sampling_params(state: ServerState, req, max_tokens, logprobs, prompt_logpro
     they are wrong)."""
     try:
         typical = state.settings.typical_acceptance
-        return req.sampling_params(max_tokens, logprobs, prompt_logprobs, typical, state.sampling_defaults)
+        params = req.sampling_params(max_tokens, logprobs, prompt_logprobs, typical, state.sampling_defaults)
     except ValueError as e:
         raise bad_request(str(e), getattr(e, "param", None)) from None
+    if req.model in state.settings.lora_modules:  # the request's model is one of the LoRA adapters
+        params.lora = req.model
+    return params
 
 
 def check_queue_bound(state: ServerState, num_prompts: int) -> None:
@@ -77,6 +80,11 @@ class Job:
     include_usage: bool
     created: int = field(default_factory=lambda: int(time.time()))
     continuous_usage: bool = False  # streamed: every chunk carries the usage so far (vLLM's continuous_usage_stats)
+
+    @property
+    def model(self) -> str:
+        """The model the response names: the LoRA adapter the request ran under, else the served model."""
+        return self.params.lora or self.state.settings.served_model_name
 
     @classmethod
     def admit(cls, state: ServerState, eng: AsyncEngine, request: Request, prefix: str, prompt_ids, params, n, stream,
@@ -178,7 +186,7 @@ def _chunk(job: Job, fmt: Format, choices: list[dict], **extra) -> str:
         "id": job.id,
         "object": fmt.chunk_object,
         "created": job.created,
-        "model": job.state.settings.served_model_name,
+        "model": job.model,
     }
     return sse({**body, "choices": choices, **extra})
 
@@ -245,7 +253,7 @@ async def _collect(job: Job, fmt: Format) -> dict:
         "id": job.id,
         "object": fmt.object,
         "created": job.created,
-        "model": job.state.settings.served_model_name,
+        "model": job.model,
         "choices": choices,
         "usage": fmt.usage(job.usage(tokens, list(finals.values()))),
     }

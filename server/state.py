@@ -38,6 +38,8 @@ class ServerSettings:
     default_chat_template_kwargs: dict | None = None
     # A reasoning model's thinking convention (server.reasoning.SYNTAXES), or None.
     reasoning_parser: str | None = None
+    # LoRA adapters served over the model (--lora-modules), name → directory: a request's ``model`` picks one.
+    lora_modules: dict[str, str] = field(default_factory=dict)
     # Where requests' missing sampling fields come from: "auto", the model's generation_config.json;
     # "none", OpenAI's defaults (temperature 1, top_p 1).
     generation_config: str = "auto"

@@ -139,7 +139,13 @@ class RunAhead:
         if got is None:  # slots reserved for the others stay theirs: the next ordinary step uses them
             return None
         chunks = [
-            ForwardChunk([0 if input_ids is not None else s.token_ids[-1]], s.num_computed_tokens, s.block_table, 1)
+            ForwardChunk(
+                [0 if input_ids is not None else s.token_ids[-1]],
+                s.num_computed_tokens,
+                s.block_table,
+                1,
+                lora=s.lora_slot,
+            )
             for s in seqs
         ]
         logits = self.runner.execute(self.runner.prepare(chunks), input_ids=input_ids).logits

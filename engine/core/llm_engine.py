@@ -24,6 +24,8 @@ from engine.core.scheduler import Scheduler
 from engine.core.step import Step
 from engine.decoding.beam import BeamSearch
 from engine.kv import BlockManager
+from engine.kv.block_manager import chain_root
+from engine.lora import LoraSlots, read_adapter
 from engine.parallel import SINGLE
 from engine.request.checks import InvalidRequestError, RequestLimits, TextFit
 from engine.request.confine import Confine
@@ -101,12 +103,15 @@ class LLMEngine:
             quantization=config.quantization, tp=tp, batch_invariant=invariant,
         )  # fmt: skip
         self.batch_invariant = invariant  # a request's tokens depend on nothing but the request
+        self.adapters = self._attach_adapters(model, config, invariant)  # LoRA adapter name → its slot
         logger.info("loaded %s in %.1fs (%s, %s)", self.model_path, time.perf_counter() - t0, self.dtype, self.device)
         if tp.size > 1:
             logger.info("tensor parallel: rank 0 of %d", tp.size)
         self.runner = runner_cls(
             *front, model, self.hf_config, self.device, self.dtype, config.block_size, compile=compiled,
-            attention_backend=config.attention_backend, cuda_graph_max_seqs=config.cuda_graph_max_seqs,
+            attention_backend=config.attention_backend,
+            # LoRA rows are masked by a tensor sized at run time: not yet captured in graphs
+            cuda_graph_max_seqs=0 if config.lora_modules else config.cuda_graph_max_seqs,
             batch_invariant=invariant, kv_cache_dtype=config.kv_cache_dtype,
         )  # fmt: skip
         self.proposer = None
@@ -195,6 +200,22 @@ class LLMEngine:
             self.workers.close()
 
     # -- compiled forwards -------------------------------------------------------------------------
+    @staticmethod
+    def _attach_adapters(model: torch.nn.Module, config: EngineConfig, invariant: bool) -> dict[str, int]:
+        """Read every ``--lora-modules`` adapter (a bad one stops the start, saying why), then give the
+        model its LoRA slots and each adapter one of them (engine/lora)."""
+        if not config.lora_modules:
+            return {}
+        adapters = [read_adapter(name, path, config.max_lora_rank) for name, path in config.lora_modules.items()]
+        slots = LoraSlots.attach(
+            model, config.max_loras, config.max_lora_rank, config.max_num_batched_tokens, invariant
+        )
+        for slot, adapter in enumerate(adapters):
+            slots.load(slot, adapter)
+            logger.info("LoRA adapter %s (rank %d, %d modules) from %s", adapter.name, adapter.rank,
+                        len(adapter.pairs), adapter.path)  # fmt: skip
+        return {a.name: slot for slot, a in enumerate(adapters)}
+
     def _runners(self) -> list[ModelRunner]:
         """The target's runner and the proposer's, each once."""
         runners = [self.runner]
@@ -288,6 +309,8 @@ class LLMEngine:
         ``params`` already (the server's requests, checked once before they were queued)."""
         if request_id in self.groups:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        if params.lora is not None and params.lora not in self.adapters:
+            raise InvalidRequestError(f"no LoRA adapter named {params.lora!r} is loaded")
         if checked:  # a cheap net under the promise: ids, and in the vocabulary (the model indexes with them)
             if isinstance(prompt, str) or not prompt or min(prompt) < 0 or max(prompt) >= self.vocab_size:
                 raise InvalidRequestError("checked prompts are non-empty token ids within the vocabulary")
@@ -302,6 +325,8 @@ class LLMEngine:
             time.monotonic() if arrival_time is None else arrival_time,
             prompt if isinstance(prompt, str) else None,
         )
+        if params.lora is not None:
+            group.lora_slot, group.kv_root = self.adapters[params.lora], chain_root(params.lora)
         if params.use_beam_search:
             group.beam = BeamState()
         seq = group.seqs[0]
@@ -399,7 +424,9 @@ class LLMEngine:
     def _append(self, seq: Sequence, e: Emit) -> None:
         self.outputs.append(seq, e.tokens, e.logprobs)
         if not seq.is_finished:
-            self.block_manager.commit(seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed_tokens)
+            self.block_manager.commit(
+                seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed_tokens, seq.kv_root
+            )
 
     def _outputs(self, touched: dict[str, SequenceGroup]) -> list[RequestOutput]:
         """The outputs of the requests a step touched, and the final ones of those that failed alone in it
@@ -476,7 +503,9 @@ class LLMEngine:
         """A forward ahead computed each one's last known token (its own token is still on the device)."""
         for seq in seqs:
             seq.num_computed_tokens += 1
-            self.block_manager.commit(seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed_tokens)
+            self.block_manager.commit(
+                seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed_tokens, seq.kv_root
+            )
 
     def _shrink_after_oom(self, error: Exception) -> list[RequestOutput]:
         """A forward ran out of memory. Nothing of that step is kept: its sequences are preempted

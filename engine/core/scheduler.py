@@ -318,7 +318,7 @@ class Scheduler:
         if seq.search is not None:
             prefix_blocks, prefix_hashes = [], []  # every prompt position must be computed
         else:
-            prefix_blocks, prefix_hashes = self.bm.match_prefix(seq.token_ids[: self._cacheable(seq)])
+            prefix_blocks, prefix_hashes = self.bm.match_prefix(seq.token_ids[: self._cacheable(seq)], seq.kv_root)
         cached = len(prefix_blocks) * self.bm.block_size
         n = min(seq.num_tokens - cached, budget)
         new_blocks = self.bm.blocks_needed(len(prefix_blocks), cached + n)

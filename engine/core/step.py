@@ -227,7 +227,9 @@ class Step:
                     positions += [start + o for o in extra.offsets]
                     mask = extra.beside(mask, len(tree) + 1)
                     sample.extra = len(extra)
-                b.chunks.append(ForwardChunk(ids, start, seq.block_table, len(ids), positions, mask))
+                b.chunks.append(
+                    ForwardChunk(ids, start, seq.block_table, len(ids), positions, mask, lora=seq.lora_slot)
+                )
                 # A proposer with rows of its own is judged at the depth it was granted (what its rows
                 # and slots were priced at), however short its tree came out: positions it did not
                 # draft count as misses.
@@ -238,7 +240,9 @@ class Step:
                 continue
             done, group, wants_prompt = start + n == seq.num_tokens, seq.group, wants_prompt_logprobs(seq, start)
             num_logits = n if wants_prompt else int(done)
-            b.chunks.append(ForwardChunk(seq.token_ids[start : start + n], start, seq.block_table, num_logits))
+            b.chunks.append(
+                ForwardChunk(seq.token_ids[start : start + n], start, seq.block_table, num_logits, lora=seq.lora_slot)
+            )
             b.computed.append((seq, start, n, tok))
             if wants_prompt:
                 b.prompt_spans.append((seq, row, start, n))
@@ -266,7 +270,9 @@ class Step:
         """Prefill chunks and plain decodes are final as fed."""
         for seq, start, n, tok in b.computed:
             seq.num_computed_tokens = start + n
-            self.scheduler.bm.commit(seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed_tokens)
+            self.scheduler.bm.commit(
+                seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed_tokens, seq.kv_root
+            )
             self._computed(seq, start, out.hidden_states, list(range(tok, tok + n)))
             if seq.search is not None:
                 self.confine.run(seq.group, self.decoding.search.record, seq, start, out.final_hidden[tok : tok + n])

@@ -86,7 +86,7 @@ class ContrastiveSearch:
         mask = torch.zeros(n, st.fed + n, dtype=torch.bool)
         mask[:, st.fed :] = torch.eye(n, dtype=torch.bool)
         tokens = st.tokens[st.fed : st.fed + n]
-        return ForwardChunk(tokens, c + st.fed, seq.block_table, n, [c] * n, mask, mask_start=c)
+        return ForwardChunk(tokens, c + st.fed, seq.block_table, n, [c] * n, mask, mask_start=c, lora=seq.lora_slot)
 
     def choose(self, fed: list[Fed], logits: torch.Tensor, final: torch.Tensor, confine: Confine) -> list[Fed]:
         """Score each part's candidates and keep each sequence's best so far; pick the candidate of those

@@ -37,6 +37,13 @@ BlockKey = tuple[int, tuple[int, ...]]
 ROOT_PARENT_HASH = 0
 
 
+def chain_root(namespace: str | None) -> int:
+    """The parent hash a sequence's first block chains from: the base model's for None, else one of
+    its own for ``namespace`` (a LoRA adapter's name), so the cache never hands one model's KV to
+    another's sequence with the same tokens."""
+    return ROOT_PARENT_HASH if namespace is None else hash(("namespace", namespace))
+
+
 class BlockManager:
     """Allocates KV blocks to block tables and tracks which of them hold reusable prefixes.
 
@@ -90,8 +97,10 @@ class BlockManager:
         return self._queried_blocks, self._hit_blocks
 
     # -- admission --------------------------------------------------------------------------------
-    def match_prefix(self, token_ids: list[int]) -> tuple[list[int], list[int]]:
-        """Longest chain of cached full blocks that is a prefix of ``token_ids``.
+    def match_prefix(self, token_ids: list[int], root: int = ROOT_PARENT_HASH) -> tuple[list[int], list[int]]:
+        """Longest chain of cached full blocks that is a prefix of ``token_ids``, in the chain that
+        starts at ``root`` (:func:`chain_root`: KV computed under another model, a LoRA adapter, is
+        another chain).
 
         The match covers at most ``len(token_ids) - 1`` tokens: the last token must still go through
         the model so that there are logits to sample from. Returns ``(block_ids, block_hashes)``.
@@ -106,7 +115,7 @@ class BlockManager:
         self._last_query_blocks = max_blocks
         block_ids: list[int] = []
         hashes: list[int] = []
-        parent = ROOT_PARENT_HASH
+        parent = root
         for i in range(max_blocks):
             key = (parent, tuple(token_ids[i * bs : (i + 1) * bs]))
             block = self._cache.get(key)
@@ -203,7 +212,12 @@ class BlockManager:
         return copies
 
     def commit(
-        self, block_table: list[int], block_hashes: list[int], token_ids: list[int], num_final_tokens: int
+        self,
+        block_table: list[int],
+        block_hashes: list[int],
+        token_ids: list[int],
+        num_final_tokens: int,
+        root: int = ROOT_PARENT_HASH,
     ) -> None:
         """Register in the prefix cache every full block of final tokens that has no hash yet.
 
@@ -222,7 +236,7 @@ class BlockManager:
         if num_full > len(block_table):
             raise ValueError(f"{num_full} full blocks of final tokens but the table holds {len(block_table)}")
         for i in range(len(block_hashes), num_full):
-            parent = block_hashes[-1] if block_hashes else ROOT_PARENT_HASH
+            parent = block_hashes[-1] if block_hashes else root
             key = (parent, tuple(token_ids[i * bs : (i + 1) * bs]))
             h = hash(key)
             block = block_table[i]

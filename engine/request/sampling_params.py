@@ -40,6 +40,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives to return with each sampled token
     prompt_logprobs: int | None = None  # logprobs (with top alternatives) of the prompt's own tokens
     skip_special_tokens: bool = True
+    lora: str | None = None  # the LoRA adapter it runs under, by name (EngineConfig.lora_modules); None: the base model
     speculative: bool | None = None  # False: never draft for this request; None: the engine decides
     num_draft_tokens: int | None = None  # fixed draft depth for this request (None: tuned per step)
     # The proposer that drafts for this request, one the engine holds (None: the controller chooses

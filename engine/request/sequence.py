@@ -103,6 +103,14 @@ class Sequence:
         return self.group.params
 
     @property
+    def lora_slot(self) -> int:
+        return self.group.lora_slot
+
+    @property
+    def kv_root(self) -> int:
+        return self.group.kv_root
+
+    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
@@ -197,6 +205,10 @@ class SequenceGroup:
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.arrival_time = arrival_time
+        # The LoRA slot its target forwards run under (-1: the base model), and the parent hash its
+        # prefix-cache chain starts from (the adapter's own: engine/kv/block_manager.py chain_root).
+        self.lora_slot = -1
+        self.kv_root = 0
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         # Only the first sequence exists until the prompt is prefilled; the rest are forked from it.

@@ -47,6 +47,7 @@ class ForwardChunk:
     positions: list[int] | None = None  # None → ctx_len, ctx_len + 1, ...
     tree_mask: torch.Tensor | None = None  # [q, ctx_len + q - mask_start] bool; None → causal
     mask_start: int | None = None  # first key the tree mask covers (default ctx_len: the new tokens only)
+    lora: int = -1  # the LoRA slot its tokens run under (engine/lora/layers.py); -1: the base model
 
 
 @dataclass
@@ -70,6 +71,7 @@ class ForwardBatch:
     num_seqs: int
     num_tokens: int
     graph: GraphShape | None = None  # padded to a captured shape (positions and meta are padded; the rest is not)
+    lora: torch.Tensor | None = None  # [T] int64 each row's LoRA slot (-1: none; padded rows too); None: no adapter
 
 
 class LogitsForward(torch.nn.Module):
@@ -257,6 +259,7 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",  # what the KV pool stores: auto (the model's dtype) | fp8 (kv_dtype.py)
     ) -> None:
         self.model = model
+        self.lora = getattr(model, "lora", None)  # its LoRA slots, where adapters are served (engine/lora)
         self.hf_config = hf_config
         self.device = device
         self.dtype = dtype
@@ -406,6 +409,7 @@ class ModelRunner:
         # One copy to the device for all of it, metadata included (engine/attention/staging.py).
         pack = self.staging.pack()
         ids, pos, rows = (pack.add(np.asarray(a, dtype=np.int64)) for a in (token_ids, positions, logit_rows))
+        lora = self._lora_rows(chunks, pack)
         masks = [c.tree_mask for c in chunks]
         kv_lens = [c.ctx_len + len(c.token_ids) for c in chunks]
         meta = self._build_metadata(
@@ -420,7 +424,15 @@ class ModelRunner:
             device=self.device,
             pack=pack,
         )
-        return ForwardBatch(pack[ids], pack[pos], meta, pack[rows], len(chunks), len(token_ids))
+        return ForwardBatch(
+            pack[ids],
+            pack[pos],
+            meta,
+            pack[rows],
+            len(chunks),
+            len(token_ids),
+            lora=None if lora is None else pack[lora],
+        )
 
     def _prepare_padded(self, chunks: list[ForwardChunk], num_seqs: int, width: int) -> ForwardBatch:
         """:meth:`prepare` for a captured shape: every sequence padded to ``width`` new tokens and the
@@ -454,6 +466,7 @@ class ModelRunner:
         ids, rows_t, logits_t, real_t, pos = (
             pack.add(np.asarray(a, dtype=np.int64)) for a in (token_ids, rows, logit_rows, real_logit_rows, positions)
         )
+        lora = self._lora_rows(chunks, pack, width, pads)
         tables = [c.block_table for c in chunks] + [[]] * pads
         kv_lens = [c.ctx_len + width for c in chunks] + [width] * pads
         meta = self._build_metadata(
@@ -473,7 +486,20 @@ class ModelRunner:
         from engine.runner.cuda_graphs import GraphShape
 
         shape = GraphShape(num_seqs, width, pack[rows_t], pack[logits_t])
-        return ForwardBatch(pack[ids], pack[pos], meta, pack[real_t], len(chunks), len(token_ids), shape)
+        return ForwardBatch(
+            pack[ids], pack[pos], meta, pack[real_t], len(chunks), len(token_ids), shape, lora=pack.get(lora)
+        )
+
+    def _lora_rows(self, chunks: list[ForwardChunk], pack, width: int = 0, pads: int = 0):
+        """Each row's LoRA slot, added to ``pack`` (its handle), or None where no chunk has an adapter
+        (every row the base model). ``width``: rows padded to it per chunk, and ``pads`` chunks more."""
+        if self.lora is None or all(c.lora < 0 for c in chunks):
+            return None
+        slots: list[int] = []
+        for c in chunks:
+            slots.extend([c.lora] * max(len(c.token_ids), width))
+        slots.extend([-1] * (pads * width))
+        return pack.add(np.asarray(slots, dtype=np.int64))
 
     @torch.inference_mode()
     def execute(
@@ -485,6 +511,8 @@ class ModelRunner:
         hidden_in: torch.Tensor | None = None,  # [T, ...] per-token features for a model that takes them
     ) -> ForwardOutput:
         ids = batch.input_ids if input_ids is None else input_ids
+        if self.lora is not None:
+            self.lora.set_rows(batch.lora, ids.shape[0] if batch.graph is None else batch.positions.shape[0])
         if batch.graph is not None:  # the output layer runs after the graph (see engine.runner.cuda_graphs)
             captured, final, at_logits = self.graphs.run(
                 self._run, batch, ids, self.kv_cache, skip, hidden_layers, hidden_in

@@ -46,7 +46,11 @@ def add_admin_routes(app: FastAPI, state: ServerState, version: str) -> None:
     @app.get("/v1/models")
     async def models():
         name = state.settings.served_model_name
-        card = {"id": name, "object": "model", "created": state.created, "owned_by": "augur"}
+        card = {"id": name, "object": "model", "created": state.created, "owned_by": "augur", "root": name}
         if state.engine is not None:
             card["max_model_len"] = state.engine.max_model_len
-        return {"object": "list", "data": [card]}
+        # each LoRA adapter as vLLM lists one: its directory as root, the model it adapts as parent
+        adapters = [
+            {**card, "id": lora, "root": path, "parent": name} for lora, path in state.settings.lora_modules.items()
+        ]
+        return {"object": "list", "data": [card, *adapters]}

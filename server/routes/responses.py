@@ -113,7 +113,7 @@ class ResponseRun:
             "status": status,
             "error": error,
             "incomplete_details": incomplete,
-            "model": self.state.settings.served_model_name,
+            "model": self.job.model,
             "output": self.builder.items if status != "in_progress" else [],
             "usage": self.usage() if status in ("completed", "incomplete") else None,
             **self.req.echo(),

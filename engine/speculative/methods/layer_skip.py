@@ -84,7 +84,7 @@ class LayerSkipProposer(DraftModelProposer):
 
     def _root_logits(self, seqs: list[Sequence], ctx) -> tuple[list[int], torch.Tensor, None]:
         """Every sequence is ready: its context is in the target's cache; feed its root token."""
-        chunks = [ForwardChunk([s.token_ids[-1]], s.num_tokens - 1, s.block_table, 1) for s in seqs]
+        chunks = [ForwardChunk([s.token_ids[-1]], s.num_tokens - 1, s.block_table, 1, lora=s.lora_slot) for s in seqs]
         return list(range(len(seqs))), *self._forward(self.runner.prepare(chunks), chunks)
 
     def _forward(self, batch: ForwardBatch, chunks: list[ForwardChunk], input_ids=None, hidden_in=None):

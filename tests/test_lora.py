@@ -1,0 +1,284 @@
+"""LoRA adapters over one base model (engine/lora): PEFT's own adapters on tiny random models give
+PEFT's logits and greedy tokens; a batch mixing adapters and the base gives each row what it gets
+alone; the prefix cache never hands one adapter's KV to another; every proposer stays greedy-exact
+on an adapted target; bad adapters are errors that say why; served through the SDK by model name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import openai
+import peft
+import pytest
+import torch
+import transformers
+from test_engine import hf_greedy, prompts
+from test_step import prompts as repetitive_prompts
+
+from conftest import build_model_dir
+from engine.config import EngineConfig
+from engine.core.llm_engine import LLMEngine
+from engine.lora import AdapterError, read_adapter
+from engine.request.sampling_params import SamplingParams
+from engine.runner.model_runner import ForwardChunk
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# three adapters unlike each other: every module at rank 4; q and v at rank 8 under rsLoRA; the MLP at
+# rank 2 with the down projection's rank and alpha from PEFT's patterns
+SPECS = {
+    "all": dict(r=4, lora_alpha=8, target_modules=TARGETS),
+    "qv": dict(r=8, lora_alpha=4, target_modules=["q_proj", "v_proj"], use_rslora=True),
+    "mlp": dict(
+        r=2,
+        lora_alpha=6,
+        target_modules=["gate_proj", "up_proj", "down_proj"],
+        rank_pattern={"down_proj": 4},
+        alpha_pattern={"down_proj": 2},
+    ),  # fmt: skip
+}
+
+
+def make_adapter(base: Path, out: Path, seed: int, **spec) -> Path:
+    """A PEFT LoRA adapter of ``base`` with random A and B (``init_lora_weights=False``: B is not zero,
+    so the adapter changes the model), saved by PEFT."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    torch.manual_seed(seed)
+    adapted = peft.get_peft_model(model, peft.LoraConfig(init_lora_weights=False, **spec))
+    with torch.no_grad():  # larger than PEFT's init, so that greedy tokens move
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.mul_(4.0)
+    adapted.save_pretrained(out)
+    return out
+
+
+def peft_model(base: Path, adapter: Path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
+    return peft.PeftModel.from_pretrained(model, adapter).eval()
+
+
+@pytest.fixture(scope="module")
+def adapters(llama_dir, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {name: make_adapter(llama_dir, root / name, seed, **spec) for seed, (name, spec) in enumerate(SPECS.items())}
+
+
+def make(model_dir: Path, lora: dict[str, Path] | None = None, method: str | None = None, **kw) -> LLMEngine:
+    kw.setdefault("num_kv_blocks", 128)
+    kw.setdefault("block_size", 4)
+    kw.setdefault("dtype", "float32")
+    return LLMEngine(
+        EngineConfig(
+            model=str(model_dir), device="cpu", speculative_method=method,
+            lora_modules={k: str(v) for k, v in (lora or {}).items()}, **kw,
+        )
+    )  # fmt: skip
+
+
+def lora_logits(engine: LLMEngine, ids: list[int], name: str | None) -> torch.Tensor:
+    """Every position's logits under adapter ``name`` (None: the base): a prefill of 11 tokens, one of
+    9, then one token at a time through the paged cache."""
+    runner, table = engine.runner, []
+    slot = -1 if name is None else engine.adapters[name]
+    assert engine.block_manager.reserve(table, 0, len(ids)) is not None
+    cuts = [0, 11, 20, *range(21, len(ids) + 1)]
+    got = [
+        runner.forward([ForwardChunk(ids[a:b], a, table, num_logits=b - a, lora=slot)]).logits
+        for a, b in zip(cuts, cuts[1:])
+    ]
+    engine.block_manager.free(table)
+    return torch.cat(got)
+
+
+def staggered(engine: LLMEngine, ps: list[list[int]], params: list[SamplingParams]) -> dict[str, list[int]]:
+    """Request i (with ``params[i]``) added at step 2 i: requests join a running batch mid-flight."""
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    while len(tokens) < len(ps) or engine.has_unfinished_requests():
+        if step % 2 == 0 and len(tokens) < len(ps):
+            i = len(tokens)
+            engine.add_request(f"r{i}", ps[i], params[i])
+            tokens[f"r{i}"] = []
+        for out in engine.step():
+            tokens[out.request_id].extend(out.outputs[0].delta_token_ids)
+        step += 1
+    return tokens
+
+
+def greedy(engine: LLMEngine, ps: list[list[int]], lora: str | None, n: int = 12) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, lora=lora)
+    return [o.outputs[0].delta_token_ids for o in engine.generate(ps, params)]
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"])
+def test_logits_match_peft_and_the_base_rows_stay_the_base_models(model_dirs, tmp_path, arch):
+    base = model_dirs[arch]
+    made = {name: make_adapter(base, tmp_path / name, seed, **spec) for seed, (name, spec) in enumerate(SPECS.items())}
+    engine = make(base, made)
+    ids = list(range(5, 33))
+    with torch.no_grad():
+        plain = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+        want_base = plain(torch.tensor([ids])).logits[0]
+        for name, path in made.items():
+            want = peft_model(base, path)(torch.tensor([ids])).logits[0]
+            assert (want - want_base).abs().max() > 0.5, name  # the adapter matters
+            torch.testing.assert_close(lora_logits(engine, ids, name), want, atol=2e-4, rtol=1e-4, msg=name)
+    torch.testing.assert_close(lora_logits(engine, ids, None), want_base, atol=2e-4, rtol=1e-4)
+
+
+def test_greedy_tokens_equal_peft_merged(llama_dir, adapters):
+    engine = make(llama_dir, adapters)
+    ps = prompts(3, seed=4, lo=6, hi=20)
+    for name, path in adapters.items():
+        merged = peft_model(llama_dir, path).merge_and_unload()
+        assert greedy(engine, ps, name) == [hf_greedy(merged, p, 12) for p in ps], name
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_mixed_batch_gives_each_row_what_it_gets_alone(llama_dir, adapters, dtype):
+    """Rows of three adapters and the base in the same forwards (staggered arrivals: prefill chunks
+    beside decodes), greedy and seeded: each request's tokens are those it gets alone, bit for bit,
+    in bfloat16 too (the batch-invariant mode, a CPU's default, runs the adapters' products)."""
+    engine = make(llama_dir, adapters, max_num_batched_tokens=40, dtype=dtype)
+    ps = prompts(8, seed=7, lo=8, hi=30)
+    names = [None, "all", "qv", "mlp"] * 2
+    for temperature in (0.0, 0.8):
+        params = [
+            SamplingParams(temperature=temperature, max_tokens=10, ignore_eos=True, seed=i, lora=name)
+            for i, name in enumerate(names)
+        ]
+        together = staggered(engine, ps, params)
+        alone = {f"r{i}": engine.generate([p], params[i])[0].outputs[0].delta_token_ids for i, p in enumerate(ps)}
+        assert together == alone, temperature
+        outs = {name: alone[f"r{i}"] for i, name in enumerate(names[:4])}
+        assert len({tuple(v) for v in outs.values()}) == 4  # the adapters do differ
+
+
+def test_the_prefix_cache_never_crosses_adapters(llama_dir, adapters):
+    """One prompt under an adapter, then under the base and another adapter, in one engine with the
+    prefix cache on: each gets what a fresh engine gives it (KV computed under one model is no prefix
+    of another's), and the same adapter again does reuse its own blocks."""
+    ps = prompts(1, seed=11, lo=30, hi=31)
+    engine = make(llama_dir, adapters, enable_prefix_caching=True)
+    got = {name: greedy(engine, ps, name) for name in ("all", None, "qv", "all")}
+    for name in ("all", None, "qv"):
+        assert got[name] == greedy(make(llama_dir, adapters, enable_prefix_caching=False), ps, name), name
+    again = engine.generate(ps, SamplingParams(temperature=0.0, max_tokens=4, lora="all"))[0]
+    assert again.stats.num_cached_prompt_tokens > 0
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram", "suffix", "lookahead", "layer-skip", "eagle"])
+def test_every_proposer_is_greedy_exact_on_an_adapted_target(llama_dir, tokenizer_dir, adapters, tmp_path, method):
+    """The draft (a base-model draft, n-grams, the suffix store, lookahead, the target's own skipped
+    layers, an EAGLE head) proposes; the adapted target verifies: its tokens stay the adapted model's."""
+    from test_eagle import write_eagle
+    from test_layer_skip import write_skip
+
+    from engine.models.layer_skip import LayerSkip
+
+    kw = {
+        "draft": dict(
+            draft_model=str(build_model_dir(tmp_path / "d", tokenizer_dir, "LlamaForCausalLM", seed=5)),
+            spec_tree_topk=2,
+        ),
+        "layer-skip": dict(layer_skip_config=write_skip(tmp_path, LayerSkip(frozenset({1}), frozenset()))),
+        "eagle": dict(draft_model=str(write_eagle(llama_dir, tmp_path / "eagle")), spec_tree_topk=2),
+    }.get(method, {})
+    ps = repetitive_prompts(4, seed=9)
+    plain = make(llama_dir, adapters)
+    want = {name: greedy(plain, ps, name, 16) for name in ("all", "mlp")}
+    eng = make(llama_dir, adapters, method, num_kv_blocks=96, max_num_batched_tokens=40, **kw)
+    for name in ("all", "mlp"):
+        pinned = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, num_draft_tokens=3, lora=name)
+        assert [o.outputs[0].delta_token_ids for o in eng.generate(ps, pinned)] == want[name], name
+    assert eng.spec_stats.num_drafts > 0
+
+
+def _edited(src: Path, dst: Path, config: dict | None = None, tensors=None) -> Path:
+    shutil.copytree(src, dst)
+    if config is not None:
+        cfg = json.loads((dst / "adapter_config.json").read_text())
+        (dst / "adapter_config.json").write_text(json.dumps({**cfg, **config}))
+    if tensors is not None:
+        from safetensors.torch import load_file, save_file
+
+        save_file(tensors(load_file(dst / "adapter_model.safetensors")), dst / "adapter_model.safetensors")
+    return dst
+
+
+def test_bad_adapters_are_errors_that_say_why(llama_dir, model_dirs, adapters, tmp_path):
+    good = adapters["all"]
+    emb = "base_model.model.model.embed_tokens.lora_embedding_A"
+    q_b = "layers.0.self_attn.q_proj.lora_B"
+    cases = {
+        "no adapter_config.json": (tmp_path / "empty", r"has no adapter_config\.json"),
+        "weights missing": (
+            _edited(good, tmp_path / "noweights", tensors=lambda t: t),
+            r"has no adapter_model\.safetensors",
+        ),
+        "rank over the limit": (good, r"rank 4, over --max-lora-rank 2"),
+        "DoRA": (_edited(good, tmp_path / "dora", {"use_dora": True}), r"DoRA"),
+        "modules_to_save": (_edited(good, tmp_path / "mts", {"modules_to_save": ["lm_head"]}), r"modules_to_save"),
+        "an embedding adapter": (
+            _edited(good, tmp_path / "emb", tensors=lambda t: {**t, emb: torch.zeros(4, 8)}),
+            r"embedding or LM-head adapter",
+        ),
+        "half a pair": (
+            _edited(good, tmp_path / "half", tensors=lambda t: {k: v for k, v in t.items() if q_b not in k}),
+            r"q_proj has lora_A without its pair",
+        ),
+    }  # fmt: skip
+    (tmp_path / "empty").mkdir()
+    (cases["weights missing"][0] / "adapter_model.safetensors").unlink()
+    for why, (path, message) in cases.items():
+        with pytest.raises(AdapterError, match=message):
+            read_adapter("x", path, 2 if why == "rank over the limit" else 16)
+    # at start: an adapter of another base model (its shapes), or a module we do not adapt
+    other = make_adapter(model_dirs["Qwen3ForCausalLM"], tmp_path / "qwen3", 0, **SPECS["all"])  # head_dim 32
+    with pytest.raises(AdapterError, match=r"an adapter of another base model\?"):
+        make(llama_dir, {"other": other})
+    head = make_adapter(llama_dir, tmp_path / "head", 0, r=2, lora_alpha=2, target_modules=["lm_head"])
+    with pytest.raises(AdapterError, match=r"an embedding or LM-head adapter, which is not served"):
+        make(llama_dir, {"head": head})
+    # a module the model has no layer for: a mixture's experts, or a name from another family
+    renamed = _edited(
+        good, tmp_path / "renamed", tensors=lambda t: {k.replace("q_proj", "query"): v for k, v in t.items()}
+    )
+    with pytest.raises(AdapterError, match=r"self_attn\.query, which is not a layer LoRA serves"):
+        make(llama_dir, {"renamed": renamed})
+    with pytest.raises(ValueError, match=r"2 --lora-modules need --max-loras 2"):
+        make(llama_dir, {"all": good, "qv": adapters["qv"]}, max_loras=1)
+    engine = make(llama_dir, {"all": good})
+    with pytest.raises(ValueError, match=r"no LoRA adapter named 'nope'"):
+        engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2, lora="nope"))
+
+
+def test_served_by_model_name_through_the_sdk(llama_dir, adapters):
+    from server.app import ServerSettings, create_app
+    from servers import engine_factory, serve
+
+    modules = {k: str(v) for k, v in adapters.items()}
+    engine = make(llama_dir, adapters)
+    ids = transformers.AutoTokenizer.from_pretrained(llama_dir).encode("a b c a b")
+    settings = ServerSettings(served_model_name="base", lora_modules=modules)
+    app = create_app(settings, engine_factory(llama_dir, lora_modules=modules, block_size=4, num_kv_blocks=128))
+    with serve(app) as srv:
+        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="none")
+        cards = {m.id: m for m in client.models.list().data}
+        assert set(cards) == {"base", *modules}
+        assert all(
+            cards[n].model_extra["parent"] == "base" and cards[n].model_extra["root"] == modules[n] for n in modules
+        )
+        for name in ("base", "all", "mlp"):
+            out = client.completions.create(model=name, prompt="a b c a b", max_tokens=8, temperature=0)
+            lora = None if name == "base" else name
+            want = engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=8, lora=lora))[0].outputs[0].text
+            assert out.choices[0].text == want and out.model == name, name
+        chat = client.chat.completions.create(
+            model="qv", messages=[{"role": "user", "content": "a b c"}], max_tokens=4, temperature=0
+        )
+        assert chat.model == "qv" and chat.usage.completion_tokens > 0
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            client.completions.create(model="nope", prompt="a b", max_tokens=2)
