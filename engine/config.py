@@ -37,6 +37,9 @@ class EngineConfig:
     lora_modules: dict[str, str] = field(default_factory=dict)
     max_loras: int = 4
     max_lora_rank: int = 16
+    # Adapters loaded and unloaded while serving (POST /v1/load_lora_adapter, /v1/unload_lora_adapter):
+    # more may be known than max_loras slots hold, the least recently used idle one giving up its slot.
+    enable_runtime_lora: bool = False
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     block_size: int = 16
     num_kv_blocks: int | None = None  # sizes the KV pool exactly; else from kv_cache_memory_fraction
@@ -169,12 +172,7 @@ class EngineConfig:
             f"device must be auto, cpu or cuda[:N], got {self.device!r}",
         )
         check(self.max_loras >= 1 and self.max_lora_rank >= 1, "--max-loras and --max-lora-rank must be positive")
-        check(
-            len(self.lora_modules) <= self.max_loras,
-            f"{len(self.lora_modules)} --lora-modules need --max-loras {len(self.lora_modules)} or more "
-            f"(got {self.max_loras}): every adapter given at start keeps its slot",
-        )
-        if self.lora_modules:
+        if self.lora_enabled:
             check(self.compile != "on", "LoRA adapters are served by the eager forward: --compile on cannot be used")
             check(self.tensor_parallel_size == 1, "LoRA adapters under --tensor-parallel-size > 1 are not built yet")
         check(self.block_size >= 1, f"block_size must be positive, got {self.block_size}")
@@ -230,7 +228,7 @@ class EngineConfig:
 
     @property
     def compile_enabled(self) -> bool:
-        if self.lora_modules:  # the adapters' weights change at run time: a frozen compiled graph would keep them
+        if self.lora_enabled:  # the adapters' weights change at run time: a frozen compiled graph would keep them
             return False
         if self.compile != "auto":
             return self.compile == "on"
@@ -238,6 +236,11 @@ class EngineConfig:
         if env:
             return env == "on"
         return self.torch_device.type == "cpu"
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether the target carries LoRA slots (engine/lora): adapters given at start, or loadable."""
+        return bool(self.lora_modules) or self.enable_runtime_lora
 
     @property
     def batch_invariant_enabled(self) -> bool:

@@ -39,6 +39,7 @@ from server.responses.protocol import ResponsesRequest
 from server.routes.admin import add_admin_routes
 from server.routes.chat import add_chat_routes
 from server.routes.completions import add_completion_routes
+from server.routes.lora import add_lora_routes
 from server.routes.responses import add_response_routes
 from server.routes.tokenize import add_tokenizer_routes
 from server.state import API_KEY_SCOPE, ServerSettings, ServerState
@@ -118,6 +119,8 @@ def create_app(
     add_chat_routes(app, state)
     add_response_routes(app, state)
     add_tokenizer_routes(app, state)
+    if settings.enable_runtime_lora:
+        add_lora_routes(app, state)
     models = [CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest]
     publish_request_schemas(app, models)
     return app

@@ -47,7 +47,18 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
         help="LoRA adapters in PEFT's format (adapter_config.json + adapter_model.safetensors) served over the "
         "model: a request picks one by its model field; /v1/models lists them (docs/lora.md)",
     )
-    g.add_argument("--max-loras", type=int, default=4, help="LoRA adapters held at once (one forward serves them all)")
+    g.add_argument(
+        "--enable-runtime-lora",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key)",
+    )
+    g.add_argument(
+        "--max-loras",
+        type=int,
+        default=4,
+        help="LoRA adapters in a slot at once (one forward serves them all; more may be loaded: the least "
+        "recently used idle one gives up its slot)",
+    )
     g.add_argument("--max-lora-rank", type=int, default=16, help="the largest LoRA rank served (slots are sized by it)")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
@@ -339,7 +350,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         chat_template=args.chat_template,
         default_chat_template_kwargs=args.default_chat_template_kwargs,
         reasoning_parser=args.reasoning_parser,
-        lora_modules=config.lora_modules,
+        lora_modules=dict(config.lora_modules),
+        enable_runtime_lora=config.enable_runtime_lora,
         generation_config=args.generation_config,
     )
     server: uvicorn.Server | None = None

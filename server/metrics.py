@@ -156,6 +156,10 @@ class Metrics:
         self.api_requests = Counter(
             "augur_api_requests", "Generation requests admitted, by endpoint", ["model_name", "endpoint"], registry=r
         )
+        self.lora_requests = Counter(
+            "augur_lora_requests", "Generation requests admitted under each LoRA adapter", ["model_name", "lora_name"],
+            registry=r,
+        )  # fmt: skip
         self.responses_stored = Gauge(
             "augur_responses_stored", "Responses kept for previous_response_id (what: count, bytes)",
             ["model_name", "what"], registry=r,
@@ -231,8 +235,10 @@ class Metrics:
         self.responses_stored.labels(**self.labels, what="count").set_function(lambda: len(store))
         self.responses_stored.labels(**self.labels, what="bytes").set_function(lambda: store.bytes)
 
-    def api_request(self, endpoint: str) -> None:
+    def api_request(self, endpoint: str, lora: str | None = None) -> None:
         self.api_requests.labels(**self.labels, endpoint=endpoint).inc()
+        if lora is not None:
+            self.lora_requests.labels(**self.labels, lora_name=lora).inc()
 
     def request_failed(self, reason: str) -> None:
         self.request_failure.labels(**self.labels, reason=reason).inc()

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 # Token-count buckets (prompt and generation lengths): 1-2-5 steps up to 100k.
@@ -46,6 +46,24 @@ class _EngineCounters(Collector):
             yield family
 
 
+class _LoraInfo(Collector):
+    """``vllm:lora_requests_info``: one sample whose labels are the adapters running and waiting now."""
+
+    def __init__(self) -> None:
+        self.load: Callable | None = None
+
+    def collect(self):
+        load = self.load() if self.load is not None else None
+        family = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Running and waiting LoRA adapters",
+            labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+        )
+        running, waiting, most = ((), (), 0) if load is None else (load.lora_running, load.lora_waiting, load.max_lora)
+        family.add_metric([str(most), ",".join(waiting), ",".join(running)], time.time())
+        yield family
+
+
 class VllmMetrics:
     """The ``vllm:*`` series; :class:`server.metrics.Metrics` calls the same-named methods it runs for
     its own series, with the same values."""
@@ -71,15 +89,11 @@ class VllmMetrics:
             ["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching", "engine"],
             registry=r,
         )
-        # Augur serves no LoRA adapters; routers that filter pods by adapter still find the series and
-        # read "none running, none waiting". Its value is the time it was read, as vLLM's is.
-        self.lora = Gauge(
-            "vllm:lora_requests_info",
-            "Running and waiting LoRA adapters (Augur serves none)",
-            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
-            registry=r,
-        )
-        self.lora.labels(max_lora="0", waiting_lora_adapters="", running_lora_adapters="").set_function(time.time)
+        # The LoRA adapters of the running and the waiting requests (comma-separated) and the slots, read
+        # at scrape time; its value is the time it was read, as vLLM's is. With no adapters served: none
+        # running, none waiting, max 0 (routers that filter pods by adapter still find the series).
+        self.lora = _LoraInfo()
+        r.register(self.lora)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed", names, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generation tokens processed", names, registry=r)
         self.request_success = Counter(
@@ -122,6 +136,7 @@ class VllmMetrics:
         self.kv_usage.labels(**labels).set_function(lambda: load().kv_usage)
         self.gpu_cache_usage.labels(**labels).set_function(lambda: load().kv_usage)
         self.engine_counters.load = load
+        self.lora.load = load
         c = engine.cache_info
         self.cache_config.labels(
             block_size=str(c.block_size),

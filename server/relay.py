@@ -92,7 +92,7 @@ class Job:
         """Reserve the request's queue places now (429 if full), before any await lets another in."""
         job = cls(state, eng, request, f"{prefix}-{uuid.uuid4().hex}", prompt_ids, params, n, stream, include_usage)
         check_queue_bound(state, len(prompt_ids))
-        state.metrics.api_request(ENDPOINTS.get(prefix, prefix))
+        state.metrics.api_request(ENDPOINTS.get(prefix, prefix), params.lora)
         limit = state.settings.max_queue_len
         if not eng.reserve([f"{job.id}-{i}" for i in range(len(prompt_ids))], limit):
             raise APIError(

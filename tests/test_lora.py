@@ -5,16 +5,20 @@ on an adapted target; bad adapters are errors that say why; served through the S
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
+import time
 from pathlib import Path
 
+import httpx
 import openai
 import peft
 import pytest
 import torch
 import transformers
 from test_engine import hf_greedy, prompts
+from test_server import metric, parse_metrics
 from test_step import prompts as repetitive_prompts
 
 from conftest import build_model_dir
@@ -81,7 +85,7 @@ def lora_logits(engine: LLMEngine, ids: list[int], name: str | None) -> torch.Te
     """Every position's logits under adapter ``name`` (None: the base): a prefill of 11 tokens, one of
     9, then one token at a time through the paged cache."""
     runner, table = engine.runner, []
-    slot = -1 if name is None else engine.adapters[name]
+    slot = -1 if name is None else engine.adapters.acquire(name)  # (as a request takes it)
     assert engine.block_manager.reserve(table, 0, len(ids)) is not None
     cuts = [0, 11, 20, *range(21, len(ids) + 1)]
     got = [
@@ -89,6 +93,8 @@ def lora_logits(engine: LLMEngine, ids: list[int], name: str | None) -> torch.Te
         for a, b in zip(cuts, cuts[1:])
     ]
     engine.block_manager.free(table)
+    if name is not None:
+        engine.adapters.release(name)
     return torch.cat(got)
 
 
@@ -248,8 +254,6 @@ def test_bad_adapters_are_errors_that_say_why(llama_dir, model_dirs, adapters, t
     )
     with pytest.raises(AdapterError, match=r"self_attn\.query, which is not a layer LoRA serves"):
         make(llama_dir, {"renamed": renamed})
-    with pytest.raises(ValueError, match=r"2 --lora-modules need --max-loras 2"):
-        make(llama_dir, {"all": good, "qv": adapters["qv"]}, max_loras=1)
     engine = make(llama_dir, {"all": good})
     with pytest.raises(ValueError, match=r"no LoRA adapter named 'nope'"):
         engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2, lora="nope"))
@@ -282,3 +286,110 @@ def test_served_by_model_name_through_the_sdk(llama_dir, adapters):
         assert chat.model == "qv" and chat.usage.completion_tokens > 0
         with pytest.raises(openai.NotFoundError, match="does not exist"):
             client.completions.create(model="nope", prompt="a b", max_tokens=2)
+        # the metrics: requests per adapter, and vllm:lora_requests_info with a running adapter in it
+        stream = client.completions.create(
+            model="mlp", prompt="a b", max_tokens=60, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
+        next(iter(stream))
+        samples = parse_metrics(httpx.get(srv.base + "/metrics").text)
+        assert list(stream)[-1].choices[0].finish_reason == "length"
+        assert metric(samples, "augur_lora_requests_total", lora_name="mlp") == 2
+        assert metric(samples, "augur_lora_requests_total", lora_name="qv") == 1
+        [(labels, stamp)] = [(lab, v) for n, lab, v in samples if n == "vllm:lora_requests_info"]
+        assert labels == {"max_lora": "4", "waiting_lora_adapters": "", "running_lora_adapters": "mlp"}
+        assert abs(stamp - time.time()) < 600
+
+
+def test_more_adapters_than_slots_take_turns_and_each_row_stays_its_own(llama_dir, adapters):
+    """One slot, three adapters, requests of all three and the base at once: a request waits while the
+    slot is held by another adapter's requests, the least recently used idle adapter gives the slot up,
+    and every request's tokens are those it gets with a slot for each adapter."""
+    ps = prompts(6, seed=21, lo=6, hi=18)
+    names = ["all", "qv", None, "mlp", "all", "qv"]
+    params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, lora=n) for n in names]
+    roomy = make(llama_dir, adapters)
+    want = [roomy.generate([p], q)[0].outputs[0].delta_token_ids for p, q in zip(ps, params, strict=True)]
+    tight = make(llama_dir, adapters, max_loras=1, max_num_batched_tokens=40)
+    assert list(staggered(tight, ps, params).values()) == want
+    registry = tight.adapters
+    assert not registry.holders and len(registry.slot_of) == 1 and not tight.lora_queue
+
+
+def test_adapters_load_and_unload_while_others_run(llama_dir, adapters):
+    """Loaded while requests run, an adapter serves at once; unloaded while its own requests run, they
+    finish under it and new ones are refused; its slot is then free, and a bad adapter changes nothing."""
+    engine = make(llama_dir, {"all": adapters["all"]}, enable_runtime_lora=True, max_loras=2)
+    ps = prompts(3, seed=5, lo=8, hi=16)
+    want = {n: greedy(make(llama_dir, adapters), ps[:1], n, 10)[0] for n in ("all", "qv", None)}
+    base = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    got: dict[str, list[int]] = {"base": [], "all": [], "qv": []}
+
+    def step() -> None:
+        for out in engine.step():
+            got[out.request_id] += out.outputs[0].delta_token_ids
+
+    engine.add_request("base", ps[0], base)
+    engine.add_request("all", ps[0], dataclasses.replace(base, lora="all"))
+    step()
+    engine.load_lora_adapter("qv", str(adapters["qv"]))
+    engine.add_request("qv", ps[0], dataclasses.replace(base, lora="qv"))
+    step()
+    engine.unload_lora_adapter("all")  # its request is running: it finishes under it
+    with pytest.raises(ValueError, match="no LoRA adapter named 'all'"):
+        engine.add_request("late", ps[0], dataclasses.replace(base, lora="all"))
+    while engine.has_unfinished_requests():
+        step()
+    assert got == {"base": want[None], "all": want["all"], "qv": want["qv"]}
+    assert set(engine.adapters.known) == {"qv"} and set(engine.adapters.slot_of) == {"qv"}
+    with pytest.raises(KeyError):
+        engine.unload_lora_adapter("all")
+    with pytest.raises(AdapterError, match="already loaded"):
+        engine.load_lora_adapter("qv", str(adapters["qv"]))
+    with pytest.raises(AdapterError, match="over --max-lora-rank 2"):
+        make(llama_dir, enable_runtime_lora=True, max_lora_rank=2).load_lora_adapter("x", str(adapters["all"]))
+
+
+@pytest.mark.parametrize("front", ["thread", "process"])
+def test_runtime_loading_through_the_api(llama_dir, adapters, front, monkeypatch):
+    """--enable-runtime-lora: POST /v1/load_lora_adapter serves the adapter by name at once (and lists
+    it), a bad one is a 400 that says why, /v1/unload_lora_adapter makes its name a 404, a base request
+    streaming meanwhile is whole; the routes are behind the API key, and absent without the flag. With
+    the engine on a thread of the server and in a process of its own (--engine-process)."""
+    import httpx
+
+    monkeypatch.setenv("AUGUR_TEST_FRONT", front)
+
+    from server.app import ServerSettings, create_app
+    from servers import engine_factory, serve
+
+    ids = transformers.AutoTokenizer.from_pretrained(llama_dir).encode("a b c a b")
+    want = make(llama_dir, adapters).generate([ids], SamplingParams(temperature=0.0, max_tokens=8, lora="mlp"))
+    settings = ServerSettings(served_model_name="base", api_key="k", enable_runtime_lora=True)
+    factory = engine_factory(llama_dir, enable_runtime_lora=True, block_size=4, num_kv_blocks=128)
+    with serve(create_app(settings, factory)) as srv:
+        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="k")
+        auth = {"Authorization": "Bearer k"}
+        stream = client.completions.create(model="base", prompt="a b c", max_tokens=24, temperature=0, stream=True)
+        first = next(iter(stream))
+        body = {"lora_name": "mlp", "lora_path": str(adapters["mlp"])}
+        assert httpx.post(srv.base + "/v1/load_lora_adapter", json=body).status_code == 401
+        r = httpx.post(srv.base + "/v1/load_lora_adapter", json=body, headers=auth)
+        assert r.status_code == 200 and "added successfully" in r.text
+        assert "mlp" in {m.id for m in client.models.list().data}
+        out = client.completions.create(model="mlp", prompt="a b c a b", max_tokens=8, temperature=0)
+        assert out.choices[0].text == want[0].outputs[0].text
+        bad = httpx.post(
+            srv.base + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nowhere"}, headers=auth
+        )
+        assert bad.status_code == 400 and "has no adapter_config.json" in bad.json()["error"]["message"]
+        r = httpx.post(srv.base + "/v1/unload_lora_adapter", json={"lora_name": "mlp"}, headers=auth)
+        assert r.status_code == 200
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="mlp", prompt="a b", max_tokens=2)
+        again = httpx.post(srv.base + "/v1/unload_lora_adapter", json={"lora_name": "mlp"}, headers=auth)
+        assert again.status_code == 404
+        chunks = [first, *stream]
+        assert "".join(c.choices[0].text for c in chunks) and chunks[-1].choices[0].finish_reason == "length"
+    plain = ServerSettings(served_model_name="base")
+    with serve(create_app(plain, engine_factory(llama_dir, block_size=4, num_kv_blocks=128))) as srv:
+        assert httpx.post(srv.base + "/v1/load_lora_adapter", json=body).status_code == 404

@@ -17,6 +17,7 @@ import abc
 import asyncio
 import concurrent.futures
 import contextvars
+import itertools
 import logging
 import queue
 import threading
@@ -52,6 +53,28 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Lora:
+    """Load or unload a LoRA adapter on the engine's thread (``op``: ``load`` | ``unload``)."""
+
+    call_id: int
+    op: str
+    name: str
+    path: str | None = None
+
+
+def run_lora(engine: LLMEngine, cmd: _Lora) -> BaseException | None:
+    """Carry out ``cmd`` on ``engine``: None, or the error to hand back (AdapterError, KeyError)."""
+    try:
+        if cmd.op == "load":
+            engine.load_lora_adapter(cmd.name, cmd.path)
+        else:
+            engine.unload_lora_adapter(cmd.name)
+    except (ValueError, KeyError) as e:  # AdapterError is a ValueError
+        return e
+    return None
+
+
 class EngineDeadError(RuntimeError):
     pass
 
@@ -68,6 +91,10 @@ class EngineLoad:
     prefix_queries: int = 0
     prefix_hits: int = 0
     preemptions: int = 0
+    # LoRA adapters (engine/lora): those of running requests, those of waiting ones, and the slots
+    lora_running: tuple[str, ...] = ()
+    lora_waiting: tuple[str, ...] = ()
+    max_lora: int = 0
 
 
 @dataclass(frozen=True)
@@ -96,6 +123,8 @@ class EngineFront(abc.ABC):
             str, float
         ] = {}  # admitted, no output yet (→ admission time): what --max-queue-len bounds
         self.load = EngineLoad()
+        self._calls: dict[int, concurrent.futures.Future] = {}  # LoRA loads and unloads awaiting the engine
+        self._call_ids = itertools.count()
         # Grammars compile here, two at a time at most, whatever the requests ask.
         self._grammar_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="augur-grammar")
 
@@ -107,8 +136,8 @@ class EngineFront(abc.ABC):
         self._text_fit = TextFit(tokenizer, limits.max_model_len)
 
     @abc.abstractmethod
-    def _submit(self, command: _Add | _Abort) -> None:
-        """Hand an add or an abort to the engine (each front its own way)."""
+    def _submit(self, command: _Add | _Abort | _Lora) -> None:
+        """Hand an add, an abort or a LoRA load to the engine (each front its own way)."""
 
     @property
     def num_unstarted(self) -> int:
@@ -271,6 +300,25 @@ class EngineFront(abc.ABC):
     def abort(self, request_id: str) -> None:
         self._submit(_Abort(request_id))
 
+    async def lora(self, op: str, name: str, path: str | None = None) -> None:
+        """Load (``op="load"``, from ``path``) or unload a LoRA adapter, between two of the engine's steps;
+        raises what the engine raised (AdapterError: the adapter cannot be served; KeyError: none of
+        that name is loaded)."""
+        if self.dead_error is not None:
+            raise EngineDeadError(self.dead_error)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        call_id = next(self._call_ids)
+        with self._lock:
+            self._calls[call_id] = future
+        self._submit(_Lora(call_id, op, name, path))
+        await asyncio.wrap_future(future)
+
+    def _answer(self, call_id: int, error: BaseException | None) -> None:
+        with self._lock:
+            future = self._calls.pop(call_id, None)
+        if future is not None and not future.done():
+            future.set_result(None) if error is None else future.set_exception(error)
+
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         self._deliver_all([(request_id, item)])
 
@@ -294,8 +342,12 @@ class EngineFront(abc.ABC):
         with self._lock:
             self.dead_error = reason
             targets = list(self._streams.items())
+            calls, self._calls = list(self._calls.values()), {}
         for _, (loop, stream) in targets:
             loop.call_soon_threadsafe(stream.put_nowait, EngineDeadError(reason))
+        for future in calls:
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))
 
     def _run_hooks(self, outputs: list[RequestOutput], elapsed: float) -> None:
         for hook in self.step_hooks:
@@ -349,7 +401,7 @@ class AsyncEngine(EngineFront):
         self._stopping = False
         self._step = GuardedStep(engine)
 
-    def _submit(self, command: _Add | _Abort) -> None:
+    def _submit(self, command: _Add | _Abort | _Lora) -> None:
         self._commands.put(command)
         self._wakeup.set()
 
@@ -418,6 +470,9 @@ class AsyncEngine(EngineFront):
             if isinstance(cmd, _Abort):
                 self.engine.abort(cmd.request_id)
                 continue
+            if isinstance(cmd, _Lora):
+                self._answer(cmd.call_id, run_lora(self.engine, cmd))
+                continue
             with self._lock:
                 wanted = cmd.request_id in self._streams
             if not wanted:  # the client left before the request reached the engine
@@ -451,6 +506,11 @@ class AsyncEngine(EngineFront):
 
 def engine_load(engine: LLMEngine) -> EngineLoad:
     s = engine.scheduler
+    lora: tuple = ((), (), 0)
+    if engine.adapters is not None:
+        running = {q.params.lora for q in s.running} - {None}
+        waiting = {q.params.lora for q in (*s.waiting, *engine.lora_queue)} - {None}
+        lora = (tuple(sorted(running)), tuple(sorted(waiting)), engine.config.max_loras)
     return EngineLoad(
         engine.num_requests_running,
         engine.num_requests_waiting,
@@ -458,6 +518,7 @@ def engine_load(engine: LLMEngine) -> EngineLoad:
         s.prefix_queries,
         s.prefix_hits,
         s.num_preemptions,
+        *lora,
     )
 
 

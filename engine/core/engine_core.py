@@ -6,12 +6,13 @@ them, two ZeroMQ PUSH/PULL sockets over Unix domain sockets in a private directo
 
 * API → engine: commands, pickled (an add carries the request's :class:`SamplingParams`), one per
   message: ``("add", request_id, prompt_ids, params, arrival_time)``, ``("abort", request_id)``,
-  ``("shutdown",)``.
+  ``("lora", call_id, op, name, path)`` (a LoRA adapter loaded or unloaded), ``("shutdown",)``.
 * engine → API: a kind frame and a payload. ``step``: the step's :class:`RequestOutput` list with
   the load, the step's seconds and the drafting and grammar counters, encoded with msgspec
   (0.7 µs to encode one request's output against pickle's 4.4 µs; docs/benchmarks.md); ``load``
   the same without outputs, when idle; ``ready`` (the engine's :class:`EngineInfo`), ``failed``
-  (it could not be built), ``error`` (one request could not be added) and ``dead``, pickled.
+  (it could not be built), ``error`` (one request could not be added), ``lora`` (a load's or unload's
+  answer: its call id and None or the error) and ``dead``, pickled.
 
 Stop strings are still checked where the tokens are appended (the engine's output processor), so a
 speculative step stops exactly where plain decoding would and frees the blocks in that step; the
@@ -55,8 +56,10 @@ from engine.core.async_engine import (
     GuardedStep,
     _Abort,
     _Add,
+    _Lora,
     cache_info,
     engine_load,
+    run_lora,
 )
 from engine.request.checks import RequestLimits
 from engine.request.outputs import RequestOutput
@@ -153,6 +156,9 @@ class EngineCore:
                 waits = any(cmd.request_id == msg[1] for cmd, _ in self.compiling)
                 if not self.engine.abort(msg[1]) and waits:  # (else it finished already: nothing to do)
                     self.aborted_early.add(msg[1])
+            elif kind == "lora":
+                error = run_lora(self.engine, _Lora(*msg[1:]))
+                self._send_pickled(b"lora", (msg[1], None if error is None else _picklable(error)))
             elif kind == "shutdown":
                 self.stopping = True
                 return
@@ -377,9 +383,11 @@ class ProcessEngine(EngineFront):
         return self._grammar
 
     # -- commands and outputs -------------------------------------------------------------------------
-    def _submit(self, command: _Add | _Abort) -> None:
+    def _submit(self, command: _Add | _Abort | _Lora) -> None:
         if isinstance(command, _Add):
             self._send(("add", command.request_id, command.prompt_ids, command.params, command.arrival_time))
+        elif isinstance(command, _Lora):
+            self._send(("lora", command.call_id, command.op, command.name, command.path))
         elif self.dead_error is None:
             self._send(("abort", command.request_id))
 
@@ -394,7 +402,7 @@ class ProcessEngine(EngineFront):
                     return
             except zmq.Again:
                 pass
-        if msg[0] == "add":
+        if msg[0] in ("add", "lora"):
             raise EngineDeadError(self.dead_error or "the engine process is not taking requests")
 
     def _receive(self) -> None:
@@ -429,6 +437,8 @@ class ProcessEngine(EngineFront):
         elif kind == b"error":
             request_id, error = pickle.loads(payload)
             self._deliver(request_id, error)
+        elif kind == b"lora":
+            self._answer(*pickle.loads(payload))
         elif kind == b"dead":
             self._engine_died(pickle.loads(payload))
             return False

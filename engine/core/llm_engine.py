@@ -25,7 +25,8 @@ from engine.core.step import Step
 from engine.decoding.beam import BeamSearch
 from engine.kv import BlockManager
 from engine.kv.block_manager import chain_root
-from engine.lora import LoraSlots, read_adapter
+from engine.lora import AdapterError, LoraSlots, read_adapter
+from engine.lora.registry import AdapterRegistry
 from engine.parallel import SINGLE
 from engine.request.checks import InvalidRequestError, RequestLimits, TextFit
 from engine.request.confine import Confine
@@ -103,7 +104,8 @@ class LLMEngine:
             quantization=config.quantization, tp=tp, batch_invariant=invariant,
         )  # fmt: skip
         self.batch_invariant = invariant  # a request's tokens depend on nothing but the request
-        self.adapters = self._attach_adapters(model, config, invariant)  # LoRA adapter name → its slot
+        self.adapters = self._attach_adapters(model, config, invariant)  # LoRA adapters (None: not served)
+        self.lora_queue: list[Sequence] = []  # requests whose adapter waits for a slot (engine/lora/registry.py)
         logger.info("loaded %s in %.1fs (%s, %s)", self.model_path, time.perf_counter() - t0, self.dtype, self.device)
         if tp.size > 1:
             logger.info("tensor parallel: rank 0 of %d", tp.size)
@@ -111,7 +113,7 @@ class LLMEngine:
             *front, model, self.hf_config, self.device, self.dtype, config.block_size, compile=compiled,
             attention_backend=config.attention_backend,
             # LoRA rows are masked by a tensor sized at run time: not yet captured in graphs
-            cuda_graph_max_seqs=0 if config.lora_modules else config.cuda_graph_max_seqs,
+            cuda_graph_max_seqs=0 if config.lora_enabled else config.cuda_graph_max_seqs,
             batch_invariant=invariant, kv_cache_dtype=config.kv_cache_dtype,
         )  # fmt: skip
         self.proposer = None
@@ -201,20 +203,54 @@ class LLMEngine:
 
     # -- compiled forwards -------------------------------------------------------------------------
     @staticmethod
-    def _attach_adapters(model: torch.nn.Module, config: EngineConfig, invariant: bool) -> dict[str, int]:
+    def _attach_adapters(model: torch.nn.Module, config: EngineConfig, invariant: bool) -> AdapterRegistry | None:
         """Read every ``--lora-modules`` adapter (a bad one stops the start, saying why), then give the
-        model its LoRA slots and each adapter one of them (engine/lora)."""
-        if not config.lora_modules:
-            return {}
+        model its LoRA slots and know each adapter (engine/lora); None where adapters are not served."""
+        if not config.lora_enabled:
+            return None
         adapters = [read_adapter(name, path, config.max_lora_rank) for name, path in config.lora_modules.items()]
         slots = LoraSlots.attach(
             model, config.max_loras, config.max_lora_rank, config.max_num_batched_tokens, invariant
         )
-        for slot, adapter in enumerate(adapters):
-            slots.load(slot, adapter)
+        registry = AdapterRegistry(slots)
+        for adapter in adapters:
+            registry.add(adapter)
             logger.info("LoRA adapter %s (rank %d, %d modules) from %s", adapter.name, adapter.rank,
                         len(adapter.pairs), adapter.path)  # fmt: skip
-        return {a.name: slot for slot, a in enumerate(adapters)}
+        return registry
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Know one more adapter (``POST /v1/load_lora_adapter``); :class:`AdapterError` if it cannot be."""
+        if self.adapters is None:
+            raise AdapterError("this engine serves no LoRA adapters (start it with --enable-runtime-lora)")
+        self.adapters.add(read_adapter(name, path, self.config.max_lora_rank))
+        logger.info("LoRA adapter %s loaded from %s", name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Forget an adapter (``POST /v1/unload_lora_adapter``): new requests for it are refused, those
+        running finish under it. KeyError if it is not loaded."""
+        if self.adapters is None:
+            raise KeyError(name)
+        self.adapters.remove(name)
+        logger.info("LoRA adapter %s unloaded", name)
+
+    def _admit_lora_queue(self) -> None:
+        """Schedule the waiting requests whose adapter has (or now gets) a slot, strictly in arrival order:
+        from the first that finds every slot held by others' requests, the rest wait behind it (a request
+        of a loaded adapter does not pass one that waits for a slot, so none waits forever)."""
+        while self.lora_queue:
+            seq = self.lora_queue[0]
+            slot = self.adapters.acquire(seq.params.lora)
+            if slot is None:
+                return
+            self.lora_queue.pop(0)
+            seq.group.lora_slot = slot
+            self.scheduler.add(seq)
+
+    def _drop_group(self, group: SequenceGroup) -> None:
+        """A request leaves the engine: its adapter's slot is no longer held for it."""
+        if self.groups.pop(group.request_id, None) is not None and group.lora_slot >= 0:
+            self.adapters.release(group.params.lora)
 
     def _runners(self) -> list[ModelRunner]:
         """The target's runner and the proposer's, each once."""
@@ -309,7 +345,7 @@ class LLMEngine:
         ``params`` already (the server's requests, checked once before they were queued)."""
         if request_id in self.groups:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
-        if params.lora is not None and params.lora not in self.adapters:
+        if params.lora is not None and (self.adapters is None or not self.adapters.is_known(params.lora)):
             raise InvalidRequestError(f"no LoRA adapter named {params.lora!r} is loaded")
         if checked:  # a cheap net under the promise: ids, and in the vocabulary (the model indexes with them)
             if isinstance(prompt, str) or not prompt or min(prompt) < 0 or max(prompt) >= self.vocab_size:
@@ -326,7 +362,7 @@ class LLMEngine:
             prompt if isinstance(prompt, str) else None,
         )
         if params.lora is not None:
-            group.lora_slot, group.kv_root = self.adapters[params.lora], chain_root(params.lora)
+            group.kv_root = chain_root(params.lora)
         if params.use_beam_search:
             group.beam = BeamState()
         seq = group.seqs[0]
@@ -337,7 +373,11 @@ class LLMEngine:
             seq.grammar = self.grammars.start(params.structured, left)
         self._init_seq(seq, seed_offset=0)
         self.groups[request_id] = group
-        self.scheduler.add(seq)
+        if params.lora is not None:  # it holds its adapter's slot from now: scheduled once it has one
+            self.lora_queue.append(seq)
+            self._admit_lora_queue()
+        else:
+            self.scheduler.add(seq)
 
     def _init_seq(self, seq: Sequence, seed_offset: int) -> None:
         self.outputs.init_sequence(seq)
@@ -346,11 +386,16 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks. False if it is unknown or already done."""
-        group = self.groups.pop(request_id, None)
+        group = self.groups.get(request_id)
         if group is None:
             return False
+        self._drop_group(group)
         for seq in group.seqs:
-            if not seq.is_finished:
+            if seq in self.lora_queue:  # never scheduled: nothing to free
+                self.lora_queue.remove(seq)
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = FinishReason.ABORT
+            elif not seq.is_finished:
                 self._finish_seq(seq)
                 seq.finish_reason = FinishReason.ABORT
         return True
@@ -368,9 +413,8 @@ class LLMEngine:
 
     @property
     def num_requests_waiting(self) -> int:
-        return len(
-            {s.group.request_id for s in self.scheduler.waiting} - {s.group.request_id for s in self.scheduler.running}
-        )
+        waiting = {s.group.request_id for s in (*self.scheduler.waiting, *self.lora_queue)}
+        return len(waiting - {s.group.request_id for s in self.scheduler.running})
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -380,6 +424,8 @@ class LLMEngine:
         the step's shared work (the schedule, the batched forward) fails the requests of that step.
         The engine keeps serving the rest."""
         self.swap_in_compiled()
+        if self.lora_queue:
+            self._admit_lora_queue()
         if self.ahead is not None and self.ahead.pending is not None:
             return self._step_ahead()
         try:
@@ -562,7 +608,7 @@ class LLMEngine:
             if not seq.is_finished:
                 self._finish_seq(seq)
                 seq.finish_reason = FinishReason.ERROR
-        self.groups.pop(group.request_id, None)
+        self._drop_group(group)
         return self._error_output(group, error)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
@@ -601,7 +647,7 @@ class LLMEngine:
     def _make_output(self, group: SequenceGroup) -> RequestOutput:
         out = self.outputs.make_output(group)
         if out.finished:
-            self.groups.pop(group.request_id, None)
+            self._drop_group(group)
         return out
 
     # -- convenience ------------------------------------------------------------------------------

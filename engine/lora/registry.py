@@ -1,0 +1,91 @@
+"""Which adapters the server knows, which hold a slot, and who holds them.
+
+More adapters may be known (read, checked and kept in host memory: a few MB each at rank 16) than
+the ``max_loras`` slots hold. A request takes its adapter's slot for its whole life (:meth:`acquire`,
+:meth:`release`): an adapter without one gets a free slot, else the least recently used slot that no
+request holds; when every slot is held by others' requests, the request waits (the engine retries
+before each step). A slot is written between forwards; the slots a running request holds are never
+written, and an adapter unloaded while requests hold it leaves when the last of them ends.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from engine.lora.adapters import Adapter, AdapterError
+from engine.lora.layers import LoraSlots
+
+
+class AdapterRegistry:
+    def __init__(self, slots: LoraSlots) -> None:
+        self.slots = slots
+        self.known: dict[str, Adapter] = {}
+        self.slot_of: dict[str, int] = {}  # adapters in a slot
+        self.holders: dict[str, int] = {}  # requests holding each adapter's slot
+        self.recent: OrderedDict[str, None] = OrderedDict()  # adapters in a slot, least recently used first
+        self.leaving: set[str] = set()  # unloaded while held: gone when the last holder ends
+
+    def add(self, adapter: Adapter) -> None:
+        """Know ``adapter`` (checked against the model first: :class:`AdapterError` if it does not fit)."""
+        if adapter.name in self.leaving:
+            raise AdapterError(
+                f"the LoRA adapter {adapter.name!r} is being unloaded: {self.holders[adapter.name]} requests still "
+                "run under it; load it again when they end"
+            )
+        if adapter.name in self.known:
+            raise AdapterError(f"a LoRA adapter named {adapter.name!r} is already loaded")
+        self.slots.place(adapter)
+        self.known[adapter.name] = adapter
+
+    def remove(self, name: str) -> None:
+        """Forget ``name`` (KeyError if unknown): no new request can ask for it; its slot is freed now, or
+        when the last request holding it ends."""
+        if name not in self.known or name in self.leaving:
+            raise KeyError(name)
+        if self.holders.get(name):
+            self.leaving.add(name)
+        else:
+            self._forget(name)
+
+    def acquire(self, name: str) -> int | None:
+        """The slot for a new request of ``name`` (written now if it has none), or None while every
+        slot is held by other adapters' requests."""
+        slot = self.slot_of.get(name)
+        if slot is None:
+            free = sorted(set(range(self.slots.max_loras)) - set(self.slot_of.values()))
+            if free:
+                slot = free[0]
+            else:
+                idle = next((n for n in self.recent if not self.holders.get(n)), None)
+                if idle is None:
+                    return None
+                slot = self.slot_of.pop(idle)
+                del self.recent[idle]
+            self.slots.load(slot, self.known[name])
+            self.slot_of[name] = slot
+        self.recent[name] = None
+        self.recent.move_to_end(name)
+        self.holders[name] = self.holders.get(name, 0) + 1
+        return slot
+
+    def release(self, name: str) -> None:
+        self.holders[name] -= 1
+        if not self.holders[name]:
+            del self.holders[name]
+            if name in self.leaving:
+                self._forget(name)
+
+    def _forget(self, name: str) -> None:
+        self.known.pop(name, None)
+        self.leaving.discard(name)
+        self.recent.pop(name, None)
+        slot = self.slot_of.pop(name, None)
+        if slot is not None:
+            self.slots.clear(slot)
+
+    def is_known(self, name: str) -> bool:
+        return name in self.known and name not in self.leaving
+
+    def info(self) -> dict[str, object]:
+        """For the metrics: the adapters in a slot and held, by name, and the slot count."""
+        return {"running": sorted(self.holders), "loaded": sorted(self.slot_of), "max": self.slots.max_loras}
