@@ -48,12 +48,16 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
+        slots = self.slots
+        used = slots.used  # the slots up to the highest any row of this forward uses (0: none)
+        if not used:
+            return y
         flat = x.reshape(-1, self.in_features)
-        rows, slots = flat.shape[0], self.slots
+        rows, cols = flat.shape[0], used * len(self.parts) * slots.max_rank
         linear = torch.ops.augur.invariant_linear if slots.invariant else F.linear
-        h = linear(flat.to(self.a.dtype), self.a, None)
-        h = (h.view(rows, slots.max_loras, -1) * slots.mask[:rows, :, None]).view(rows, -1)
-        return y + linear(h, self.b, None).to(y.dtype).view(y.shape)
+        h = linear(flat.to(self.a.dtype), self.a[:cols], None)
+        h = (h.view(rows, used, -1) * slots.mask[:rows, :used, None]).view(rows, cols)
+        return y + linear(h, self.b[:, :cols], None).to(y.dtype).view(y.shape)
 
     def extra_repr(self) -> str:
         return f"parts={self.parts}, slots={self.slots.max_loras}, max_rank={self.slots.max_rank}"
@@ -69,6 +73,7 @@ class LoraSlots:
         self.layers: dict[str, LoraLinear] = {}  # module path → its layer
         self.model: nn.Module | None = None
         self.mask = torch.zeros(0, max_loras, dtype=dtype, device=device)  # [rows, slots] 0/1
+        self.used = 0  # slots 0 .. used - 1 are multiplied in the next forward: the highest a row uses, + 1
         self.loaded: list[str | None] = [None] * max_loras  # the adapter in each slot
 
     @classmethod
@@ -147,13 +152,16 @@ class LoraSlots:
             layer.b[:, slot * width : (slot + 1) * width].zero_()
         self.loaded[slot] = None
 
-    def set_rows(self, slots: torch.Tensor | None, rows: int) -> None:
+    def set_rows(self, slots: torch.Tensor | None, rows: int, used: int) -> None:
         """The slot of each of the next forward's ``rows`` rows (``slots [rows]`` int64 on the device,
-        -1 for the base model; None: every row the base model)."""
+        -1 for the base model; None: every row the base model), and ``used``: the highest slot a row
+        uses, + 1 (known on the host: no sync). Only slots below it are multiplied: a forward of base
+        rows alone costs nothing more than the base model's, and one adapter in slot 0 a quarter of
+        four. The columns left out hold exact zeros for every row, so a row's sums are the same."""
+        self.used = 0 if slots is None else used
+        if slots is None:
+            return
         if rows > self.mask.shape[0]:
             self.mask = torch.zeros(rows, self.max_loras, dtype=self.dtype, device=self.device)
-        if slots is None:
-            self.mask[:rows].zero_()
-            return
         ids = torch.arange(self.max_loras, device=self.device)
         self.mask[:rows] = (slots[:rows, None] == ids).to(self.dtype)

@@ -72,6 +72,7 @@ class ForwardBatch:
     num_tokens: int
     graph: GraphShape | None = None  # padded to a captured shape (positions and meta are padded; the rest is not)
     lora: torch.Tensor | None = None  # [T] int64 each row's LoRA slot (-1: none; padded rows too); None: no adapter
+    lora_used: int = 0  # the highest LoRA slot a row uses, + 1
 
 
 class LogitsForward(torch.nn.Module):
@@ -432,6 +433,7 @@ class ModelRunner:
             len(chunks),
             len(token_ids),
             lora=None if lora is None else pack[lora],
+            lora_used=max(c.lora for c in chunks) + 1,
         )
 
     def _prepare_padded(self, chunks: list[ForwardChunk], num_seqs: int, width: int) -> ForwardBatch:
@@ -487,8 +489,9 @@ class ModelRunner:
 
         shape = GraphShape(num_seqs, width, pack[rows_t], pack[logits_t])
         return ForwardBatch(
-            pack[ids], pack[pos], meta, pack[real_t], len(chunks), len(token_ids), shape, lora=pack.get(lora)
-        )
+            pack[ids], pack[pos], meta, pack[real_t], len(chunks), len(token_ids), shape,
+            lora=None if lora is None else pack[lora], lora_used=max(c.lora for c in chunks) + 1,
+        )  # fmt: skip
 
     def _lora_rows(self, chunks: list[ForwardChunk], pack, width: int = 0, pads: int = 0):
         """Each row's LoRA slot, added to ``pack`` (its handle), or None where no chunk has an adapter
@@ -512,7 +515,8 @@ class ModelRunner:
     ) -> ForwardOutput:
         ids = batch.input_ids if input_ids is None else input_ids
         if self.lora is not None:
-            self.lora.set_rows(batch.lora, ids.shape[0] if batch.graph is None else batch.positions.shape[0])
+            rows = ids.shape[0] if batch.graph is None else batch.positions.shape[0]
+            self.lora.set_rows(batch.lora, rows, batch.lora_used)
         if batch.graph is not None:  # the output layer runs after the graph (see engine.runner.cuda_graphs)
             captured, final, at_logits = self.graphs.run(
                 self._run, batch, ids, self.kv_cache, skip, hidden_layers, hidden_in
