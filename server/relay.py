@@ -29,7 +29,7 @@ from engine.request.outputs import CompletionOutput, RequestOutput
 from engine.request.sampling_params import SamplingParams
 from server.common import APIError, bad_request, off_loop
 from server.protocol import error_body
-from server.state import ServerState
+from server.state import API_KEY_SCOPE, ServerState
 
 
 # -- before the engine: parameters, prompts, queue places ---------------------------------------------------
@@ -90,6 +90,7 @@ class Job:
     def admit(cls, state: ServerState, eng: AsyncEngine, request: Request, prefix: str, prompt_ids, params, n, stream,
               include_usage) -> Job:  # fmt: skip
         """Reserve the request's queue places now (429 if full), before any await lets another in."""
+        params.tenant = request.scope.get(API_KEY_SCOPE)  # drafting data is shared within one API key only
         job = cls(state, eng, request, f"{prefix}-{uuid.uuid4().hex}", prompt_ids, params, n, stream, include_usage)
         check_queue_bound(state, len(prompt_ids))
         state.metrics.api_request(ENDPOINTS.get(prefix, prefix), params.lora)

@@ -104,6 +104,21 @@ def test_greedy_output_is_the_plain_decoders(target, shared):  # noqa: F811
     assert not eng.proposer._windows and not eng.proposer._pools, "finished sequences leave no state behind"
 
 
+def test_shared_pools_are_one_per_tenant(target):  # noqa: F811
+    """--lookahead-shared pools one prompt family's n-grams, within one API key and adapter: the same
+    prompt under two keys gets two pools, and the greedy tokens stay the plain decoder's."""
+    prompts = repetitive_prompts(1, seed=5) * 2
+    eng = make(target, "lookahead", lookahead_shared=True)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, num_draft_tokens=3, tenant=t)
+        for t in ("key-a", "key-b")
+    ]
+    outs = [o.outputs[0].delta_token_ids for o in eng.generate(prompts, params)]
+    plain = make(target).generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert outs == [plain[0].outputs[0].delta_token_ids] * 2
+    assert sorted(key[0] for key in eng.proposer._families) == [(None, "key-a"), (None, "key-b")]
+
+
 def test_n_choices_fork_the_window(target):  # noqa: F811
     check_n_choices(make(target), make(target, "lookahead"))
 

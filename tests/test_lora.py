@@ -393,3 +393,24 @@ def test_runtime_loading_through_the_api(llama_dir, adapters, front, monkeypatch
     plain = ServerSettings(served_model_name="base")
     with serve(create_app(plain, engine_factory(llama_dir, block_size=4, num_kv_blocks=128))) as srv:
         assert httpx.post(srv.base + "/v1/load_lora_adapter", json=body).status_code == 404
+
+
+def test_drafting_data_stays_within_an_api_key_and_an_adapter(llama_dir, adapters):
+    """Suffix decoding's store, through the server: each API key's (and adapter's) finished outputs go
+    to a store of their own, and no request is drafted from another's."""
+    import hashlib
+
+    from server.app import ServerSettings, create_app
+    from servers import engine_factory, serve
+
+    modules = {"all": str(adapters["all"])}
+    settings = ServerSettings(served_model_name="base", api_key=["ka", "kb"], lora_modules=modules)
+    factory = engine_factory(llama_dir, speculative_method="suffix", lora_modules=modules)
+    with serve(create_app(settings, factory)) as srv:
+        for key, model in (("ka", "base"), ("kb", "base"), ("kb", "all")):
+            client = openai.OpenAI(base_url=srv.base + "/v1", api_key=key)
+            client.completions.create(model=model, prompt="a b c a b", max_tokens=8, temperature=0)
+        digest = {k: hashlib.sha256(k.encode()).hexdigest() for k in ("ka", "kb")}
+        stores = srv.engine.proposer.stores
+        assert set(stores) == {(None, digest["ka"]), (None, digest["kb"]), ("all", digest["kb"])}
+        assert all(len(store.outputs) == 1 for store in stores.values())

@@ -13,6 +13,7 @@ from test_step import prompts as repetitive_prompts
 
 import engine.sampling.verify as verify_mod
 from engine.request.sampling_params import SamplingParams
+from engine.request.sequence import SequenceGroup
 from engine.speculative.methods.suffix import ContextCounts, SuffixProposer, SuffixStore
 
 
@@ -38,12 +39,14 @@ def test_trees_follow_counts_best_first():
     p = SuffixProposer(order=2, cache_tokens=100, budget=6, width=2, min_prob=0.1)
     own = ContextCounts(2)
     own.add([1, 2, 3, 1, 2, 4, 1, 2, 3, 5])
-    tree = p.draft([7, 1, 2], own, depth=3, max_nodes=6)
+    tree = p.draft([7, 1, 2], own, depth=3, max_nodes=6, store=SuffixStore(100, 2))
     # After [1, 2]: 3 twice, 4 once → 3 first (2/3), then its continuations, then 4 (1/3) ...
     assert tree.tokens[0] == 3 and tree.parents[0] == -1
     assert 4 in [t for t, par in zip(tree.tokens, tree.parents) if par == -1]
     assert len(tree) <= 6
-    assert p.draft([9, 9, 9], own, depth=3, max_nodes=6).tokens == []  # nothing matches: no draft
+    assert (
+        p.draft([9, 9, 9], own, depth=3, max_nodes=6, store=SuffixStore(100, 2)).tokens == []
+    )  # nothing matches: no draft
 
 
 def test_greedy_output_is_the_plain_decoders_and_the_store_fills(target):  # noqa: F811
@@ -57,7 +60,7 @@ def test_greedy_output_is_the_plain_decoders_and_the_store_fills(target):  # noq
     assert st.num_drafts > 0 and st.num_accepted_tokens > 0
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
     assert not eng.proposer._requests
-    assert len(eng.proposer.store.outputs) == len({tuple(o) for o in plain})
+    assert len(eng.proposer.stores[(None, None)].outputs) == len({tuple(o) for o in plain})
     # A second pass drafts from the store too: same output, more accepted per draft.
     again = [o.outputs[0].delta_token_ids for o in eng.generate(prompts, pinned)]
     assert again == plain
@@ -73,7 +76,7 @@ def test_aborted_requests_are_not_stored(target):  # noqa: F811
     assert eng.abort("dropped")
     while eng.has_unfinished_requests():
         eng.step()
-    assert len(eng.proposer.store.outputs) == 1
+    assert len(eng.proposer.stores[(None, None)].outputs) == 1
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 
@@ -94,3 +97,18 @@ def test_sampled_trees_keep_the_targets_distribution_and_a_wrong_rule_fails(smal
     monkeypatch.setattr(verify_mod, "drop_token", lambda P_, x_: P_)
     stat, dof = g_statistic(samples(target_dir, params, prompt, n, "suffix"), expected, n)
     assert stat > g_test_threshold(dof), f"the wrong rule went unnoticed: G={stat:.1f} dof={dof}"
+
+
+def test_the_store_never_drafts_one_tenants_or_adapters_text_into_anothers():
+    """A finished output is drafted from for later requests of its own adapter and API key only: the
+    same context under another key, or another adapter, finds nothing to draft."""
+    p = SuffixProposer(order=3, cache_tokens=100, budget=6, width=2)
+
+    def seq(lora: str | None, tenant: str | None):
+        return SequenceGroup("r", [40, 41, 7, 8], SamplingParams(lora=lora, tenant=tenant), 0.0).seqs[0]
+
+    p.store(seq(None, "key-a")).add([7, 8, 9, 10, 11])  # a finished output of key a on the base model
+    assert p.propose([seq(None, "key-a")], [3], None)[0].tokens[:3] == [9, 10, 11]
+    for other in (seq(None, "key-b"), seq("sql", "key-a"), seq(None, None)):
+        assert p.propose([other], [3], None)[0].tokens == [], other.draft_namespace
+    assert set(p.stores) == {(None, "key-a"), (None, "key-b"), ("sql", "key-a"), (None, None)}

@@ -41,6 +41,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # logprobs (with top alternatives) of the prompt's own tokens
     skip_special_tokens: bool = True
     lora: str | None = None  # the LoRA adapter it runs under, by name (EngineConfig.lora_modules); None: the base model
+    # Whose requests may lend it drafting data (the server sets its API key's digest): proposers that
+    # learn from other requests' text (suffix decoding's store, lookahead's shared pools) keep one
+    # store per (lora, tenant), so no adapter's or key's text is ever drafted into another's requests.
+    tenant: str | None = None
     speculative: bool | None = None  # False: never draft for this request; None: the engine decides
     num_draft_tokens: int | None = None  # fixed draft depth for this request (None: tuned per step)
     # The proposer that drafts for this request, one the engine holds (None: the controller chooses

@@ -111,6 +111,12 @@ class Sequence:
         return self.group.kv_root
 
     @property
+    def draft_namespace(self) -> tuple[str | None, str | None]:
+        """Which requests' text a proposer may draft into this one from: those of the same LoRA adapter
+        and tenant (the API key), and no others."""
+        return self.group.params.lora, self.group.params.tenant
+
+    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 

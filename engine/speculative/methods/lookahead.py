@@ -98,7 +98,7 @@ class LookaheadProposer(Proposer):
         self.shared = shared
         self._windows: dict[int, _Window] = {}
         self._pools: dict[int, NgramPool] = {}  # seq_id → its pool (shared: the family's pool object)
-        self._families: OrderedDict[tuple[int, ...], NgramPool] = OrderedDict()  # shared pools, LRU
+        self._families: OrderedDict[tuple, NgramPool] = OrderedDict()  # shared pools by namespace and family, LRU
         self._layouts: dict[int, tuple[list[tuple[int, int]], list[int], torch.Tensor]] = {}
         self._rng = random.Random(0)
         self.num_window_grams = 0  # n-grams the window's trajectories gave the pools
@@ -142,7 +142,8 @@ class LookaheadProposer(Proposer):
         pool = self._pools.get(seq.seq_id)
         if pool is None:
             if self.shared:
-                family = tuple(seq.token_ids[: min(self.family_tokens, seq.num_prompt_tokens)])
+                # (one adapter's or API key's text never reaches another's requests)
+                family = (seq.draft_namespace, tuple(seq.token_ids[: min(self.family_tokens, seq.num_prompt_tokens)]))
                 pool = self._families.get(family)
                 if pool is None:
                     if len(self._families) >= 64:

@@ -12,7 +12,10 @@ context moving along the path), under the step's node budget, no deeper than twi
 
 The store (:class:`SuffixStore`) holds at most ``--suffix-cache-tokens`` tokens of finished outputs;
 it forgets whole outputs, least recently produced first (an output produced again is refreshed, not
-stored twice). Aborted and failed requests are not stored.
+stored twice). Aborted and failed requests are not stored. There is one store per draft namespace
+(:attr:`Sequence.draft_namespace`: a LoRA adapter and an API key): a request drafts only from the
+outputs of requests of its own adapter and key, never another tenant's text or another adapter's
+style. At most ``MAX_STORES`` namespaces keep a store, the least recently used one forgotten first.
 """
 
 from __future__ import annotations
@@ -88,14 +91,29 @@ class _Request:
         self.seen = len(tokens)
 
 
+MAX_STORES = 64  # draft namespaces (adapter, API key) with a store of their own, least recently used out
+
+
 class SuffixProposer(Proposer):
     method = "suffix"
     cost = CostShape(kind=None)
 
     def __init__(self, order: int, cache_tokens: int, budget: int, width: int, min_prob: float = 0.1) -> None:
         self.order, self.budget, self.width, self.min_prob = order, budget, width, min_prob
-        self.store = SuffixStore(cache_tokens, order)
+        self.cache_tokens = cache_tokens
+        self.stores: OrderedDict[tuple, SuffixStore] = OrderedDict()  # by draft namespace
         self._requests: dict[int, _Request] = {}
+
+    def store(self, seq: Sequence) -> SuffixStore:
+        """The store of ``seq``'s draft namespace (made empty on first use)."""
+        key = seq.draft_namespace
+        store = self.stores.get(key)
+        if store is None:
+            if len(self.stores) >= MAX_STORES:
+                self.stores.popitem(last=False)
+            store = self.stores[key] = SuffixStore(self.cache_tokens, self.order)
+        self.stores.move_to_end(key)
+        return store
 
     @classmethod
     def build(cls, config, target, *, tokenizer, eos_token_ids) -> SuffixProposer:
@@ -110,15 +128,17 @@ class SuffixProposer(Proposer):
         for seq, depth in zip(seqs, depths):
             req = self._requests.setdefault(seq.seq_id, _Request(self.order))
             req.sync(seq.token_ids)
-            trees.append(self.draft(seq.token_ids, req.counts, depth, self.slots_needed(depth)))
+            trees.append(self.draft(seq.token_ids, req.counts, depth, self.slots_needed(depth), self.store(seq)))
         return trees
 
-    def _continuations(self, context: list[int], own: ContextCounts) -> tuple[dict[int, float], int]:
-        """The next-token distribution after the longest suffix of ``context`` seen anywhere, and
-        that suffix's length (0: none seen)."""
+    def _continuations(
+        self, context: list[int], own: ContextCounts, store: SuffixStore
+    ) -> tuple[dict[int, float], int]:
+        """The next-token distribution after the longest suffix of ``context`` seen anywhere (the
+        sequence itself, its namespace's ``store``), and that suffix's length (0: none seen)."""
         for n in range(min(self.order, len(context)), 0, -1):
             key = tuple(context[-n:])
-            a, b = own.get(key), self.store.counts.get(key)
+            a, b = own.get(key), store.counts.get(key)
             if a or b:
                 merged = dict(a or {})
                 for t, c in (b or {}).items():
@@ -127,10 +147,10 @@ class SuffixProposer(Proposer):
                 return {t: c / total for t, c in merged.items()}, n
         return {}, 0
 
-    def draft(self, tokens: list[int], own: ContextCounts, depth: int, max_nodes: int) -> DraftTree:
+    def draft(self, tokens: list[int], own: ContextCounts, depth: int, max_nodes: int, store: SuffixStore) -> DraftTree:
         """Best-first tree over the empirical continuation probabilities (see the module doc)."""
         tail = tokens[-self.order :]  # all a lookup ever reads
-        dist, match = self._continuations(tail, own)
+        dist, match = self._continuations(tail, own, store)
         depth = min(depth, 2 * match)
         out_tokens: list[int] = []
         parents: list[int] = []
@@ -152,7 +172,7 @@ class SuffixProposer(Proposer):
             out_tokens.append(tok)
             parents.append(parent)
             if level < depth:
-                nxt, _ = self._continuations(tail + path + [tok], own)
+                nxt, _ = self._continuations(tail + path + [tok], own, store)
                 push(nxt, -neg, node, level + 1, path + [tok])
         return DraftTree(out_tokens, parents)
 
@@ -160,4 +180,4 @@ class SuffixProposer(Proposer):
         self._requests.pop(seq.seq_id, None)
         # A finished output has its reason set by now; an aborted or failed one has none yet (or ERROR).
         if seq.finish_reason not in (FinishReason.ABORT, FinishReason.ERROR, None):
-            self.store.add(seq.output_ids)
+            self.store(seq).add(seq.output_ids)
