@@ -160,6 +160,13 @@ class Metrics:
             "augur_lora_requests", "Generation requests admitted under each LoRA adapter", ["model_name", "lora_name"],
             registry=r,
         )  # fmt: skip
+        self.lora_spec_tokens = Counter(
+            "augur_lora_spec_decode_tokens",
+            "Draft tokens verified for the requests of each LoRA adapter, and of those accepted (what: drafted, "
+            "accepted)",
+            ["model_name", "lora_name", "what"],
+            registry=r,
+        )
         self.responses_stored = Gauge(
             "augur_responses_stored", "Responses kept for previous_response_id (what: count, bytes)",
             ["model_name", "what"], registry=r,
@@ -225,6 +232,11 @@ class Metrics:
             self.tpot.labels(**labels).observe(tpot)
         if self.vllm is not None:
             self.vllm.request_finished(reason, e2e, tpot, prompt_tokens, generation_tokens)
+
+    def lora_speculation(self, lora: str, drafted: int, accepted: int) -> None:
+        """A finished request of adapter ``lora``: its draft tokens and those its adapted target kept."""
+        self.lora_spec_tokens.labels(**self.labels, lora_name=lora, what="drafted").inc(drafted)
+        self.lora_spec_tokens.labels(**self.labels, lora_name=lora, what="accepted").inc(accepted)
 
     def grammar_request(self, kind: str, seconds: float) -> None:
         self.grammar_requests.labels(**self.labels, kind=kind).inc()

@@ -148,6 +148,7 @@ class Job:
                 # Typical acceptance trades exactness for acceptance: said wherever it was used.
                 "acceptance": "typical (lossy)" if lossy else "exact",
                 "lossy": lossy,
+                "lora_adapter": self.params.lora,  # the adapted target that verified (None: the base model)
             },
         }
 
@@ -337,6 +338,8 @@ async def _run(job: Job, request_id: str, prompt_ids: list[int]) -> AsyncIterato
                     tpot = (now - first) / (tokens - 1) if first is not None and tokens > 1 else None
                     lossy = job.params.typical_acceptance is not None
                     m.request_finished(reason or "stop", now - start, tpot, len(prompt_ids), tokens, lossy)
+                    if job.params.lora is not None:
+                        m.lora_speculation(job.params.lora, out.stats.num_draft_tokens, out.stats.num_accepted_tokens)
                     if job.params.structured is not None:
                         m.grammar_request(job.params.structured.kind, out.stats.grammar_seconds)
             yield out

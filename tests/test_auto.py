@@ -98,7 +98,7 @@ def test_a_new_request_starts_from_how_often_its_route_had_a_draft(pair):
     seq = _decoding(eng, [5, 6, 7, 8])
     for _ in range(60):
         ctl.asked(seq, "suffix", False)
-    assert ctl.population[("suffix", True)].found < 0.1
+    assert ctl.population[("suffix", True, None)].found < 0.1
     eng.add_request("y", [9, 10, 11, 12], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     eng.step()
     fresh = eng.groups["y"].seqs[0]

@@ -200,6 +200,9 @@ def test_every_proposer_is_greedy_exact_on_an_adapted_target(llama_dir, tokenize
         pinned = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, num_draft_tokens=3, lora=name)
         assert [o.outputs[0].delta_token_ids for o in eng.generate(ps, pinned)] == want[name], name
     assert eng.spec_stats.num_drafts > 0
+    # the controller learns what each adapter's requests accept apart (a new request starts from its own)
+    routes = {key[0] for key in eng.controller.population}
+    assert {(r, True, n) for r in routes for n in ("all", "mlp")} <= set(eng.controller.population)
 
 
 def _edited(src: Path, dst: Path, config: dict | None = None, tensors=None) -> Path:
@@ -280,6 +283,7 @@ def test_served_by_model_name_through_the_sdk(llama_dir, adapters):
             lora = None if name == "base" else name
             want = engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=8, lora=lora))[0].outputs[0].text
             assert out.choices[0].text == want and out.model == name, name
+            assert out.usage.model_extra["speculative"]["lora_adapter"] == lora
         chat = client.chat.completions.create(
             model="qv", messages=[{"role": "user", "content": "a b c"}], max_tokens=4, temperature=0
         )
@@ -294,6 +298,8 @@ def test_served_by_model_name_through_the_sdk(llama_dir, adapters):
         samples = parse_metrics(httpx.get(srv.base + "/metrics").text)
         assert list(stream)[-1].choices[0].finish_reason == "length"
         assert metric(samples, "augur_lora_requests_total", lora_name="mlp") == 2
+        drafted = metric(samples, "augur_lora_spec_decode_tokens_total", lora_name="all", what="drafted")
+        assert drafted >= metric(samples, "augur_lora_spec_decode_tokens_total", lora_name="all", what="accepted") >= 0
         assert metric(samples, "augur_lora_requests_total", lora_name="qv") == 1
         [(labels, stamp)] = [(lab, v) for n, lab, v in samples if n == "vllm:lora_requests_info"]
         assert labels == {"max_lora": "4", "waiting_lora_adapters": "", "running_lora_adapters": "mlp"}

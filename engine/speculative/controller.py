@@ -358,7 +358,7 @@ class SpecController:
         # Population estimates (greedy / sampled requests accept very differently): a new request
         # starts from what requests like it have been accepting, not from a fixed guess.
         # Kept per route too: what requests accept by each proposer.
-        self.population: dict[tuple[str, bool], AcceptanceEstimate] = {}
+        self.population: dict[tuple[str, bool, str | None], AcceptanceEstimate] = {}
         self.routes = self.proposer.routes()  # the proposers a request may pin
         self.choices = self.proposer.choices()  # those the controller chooses among
         self.guard = Guard(self.max_depth)
@@ -388,8 +388,11 @@ class SpecController:
         self._challenger, self._streak = {True: None, False: None}, {True: 0, False: 0}
         self._memo, self._last_key, self._last_plan, self._reused = {}, None, (), 0
 
-    def _population(self, route: str, greedy: bool) -> AcceptanceEstimate:
-        key = (route, greedy)
+    def _population(self, route: str, seq: Sequence) -> AcceptanceEstimate:
+        """What requests like ``seq`` accept by ``route``: greedy or sampled, under its LoRA adapter (an
+        adapter far from the base model accepts a base-model draft less: its requests start from its
+        own evidence, not the base model's)."""
+        key = (route, seq.params.greedy, seq.params.lora)
         if key not in self.population:
             self.population[key] = AcceptanceEstimate([self.prior] * self.max_depth, ema=0.05)
         return self.population[key]
@@ -399,7 +402,7 @@ class SpecController:
         route = route or seq.spec_route or self.routes[0]
         est = seq.spec_estimates.get(route)
         if est is None:  # what requests like it have been accepting, and how often the route had a draft
-            pop = self._population(route, seq.params.greedy)
+            pop = self._population(route, seq)
             est = seq.spec_estimates[route] = AcceptanceEstimate(list(pop.alpha), found=pop.found)
         return est
 
@@ -490,7 +493,7 @@ class SpecController:
         route = route or seq.spec_route or self.routes[0]
         seq.spec_route_age = 0  # its estimates move: its route is chosen anew next plan
         self.estimate(seq, route).asked(drafted)
-        self._population(route, seq.params.greedy).asked(drafted)
+        self._population(route, seq).asked(drafted)
 
     def _plan(self, seqs: list[Sequence], other_tokens: int, room: list[int]) -> list[int]:
         greedy = [s.params.greedy for s in seqs]
@@ -673,7 +676,7 @@ class SpecController:
         that missed: what a route is expected to return counts the steps it has nothing."""
         route = route or seq.spec_route or self.routes[0]
         self.estimate(seq, route).update(drafted, accepted)
-        self._population(route, seq.params.greedy).update(drafted, accepted)
+        self._population(route, seq).update(drafted, accepted)
 
     def observe_step(
         self, num_seqs: int, tokens: int, seconds: float, forward_seconds: float, num_drafting: int, batch
