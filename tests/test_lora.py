@@ -420,3 +420,47 @@ def test_drafting_data_stays_within_an_api_key_and_an_adapter(llama_dir, adapter
         stores = srv.engine.proposer.stores
         assert set(stores) == {(None, digest["ka"]), (None, digest["kb"]), ("all", digest["kb"])}
         assert all(len(store.outputs) == 1 for store in stores.values())
+
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+FAMILY_TARGETS = {
+    "gemma2": TARGETS, "gemma3": TARGETS, "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+    "smollm3": TARGETS, "olmo2": TARGETS,
+    # a mixture's experts are not adaptable: its attention (and the dense layers' none here)
+    "qwen3-moe": ATTENTION, "mixtral": ATTENTION, "gpt-oss": ATTENTION,
+}  # fmt: skip
+
+
+def family_dir(family: str, path: Path, tokenizer_dir: Path) -> Path:
+    from test_dense_families import build_dir
+    from test_gemma2 import build_gemma2_dir
+    from test_gemma3 import build_gemma3_dir
+    from test_gpt_oss import build_dir as build_gpt_oss_dir
+    from test_moe import build_moe_dir
+
+    if family == "gemma2":
+        return build_gemma2_dir(path, tokenizer_dir, std=0.2)
+    if family == "gemma3":
+        return build_gemma3_dir(path, tokenizer_dir, "text")
+    if family == "gpt-oss":
+        return build_gpt_oss_dir(path, tokenizer_dir)
+    if family in ("qwen3-moe", "mixtral"):
+        arch = {"qwen3-moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}[family]
+        return build_moe_dir(path, tokenizer_dir, arch)
+    return build_dir(path, tokenizer_dir, family)
+
+
+@pytest.mark.parametrize("family", list(FAMILY_TARGETS))
+def test_every_family_matches_peft(tmp_path, tokenizer_dir, family):
+    """Each family's adaptable layers (its fused or unfused projections; a mixture's attention) take
+    PEFT's adapter: logits within float32 tolerance of PEFT's PeftModel on the same checkpoint."""
+    base = family_dir(family, tmp_path / "base", tokenizer_dir)
+    adapter = make_adapter(base, tmp_path / "a", 3, r=4, lora_alpha=8, target_modules=FAMILY_TARGETS[family])
+    engine = make(base, {"a": adapter})
+    ids = list(range(5, 33))
+    with torch.no_grad():
+        kw = dict(dtype=torch.float32, attn_implementation="eager")
+        plain = transformers.AutoModelForCausalLM.from_pretrained(base, **kw).eval()
+        want = peft_model(base, adapter)(torch.tensor([ids])).logits[0]
+        assert (want - plain(torch.tensor([ids])).logits[0]).abs().max() > 0.05  # the adapter matters
+    torch.testing.assert_close(lora_logits(engine, ids, "a"), want, atol=5e-4, rtol=1e-4)
