@@ -174,7 +174,6 @@ class EngineConfig:
         check(self.max_loras >= 1 and self.max_lora_rank >= 1, "--max-loras and --max-lora-rank must be positive")
         if self.lora_enabled:
             check(self.compile != "on", "LoRA adapters are served by the eager forward: --compile on cannot be used")
-            check(self.tensor_parallel_size == 1, "LoRA adapters under --tensor-parallel-size > 1 are not built yet")
         check(self.block_size >= 1, f"block_size must be positive, got {self.block_size}")
         check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be positive")
         check(0.0 < self.kv_cache_memory_fraction <= 1.0, "kv_cache_memory_fraction must be in (0, 1]")

@@ -464,3 +464,20 @@ def test_every_family_matches_peft(tmp_path, tokenizer_dir, family):
         want = peft_model(base, adapter)(torch.tensor([ids])).logits[0]
         assert (want - plain(torch.tensor([ids])).logits[0]).abs().max() > 0.05  # the adapter matters
     torch.testing.assert_close(lora_logits(engine, ids, "a"), want, atol=5e-4, rtol=1e-4)
+
+
+def test_two_ranks_serve_the_adapters_as_one_rank_does(llama_dir, adapters):
+    """-tp 2: each rank holds its share of every adapter (B's rows of q/k/v and gate/up, A's inputs of o
+    and down), written through the runner to every rank (a slot changed mid-run by a load: one slot,
+    three adapters taking turns): each request's greedy tokens are one rank's."""
+    ps = prompts(4, seed=8, lo=8, hi=20)
+    names = ["all", "qv", None, "mlp"]
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, lora=n) for n in names]
+    one = make(llama_dir, adapters)
+    want = [one.generate([p], q)[0].outputs[0].delta_token_ids for p, q in zip(ps, params, strict=True)]
+    eng = make(llama_dir, adapters, tensor_parallel_size=2, max_loras=1)
+    try:
+        assert eng.runner.model.tp.size == 2
+        assert list(staggered(eng, ps, params).values()) == want
+    finally:
+        eng.close()

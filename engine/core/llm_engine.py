@@ -202,8 +202,7 @@ class LLMEngine:
             self.workers.close()
 
     # -- compiled forwards -------------------------------------------------------------------------
-    @staticmethod
-    def _attach_adapters(model: torch.nn.Module, config: EngineConfig, invariant: bool) -> AdapterRegistry | None:
+    def _attach_adapters(self, model: torch.nn.Module, config: EngineConfig, invariant: bool) -> AdapterRegistry | None:
         """Read every ``--lora-modules`` adapter (a bad one stops the start, saying why), then give the
         model its LoRA slots and know each adapter (engine/lora); None where adapters are not served."""
         if not config.lora_enabled:
@@ -212,7 +211,10 @@ class LLMEngine:
         slots = LoraSlots.attach(
             model, config.max_loras, config.max_lora_rank, config.max_num_batched_tokens, invariant
         )
-        registry = AdapterRegistry(slots)
+        # slots are written through the runner: under tensor parallelism every rank writes its share
+        registry = AdapterRegistry(
+            slots, lambda s, a: self.runner.write_lora(s, a), lambda s: self.runner.clear_lora(s)
+        )
         for adapter in adapters:
             registry.add(adapter)
             logger.info("LoRA adapter %s (rank %d, %d modules) from %s", adapter.name, adapter.rank,

@@ -7,6 +7,10 @@ columns, and a part's ``b`` fills only its own rows of the layer's output, so on
 serves the whole fused layer. An adapter of a smaller rank, or one that leaves a module alone, leaves
 zeros; the LoRA scale is folded into ``b`` (engine/lora/adapters.py).
 
+*Tensor parallelism.* Each rank holds its layers' share: ``B``'s rows of a column-parallel layer
+(q/k/v, gate/up), ``A``'s input columns of a row-parallel one (o, down), whose ranks each add
+``B (A_r x_r)`` before the layer's all-reduce sums them to ``B A x``.
+
 *The product* (segment-free, two matrix multiplies a layer): ``h = x a^T`` gives every row its
 products with every slot's ``A``; a per-row mask keeps the columns of the row's own slot (a base-model
 row keeps none), and ``delta = h b^T`` adds that slot's ``B``. The mask multiplies by exactly 0 or 1,
@@ -63,6 +67,22 @@ class LoraLinear(nn.Module):
         return f"parts={self.parts}, slots={self.slots.max_loras}, max_rank={self.slots.max_rank}"
 
 
+def _rank_pair(name: str, module: str, pair, cut):
+    """A rank's share of ``pair`` for the rank's ``cut`` of the module's weight (``checkpoint_slice``).
+    A row-parallel layer's ranks each add ``B (A_r x_r)`` before the layer's all-reduce, which sums
+    them to ``B A x``."""
+    from engine.lora.adapters import LoraPair
+
+    if cut is None:
+        return pair
+    if isinstance(cut, str):
+        raise AdapterError(f"adapter {name!r}: {module} cannot be sharded over tensor-parallel ranks here")
+    dim, start, length = cut
+    if dim == 0:
+        return LoraPair(pair.a, pair.b.narrow(0, start, length))
+    return LoraPair(pair.a.narrow(1, start, length), pair.b)
+
+
 class LoraSlots:
     """The adapters' weights over every adaptable layer of one model, in ``max_loras`` slots, and which
     slot each row of the current forward uses. Built by :meth:`attach` on a loaded model."""
@@ -108,7 +128,10 @@ class LoraSlots:
             raise AdapterError(
                 f"adapter {adapter.name!r} has rank {adapter.rank}, over --max-lora-rank {self.max_rank}"
             )
+        sharded = getattr(getattr(model, "tp", None), "size", 1) > 1
         for module, pair in adapter.pairs.items():
+            if sharded:  # this rank's part: B's rows of a column-parallel layer, A's inputs of a row-parallel one
+                pair = _rank_pair(adapter.name, module, pair, model.checkpoint_slice(f"{module}.weight"))
             target, shard = model.weight_target(model.checkpoint_name(f"{module}.weight"))
             path = target.removesuffix(".weight")
             layer = self.layers.get(path)

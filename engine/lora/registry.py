@@ -17,8 +17,13 @@ from engine.lora.layers import LoraSlots
 
 
 class AdapterRegistry:
-    def __init__(self, slots: LoraSlots) -> None:
+    """``write(slot, adapter)`` and ``clear(slot)`` change a slot (default: ``slots``' own methods; a
+    tensor-parallel engine sends them to every rank through its runner)."""
+
+    def __init__(self, slots: LoraSlots, write=None, clear=None) -> None:
         self.slots = slots
+        self.write = write or slots.load
+        self.clear = clear or slots.clear
         self.known: dict[str, Adapter] = {}
         self.slot_of: dict[str, int] = {}  # adapters in a slot
         self.holders: dict[str, int] = {}  # requests holding each adapter's slot
@@ -61,7 +66,7 @@ class AdapterRegistry:
                     return None
                 slot = self.slot_of.pop(idle)
                 del self.recent[idle]
-            self.slots.load(slot, self.known[name])
+            self.write(slot, self.known[name])
             self.slot_of[name] = slot
         self.recent[name] = None
         self.recent.move_to_end(name)
@@ -81,7 +86,7 @@ class AdapterRegistry:
         self.recent.pop(name, None)
         slot = self.slot_of.pop(name, None)
         if slot is not None:
-            self.slots.clear(slot)
+            self.clear(slot)
 
     def is_known(self, name: str) -> bool:
         return name in self.known and name not in self.leaving

@@ -306,6 +306,14 @@ class ModelRunner:
             )
         self._run, self._chain = self._compiled
 
+    # -- LoRA slots (engine/lora) -------------------------------------------------------------------
+    def write_lora(self, slot: int, adapter) -> None:
+        """Write ``adapter`` (:class:`engine.lora.Adapter`) into LoRA ``slot`` (between two forwards)."""
+        self.lora.load(slot, adapter)
+
+    def clear_lora(self, slot: int) -> None:
+        self.lora.clear(slot)
+
     # -- compiled or eager ------------------------------------------------------------------------
     def serve_eager(self) -> None:
         """Run the eager forwards until :meth:`use_compiled`: a server answers at once while its

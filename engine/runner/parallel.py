@@ -291,6 +291,12 @@ class ShardedRunner(ModelRunner):
     def chain(self, batches, input_ids, temperature=None, noise=None, skip=None):
         return self._mirrored("chain", batches, input_ids, temperature, noise, skip)
 
+    def write_lora(self, slot: int, adapter) -> None:  # (every rank cuts its share: LoraSlots.place)
+        self._mirrored("write_lora", slot, adapter)
+
+    def clear_lora(self, slot: int) -> None:
+        self._mirrored("clear_lora", slot)
+
     def embed(self, input_ids):
         return self._mirrored("embed", input_ids)
 
@@ -367,9 +373,14 @@ def run_worker(config, rank: int, init_method: str, log_level: int) -> None:
         path, hf_config, config.torch_dtype, device, max_len, pack=not compiled, quantization=config.quantization,
         tp=tp, batch_invariant=invariant,
     )  # fmt: skip
+    if config.lora_enabled:  # slots of its shapes; rank 0 sends what goes in them (ShardedRunner.write_lora)
+        from engine.lora import LoraSlots
+
+        LoraSlots.attach(model, config.max_loras, config.max_lora_rank, config.max_num_batched_tokens, invariant)
     runner = ModelRunner(
         model, hf_config, device, config.torch_dtype, config.block_size, compile=compiled,
-        attention_backend=config.attention_backend, cuda_graph_max_seqs=config.cuda_graph_max_seqs,
+        attention_backend=config.attention_backend,
+        cuda_graph_max_seqs=0 if config.lora_enabled else config.cuda_graph_max_seqs,
         batch_invariant=model.batch_invariant, kv_cache_dtype=config.kv_cache_dtype,
     )  # fmt: skip
     logger.info("rank %d of %d: shard loaded on %s", rank, tp.size, device)
