@@ -12,6 +12,7 @@ PACKAGES=(
     fastapi starlette opentelemetry-api sse-starlette uvicorn h11 anyio idna  # the server
     pydantic pydantic_core annotated-types typing-inspection typing_extensions
     pyzmq msgspec llguidance  # the engine process's sockets and messages; structured outputs
+    peft accelerate psutil  # PEFT's adapters, which the LoRA tests build and compare against
 )
 mkdir -p .whl
 platforms=()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -73,9 +74,10 @@ def make(model_dir: Path, lora: dict[str, Path] | None = None, method: str | Non
     kw.setdefault("num_kv_blocks", 128)
     kw.setdefault("block_size", 4)
     kw.setdefault("dtype", "float32")
+    kw.setdefault("device", "cpu")
     return LLMEngine(
         EngineConfig(
-            model=str(model_dir), device="cpu", speculative_method=method,
+            model=str(model_dir), speculative_method=method,
             lora_modules={k: str(v) for k, v in (lora or {}).items()}, **kw,
         )
     )  # fmt: skip
@@ -481,3 +483,57 @@ def test_two_ranks_serve_the_adapters_as_one_rank_does(llama_dir, adapters):
         assert list(staggered(eng, ps, params).values()) == want
     finally:
         eng.close()
+
+
+def _kernel_device() -> torch.device:
+    """Where the Triton kernels run: CUDA, else CPU tensors in Triton's interpreter."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs CUDA or Triton's interpreter")
+    return torch.device("cpu")
+
+
+def test_the_gpu_kernels_gather_each_rows_own_adapter_and_rows_stay_independent():
+    """engine/lora/triton_lora.py (in Triton's interpreter here; compiled on CUDA): each row's delta is
+    its own slot's B A x (a base row's exact zeros), and a row computed alone is the same bits."""
+    device = _kernel_device()
+    from engine.lora.triton_lora import lora_delta
+
+    g = torch.Generator().manual_seed(0)
+    slots_n, width, K, N = 3, 24, 96, 200
+    a, b = torch.randn(slots_n * width, K, generator=g), torch.randn(N, slots_n * width, generator=g)
+    x = torch.randn(7, K, generator=g)
+    slots = torch.tensor([2, -1, 0, 1, 2, -1, 0])
+    a, b, x, slots = (t.to(device) for t in (a, b, x, slots))
+    got = lora_delta(x, a, b, slots, width)
+    assert got.device == device
+    got, a, b, x = got.cpu(), a.cpu(), b.cpu(), x.cpu()
+    for t, s in enumerate(slots.tolist()):
+        want = torch.zeros(N) if s < 0 else b[:, s * width : (s + 1) * width] @ (a[s * width : (s + 1) * width] @ x[t])
+        torch.testing.assert_close(got[t], want, atol=1e-4, rtol=1e-4)
+        alone = lora_delta(*(v.to(device) for v in (x[t : t + 1], a, b, slots[t : t + 1])), width)
+        assert torch.equal(alone[0].cpu(), got[t])
+    assert torch.equal(got[1], torch.zeros(N))
+
+
+def test_the_engine_on_the_gpu_kernels_matches_peft_and_a_mixed_batch(llama_dir, adapters):
+    """The served path on the kernels (CUDA's default; forced on CPU tensors under the interpreter):
+    PEFT's logits, and a mixed batch gives each request its tokens alone."""
+    device = _kernel_device()
+    # (on CUDA the base layers are batch-invariant only in that mode: what a row gets alone is asked of it)
+    invariant = "on" if device.type == "cuda" else "auto"
+    engine = make(llama_dir, adapters, device=str(device), batch_invariant=invariant)
+    assert engine.adapters.slots.kernel == (device.type == "cuda")
+    engine.adapters.slots.kernel = True
+    ids = list(range(5, 25))
+    with torch.no_grad():
+        want = peft_model(llama_dir, adapters["qv"])(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(lora_logits(engine, ids, "qv").cpu(), want, atol=2e-4, rtol=1e-4)
+    ps = prompts(4, seed=2, lo=6, hi=12)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, lora=n) for n in ("all", None, "mlp", "qv")
+    ]
+    together = list(staggered(engine, ps, params).values())
+    assert together == [engine.generate([p], q)[0].outputs[0].delta_token_ids for p, q in zip(ps, params, strict=True)]

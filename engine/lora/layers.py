@@ -22,11 +22,17 @@ cost is ``2 * slots * P * (in + out)`` multiply-adds a row, next to the layer's 
 batch-invariant mode both products run on ``augur::invariant_linear``, whose order per output does
 not depend on the rows beside it.
 
+On CUDA, two Triton kernels do each row's own share instead (engine/lora/triton_lora.py): a row
+gathers its slot's ``A`` and ``B`` from a device tensor of the rows' slots, the others' columns
+untouched.
+
 The weights and the mask are plain tensors of :class:`LoraSlots`, not the model's parameters or
 buffers: a compiled CPU forward freezes those into its graph, and these change at run time.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +63,11 @@ class LoraLinear(nn.Module):
         if not used:
             return y
         flat = x.reshape(-1, self.in_features)
+        if slots.kernel:  # each row gathers its own slot (engine/lora/triton_lora.py)
+            from engine.lora.triton_lora import lora_delta
+
+            delta = lora_delta(flat, self.a, self.b, slots.rows[: flat.shape[0]], len(self.parts) * slots.max_rank)
+            return y + delta.to(y.dtype).view(y.shape)
         rows, cols = flat.shape[0], used * len(self.parts) * slots.max_rank
         linear = torch.ops.augur.invariant_linear if slots.invariant else F.linear
         h = linear(flat.to(self.a.dtype), self.a[:cols], None)
@@ -94,6 +105,9 @@ class LoraSlots:
         self.model: nn.Module | None = None
         self.mask = torch.zeros(0, max_loras, dtype=dtype, device=device)  # [rows, slots] 0/1
         self.used = 0  # slots 0 .. used - 1 are multiplied in the next forward: the highest a row uses, + 1
+        # On CUDA the rows gather their own slots on two Triton kernels, which read each row's slot here
+        self.kernel = device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        self.rows = torch.full((0,), -1, dtype=torch.int64, device=device)  # [rows] each row's slot
         self.loaded: list[str | None] = [None] * max_loras  # the adapter in each slot
 
     @classmethod
@@ -183,6 +197,11 @@ class LoraSlots:
         four. The columns left out hold exact zeros for every row, so a row's sums are the same."""
         self.used = 0 if slots is None else used
         if slots is None:
+            return
+        if self.kernel:
+            if rows > self.rows.shape[0]:
+                self.rows = torch.full((rows,), -1, dtype=torch.int64, device=self.device)
+            self.rows[:rows].copy_(slots[:rows])
             return
         if rows > self.mask.shape[0]:
             self.mask = torch.zeros(rows, self.max_loras, dtype=self.dtype, device=self.device)
