@@ -101,6 +101,8 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False  # vLLM's (guidellm sends it): usage so far on every chunk
     include_obfuscation: StrictBool = False  # OpenAI's padding against side channels: none is added here
+    # Augur's: each chunk's choice carries its tokens' provenance (docs/speculative.md, "Provenance")
+    include_speculation: StrictBool = False
 
 
 class JsonSchemaFormat(BaseModel):
@@ -368,6 +370,7 @@ class _Sampling(BaseModel):
             penalty_alpha=self.penalty_alpha,
             structured=self.structured(),
             close_at_max_tokens=self.close_at_max_tokens,
+            include_speculation=bool(self.stream_options and self.stream_options.include_speculation),
         )
         unsaid = self.speculative is None or self.speculative.typical_acceptance is None
         plain = not (params.use_beam_search or params.contrastive or params.contrastive_search)

@@ -201,6 +201,7 @@ async def _stream(job: Job, fmt: Format) -> AsyncIterator[str]:
     finals: dict[int, RequestOutput] = {}
     tokens = 0
     ended: set[int] = set()  # choices whose finish_reason was sent: nothing more for them
+    provenance: dict[int, list] = {}  # include_speculation: each choice's tokens not yet sent with a chunk
     try:
         async for i, out in outputs(job):
             if out.error:
@@ -214,7 +215,12 @@ async def _stream(job: Job, fmt: Format) -> AsyncIterator[str]:
                 if c.finished:
                     ended.add(idx)
                 tokens += len(c.delta_token_ids)
-                for choice in fmt.stream_choices(i, idx, out, c):
+                choices = fmt.stream_choices(i, idx, out, c)
+                if c.delta_provenance:
+                    provenance.setdefault(idx, []).extend(zip(c.delta_token_ids, c.delta_provenance, strict=True))
+                if choices and provenance.get(idx):  # (text held back: they ride with the choice's next chunk)
+                    choices[-1]["speculation"] = _speculation(provenance.pop(idx))
+                for choice in choices:
                     if job.continuous_usage:
                         yield _chunk(job, fmt, [choice], usage=job.running_usage(tokens))
                     else:
@@ -227,6 +233,13 @@ async def _stream(job: Job, fmt: Format) -> AsyncIterator[str]:
     except EngineDeadError as e:
         yield sse(error_body(str(e), "internal_error"))
     yield "data: [DONE]\n\n"
+
+
+def _speculation(tokens: list) -> list[dict]:
+    """``stream_options.include_speculation``: how each token of a chunk came."""
+    return [
+        {"token_id": t, "kind": kind, "proposer": proposer, "depth": depth} for t, (kind, proposer, depth) in tokens
+    ]
 
 
 async def _collect(job: Job, fmt: Format) -> dict:

@@ -470,7 +470,7 @@ class LLMEngine:
             touched[group.request_id] = group
 
     def _append(self, seq: Sequence, e: Emit) -> None:
-        self.outputs.append(seq, e.tokens, e.logprobs)
+        self.outputs.append(seq, e.tokens, e.logprobs, e.provenance)
         if not seq.is_finished:
             self.block_manager.commit(
                 seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed_tokens, seq.kv_root
@@ -664,20 +664,22 @@ class LLMEngine:
         for rid, prompt, p in zip(ids, prompts, plist):
             self.add_request(rid, prompt, p)
         final: dict[str, RequestOutput] = {}
-        acc: dict[tuple[str, int], tuple[list[int], list[TokenLogprob]]] = {}
+        acc: dict[tuple[str, int], tuple[list[int], list[TokenLogprob], list]] = {}
         while any(rid not in final for rid in ids):
             if not self.has_unfinished_requests():
                 raise RuntimeError("requests vanished without finishing")
             for o in self.step():
                 for c in o.outputs:
-                    toks, lps = acc.setdefault((o.request_id, c.index), ([], []))
+                    toks, lps, prov = acc.setdefault((o.request_id, c.index), ([], [], []))
                     toks.extend(c.delta_token_ids)
                     lps.extend(c.delta_logprobs or [])
+                    prov.extend(c.delta_provenance or [])
                 if o.finished:
                     final[o.request_id] = o
         for rid, o in final.items():
             for c in o.outputs:
-                c.delta_token_ids, lps = acc.get((rid, c.index), ([], []))
+                c.delta_token_ids, lps, prov = acc.get((rid, c.index), ([], [], []))
                 c.delta_logprobs = lps if c.delta_logprobs is not None else None
+                c.delta_provenance = prov if c.delta_provenance is not None else None
                 c.delta_text = c.text
         return [final[rid] for rid in ids]

@@ -40,7 +40,9 @@ class OutputProcessor:
             include_stop_str_in_output=p.include_stop_str_in_output,
         )
 
-    def append(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None) -> None:
+    def append(
+        self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None, provenance: list | None = None
+    ) -> None:
         """Append accepted tokens one by one, stopping at the first stop condition. A sequence whose
         grammar failed raises (the engine fails its request alone)."""
         if seq.grammar is not None and seq.grammar.error is not None:
@@ -50,6 +52,8 @@ class OutputProcessor:
             seq.token_ids.append(tok)
             if logprobs is not None:
                 seq.logprobs.append(logprobs[j])
+            if seq.params.include_speculation:
+                seq.provenance.append(provenance[j] if provenance is not None else ("plain", None, 0))
             reason: FinishReason | None = None
             if tok in self.eos and not p.ignore_eos:
                 reason = FinishReason.STOP
@@ -91,6 +95,9 @@ class OutputProcessor:
                     num_tokens=seq.num_output_tokens,
                     finish_reason=seq.finish_reason.value if seq.finish_reason else None,
                     stop_reason=seq.stop_reason,
+                    delta_provenance=seq.provenance[seq.num_emitted_tokens :]
+                    if seq.params.include_speculation
+                    else None,
                 )
             )
             seq.num_emitted_tokens = seq.num_output_tokens

@@ -297,6 +297,8 @@ class Step:
             nodes, final = results[id(s)]
             emits.append(Emit(s.seq, [s.tree.tokens[i] for i in nodes] + [final]))
             s.accepted = nodes
+            if s.seq.params.include_speculation:
+                emits[-1].provenance = self._provenance(s, nodes)
         asked = [(s, e) for s, e in zip(b.samples, emits[len(b.searches) :]) if s.seq.params.logprobs is not None]
         requests = [([s.row] + [s.row + 1 + i for i in s.accepted], e.tokens, s.seq.params.logprobs) for s, e in asked]
         rows = LogprobRows(logits, requests)
@@ -306,6 +308,16 @@ class Step:
             if e.seq.grammar is not None:
                 self.confine.run(e.seq.group, self.constraints.advance, e, self.max_model_len)
         return emits
+
+    def _provenance(self, s, nodes: list[int]) -> list[tuple[str, str | None, int]]:
+        """How each token of ``s``'s emit came (engine.sampling.batch.PROVENANCE): its accepted draft
+        tokens, then the target's own: a bonus after a path accepted to a leaf, else recovered."""
+        if not len(s.tree):
+            return [("plain", None, 0)]
+        source = s.drafted.source or self.proposer.method
+        last = nodes[-1] if nodes else -1
+        leaf = last not in s.tree.parents
+        return [("accepted", source, s.depth)] * len(nodes) + [("bonus" if leaf else "recovered", source, s.depth)]
 
     # 6. commit: accepted K/V into place, rejected slots released, everyone told what happened
     def commit(self, b: Batch, emits: list[Emit], hidden: dict[int, torch.Tensor]) -> None:

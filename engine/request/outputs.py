@@ -19,6 +19,9 @@ class CompletionOutput:
     num_tokens: int  # generated tokens so far
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # With SamplingParams.include_speculation: (kind, proposer, depth) of each delta token
+    # (engine.sampling.batch.PROVENANCE)
+    delta_provenance: list[tuple[str, str | None, int]] | None = None
 
     @property
     def finished(self) -> bool:

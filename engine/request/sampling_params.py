@@ -45,6 +45,9 @@ class SamplingParams:
     # learn from other requests' text (suffix decoding's store, lookahead's shared pools) keep one
     # store per (lora, tenant), so no adapter's or key's text is ever drafted into another's requests.
     tenant: str | None = None
+    # Each output token's provenance in CompletionOutput.delta_provenance (drafted and accepted, bonus,
+    # recovered, forced, plain; its proposer and the draft depth): the stream's include_speculation
+    include_speculation: bool = False
     speculative: bool | None = None  # False: never draft for this request; None: the engine decides
     num_draft_tokens: int | None = None  # fixed draft depth for this request (None: tuned per step)
     # The proposer that drafts for this request, one the engine holds (None: the controller chooses

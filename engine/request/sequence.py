@@ -66,6 +66,7 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.logprobs: list[TokenLogprob] = []
+        self.provenance: list[tuple[str, str | None, int]] = []  # per output token (params.include_speculation)
         self.seed: int | None = None  # this choice's seed (the request's + its index, in 64 bits), if seeded
         self.num_preemptions = 0
         # A beam whose logits row this step is taken, waiting for its group's other beams: nothing to

@@ -18,6 +18,15 @@ class Emit:
     seq: Sequence
     tokens: list[int]
     logprobs: list[TokenLogprob] | None = None
+    # How each token came (asked for by SamplingParams.include_speculation): (kind, proposer, depth), kind
+    # one of PROVENANCE; the proposer that drafted it and the depth it was granted (None, 0: no draft)
+    provenance: list[tuple[str, str | None, int]] | None = None
+
+
+# accepted: a drafted token the target kept; bonus: the target's own token after a draft accepted to a
+# leaf; recovered: the target's token where it rejected a draft; forced: the only token a grammar
+# allowed (no forward); plain: a step without a draft
+PROVENANCE = ("accepted", "bonus", "recovered", "forced", "plain")
 
 
 @dataclass

@@ -59,9 +59,13 @@ class Constraints:
             del e.tokens[kept:]
             if e.logprobs is not None:
                 del e.logprobs[kept:]
+            if e.provenance is not None:
+                del e.provenance[kept:]
         if self.jump_forward and e.seq.params.logprobs is None and e.logprobs is None:
             room = e.seq.tokens_left(max_model_len) - len(e.tokens)
             forced = grammar.forced(room)
             self.forced_tokens += len(forced)
             e.seq.group.num_forced_tokens += len(forced)
             e.tokens.extend(forced)
+            if e.provenance is not None:
+                e.provenance.extend([("forced", None, 0)] * len(forced))

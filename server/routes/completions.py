@@ -55,7 +55,8 @@ class CompletionFormat:
         # choice ends as OpenAI ends it, at the length limit.
         reason = "length" if c.finished else None
         return dataclasses.replace(
-            c, text="", delta_text="", delta_token_ids=[], delta_logprobs=[], num_tokens=0, finish_reason=reason,
+            c, text="", delta_text="", delta_token_ids=[], delta_logprobs=[], delta_provenance=None, num_tokens=0,
+            finish_reason=reason,
             stop_reason=None,
         )  # fmt: skip
 
