@@ -537,3 +537,64 @@ def test_the_engine_on_the_gpu_kernels_matches_peft_and_a_mixed_batch(llama_dir,
     ]
     together = list(staggered(engine, ps, params).values())
     assert together == [engine.generate([p], q)[0].outputs[0].delta_token_ids for p, q in zip(ps, params, strict=True)]
+
+
+def test_unloading_an_adapter_its_queued_requests_wait_for_keeps_it_for_them(llama_dir, adapters):
+    """One slot held by a running request of one adapter; a request of another waits for it; that other
+    adapter is unloaded meanwhile: the waiting request still runs under it (and gets its tokens), new
+    ones are refused, and it is forgotten once the request ends; the engine serves on."""
+    ps = prompts(2, seed=13, lo=6, hi=12)
+    roomy = make(llama_dir, adapters)
+    want = {n: greedy(roomy, ps[:1], n, 8)[0] for n in ("all", "qv")}
+    engine = make(llama_dir, adapters, max_loras=1, enable_runtime_lora=True)
+    base = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    engine.add_request("all", ps[0], dataclasses.replace(base, lora="all"))
+    engine.add_request("qv", ps[0], dataclasses.replace(base, lora="qv"))
+    assert len(engine.lora_queue) == 1
+    engine.unload_lora_adapter("qv")
+    with pytest.raises(ValueError, match="no LoRA adapter named 'qv'"):
+        engine.add_request("late", ps[0], dataclasses.replace(base, lora="qv"))
+    got: dict[str, list[int]] = {"all": [], "qv": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.error is None
+            got[out.request_id] += out.outputs[0].delta_token_ids
+    assert got == want
+    assert "qv" not in engine.adapters.known and not engine.adapters.waiting and not engine.adapters.holders
+    engine.abort("nothing")  # (and the registry is whole: a new request of a known adapter runs)
+    assert greedy(engine, ps[:1], "mlp", 8) == greedy(roomy, ps[:1], "mlp", 8)
+
+
+def test_an_adapter_loaded_again_under_its_name_never_reuses_the_old_ones_kv(llama_dir, adapters):
+    """The prefix cache keys KV by the adapter's load, not its name: unloaded and loaded again from
+    other weights, a request gets the new adapter's tokens, not the old one's cached prefix."""
+    ps = prompts(1, seed=17, lo=30, hi=31)
+    fresh = greedy(make(llama_dir, adapters, enable_prefix_caching=False), ps, "qv", 8)
+    engine = make(llama_dir, {"x": adapters["all"]}, enable_runtime_lora=True, enable_prefix_caching=True)
+    greedy(engine, ps, "x", 8)
+    engine.unload_lora_adapter("x")
+    engine.load_lora_adapter("x", str(adapters["qv"]))
+    out = engine.generate(ps, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, lora="x"))[0]
+    assert out.outputs[0].delta_token_ids == fresh[0] and out.stats.num_cached_prompt_tokens == 0
+
+
+def test_a_malformed_adapter_is_an_adapter_error(adapters, tmp_path):
+    from engine.core.async_engine import _Lora, run_lora
+
+    cases = {
+        "a list": (["not", "an", "object"], "holds no JSON object"),
+        "a bad pattern": ({"r": 4, "lora_alpha": 8, "rank_pattern": {"(": 2}}, "no regular expression"),
+    }
+    for why, (config, message) in cases.items():
+        bad = tmp_path / why.replace(" ", "-")
+        shutil.copytree(adapters["all"], bad)
+        (bad / "adapter_config.json").write_text(json.dumps(config))
+        with pytest.raises(AdapterError, match=message):
+            read_adapter("x", bad, 16)
+
+    class Raising:  # whatever else a file makes a reader raise comes back as the load's error
+        def load_lora_adapter(self, name, path):
+            raise PermissionError(13, "Permission denied", path)
+
+    error = run_lora(Raising(), _Lora(0, "load", "x", "/root/x"))
+    assert isinstance(error, AdapterError) and "PermissionError" in str(error)

@@ -13,7 +13,7 @@ from test_step import prompts as repetitive_prompts
 
 import engine.sampling.verify as verify_mod
 from engine.request.sampling_params import SamplingParams
-from engine.request.sequence import SequenceGroup
+from engine.request.sequence import FinishReason, SequenceGroup
 from engine.speculative.methods.suffix import ContextCounts, SuffixProposer, SuffixStore
 
 
@@ -112,3 +112,16 @@ def test_the_store_never_drafts_one_tenants_or_adapters_text_into_anothers():
     for other in (seq(None, "key-b"), seq("sql", "key-a"), seq(None, None)):
         assert p.propose([other], [3], None)[0].tokens == [], other.draft_namespace
     assert set(p.stores) == {(None, "key-a"), (None, "key-b"), ("sql", "key-a"), (None, None)}
+
+
+def test_the_stores_together_keep_to_the_token_bound():
+    """Many API keys: the stores' tokens together stay within --suffix-cache-tokens, the least recently
+    used stores forgotten whole."""
+    p = SuffixProposer(order=3, cache_tokens=60, budget=6, width=2)
+    for k in range(10):
+        seq = SequenceGroup("r", [1, 2], SamplingParams(tenant=f"key-{k}"), 0.0).seqs[0]
+        seq.token_ids += list(range(3, 23))  # a 20-token output
+        seq.finish_reason = FinishReason.LENGTH
+        p.on_free(seq)
+        assert sum(st.num_tokens for st in p.stores.values()) <= 60
+    assert [key[1] for key in p.stores] == ["key-7", "key-8", "key-9"]

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import jinja2
 
 from engine.core.llm_engine import LLMEngine
+from engine.lora import AdapterError
 from engine.request.checks import InvalidRequestError, RequestLimits, TextFit
 from engine.request.outputs import RequestOutput
 from engine.request.sampling_params import SamplingParams
@@ -72,6 +73,8 @@ def run_lora(engine: LLMEngine, cmd: _Lora) -> BaseException | None:
             engine.unload_lora_adapter(cmd.name)
     except (ValueError, KeyError) as e:  # AdapterError is a ValueError
         return e
+    except Exception as e:  # anything else a file can make a reader raise: the load's error, not the engine's
+        return AdapterError(f"adapter {cmd.name!r} could not be loaded: {type(e).__name__}: {e}")
     return None
 
 
@@ -310,7 +313,12 @@ class EngineFront(abc.ABC):
         call_id = next(self._call_ids)
         with self._lock:
             self._calls[call_id] = future
-        self._submit(_Lora(call_id, op, name, path))
+        try:
+            self._submit(_Lora(call_id, op, name, path))
+        except BaseException:
+            with self._lock:
+                self._calls.pop(call_id, None)
+            raise
         await asyncio.wrap_future(future)
 
     def _answer(self, call_id: int, error: BaseException | None) -> None:
@@ -342,9 +350,14 @@ class EngineFront(abc.ABC):
         with self._lock:
             self.dead_error = reason
             targets = list(self._streams.items())
-            calls, self._calls = list(self._calls.values()), {}
         for _, (loop, stream) in targets:
             loop.call_soon_threadsafe(stream.put_nowait, EngineDeadError(reason))
+        self._fail_calls(reason)
+
+    def _fail_calls(self, reason: str) -> None:
+        """Answer every LoRA load or unload still waiting for the engine: it will not come."""
+        with self._lock:
+            calls, self._calls = list(self._calls.values()), {}
         for future in calls:
             if not future.done():
                 future.set_exception(EngineDeadError(reason))
@@ -430,6 +443,7 @@ class AsyncEngine(EngineFront):
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        self._fail_calls("the engine was shut down")
         self.engine.close()  # its tensor-parallel workers, if any
 
     @property

@@ -355,6 +355,7 @@ class ProcessEngine(EngineFront):
         if self._receiver is not None:
             self._receiver.join(timeout=5)
             self._receiver = None
+        self._fail_calls("the engine was shut down")
         self._stop_process()
 
     def _stop_process(self) -> None:

@@ -246,6 +246,7 @@ class LLMEngine:
             if slot is None:
                 return
             self.lora_queue.pop(0)
+            self.adapters.unwait(seq.params.lora)
             seq.group.lora_slot = slot
             self.scheduler.add(seq)
 
@@ -364,7 +365,7 @@ class LLMEngine:
             prompt if isinstance(prompt, str) else None,
         )
         if params.lora is not None:
-            group.kv_root = chain_root(params.lora)
+            group.kv_root = chain_root(self.adapters.kv_namespace(params.lora))
         if params.use_beam_search:
             group.beam = BeamState()
         seq = group.seqs[0]
@@ -376,6 +377,7 @@ class LLMEngine:
         self._init_seq(seq, seed_offset=0)
         self.groups[request_id] = group
         if params.lora is not None:  # it holds its adapter's slot from now: scheduled once it has one
+            self.adapters.wait(params.lora)
             self.lora_queue.append(seq)
             self._admit_lora_queue()
         else:
@@ -393,16 +395,17 @@ class LLMEngine:
             return False
         self._drop_group(group)
         for seq in group.seqs:
-            if seq in self.lora_queue:  # never scheduled: nothing to free
-                self.lora_queue.remove(seq)
-                seq.status = SequenceStatus.FINISHED
-                seq.finish_reason = FinishReason.ABORT
-            elif not seq.is_finished:
+            if not seq.is_finished:
                 self._finish_seq(seq)
                 seq.finish_reason = FinishReason.ABORT
         return True
 
     def _finish_seq(self, seq: Sequence) -> None:
+        if seq in self.lora_queue:  # never scheduled (its adapter had no slot yet): nothing to free
+            self.lora_queue.remove(seq)
+            self.adapters.unwait(seq.params.lora)
+            seq.status = SequenceStatus.FINISHED
+            return
         self.scheduler.finish(seq)
         self.step_runner.forget(seq)
 

@@ -55,11 +55,16 @@ class Adapter:
     base: str | None  # the base model it was trained on, as its config names it
 
 
-def _pattern_value(patterns: dict, module: str, default):
+def _pattern_value(name: str, patterns: dict, module: str, default):
     """PEFT's rule: the first pattern key that matches the end of the module's name, after a dot."""
     for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
+        try:
+            if re.match(rf"(.*\.)?({key})$", module):
+                return value
+        except re.error as e:
+            raise AdapterError(
+                f"adapter {name!r}: {key!r} of its rank_pattern / alpha_pattern is no regular expression ({e})"
+            ) from None
     return default
 
 
@@ -71,8 +76,10 @@ def read_adapter(name: str, path: str | Path, max_rank: int) -> Adapter:
         raise AdapterError(f"adapter {name!r}: {path} has no adapter_config.json (is it a PEFT LoRA adapter?)")
     try:
         config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise AdapterError(f"adapter {name!r}: {config_file} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise AdapterError(f"adapter {name!r}: {config_file} holds no JSON object")
     kind = config.get("peft_type", "LORA")
     if str(kind).upper() != "LORA":
         raise AdapterError(f"adapter {name!r}: peft_type {kind!r} is not served (LORA is)")
@@ -119,10 +126,10 @@ def read_adapter(name: str, path: str | Path, max_rank: int) -> Adapter:
         rank = a.shape[0]
         if rank > max_rank:
             raise AdapterError(f"adapter {name!r}: {module} has rank {rank}, over --max-lora-rank {max_rank}")
-        want = int(_pattern_value(rank_pattern, module, r0))
+        want = int(_pattern_value(name, rank_pattern, module, r0))
         if want != rank:
             raise AdapterError(f"adapter {name!r}: {module} has rank {rank} where its config says {want}")
-        alpha = float(_pattern_value(alpha_pattern, module, alpha0))
+        alpha = float(_pattern_value(name, alpha_pattern, module, alpha0))
         scale = alpha / math.sqrt(rank) if rslora else alpha / rank
         pairs[module] = LoraPair(a.float(), b.float() * scale)
     return Adapter(name, path, max(p.rank for p in pairs.values()), pairs, config.get("base_model_name_or_path"))

@@ -542,12 +542,25 @@ class ModelRunner:
         ``levels()``), one per level otherwise."""
         L, B = len(chunks[0].token_ids), len(chunks)
         if self.attention_backend != "sdpa":
-            one = lambda d: [ForwardChunk([0], c.ctx_len + d, c.block_table, 1) for c in chunks]  # noqa: E731
+            one = lambda d: [ForwardChunk([0], c.ctx_len + d, c.block_table, 1, lora=c.lora) for c in chunks]  # noqa: E731
             return [self.prepare(one(d)) for d in range(L)]
         whole = self.prepare(chunks)
         ids, pos = whole.input_ids.view(B, L), whole.positions.view(B, L)
+        lora = None if whole.lora is None else whole.lora.view(B, L)  # (the LoRA slot of each sequence's rows)
         rows = torch.arange(B, device=self.device)
-        return [ForwardBatch(ids[:, d], pos[:, d], m, rows, B, B) for d, m in enumerate(whole.meta.levels())]
+        return [
+            ForwardBatch(
+                ids[:, d],
+                pos[:, d],
+                m,
+                rows,
+                B,
+                B,
+                lora=None if lora is None else lora[:, d],
+                lora_used=whole.lora_used,
+            )  # fmt: skip
+            for d, m in enumerate(whole.meta.levels())
+        ]
 
     @torch.inference_mode()
     def chain(
@@ -570,6 +583,8 @@ class ModelRunner:
                 out.append(input_ids)
                 qs.append(q)
             return torch.stack(out, 1), None if noise is None else torch.stack(qs, 1)
+        if self.lora is not None:  # every level has the same rows: the sequences', in order
+            self.lora.set_rows(batches[0].lora, batches[0].num_tokens, batches[0].lora_used)
         positions, metas = [b.positions for b in batches], [b.meta for b in batches]
         return self._chain(input_ids, positions, metas, self.kv_cache, skip, temperature, noise)
 

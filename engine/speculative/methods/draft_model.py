@@ -142,7 +142,9 @@ class DraftModelProposer(LevelDrafter):
             tokens = s.token_ids[start + self.shift : start + self.shift + take]
             more = after_root[i] if after_root is not None and take == n else []
             budget -= len(more)
-            chunks.append(ForwardChunk(tokens + more, start, s.block_table, (1 + len(more)) * int(take == n)))
+            chunks.append(
+                ForwardChunk(tokens + more, start, s.block_table, (1 + len(more)) * int(take == n), lora=s.lora_slot)
+            )
             states.append(self._catch_up_state(s, start, take))
             if take == n:
                 ready.append(i)
@@ -201,7 +203,11 @@ class DraftModelProposer(LevelDrafter):
     def _chain_levels(self, seqs: list[Sequence], ids: torch.Tensor, levels: int, temperature=None, noise=None):
         # Level d feeds its token at draft slot root + 1 + d, which is also its position: the levels
         # are a causal chunk of `levels` tokens after the root.
-        chunks = [ForwardChunk([0] * levels, s.num_tokens - self.shift, s.block_table, levels) for s in seqs]
+        # (lora: the target drafting for itself, layer skipping, runs each row under its adapter; a draft
+        # model of its own has no adapters and ignores it)
+        chunks = [
+            ForwardChunk([0] * levels, s.num_tokens - self.shift, s.block_table, levels, lora=s.lora_slot) for s in seqs
+        ]
         batches = self.runner.prepare_levels(chunks)
         self._overwrites(chunks)
         if self.draft_vocab_size < self.vocab_size:
@@ -222,7 +228,9 @@ class DraftModelProposer(LevelDrafter):
             mask, mask_start = (masks[b], root + 1) if masks is not None else (None, None)
             positions = [root + depth] * per_seq
             slot = root + 1 + first[b]
-            chunks.append(ForwardChunk([0] * per_seq, slot, s.block_table, per_seq, positions, mask, mask_start))
+            chunks.append(
+                ForwardChunk([0] * per_seq, slot, s.block_table, per_seq, positions, mask, mask_start, lora=s.lora_slot)
+            )
         if self.draft_vocab_size < self.vocab_size:
             ids = ids.clamp(max=self.draft_vocab_size - 1)
         return self._forward(self.runner.prepare(chunks), chunks, input_ids=ids.reshape(-1), hidden_in=state)

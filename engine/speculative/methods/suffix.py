@@ -15,7 +15,8 @@ it forgets whole outputs, least recently produced first (an output produced agai
 stored twice). Aborted and failed requests are not stored. There is one store per draft namespace
 (:attr:`Sequence.draft_namespace`: a LoRA adapter and an API key): a request drafts only from the
 outputs of requests of its own adapter and key, never another tenant's text or another adapter's
-style. At most ``MAX_STORES`` namespaces keep a store, the least recently used one forgotten first.
+style. The ``--suffix-cache-tokens`` bound holds for all stores together: past it, whole stores are
+forgotten, the least recently used first (and at most ``MAX_STORES`` are kept).
 """
 
 from __future__ import annotations
@@ -180,4 +181,6 @@ class SuffixProposer(Proposer):
         self._requests.pop(seq.seq_id, None)
         # A finished output has its reason set by now; an aborted or failed one has none yet (or ERROR).
         if seq.finish_reason not in (FinishReason.ABORT, FinishReason.ERROR, None):
-            self.store(seq).add(seq.output_ids)
+            self.store(seq).add(seq.output_ids)  # (now the most recently used)
+            while len(self.stores) > 1 and sum(st.num_tokens for st in self.stores.values()) > self.cache_tokens:
+                self.stores.popitem(last=False)
