@@ -23,7 +23,6 @@ import argparse
 import gc
 import json
 import shutil
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ from engine.core.llm_engine import LLMEngine
 from engine.offline.measure import machine_description
 from engine.request.sampling_params import SamplingParams
 from loadtest.bench_families import build_checkpoint
-from loadtest.bench_quant import QUICK, SHAPE
+from loadtest.bench_quant import QUICK, SHAPE, median_cells
 
 PROJECTIONS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
 
@@ -138,11 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| way | " + " | ".join(keys) + " |")
     print("|" + " --- |" * (len(keys) + 1))
     for way in names:
-        med = {k: statistics.median(c[k] for c in cells[way]) for k in keys}
-        ratios = {
-            k: statistics.median(c[k] / b[k] for c, b in zip(cells[way], cells["base"], strict=True)) for k in keys
-        }
-        print(f"| {way} | " + " | ".join(f"{med[k]:.1f} ({ratios[k]:.2f}x)" for k in keys) + " |")
+        print(f"| {way} | {median_cells(cells[way], cells['base'], keys)} |")
     if args.json:
         args.json.write_text(json.dumps({"cells": cells, "params": params, "rank": args.rank}, indent=1))
     shutil.rmtree(root, ignore_errors=True)

@@ -178,6 +178,16 @@ def load_peak(path: Path, quantization: str | None, dtype: torch.dtype) -> tuple
     return int(peak) / 2**20, int(held) / 2**20
 
 
+def median_cells(rounds: list[dict], base: list[dict], keys: list[str]) -> str:
+    """A table row's cells: each key's median over the rounds and the median of the rounds' own
+    ratios to ``base``'s (the host drifts: a round's ratio is paired seconds apart)."""
+    cells = []
+    for k in keys:
+        ratio = statistics.median(c[k] / b[k] for c, b in zip(rounds, base, strict=True))
+        cells.append(f"{statistics.median(c[k] for c in rounds):.1f} ({ratio:.2f}x)")
+    return " | ".join(cells)
+
+
 def leading_agreement(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -267,12 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| way | " + " | ".join(keys) + " | leading tokens equal to plain's (of 64) |")
     print("|" + " --- |" * (len(keys) + 2))
     for way in names:
-        med = {k: statistics.median(c[k] for c in cells[way]) for k in keys}
-        ratios = {
-            k: statistics.median(c[k] / b[k] for c, b in zip(cells[way], cells["plain"], strict=True)) for k in keys
-        }
-        row = " | ".join(f"{med[k]:.1f} ({ratios[k]:.2f}x)" for k in keys)
-        print(f"| {way} | {row} | {statistics.median(agree[way]):.0f} |")
+        print(f"| {way} | {median_cells(cells[way], cells['plain'], keys)} | {statistics.median(agree[way]):.0f} |")
     dtype = EngineConfig(model="m", dtype=args.dtype).torch_dtype
     peaks = {}
     loads = {way: WAYS[way] for way in ("plain", "fp8 checkpoint", "int4 kernel", "fp8 W8A8")}

@@ -40,6 +40,7 @@ from server.routes.admin import add_admin_routes
 from server.routes.chat import add_chat_routes
 from server.routes.completions import add_completion_routes
 from server.routes.lora import add_lora_routes
+from server.routes.playground import OPEN_PATHS, add_playground_routes
 from server.routes.responses import add_response_routes
 from server.routes.tokenize import add_tokenizer_routes
 from server.state import API_KEY_SCOPE, ServerSettings, ServerState
@@ -113,7 +114,8 @@ def create_app(
     # Limits and auth (the last added runs first: auth, then the body limits).
     app.add_middleware(BodyLimits, max_bytes=settings.max_request_bytes, timeout_s=settings.body_timeout_s)
     if settings.api_keys:
-        app.add_middleware(BearerAuth, keys=settings.api_keys, open_paths={"/health", "/metrics"})
+        open_paths = {"/health", "/metrics"} | (OPEN_PATHS if settings.playground else set())
+        app.add_middleware(BearerAuth, keys=settings.api_keys, open_paths=open_paths)
     add_admin_routes(app, state, AUGUR_VERSION)
     add_completion_routes(app, state)
     add_chat_routes(app, state)
@@ -121,6 +123,8 @@ def create_app(
     add_tokenizer_routes(app, state)
     if settings.enable_runtime_lora:
         add_lora_routes(app, state)
+    if settings.playground:
+        add_playground_routes(app)
     models = [CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest]
     publish_request_schemas(app, models)
     return app

@@ -352,6 +352,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser,
         lora_modules=dict(config.lora_modules),
         enable_runtime_lora=config.enable_runtime_lora,
+        playground=args.playground,
         generation_config=args.generation_config,
     )
     server: uvicorn.Server | None = None
@@ -614,6 +615,12 @@ def _serve_parser(sub, common: argparse.ArgumentParser) -> None:
     serve.add_argument("--responses-store-mb", type=float, default=128,
                        help="Responses API: the most MiB of stored responses kept (oldest out first)")  # fmt: skip
     serve.add_argument("--served-model-name", default=None, help="default: augur-demo, or the model directory's name")
+    serve.add_argument(
+        "--no-playground",
+        dest="playground",
+        action="store_false",
+        help="do not serve the playground page (/playground, and / pointing to it)",
+    )
     serve.add_argument("--max-queue-len", type=int, default=256, help="requests waiting beyond this get 429")
     serve.add_argument(
         "--max-request-bytes", type=int, default=16 * 2**20, help="larger request bodies get 413 (default 16 MiB)"

@@ -219,7 +219,7 @@ async def _stream(job: Job, fmt: Format) -> AsyncIterator[str]:
                 if c.delta_provenance:
                     provenance.setdefault(idx, []).extend(zip(c.delta_token_ids, c.delta_provenance, strict=True))
                 if choices and provenance.get(idx):  # (text held back: they ride with the choice's next chunk)
-                    choices[-1]["speculation"] = _speculation(provenance.pop(idx))
+                    choices[-1]["speculation"] = _speculation(provenance.pop(idx), job.state.token_texts)
                 for choice in choices:
                     if job.continuous_usage:
                         yield _chunk(job, fmt, [choice], usage=job.running_usage(tokens))
@@ -235,10 +235,12 @@ async def _stream(job: Job, fmt: Format) -> AsyncIterator[str]:
     yield "data: [DONE]\n\n"
 
 
-def _speculation(tokens: list) -> list[dict]:
-    """``stream_options.include_speculation``: how each token of a chunk came."""
+def _speculation(tokens: list, texts) -> list[dict]:
+    """``stream_options.include_speculation``: how each token of a chunk came (``text``: the token's
+    own text, as logprobs show it)."""
     return [
-        {"token_id": t, "kind": kind, "proposer": proposer, "depth": depth} for t, (kind, proposer, depth) in tokens
+        {"token_id": t, "text": texts.text(t), "kind": kind, "proposer": proposer, "depth": depth}
+        for t, (kind, proposer, depth) in tokens
     ]
 
 

@@ -41,6 +41,7 @@ class ServerSettings:
     # LoRA adapters served over the model (--lora-modules), name → directory: a request's ``model`` picks one.
     lora_modules: dict[str, str] = field(default_factory=dict)
     enable_runtime_lora: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (server/routes/lora.py)
+    playground: bool = True  # the page at /playground, and / pointing to it (server/routes/playground.py)
     # Where requests' missing sampling fields come from: "auto", the model's generation_config.json;
     # "none", OpenAI's defaults (temperature 1, top_p 1).
     generation_config: str = "auto"

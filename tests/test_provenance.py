@@ -64,7 +64,7 @@ def test_the_stream_carries_it_when_asked(target):  # noqa: F811
         usage = chunks[-1].usage
         assert len(told) == usage.completion_tokens > 0
         assert sum(t["kind"] == "accepted" for t in told) == usage.model_extra["speculative"]["accepted_tokens"]
-        assert all(set(t) == {"token_id", "kind", "proposer", "depth"} for t in told)
+        assert all(set(t) == {"token_id", "text", "kind", "proposer", "depth"} for t in told)
         want = make(target).generate([prompt], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
         assert [t["token_id"] for t in told] == want[0].outputs[0].delta_token_ids
         assert "".join(c.text for ch in chunks for c in ch.choices) == want[0].outputs[0].text
