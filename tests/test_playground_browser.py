@@ -115,6 +115,6 @@ def test_the_demo_pair_and_an_api_key(browser, tiny_demo):
         wait_for(browser, lambda d: "API key" in d.find_element(By.ID, "status").text)
         fill(browser, "key", "secret")
         browser.find_element(By.ID, "prompt").click()  # (the key's change event)
-        shown = run_page(browser, "chat", "Write one sentence about the sea.", 24)
+        shown = run_page(browser, "chat", "Write one sentence about the sea.", 24, depth="3")
         assert len(shown["kinds"]) == 24 and shown["spec_text"] == shown["plain_text"]
         assert any(t.split(" · ")[1] == "draft" for t in shown["titles"] if not t.startswith("plain"))
