@@ -1,6 +1,6 @@
 """Where a forward's device time goes, by kernel, at several widths: ``python -m loadtest.profile_gpu``.
 
-The first GPU run (docs/benchmarks.md) found a 3-token chain verify costing 1.34x a 1-token decode at
+The first GPU run (docs/benchmarks-history.md) found a 3-token chain verify costing 1.34x a 1-token decode at
 the 8B shape, although at batch 1 both should be bound by reading the same weights. This tool builds a
 shape with random weights (``loadtest.bench_gpu.build``), fills ``--context`` tokens of K/V, then runs
 ``--repeats`` forwards of each width (1 = a decode, k + 1 = a depth-k chain verify) under

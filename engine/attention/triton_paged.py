@@ -16,7 +16,7 @@ gathering any sequence's K/V into a padded copy and without a dense mask:
   each program's keys into up to ``MAX_SPLITS`` ranges on a third grid axis (flash-decoding); a
   second kernel rescales the ranges' partial outputs to their common maximum and normalises once.
   Without the split a 4-token verify of an 8B model at 1,024 tokens of context ran its attention on
-  8 of an H200's 132 multiprocessors: 5.6x the decode's attention time (docs/benchmarks.md).
+  8 of an H200's 132 multiprocessors: 5.6x the decode's attention time (docs/benchmarks-history.md).
 
 Memory is the output and per-sequence metadata (``O(T * H * D + B * blocks + tree masks)``), whatever
 the context lengths. One assumption the window skip relies on: a key's position never exceeds its
