@@ -426,6 +426,7 @@ def test_usage(client, tok):
         "forced_tokens": 0,  # emitted without a forward: only under a grammar (structured outputs)
         "acceptance": "exact",  # typical acceptance (lossy) only when asked for
         "lossy": False,
+        "lora_adapter": None,  # the base model verified (docs/lora.md)
     }
 
 
@@ -862,10 +863,10 @@ def test_engine_failure_is_confined_to_its_request(srv, client, http, monkeypatc
 
     original = OutputProcessor.append
 
-    def faulty(self, seq, tokens, logprobs):
+    def faulty(self, seq, tokens, logprobs, provenance=None):
         if MARKER in seq.prompt_ids:
             raise RuntimeError("injected fault")
-        return original(self, seq, tokens, logprobs)
+        return original(self, seq, tokens, logprobs, provenance)
 
     monkeypatch.setattr(OutputProcessor, "append", faulty)
     wait_idle(srv)
