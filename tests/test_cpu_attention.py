@@ -7,6 +7,9 @@ windows, soft-capping, bf16, and K/V that arrive as strided views of a fused QKV
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -186,3 +189,31 @@ def test_decode_metadata_matches_the_general_build(seed):
         assert a.stride() == b.stride(), name
     assert fast.mask._base.stride() == general.mask._base.stride()
     assert (fast.num_seqs, fast.max_q, fast.sliding_mask) == (general.num_seqs, general.max_q, None)
+
+
+def test_the_engine_settles_the_import_hooks_before_it_starts_threads():
+    """setuptools' first import (through torch.utils.cpp_extension) inserts a finder at the head of
+    ``sys.meta_path`` and removes it again; a thread importing meanwhile can skip the path finder and
+    fail with "No module named ...". The engine's modules import it up front, in the importing thread, so
+    the kernel builds (two threads) and inductor's C++ builder (the compile thread) never change the list."""
+    probe = """
+import sys
+
+import engine.core.llm_engine  # what every front imports before it starts a thread
+
+class Watched(list):
+    changes = []
+    def insert(self, i, x):
+        self.changes.append(("insert", x)); super().insert(i, x)
+    def remove(self, x):
+        self.changes.append(("remove", x)); super().remove(x)
+
+sys.meta_path = Watched(sys.meta_path)
+import torch.utils.cpp_extension
+import torch._inductor.cpp_builder
+import setuptools
+print(len(Watched.changes))
+"""
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0"]

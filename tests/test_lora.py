@@ -550,15 +550,20 @@ def test_unloading_an_adapter_its_queued_requests_wait_for_keeps_it_for_them(lla
     base = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     engine.add_request("all", ps[0], dataclasses.replace(base, lora="all"))
     engine.add_request("qv", ps[0], dataclasses.replace(base, lora="qv"))
-    assert len(engine.lora_queue) == 1
-    engine.unload_lora_adapter("qv")
-    with pytest.raises(ValueError, match="no LoRA adapter named 'qv'"):
-        engine.add_request("late", ps[0], dataclasses.replace(base, lora="qv"))
     got: dict[str, list[int]] = {"all": [], "qv": []}
-    while engine.has_unfinished_requests():
+
+    def step() -> None:
         for out in engine.step():
             assert out.error is None
             got[out.request_id] += out.outputs[0].delta_token_ids
+
+    step()  # "all" takes the slot; "qv" waits for it
+    assert [seq.group.request_id for seq in engine.lora_queue] == ["qv"]
+    engine.unload_lora_adapter("qv")
+    with pytest.raises(ValueError, match="no LoRA adapter named 'qv'"):
+        engine.add_request("late", ps[0], dataclasses.replace(base, lora="qv"))
+    while engine.has_unfinished_requests():
+        step()
     assert got == want
     assert "qv" not in engine.adapters.known and not engine.adapters.waiting and not engine.adapters.holders
     engine.abort("nothing")  # (and the registry is whole: a new request of a known adapter runs)
@@ -598,3 +603,38 @@ def test_a_malformed_adapter_is_an_adapter_error(adapters, tmp_path):
 
     error = run_lora(Raising(), _Lora(0, "load", "x", "/root/x"))
     assert isinstance(error, AdapterError) and "PermissionError" in str(error)
+
+
+def test_an_adapter_that_cannot_be_written_into_a_slot_fails_its_request_alone(llama_dir, adapters):
+    """Writing an adapter into a slot can fail (out of memory on a GPU). That request ends with an
+    error output; the requests beside it, of other adapters and of the base, get their tokens as
+    before, the slot is not left half claimed, and the adapter serves once writing works again."""
+    ps = prompts(3, seed=31, lo=6, hi=14)
+    names = ["all", "qv", None]
+    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, lora=n) for n in names]
+    engine = make(llama_dir, adapters, max_loras=2)
+    want = {f"r{i}": engine.generate([p], q)[0].outputs[0].delta_token_ids for i, (p, q) in enumerate(zip(ps, params))}
+    registry = engine.adapters
+    registry.recent.clear(), registry.slot_of.clear()  # a cold start: every adapter is written anew
+    written = registry.write
+
+    def write(slot, adapter):
+        if adapter.name == "qv":
+            raise torch.OutOfMemoryError("injected: no room for the adapter")
+        written(slot, adapter)
+
+    registry.write = write
+    for i, (p, q) in enumerate(zip(ps, params)):
+        engine.add_request(f"r{i}", p, q)
+    got, errors = {f"r{i}": [] for i in range(3)}, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got[out.request_id].extend(out.outputs[0].delta_token_ids)
+            if out.error is not None:
+                errors[out.request_id] = out.error
+    assert list(errors) == ["r1"] and "qv" in errors["r1"] and "OutOfMemoryError" in errors["r1"]
+    assert got["r0"] == want["r0"] and got["r2"] == want["r2"]
+    assert not registry.holders and not registry.waiting and not engine.lora_queue
+    assert "qv" not in registry.slot_of
+    registry.write = written
+    assert greedy(engine, [ps[1]], "qv", n=6) == [want["r1"]]

@@ -184,6 +184,34 @@ def test_drafts_are_cut_where_the_grammar_forbids_and_forced_tokens_need_no_forw
     assert c.forced_tokens > 0  # the schema's keys and punctuation, the choices' tails
 
 
+def test_forced_tokens_are_told_as_forced(target, tmp_path, expected):
+    """With ``include_speculation``, each token a grammar forced (jump-forward: no forward chose it) is
+    told as ``forced``, with no proposer and no depth; they are as many as the request's count of
+    forced tokens, and telling changes no token."""
+    eng = make(target, draft_model=str(noisy_copy(target, tmp_path / "draft", 0.5)))
+    ps = prompts()
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=40,
+            structured=SPECS[i % 3],
+            num_draft_tokens=3,
+            close_at_max_tokens=False,  # (as the reference decodes)
+            include_speculation=True,
+        )  # fmt: skip
+        for i in range(len(ps))
+    ]
+    outs = eng.generate(ps, params)
+    assert [o.outputs[0].delta_token_ids for o in outs] == expected
+    for out in outs:
+        prov = out.outputs[0].delta_provenance
+        assert len(prov) == len(out.outputs[0].delta_token_ids)
+        forced = [p for p in prov if p[0] == "forced"]
+        assert len(forced) == out.stats.num_forced_tokens
+        assert all(p == ("forced", None, 0) for p in forced)
+    assert sum(o.stats.num_forced_tokens for o in outs) > 0
+
+
 def test_grammar_end_finishes_with_stop_even_ignoring_eos(target):
     eng = make(target)
     so = StructuredOutput.choice(["alpha", "beta"], "structured_outputs")

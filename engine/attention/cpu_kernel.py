@@ -22,7 +22,13 @@ import sys
 import time
 from pathlib import Path
 
+# At import, in the importing thread, never lazily: cpp_extension imports setuptools, whose first import
+# inserts a finder at the head of sys.meta_path and removes it again. Another thread importing at that
+# moment walks the list as it shifts, skips the path finder and fails with "No module named ..." (CI
+# saw it while the invariant and attention kernels built side by side, and inductor's C++ builder
+# imports cpp_extension from the background compile thread too).
 import torch
+import torch.utils.cpp_extension  # noqa: F401
 
 from engine.platform import cpu_flags
 
@@ -48,7 +54,7 @@ def build_cpu_extension(stem: str, source_path: Path, flags: tuple[str, ...] = (
     """Build (once per source, CPU and environment; later processes only load it) and load the C++
     source at ``source_path``, which registers its kernels itself; raises where it cannot. ``flags``:
     the compiler's, beside the defaults."""
-    from torch.utils.cpp_extension import load_inline
+    from torch.utils.cpp_extension import load_inline  # imported at the top: a name lookup here
 
     _put_ninja_on_path()
     source = source_path.read_text()

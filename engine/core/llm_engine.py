@@ -236,19 +236,29 @@ class LLMEngine:
         self.adapters.remove(name)
         logger.info("LoRA adapter %s unloaded", name)
 
-    def _admit_lora_queue(self) -> None:
+    def _admit_lora_queue(self) -> list[RequestOutput]:
         """Schedule the waiting requests whose adapter has (or now gets) a slot, strictly in arrival order:
         from the first that finds every slot held by others' requests, the rest wait behind it (a request
-        of a loaded adapter does not pass one that waits for a slot, so none waits forever)."""
+        of a loaded adapter does not pass one that waits for a slot, so none waits forever). A request
+        whose adapter cannot be written into its slot (out of memory) fails alone: its final output is
+        returned, and the requests behind it go on."""
+        failed: list[RequestOutput] = []
         while self.lora_queue:
             seq = self.lora_queue[0]
-            slot = self.adapters.acquire(seq.params.lora)
+            try:
+                slot = self.adapters.acquire(seq.params.lora)
+            except Exception as e:
+                logger.exception("LoRA adapter %s could not be written into a slot", seq.params.lora)
+                error = f"LoRA adapter {seq.params.lora!r} could not be loaded into a slot: {type(e).__name__}: {e}"
+                failed.append(self._fail_group(seq.group, error))
+                continue
             if slot is None:
-                return
+                break
             self.lora_queue.pop(0)
             self.adapters.unwait(seq.params.lora)
             seq.group.lora_slot = slot
             self.scheduler.add(seq)
+        return failed
 
     def _drop_group(self, group: SequenceGroup) -> None:
         """A request leaves the engine: its adapter's slot is no longer held for it."""
@@ -376,10 +386,9 @@ class LLMEngine:
             seq.grammar = self.grammars.start(params.structured, left)
         self._init_seq(seq, seed_offset=0)
         self.groups[request_id] = group
-        if params.lora is not None:  # it holds its adapter's slot from now: scheduled once it has one
-            self.adapters.wait(params.lora)
+        if params.lora is not None:  # it holds its adapter from now; a step schedules it once the adapter
+            self.adapters.wait(params.lora)  # has a slot (_admit_lora_queue)
             self.lora_queue.append(seq)
-            self._admit_lora_queue()
         else:
             self.scheduler.add(seq)
 
@@ -429,21 +438,20 @@ class LLMEngine:
         the step's shared work (the schedule, the batched forward) fails the requests of that step.
         The engine keeps serving the rest."""
         self.swap_in_compiled()
-        if self.lora_queue:
-            self._admit_lora_queue()
+        outs = self._admit_lora_queue() if self.lora_queue else []
         if self.ahead is not None and self.ahead.pending is not None:
-            return self._step_ahead()
+            return outs + self._step_ahead()
         try:
             emits, prompt_seqs = self.step_runner.run()
         except Exception as e:
-            return self._step_failed(e)
+            return outs + self._step_failed(e)
         if not emits and not prompt_seqs and not self.confine.failed:
-            return []
+            return outs
         self.scheduler.regrow()
         self.num_steps += 1
         touched = {seq.group.request_id: seq.group for seq in prompt_seqs}
         self._hand_out(emits, touched)
-        outs = self._outputs(touched)
+        outs += self._outputs(touched)
         if self.ahead is not None:
             outs += self._start_ahead()
         return outs

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.lora.adapters import Adapter, AdapterError
+from engine.lora.adapters import Adapter, AdapterError, LoraPair
 
 ADAPTABLE = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -82,8 +82,6 @@ def _rank_pair(name: str, module: str, pair, cut):
     """A rank's share of ``pair`` for the rank's ``cut`` of the module's weight (``checkpoint_slice``).
     A row-parallel layer's ranks each add ``B (A_r x_r)`` before the layer's all-reduce, which sums
     them to ``B A x``."""
-    from engine.lora.adapters import LoraPair
-
     if cut is None:
         return pair
     if isinstance(cut, str):
@@ -108,7 +106,6 @@ class LoraSlots:
         # On CUDA the rows gather their own slots on two Triton kernels, which read each row's slot here
         self.kernel = device.type == "cuda" and importlib.util.find_spec("triton") is not None
         self.rows = torch.full((0,), -1, dtype=torch.int64, device=device)  # [rows] each row's slot
-        self.loaded: list[str | None] = [None] * max_loras  # the adapter in each slot
 
     @classmethod
     def attach(cls, model: nn.Module, max_loras: int, max_rank: int, rows: int, invariant: bool = False) -> LoraSlots:
@@ -180,14 +177,12 @@ class LoraSlots:
             layer.a[start : start + r].copy_(pair.a)
             b_rows = self.model.weight_slot(target, layer.b, shard) if shard is not None else layer.b
             b_rows[:, start : start + r].copy_(pair.b)
-        self.loaded[slot] = adapter.name
 
     def clear(self, slot: int) -> None:
         for layer in self.layers.values():
             width = len(layer.parts) * self.max_rank
             layer.a[slot * width : (slot + 1) * width].zero_()
             layer.b[:, slot * width : (slot + 1) * width].zero_()
-        self.loaded[slot] = None
 
     def set_rows(self, slots: torch.Tensor | None, rows: int, used: int) -> None:
         """The slot of each of the next forward's ``rows`` rows (``slots [rows]`` int64 on the device,

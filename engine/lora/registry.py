@@ -116,7 +116,3 @@ class AdapterRegistry:
 
     def is_known(self, name: str) -> bool:
         return name in self.known and name not in self.leaving
-
-    def info(self) -> dict[str, object]:
-        """For the metrics: the adapters in a slot and held, by name, and the slot count."""
-        return {"running": sorted(self.holders), "loaded": sorted(self.slot_of), "max": self.slots.max_loras}
