@@ -29,7 +29,7 @@ from server.app import ServerSettings, create_app
 from server.cli import build_parser, engine_config_from_args
 from servers import serve, wait_until
 
-README_PROMPTS = ["def fibonacci(n):\n", "import os\n"]  # the README's completion examples
+README_PROMPTS = ["def fibonacci(n):\n", "import os\n"]  # the README's completion example; docs/demo.md's import line
 REPO = Path(__file__).resolve().parents[1]
 
 
