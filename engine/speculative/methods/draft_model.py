@@ -1,16 +1,11 @@
 """Drafting with a separate small model that shares the target's tokenizer.
 
-The draft keeps its own KV cache, indexed by the *same* block tables as the target's (one block id
-names a block in both pools), so allocation, copy-on-write, preemption and tail release stay in sync
-by construction. ``Sequence.draft_num_computed`` counts the leading tokens whose draft KV is valid.
-Each step first *catches up* (feeds the draft what it has not seen, up to the root; long catch-ups,
-e.g. a new prompt, are chunked under the step's token budget and draft nothing until done), then
-drafts chains or trees level by level (``engine/speculative/levels.py``): each level's tokens stay
-on the device and feed the next forward, whose metadata the host prepared in advance.
-
-Prefix reuse: the draft's blocks follow the target's hashes. A block whose draft KV the draft wrote
-for a full block with hash ``h`` stays valid as long as the draft writes nothing else into it, so a
-target prefix-cache hit on ``h`` is a draft hit too and its catch-up starts after it.
+The draft keeps its own KV cache beside the target's (``engine/speculative/own_cache.py``: the same
+block tables, ``Sequence.draft_num_computed``, prefix reuse by the target's block hashes). Each step
+first *catches up* (feeds the draft what it has not seen, up to the root; long catch-ups, e.g. a new
+prompt, are chunked under the step's token budget and draft nothing until done), then drafts chains
+or trees level by level (``engine/speculative/levels.py``): each level's tokens stay on the device and
+feed the next forward, whose metadata the host prepared in advance.
 """
 
 from __future__ import annotations
@@ -28,6 +23,7 @@ from engine.runner.model_runner import ForwardBatch, ForwardChunk, ModelRunner
 from engine.sampling.tree import DraftTree
 from engine.speculative.early_stop import EarlyStop, early_stop_for
 from engine.speculative.levels import LevelDrafter
+from engine.speculative.own_cache import OwnCache
 from engine.speculative.proposer import CostShape, ProposeContext
 
 
@@ -64,8 +60,7 @@ class DraftModelProposer(LevelDrafter):
         self.catch_up_budget = catch_up_budget
         self.kv_bytes_per_token = runner.kv_bytes_per_token
         self.num_forwards = 0
-        self._valid: dict[int, int] = {}  # block id → hash of the full block whose draft KV it holds
-        self._marked: dict[int, int] = {}  # seq_id → leading full blocks already recorded in _valid
+        self.cache = OwnCache(runner, self.shift)
 
     @classmethod
     def build(cls, config, target: ModelRunner, *, tokenizer, eos_token_ids: list[int]) -> DraftModelProposer:
@@ -78,7 +73,7 @@ class DraftModelProposer(LevelDrafter):
 
     # -- cache and lifecycle --------------------------------------------------------------------
     def allocate_kv(self, num_blocks: int) -> None:
-        self.runner.allocate_kv(num_blocks)
+        self.cache.allocate(num_blocks)
 
     def warmup(self) -> None:
         self.runner.capture_graphs()
@@ -95,9 +90,7 @@ class DraftModelProposer(LevelDrafter):
         return self.runner.forward
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        for _, dst in copies:
-            self._valid.pop(dst, None)
-        self.runner.copy_blocks(copies)
+        self.cache.copy_blocks(copies)
 
     def on_verified(self, seq: Sequence, tree: DraftTree, accepted: list[int]) -> None:
         # The root's draft KV is in place (catch-up wrote it). Nodes the draft fed at their final slot
@@ -119,11 +112,11 @@ class DraftModelProposer(LevelDrafter):
     def on_preempt(self, seq: Sequence) -> None:
         seq.draft_num_computed = 0
         self._written.pop(seq.seq_id, None)
-        self._marked.pop(seq.seq_id, None)
+        self.cache.forget(seq)
 
     def on_free(self, seq: Sequence) -> None:
         super().on_free(seq)
-        self._marked.pop(seq.seq_id, None)
+        self.cache.forget(seq)
 
     # -- drafting -------------------------------------------------------------------------------
     def _root_logits(self, seqs: list[Sequence], ctx: ProposeContext, after_root: list[list[int]] | None = None):
@@ -152,7 +145,7 @@ class DraftModelProposer(LevelDrafter):
         logits, state = self._forward(self.runner.prepare(chunks), chunks, hidden_in=hidden_in)
         for s, c in zip(seqs, chunks):
             s.draft_num_computed = min(s.draft_num_computed + len(c.token_ids), s.num_tokens - self.shift)
-            self._mark_valid(s)
+            self.cache.mark_valid(s)
         return ready, logits, state
 
     def next_token_logits(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -179,7 +172,7 @@ class DraftModelProposer(LevelDrafter):
         layer's output at the same rows."""
         self.num_forwards += 1
         lap = self.runner.lap()
-        self._overwrites(chunks)
+        self.cache.overwrites(chunks)
         if input_ids is None and self.draft_vocab_size < self.vocab_size:
             batch.input_ids = batch.input_ids.clamp(max=self.draft_vocab_size - 1)
         out = self.runner.execute(batch, input_ids=input_ids, hidden_layers=self.state_layers, hidden_in=hidden_in)
@@ -193,13 +186,6 @@ class DraftModelProposer(LevelDrafter):
         self._timings.append((self.cost.kind, batch.num_seqs, batch.num_tokens, lap.stop(), 1))
         return logits, state
 
-    def _overwrites(self, chunks: list[ForwardChunk]) -> None:
-        """The draft writes these chunks' slots: their blocks no longer hold a cached prefix."""
-        bs = self.runner.block_size
-        for c in chunks:
-            for b in range(c.ctx_len // bs, (c.ctx_len + len(c.token_ids) - 1) // bs + 1):
-                self._valid.pop(c.block_table[b], None)
-
     def _chain_levels(self, seqs: list[Sequence], ids: torch.Tensor, levels: int, temperature=None, noise=None):
         # Level d feeds its token at draft slot root + 1 + d, which is also its position: the levels
         # are a causal chunk of `levels` tokens after the root.
@@ -209,7 +195,7 @@ class DraftModelProposer(LevelDrafter):
             ForwardChunk([0] * levels, s.num_tokens - self.shift, s.block_table, levels, lora=s.lora_slot) for s in seqs
         ]
         batches = self.runner.prepare_levels(chunks)
-        self._overwrites(chunks)
+        self.cache.overwrites(chunks)
         if self.draft_vocab_size < self.vocab_size:
             ids = ids.clamp(max=self.draft_vocab_size - 1)
         self.num_forwards += levels
@@ -237,22 +223,7 @@ class DraftModelProposer(LevelDrafter):
 
     # -- prefix reuse ---------------------------------------------------------------------------
     def _skip_cached_prefix(self, seq: Sequence) -> None:
-        """Start catch-up after the leading full blocks whose draft KV is valid for their hash."""
-        bs = self.runner.block_size
-        n = seq.draft_num_computed // bs  # the blocks before are computed already
-        while n < len(seq.block_hashes) and self._valid.get(seq.block_table[n]) == seq.block_hashes[n]:
-            n += 1
-        n = min(n * bs, seq.num_tokens - 1 - self.shift)  # the root row is always fed
-        if n > seq.draft_num_computed:
-            seq.draft_num_computed = n
-
-    def _mark_valid(self, seq: Sequence) -> None:
-        """Record the full blocks whose draft KV is now computed, from where the last call stopped:
-        blocks before are final and never written again while the sequence holds them."""
-        end = min(len(seq.block_hashes), seq.draft_num_computed // self.runner.block_size)
-        for i in range(self._marked.get(seq.seq_id, 0), end):
-            self._valid[seq.block_table[i]] = seq.block_hashes[i]
-        self._marked[seq.seq_id] = max(end, self._marked.get(seq.seq_id, 0))
+        self.cache.skip_cached_prefix(seq)
 
 
 def load_draft_runner(config, target: ModelRunner, tokenizer, method: str) -> ModelRunner:

@@ -18,11 +18,9 @@ context's rows too). Chains, sampled trees and greedy EAGLE-2 trees (expand the 
 cumulative draft log-probability, keep the best ``budget``) are ``engine/speculative/levels.py``'s.
 Rows fed during drafting are never kept: the next catch-up rewrites them from the target's features.
 
-The target features a sequence has not yet caught up on wait on the device, at most
-:data:`MAX_PENDING_ROWS` per sequence: a sequence that does not draft for a long time (under load)
-catches up on its last rows only, and the head's older rows of it stay as they were (acceptance may
-drop a little; the output cannot change). Likewise the last row of a reused prefix-cache block was
-computed with the token that followed it when it was written.
+The target features a sequence has not yet caught up on wait on the device
+(``engine/speculative/features.py``, at most :data:`MAX_PENDING_ROWS` per sequence). The last row of
+a reused prefix-cache block was computed with the token that followed it when it was written.
 
 Checkpoints load in EAGLE-3's published layout (``config.json`` with ``draft_vocab_size``;
 ``model.safetensors`` or ``pytorch_model.bin`` with ``fc.weight``, ``midlayer.*``, ``norm.weight``,
@@ -56,6 +54,7 @@ from engine.runner.loader import (
 from engine.runner.model_runner import ForwardBatch, ForwardChunk, ModelRunner
 from engine.sampling.tree import DraftTree
 from engine.speculative.early_stop import early_stop_for
+from engine.speculative.features import PendingFeatures
 from engine.speculative.methods.draft_model import DraftModelProposer
 from engine.speculative.proposer import CostShape
 
@@ -433,7 +432,7 @@ class EagleProposer(DraftModelProposer):
         self.head: EagleHead = runner.model
         self.hidden_layers = aux_layers  # target layers whose outputs the head fuses
         self.draft_vocab_size = target_vocab  # it embeds target ids with the target's table
-        self._pending: dict[int, tuple[int, list[torch.Tensor]]] = {}  # seq_id → (first row, feature rows)
+        self._pending = PendingFeatures(MAX_PENDING_ROWS)
 
     @classmethod
     def build(cls, config, target: ModelRunner, *, tokenizer, eos_token_ids) -> EagleProposer:
@@ -472,28 +471,15 @@ class EagleProposer(DraftModelProposer):
 
     # -- the target's features, until the head catches up on them ------------------------------
     def on_computed(self, seq: Sequence, start: int, hidden: dict[int, torch.Tensor]) -> None:
-        rows = torch.cat([hidden[layer] for layer in self.hidden_layers], -1)
-        first, parts = self._pending.get(seq.seq_id, (start, []))
-        parts.append(rows)
-        total = sum(len(p) for p in parts)
-        if total > MAX_PENDING_ROWS:
-            parts = [torch.cat(parts)[total - MAX_PENDING_ROWS :]]
-            first += total - MAX_PENDING_ROWS
-        self._pending[seq.seq_id] = (first, parts)
+        self._pending.add(seq.seq_id, start, torch.cat([hidden[layer] for layer in self.hidden_layers], -1))
 
     def _skip_cached_prefix(self, seq: Sequence) -> None:
         super()._skip_cached_prefix(seq)
-        first = self._pending.get(seq.seq_id, (seq.draft_num_computed, []))[0]
+        first = self._pending.first(seq.seq_id, seq.draft_num_computed)
         seq.draft_num_computed = max(seq.draft_num_computed, first)  # rows before have no features left
 
     def _catch_up_state(self, seq: Sequence, start: int, n: int) -> torch.Tensor:
-        first, parts = self._pending.get(seq.seq_id, (start, []))
-        rows = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else None
-        if rows is None or first > start or first + len(rows) < start + n:
-            raise RuntimeError(f"EAGLE head: target features of rows {start}..{start + n} of {seq.seq_id} are missing")
-        taken, rest = rows[start - first : start - first + n], rows[start - first + n :]
-        self._pending[seq.seq_id] = (start + n, [rest] if len(rest) else [])
-        return taken
+        return self._pending.take(seq.seq_id, start, n, "EAGLE head")
 
     def _forward(self, batch: ForwardBatch, chunks: list[ForwardChunk], input_ids=None, hidden_in=None):
         if input_ids is None and hidden_in is not None:  # a catch-up: fuse the target's features
@@ -525,14 +511,12 @@ class EagleProposer(DraftModelProposer):
 
     def on_fork(self, parent: Sequence, child: Sequence) -> None:
         super().on_fork(parent, child)
-        if parent.seq_id in self._pending:
-            first, parts = self._pending[parent.seq_id]
-            self._pending[child.seq_id] = (first, list(parts))
+        self._pending.fork(parent.seq_id, child.seq_id)
 
     def on_preempt(self, seq: Sequence) -> None:
         super().on_preempt(seq)
-        self._pending.pop(seq.seq_id, None)
+        self._pending.drop(seq.seq_id)
 
     def on_free(self, seq: Sequence) -> None:
         super().on_free(seq)
-        self._pending.pop(seq.seq_id, None)
+        self._pending.drop(seq.seq_id)
