@@ -19,6 +19,7 @@ import httpx
 import openai
 import pytest
 import torch
+from test_dflash import write_dflash
 from test_eagle import write_eagle
 from test_medusa import write_heads as write_medusa
 from test_mtp import write_heads as write_mtp
@@ -209,10 +210,12 @@ def spec_configs(tmp_path: Path) -> dict[str, dict]:
         "medusa": {"speculative_method": "medusa", "draft_model": str(write_medusa(TARGET, tmp_path / "medusa"))},
         "eagle": {"speculative_method": "eagle", "draft_model": str(write_eagle(TARGET, tmp_path / "eagle"))},
         "mtp": {"speculative_method": "mtp", "draft_model": str(write_mtp(TARGET, tmp_path / "mtp"))},
+        "dflash": {"speculative_method": "dflash", "draft_model": str(write_dflash(TARGET, tmp_path / "dflash"))},
     }
 
 
-METHODS = ["draft", "draft-trees", "ouroboros", "ngram", "suffix", "lookahead", "layer-skip", "medusa", "eagle", "mtp"]
+METHODS = ["draft", "draft-trees", "ouroboros", "ngram", "suffix", "lookahead", "layer-skip"]
+METHODS += ["medusa", "eagle", "mtp", "dflash"]
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -177,10 +177,12 @@ def test_the_prefix_cache_never_crosses_adapters(llama_dir, adapters):
     assert again.stats.num_cached_prompt_tokens > 0
 
 
-@pytest.mark.parametrize("method", ["draft", "ngram", "suffix", "lookahead", "layer-skip", "eagle"])
+@pytest.mark.parametrize("method", ["draft", "ngram", "suffix", "lookahead", "layer-skip", "eagle", "dflash"])
 def test_every_proposer_is_greedy_exact_on_an_adapted_target(llama_dir, tokenizer_dir, adapters, tmp_path, method):
     """The draft (a base-model draft, n-grams, the suffix store, lookahead, the target's own skipped
-    layers, an EAGLE head) proposes; the adapted target verifies: its tokens stay the adapted model's."""
+    layers, an EAGLE head, a DFlash drafter) proposes; the adapted target verifies: its tokens stay the
+    adapted model's."""
+    from test_dflash import write_dflash
     from test_eagle import write_eagle
     from test_layer_skip import write_skip
 
@@ -193,6 +195,7 @@ def test_every_proposer_is_greedy_exact_on_an_adapted_target(llama_dir, tokenize
         ),
         "layer-skip": dict(layer_skip_config=write_skip(tmp_path, LayerSkip(frozenset({1}), frozenset()))),
         "eagle": dict(draft_model=str(write_eagle(llama_dir, tmp_path / "eagle")), spec_tree_topk=2),
+        "dflash": dict(draft_model=str(write_dflash(llama_dir, tmp_path / "dflash"))),
     }.get(method, {})
     ps = repetitive_prompts(4, seed=9)
     plain = make(llama_dir, adapters)

@@ -229,6 +229,7 @@ def test_a_rank_holds_half_of_each_expert():
 
 # -- speculating on a mixture -------------------------------------------------------------------------------
 def speculators(target: Path, root: Path, tokenizer_dir: Path) -> dict[str, dict]:
+    from test_dflash import write_dflash
     from test_eagle import write_eagle
     from test_layer_skip import write_skip
     from test_medusa import write_heads as medusa_heads
@@ -247,11 +248,12 @@ def speculators(target: Path, root: Path, tokenizer_dir: Path) -> dict[str, dict
         "lookahead": {},
         "layer-skip": dict(layer_skip_config=write_skip(root, LayerSkip(frozenset({2}), frozenset({2, 3})))),
         "eagle": dict(draft_model=str(write_eagle(target, root / "eagle")), spec_tree_topk=2),
+        "dflash": dict(draft_model=str(write_dflash(target, root / "dflash"))),
     }
 
 
 @pytest.mark.parametrize(
-    "method", ["draft", "ouroboros", "ngram", "suffix", "lookahead", "layer-skip", "medusa", "mtp", "eagle"]
+    "method", ["draft", "ouroboros", "ngram", "suffix", "lookahead", "layer-skip", "medusa", "mtp", "eagle", "dflash"]
 )
 def test_every_proposer_gives_the_plain_decoders_tokens(moe_dirs, tmp_path, tokenizer_dir, method):
     target = moe_dirs["Qwen3MoeForCausalLM"]

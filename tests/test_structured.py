@@ -15,6 +15,7 @@ import llguidance.hf
 import numpy as np
 import pytest
 import torch
+from test_dflash import write_dflash
 from test_eagle import write_eagle
 from test_medusa import write_heads as write_medusa
 from test_mtp import write_heads as write_mtp
@@ -135,6 +136,7 @@ METHODS = {
     "medusa": lambda target, tmp: {"draft_model": str(write_medusa(target, tmp / "medusa"))},
     "eagle": lambda target, tmp: {"draft_model": str(write_eagle(target, tmp / "eagle"))},
     "mtp": lambda target, tmp: {"draft_model": str(write_mtp(target, tmp / "mtp"))},
+    "dflash": lambda target, tmp: {"draft_model": str(write_dflash(target, tmp / "dflash"))},
 }
 
 

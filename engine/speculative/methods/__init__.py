@@ -16,6 +16,7 @@ from engine.speculative.proposer import Proposer
 # method name -> "module:class", the module a file of this folder
 BUILTIN: dict[str, str] = {
     "auto": "auto:AutoProposer",  # the lookups and any --draft-model, chosen per request and step
+    "dflash": "dflash:DFlashProposer",  # a block drafter on the target's features: a whole draft in one forward
     "draft": "draft_model:DraftModelProposer",  # a smaller model of the same family
     "eagle": "eagle:EagleProposer",  # an EAGLE-3 head on the target's hidden states, dynamic trees
     "layer-skip": "layer_skip:LayerSkipProposer",  # the target itself with sublayers skipped
