@@ -519,13 +519,14 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     cfg = TrainConfig(
         method=args.method,
         num_heads=args.num_heads,
-        num_layers=args.num_layers,
+        num_layers=args.num_layers or (2 if args.method == "dflash" else 1),
         gen_tokens=args.gen_tokens,
         steps=args.steps,
-        batch_size=args.batch_size or (512 if args.method == "eagle" else 256),
+        batch_size=args.batch_size or (512 if args.method in ("eagle", "dflash") else 256),
         lr=args.lr,
         unroll=args.unroll,
         draft_vocab=args.draft_vocab,
+        block_size=args.dflash_block,
     )
     report = train_draft(config, out, prompts, cfg, resume=args.resume)
     before, after = report["heldout_before"], report["heldout_after"]
@@ -843,21 +844,32 @@ def _tune_layer_skip_parser(sub, common: argparse.ArgumentParser) -> None:
 
 
 def _train_draft_parser(sub, common: argparse.ArgumentParser) -> None:
-    """``augur train-draft``: Medusa, EAGLE or MTP heads, self-distilled from the target."""
+    """``augur train-draft``: Medusa, EAGLE or MTP heads or a DFlash drafter, self-distilled from the target."""
     train = sub.add_parser(
         "train-draft",
         parents=[common],
-        help="train draft heads (medusa, eagle, mtp) on the target by self-distillation",
+        help="train drafters (medusa, eagle, mtp heads; a dflash block drafter) on the target by self-distillation",
     )
     add_engine_args(train)
-    train.add_argument("--method", default="medusa", choices=["medusa", "eagle", "mtp"])
+    train.add_argument("--method", default="medusa", choices=["medusa", "eagle", "mtp", "dflash"])
     train.add_argument(
         "--data", default=None, help="a .jsonl prompt file or a shipped set; default: the demo's training files"
     )
     train.add_argument("--num-prompts", type=int, default=256, help="prompts the target continues")
     train.add_argument("--gen-tokens", type=int, default=128, help="tokens generated per prompt (greedy and T=1)")
     train.add_argument("--num-heads", type=int, default=4, help="medusa, mtp: heads (the deepest draft)")
-    train.add_argument("--num-layers", type=int, default=1, help="medusa, mtp: residual blocks per head")
+    train.add_argument(
+        "--num-layers",
+        type=int,
+        default=None,
+        help="medusa, mtp: residual blocks per head (1); dflash: drafter layers (2)",
+    )
+    train.add_argument(
+        "--dflash-block",
+        type=int,
+        default=8,
+        help="dflash: block size (the root and N - 1 mask positions: the deepest draft)",
+    )
     train.add_argument("--unroll", type=int, default=3, help="eagle: steps per row, the later ones on its own outputs")
     train.add_argument(
         "--draft-vocab", type=int, default=0, help="eagle: a reduced draft vocabulary of N ids (0: the target's)"
@@ -867,7 +879,7 @@ def _train_draft_parser(sub, common: argparse.ArgumentParser) -> None:
         "--batch-size",
         type=int,
         default=None,
-        help="positions per step (eagle: rows of whole sequences); 256, eagle: 512",
+        help="positions per step (eagle, dflash: rows of whole sequences); 256, eagle and dflash: 512",
     )
     train.add_argument("--lr", type=float, default=1e-3)
     train.add_argument("--resume", action="store_true", help="continue from the output's checkpoint.pt")

@@ -1,4 +1,4 @@
-"""``augur train-draft --method medusa|eagle|mtp``: train draft heads on the target by self-distillation.
+"""``augur train-draft --method medusa|eagle|mtp|dflash``: train drafters on the target by self-distillation.
 
 The heads must predict what *the target* says, not what some corpus says, so the training text is
 the target's own: Augur generates continuations of the training prompts with the target (greedy and
@@ -26,6 +26,10 @@ first miss). Positions from the prompt's last token on are trained (where the he
   residual branches at zero, and ``fc`` picks the last layer's output, so it first guesses the next
   token too.
 
+- **dflash**: a block drafter (``engine/offline/train_dflash.py``): blocks ``[token t, MASK ...]`` at random
+  anchors, each mask row learning the target's distribution at its position from the fused features
+  of the rows before the anchor.
+
 Progress is checkpointed (``checkpoint.pt``) every ``save_every`` steps and at the end; ``--resume``
 continues from it. The output directory is what ``--draft-model`` serves (the method is recognised
 from its layout), with a ``report.json``: each depth's KL to the target and top-1 agreement with it on
@@ -39,7 +43,6 @@ import hashlib
 import json
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,29 +50,14 @@ from torch import nn
 
 from engine.config import EngineConfig
 from engine.models.llama import apply_rope
+from engine.offline.draft_training import TrainConfig, Trainer, kl_and_agreement
+from engine.offline.train_dflash import DFlashTrainer
 from engine.runner.loader import resolve_model_path
 from engine.speculative.methods.eagle import EagleHead
 from engine.speculative.methods.medusa import MedusaHeads
 from engine.speculative.methods.mtp import ChainedHeads
 
-METHODS = ("medusa", "eagle", "mtp")
-
-
-@dataclass
-class TrainConfig:
-    method: str = "medusa"
-    num_heads: int = 4  # medusa, mtp: draft depth
-    num_layers: int = 1  # medusa, mtp: residual blocks per head
-    gen_tokens: int = 128  # continuation length generated per prompt and temperature
-    steps: int = 1500
-    batch_size: int = 256  # positions per step (eagle: rows of whole sequences, packed)
-    lr: float = 1e-3
-    head_decay: float = 0.8  # loss weight of draft depth k: head_decay ** k
-    unroll: int = 3  # eagle: steps per row (1 + those on its own outputs)
-    draft_vocab: int = 0  # eagle: 0 = the target's whole vocabulary, else its most frequent ids
-    heldout_frac: float = 0.05
-    save_every: int = 200
-    seed: int = 0
+METHODS = ("medusa", "eagle", "mtp", "dflash")
 
 
 def self_distill_data(engine_config: EngineConfig, prompts: list[str], gen_tokens: int, progress: bool = True):
@@ -143,34 +131,7 @@ def usable_positions(starts: torch.Tensor, first: torch.Tensor, depth: int) -> t
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
 
 
-def kl_and_agreement(target_logp: torch.Tensor, logits: torch.Tensor, weight: torch.Tensor | None = None):
-    """KL(target || draft) averaged over rows (weighted: only rows with weight 1), and top-1 agreement."""
-    q = torch.log_softmax(logits.float(), -1)
-    kl = (target_logp.exp() * (target_logp - q)).sum(-1)
-    agree = (q.argmax(-1) == target_logp.argmax(-1)).float()
-    if weight is None:
-        return kl.mean(), agree.mean()
-    n = weight.sum().clamp_min(1)
-    return (kl * weight).sum() / n, (agree * weight).sum() / n
-
-
-class _Trainer:
-    """One method's heads, data split, batches and per-depth losses."""
-
-    def __init__(self, cache: dict, cfg: TrainConfig, g: torch.Generator, device: torch.device) -> None:
-        self.cache, self.cfg, self.g, self.device = cache, cfg, g, device
-        self.lm_head = cache["lm_head"].float().to(device)
-
-    def rows(self, name: str, rows: torch.Tensor, layer: int | None = None) -> torch.Tensor:
-        """Cached rows (host memory) on the training device, in float32."""
-        t = self.cache[name] if layer is None else self.cache[name][layer]
-        return t[rows].to(self.device).float()
-
-    def target_logp(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(self.rows("final", rows) @ self.lm_head.T, -1)
-
-
-class _PositionTrainer(_Trainer):
+class _PositionTrainer(Trainer):
     """Medusa and chained heads: independent positions, every depth's target row ahead of them."""
 
     def __init__(self, cache, cfg, g, device) -> None:
@@ -253,7 +214,7 @@ def eagle_layer_ids(num_layers: int) -> list[int]:
     return [min(2, num_layers), max(num_layers // 2, 1), num_layers]
 
 
-class EagleTrainer(_Trainer):
+class EagleTrainer(Trainer):
     def __init__(self, cache, cfg, g, device) -> None:
         from transformers import LlamaConfig
 
@@ -390,7 +351,7 @@ class EagleTrainer(_Trainer):
         self.module.save(out, eagle_layer_ids(self.cache["config"]["num_hidden_layers"]), extra)
 
 
-TRAINERS = {"medusa": MedusaTrainer, "mtp": MTPTrainer, "eagle": EagleTrainer}
+TRAINERS = {"medusa": MedusaTrainer, "mtp": MTPTrainer, "eagle": EagleTrainer, "dflash": DFlashTrainer}
 
 
 def cache_layers(method: str, config: dict) -> list[int]:

@@ -1,0 +1,191 @@
+"""``augur train-draft --method dflash``: a DFlash block drafter (engine/speculative/methods/dflash.py)
+self-distilled from the target, on the cache ``engine/offline/train_draft.py`` builds.
+
+A training block is what serving drafts: an *anchor* row ``t`` of a sequence (from its last prompt
+token on), the block ``[token t, MASK x (B - 1)]`` at positions ``t .. t + B - 1``, whose rows attend to
+the fused target features of every row of the sequence before ``t`` and to all of the block; block row
+``k`` learns the target's distribution of token ``t + k`` (its final hidden state at row ``t + k - 1``),
+by KL, depth ``k`` weighted ``head_decay ** (k - 1)``. ``anchors`` random anchors per sequence and step,
+their blocks side by side, never seeing each other. The embedding (the mask token's row too) and the
+output layer are the target's and stay frozen, as in the published drafters; the drafter's final norm
+starts as the target's, its layers at random with their residual branches at zero.
+
+The target layers read: up to three, spread from layer 1 to the last (:func:`feature_layers`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import LlamaConfig
+
+from engine.models.llama import apply_rope
+from engine.offline.draft_training import Trainer, kl_and_agreement
+from engine.speculative.methods.dflash import DFlashDrafter
+
+
+def feature_layers(num_layers: int) -> list[int]:
+    """The target's decoder layers (0-based) a trained drafter fuses: layer 1, the middle and the last."""
+    return sorted({min(1, num_layers - 1), num_layers // 2, num_layers - 1})
+
+
+def mask_token(config: dict) -> int:
+    """The id whose (frozen) embedding fills the block's mask positions: the padding token where the
+    target has one (it never appears in text the target reads), else the last id."""
+    pad = config.get("pad_token_id")
+    return int(pad) if isinstance(pad, int) and 0 <= pad < config["vocab_size"] else config["vocab_size"] - 1
+
+
+class DFlashTrainer(Trainer):
+    def __init__(self, cache, cfg, g, device) -> None:
+        super().__init__(cache, cfg, g, device)
+        if cfg.block_size < 2:
+            raise ValueError("a DFlash block needs at least 2 positions (its root and a mask)")
+        tc = cache["config"]
+        self.ids = feature_layers(tc["num_hidden_layers"])
+        self.mask_id = mask_token(tc)
+        seqs = torch.randperm(len(cache["first"]), generator=g)
+        n_held = max(1, int(len(seqs) * cfg.heldout_frac))
+        self.held_seqs, self.train_seqs = seqs[:n_held], seqs[n_held:]
+        keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+        layer = {k: tc[k] for k in keep if tc.get(k) is not None}
+        rope = tc.get("rope_parameters") or {"rope_type": "default", "rope_theta": tc.get("rope_theta", 10000.0)}
+        layer.update(
+            rms_norm_eps=tc.get("rms_norm_eps", 1e-6),
+            hidden_act=tc.get("hidden_act", "silu"),
+            max_position_embeddings=tc.get("max_position_embeddings", 2048),
+            rope_parameters=rope,
+            vocab_size=tc["vocab_size"],
+            num_hidden_layers=max(cfg.num_layers, 1),
+        )
+        h = tc["hidden_size"]
+        embed = nn.Embedding.from_pretrained(cache["embed"].float(), freeze=True)
+        lm_head = self.lm_head
+        self.module = DFlashDrafter(
+            LlamaConfig(**layer), len(self.ids), h, embed, lambda x: x @ lm_head.T, layer["max_position_embeddings"]
+        )
+        with torch.no_grad():
+            for p in self.module.parameters():
+                if p.requires_grad and p.dim() > 1:
+                    nn.init.normal_(p, 0.0, 0.02)
+            for block in self.module.layers:  # residual branches start at zero
+                block.self_attn.o_proj.weight.zero_()
+                block.mlp.down_proj.weight.zero_()
+            self.module.norm.weight.copy_(cache["norm"])
+        self.module.to(device)
+        self.module.init_rope()
+
+    @staticmethod
+    def layers_for(config: dict) -> list[int]:
+        return feature_layers(config["num_hidden_layers"])
+
+    # -- batches --------------------------------------------------------------------------------
+    def _pack_under(self, order: torch.Tensor, budget: int) -> list[torch.Tensor]:
+        packs, cur, rows = [], [], 0
+        lengths = self.cache["starts"][1:] - self.cache["starts"][:-1]
+        for s in order.tolist():
+            if cur and rows + int(lengths[s]) > budget:
+                packs.append(torch.tensor(cur))
+                cur, rows = [], 0
+            cur.append(s)
+            rows += int(lengths[s])
+        if cur:
+            packs.append(torch.tensor(cur))
+        return packs
+
+    def _pack(self, seqs: torch.Tensor, g: torch.Generator) -> dict:
+        """Whole sequences' rows (the context) and ``anchors`` blocks in each."""
+        c, B = self.cache, self.cfg.block_size
+        rows, doc, pos, anchors = [], [], [], []
+        for d, s in enumerate(seqs.tolist()):
+            a, b, f = int(c["starts"][s]), int(c["starts"][s + 1]), int(c["first"][s])
+            rows.append(torch.arange(a, b))
+            doc.append(torch.full((b - a,), d))
+            pos.append(torch.arange(b - a))
+            usable = torch.arange(f, b - 1)  # an anchor with at least one token after it
+            if len(usable):
+                pick = usable[torch.randperm(len(usable), generator=g)[: self.cfg.anchors]]
+                anchors += [(d, int(t), a, b) for t in pick]
+        rows, doc, pos = torch.cat(rows), torch.cat(doc), torch.cat(pos)
+        feats = torch.cat([self.rows("layers", rows, i) for i in self.ids], -1)
+        n = len(anchors)
+        block_ids = torch.full((n, B), self.mask_id, dtype=torch.long)
+        block_pos = torch.zeros(n, B, dtype=torch.long)
+        block_doc = torch.zeros(n, dtype=torch.long)
+        target_rows = torch.zeros(n, B - 1, dtype=torch.long)
+        weight = torch.zeros(n, B - 1)
+        for i, (d, t, a, b) in enumerate(anchors):
+            block_ids[i, 0] = c["tokens"][t]
+            block_pos[i] = torch.arange(t - a, t - a + B)
+            block_doc[i] = d
+            k = torch.arange(1, B)
+            valid = t + k < b
+            target_rows[i] = torch.where(valid, t + k - 1, t)
+            weight[i] = valid.float()
+        dev = self.device
+        return {
+            "feats": feats,
+            "doc": doc.to(dev),
+            "pos": pos.to(dev),
+            "block_ids": block_ids.to(dev),
+            "block_pos": block_pos.to(dev),
+            "block_doc": block_doc.to(dev),
+            "target_rows": target_rows,
+            "weight": weight.to(dev),
+        }
+
+    def batch(self) -> dict:
+        order = self.train_seqs[torch.randperm(len(self.train_seqs), generator=self.g)]
+        return self._pack(self._pack_under(order, self.cfg.batch_size)[0], self.g)
+
+    def held_batches(self) -> list[dict]:
+        g = torch.Generator().manual_seed(self.cfg.seed + 1)  # the same held-out blocks before and after
+        return [self._pack(p, g) for p in self._pack_under(self.held_seqs, self.cfg.batch_size)]
+
+    # -- the loss -------------------------------------------------------------------------------
+    def losses(self, b: dict):
+        m, B = self.module, self.cfg.block_size
+        n, T = b["block_ids"].shape[0], len(b["pos"])
+        # block row (i, j) sees context rows of its sequence before its anchor, and all of its own block
+        sees_ctx = (b["block_doc"][:, None] == b["doc"][None, :]) & (b["pos"][None, :] < b["block_pos"][:, :1])
+        sees_ctx = sees_ctx[:, None, :].expand(n, B, T).reshape(n * B, T)
+        own = torch.arange(n, device=self.device).repeat_interleave(B)
+        sees_block = own[:, None] == own[None, :]
+        visible = torch.cat([sees_ctx, sees_block], -1)  # [nB, T + nB]
+        ctx = m.fuse(b["feats"])
+        x = m.embed_tokens(b["block_ids"].reshape(-1))
+        bpos = b["block_pos"].reshape(-1)
+        for layer in m.layers:
+            a = layer.self_attn
+            H, Hkv, D = a.num_heads, a.num_kv_heads, a.head_dim
+            h = layer.input_layernorm(x)
+
+            def qkv(src, positions, a=a, H=H, Hkv=Hkv, D=D):
+                q, k, v = a.qkv_proj(src).split([a.q_size, a.kv_size, a.kv_size], -1)
+                q, k = q.view(len(src), H, D), k.view(len(src), Hkv, D)
+                if a.q_norm is not None:
+                    q, k = a.q_norm(q), a.k_norm(k)
+                cos, sin = m.rope_cos[positions].unsqueeze(1), m.rope_sin[positions].unsqueeze(1)
+                return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.view(len(src), Hkv, D)
+
+            q, kb, vb = qkv(h, bpos)
+            _, kc, vc = qkv(ctx, b["pos"])
+            k = torch.cat([kc, kb]).repeat_interleave(H // Hkv, 1)
+            v = torch.cat([vc, vb]).repeat_interleave(H // Hkv, 1)
+            scores = torch.einsum("qhd,khd->hqk", q, k) * a.scale
+            w = scores.masked_fill(~visible[None], float("-inf")).softmax(-1)
+            o = torch.einsum("hqk,khd->qhd", w, v).reshape(len(h), H * D)
+            x = x + a.o_proj(o)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        logits = m.compute_logits(m.norm(x)).view(n, B, -1)
+        out = []
+        for j in range(1, B):  # block row j drafts token t + j: the target's distribution at row t + j - 1
+            target = self.target_logp(b["target_rows"][:, j - 1])
+            out.append(kl_and_agreement(target, logits[:, j], b["weight"][:, j - 1]))
+        return out
+
+    def save(self, out: Path, extra: dict) -> None:
+        L = self.cache["config"]["num_hidden_layers"]
+        self.module.save(out, self.ids, self.cfg.block_size, self.mask_id, L, extra)
