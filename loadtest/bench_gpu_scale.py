@@ -18,6 +18,9 @@ so (engine/models/fused.py).
   head at the target's shape (one decoder layer over three fused target features, a 32,000-token draft
   vocabulary): a level forward (one token per sequence) and a catch-up (two, the EAGLE head's through
   its feature projection ``fc`` too);
+  and a DFlash block drafter at the published 8B drafter's proportions (``DFLASH_LAYERS`` layers at the
+  target's width over ``DFLASH_FEATURES`` fused target layers): one forward of a 16-row block after two
+  context rows per sequence, which drafts up to 15 tokens (its "catch-up"; it has no level forward);
 * **speculation from those costs**: a chain of depth ``k`` costs one catch-up, ``k - 1`` level forwards
   and one verify, and yields ``(1 - alpha^(k+1)) / (1 - alpha)`` tokens per sequence when each drafted
   token is accepted with probability ``alpha``: its tokens/s over plain decoding's at the same batch;
@@ -49,6 +52,7 @@ from engine.runner.loader import fused_ops_serve
 from engine.runner.model_runner import ForwardChunk, ModelRunner
 from engine.sampling.tree import tree_layout
 from engine.speculative.controller import CostModel, SpecController
+from engine.speculative.methods.dflash import DFlashDrafter
 from engine.speculative.methods.eagle import EagleHead
 from engine.speculative.proposer import CostShape, Proposer
 from loadtest.bench_gpu import (
@@ -67,6 +71,7 @@ from loadtest.bench_gpu import (
 
 EAGLE_DRAFT_VOCAB = 32000  # EAGLE-3's published heads for Llama-3.1-8B draft over 32k target tokens
 EAGLE_FEATURES = 3
+DFLASH_LAYERS, DFLASH_FEATURES, DFLASH_BLOCK = 5, 5, 16  # z-lab's Qwen3-8B drafter: 5 layers over 5 target layers
 
 
 def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
@@ -193,6 +198,48 @@ def eagle_head(target_config, device, dtype, max_positions: int) -> tuple[EagleH
         head.d2t.zero_()
     head.init_buffers()
     return head.eval(), cfg
+
+
+def dflash_drafter(target_config, device, dtype, max_positions: int) -> tuple[DFlashDrafter, object]:
+    """A DFlash drafter at the target's width with random weights, on ``device``, with an output layer
+    of the target's vocabulary (the served drafter reads out with the target's)."""
+    cfg = transformers.LlamaConfig(
+        vocab_size=target_config.vocab_size, hidden_size=target_config.hidden_size,
+        intermediate_size=target_config.intermediate_size,
+        num_hidden_layers=min(DFLASH_LAYERS, target_config.num_hidden_layers),
+        num_attention_heads=target_config.num_attention_heads, num_key_value_heads=target_config.num_key_value_heads,
+        max_position_embeddings=max_positions, rope_parameters=getattr(target_config, "rope_parameters", None),
+    )  # fmt: skip
+    with torch.device("meta"):
+        embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        drafter = DFlashDrafter(cfg, DFLASH_FEATURES, cfg.hidden_size, embed, None, max_positions)
+        drafter.lm_head = lm_head
+    drafter = drafter.to_empty(device=device).to(dtype)
+    drafter.head = lambda h: drafter.lm_head(h).float()
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_(0.0, 0.02, generator=g) if p.dim() > 1 else p.fill_(1.0)
+    drafter.init_rope()
+    return drafter.eval(), cfg
+
+
+def block_costs(runner, batch_sizes, context, blocks_each, repeats, features: int) -> dict:
+    """A DFlash drafter's one forward per step: two context rows (their fused features as input) and a
+    block of ``DFLASH_BLOCK`` rows per sequence, seconds per batch size, as its catch-up (no level)."""
+    out = {"level": {}, "catch_up": {}}
+    q = 2 + DFLASH_BLOCK
+    mask = torch.ones(q, q, dtype=torch.bool)
+    mask[:2, 2:] = False
+    for B in batch_sizes:
+        chunks = [ForwardChunk([-1, -1] + [5] * DFLASH_BLOCK, context, t, DFLASH_BLOCK - 1, tree_mask=mask)
+                  for t in tables(B, blocks_each)]  # fmt: skip
+        batch = runner.prepare(chunks)
+        feats = torch.randn(batch.num_tokens, features, device=runner.device, dtype=runner.dtype)
+        out["catch_up"][B] = timed(lambda b=batch, f=feats: runner.execute(b, hidden_in=f), runner.device, repeats)
+        out["level"][B] = 0.0
+    return out
 
 
 def step_costs(runner, batch_sizes, depths, context, blocks_each, repeats, prefill: int) -> dict:
@@ -374,6 +421,16 @@ def run(args) -> dict:
         return drafter_costs(hruns, spec_batches, args.context, blocks_each, args.repeats, feature_in)
 
     drafters["eagle-3 head"] = section("eagle head", eagle)
+
+    def dflash():
+        drafter, cfg = dflash_drafter(model_config(args.shape, positions), device, dtype, positions)
+        druns = ModelRunner(drafter, cfg, device, dtype, BLOCK, attention_backend="auto",
+                            cuda_graph_max_seqs=max(spec_batches) if graphs else 0)  # fmt: skip
+        druns.allocate_kv(num_blocks)
+        fill_pool(druns)
+        return block_costs(druns, spec_batches, args.context, blocks_each, args.repeats, cfg.hidden_size)
+
+    drafters["dflash drafter"] = section("dflash drafter", dflash)
     report["drafters"] = {}
     report["speculation"] = {}
     for name, d in drafters.items():

@@ -69,7 +69,8 @@ def test_kernel_profile_by_width(tmp_path, capsys):
 
 def test_batch_scale_benchmark_runs_and_reports(tmp_path):
     """``loadtest.bench_gpu_scale`` on toy shapes: the decode by batch size against its bounds, a prefill,
-    both drafters' steps, the speculation table from them and the serving controller's depth beside it."""
+    the drafters' steps (a DFlash block's one forward among them), the speculation table from them and
+    the serving controller's depth beside it."""
     from loadtest import bench_gpu_scale
 
     out = tmp_path / "scale.json"
@@ -87,7 +88,8 @@ def test_batch_scale_benchmark_runs_and_reports(tmp_path):
         assert b["memory_bound_ms"] > 0 and b["compute_bound_ms"] > 0
     assert r["batches"][1]["compute_bound_ms"] == pytest.approx(2 * r["batches"][0]["compute_bound_ms"])
     assert r["prefill"]["tokens"] == 48 and r["prefill"]["ms"] > 0
-    assert set(r["drafters"]) == {"tiny-draft", "eagle-3 head"}
+    assert set(r["drafters"]) == {"tiny-draft", "eagle-3 head", "dflash drafter"}
+    assert set(r["drafters"]["dflash drafter"]["level"].values()) == {0.0}  # a block in one forward
     for name, rows in r["speculation"].items():
         assert {(x["batch"], x["alpha"]) for x in rows} == {(1, 0.6), (1, 0.95), (2, 0.6), (2, 0.95)}
         d = r["drafters"][name]
