@@ -60,7 +60,8 @@ workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-4} -
     tests/test_kv_cache_fp8.py::test_the_triton_kernel_reads_fp8_tiles tests/test_fp8_weights.py::test_the_layer_on_a_gpu_is_the_w8a8_product \
     tests/test_quantized_checkpoints.py::test_int4_checkpoint_groups_on_a_gpu \
     tests/test_lora.py::test_the_gpu_kernels_gather_each_rows_own_adapter_and_rows_stay_independent \
-    tests/test_lora.py::test_the_engine_on_the_gpu_kernels_matches_peft_and_a_mixed_batch 2>&1 | tee "$OUT/tests.log"
+    tests/test_lora.py::test_the_engine_on_the_gpu_kernels_matches_peft_and_a_mixed_batch \
+    tests/test_dflash.py::test_exact_through_graphs_on_gpu 2>&1 | tee "$OUT/tests.log"
 [[ $stages == *" waits "* ]] && timeout "${WAITS_TIMEOUT:-180}" python3 -m loadtest.device_waits --device cuda \
     --output-md "$OUT/waits.md" 2>&1 | tee "$OUT/waits.log"
 if [[ $stages == *" served "* ]]; then

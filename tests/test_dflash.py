@@ -264,3 +264,26 @@ def test_self_distillation_accepts_more_than_the_untrained_start(target, tmp_pat
     cfg = TrainConfig(method="dflash", num_layers=1, block_size=4, gen_tokens=40, steps=300, batch_size=512,
                       lr=3e-3, save_every=300, anchors=16)  # fmt: skip
     check_training_beats_start(target, tmp_path, cfg, depths=cfg.block_size - 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("topk", [1, 2], ids=["chains", "trees"])
+def test_exact_through_graphs_on_gpu(target, tmp_path, topk):
+    """As served on a GPU: the drafter's one forward replays a captured graph (context rows, the block
+    and their features in static buffers) on the triton backend, and greedy output stays the plain
+    decoder's."""
+    from engine.config import EngineConfig
+    from engine.core.llm_engine import LLMEngine
+
+    d = write_dflash(target, tmp_path / "dflash")
+
+    def engine(**kw):
+        return LLMEngine(EngineConfig(model=str(target), device="cuda", dtype="float32", block_size=4, **kw))
+
+    ps = repetitive_prompts(8, seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, num_draft_tokens=6)
+    plain = [o.outputs[0].delta_token_ids for o in engine(num_kv_blocks=256).generate(ps, params)]
+    eng = engine(draft_model=str(d), spec_tree_topk=topk, num_kv_blocks=64, max_num_batched_tokens=64)
+    assert eng.proposer.runner.graphs is not None and eng.proposer.runner.attention_backend == "triton"
+    assert [o.outputs[0].delta_token_ids for o in eng.generate(ps, params)] == plain
+    assert eng.spec_stats.num_drafts > 0
