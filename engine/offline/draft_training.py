@@ -52,3 +52,58 @@ class Trainer:
 
     def target_logp(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(self.rows("final", rows) @ self.lm_head.T, -1)
+
+
+class SequenceTrainer(Trainer):
+    """A trainer over whole sequences, packed (the EAGLE head, the DFlash drafter): a share of the
+    sequences held out, the rest drawn in packs of about ``batch_size`` rows."""
+
+    def __init__(self, cache: dict, cfg: TrainConfig, g: torch.Generator, device: torch.device) -> None:
+        super().__init__(cache, cfg, g, device)
+        seqs = torch.randperm(len(cache["first"]), generator=g)
+        n_held = max(1, int(len(seqs) * cfg.heldout_frac))
+        self.held_seqs, self.train_seqs = seqs[:n_held], seqs[n_held:]
+
+    def _pack_under(self, order: torch.Tensor, budget: int) -> list[torch.Tensor]:
+        """Split sequences into packs of about ``budget`` rows."""
+        packs, cur, rows = [], [], 0
+        lengths = self.cache["starts"][1:] - self.cache["starts"][:-1]
+        for s in order.tolist():
+            if cur and rows + int(lengths[s]) > budget:
+                packs.append(torch.tensor(cur))
+                cur, rows = [], 0
+            cur.append(s)
+            rows += int(lengths[s])
+        if cur:
+            packs.append(torch.tensor(cur))
+        return packs
+
+    def layer_config(self, num_layers: int):
+        """A ``LlamaConfig`` of ``num_layers`` drafter layers at the target's shape and RoPE."""
+        from transformers import LlamaConfig
+
+        tc = self.cache["config"]
+        keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+        layer = {k: tc[k] for k in keep if tc.get(k) is not None}
+        rope = tc.get("rope_parameters") or {"rope_type": "default", "rope_theta": tc.get("rope_theta", 10000.0)}
+        layer.update(
+            rms_norm_eps=tc.get("rms_norm_eps", 1e-6),
+            hidden_act=tc.get("hidden_act", "silu"),
+            max_position_embeddings=tc.get("max_position_embeddings", 2048),
+            rope_parameters=rope,
+            vocab_size=tc["vocab_size"],
+            num_hidden_layers=num_layers,
+        )
+        return LlamaConfig(**layer)
+
+    @staticmethod
+    @torch.no_grad()
+    def start(module: torch.nn.Module) -> None:
+        """Random trainable matrices, and every decoder layer's residual branches at zero (its output
+        projections): a drafter first passes its input through."""
+        for p in module.parameters():
+            if p.requires_grad and p.dim() > 1:
+                torch.nn.init.normal_(p, 0.0, 0.02)
+        for layer in module.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()

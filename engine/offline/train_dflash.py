@@ -19,10 +19,9 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import LlamaConfig
 
 from engine.models.llama import apply_rope
-from engine.offline.draft_training import Trainer, kl_and_agreement
+from engine.offline.draft_training import SequenceTrainer, kl_and_agreement
 from engine.speculative.methods.dflash import DFlashDrafter
 
 
@@ -38,7 +37,7 @@ def mask_token(config: dict) -> int:
     return int(pad) if isinstance(pad, int) and 0 <= pad < config["vocab_size"] else config["vocab_size"] - 1
 
 
-class DFlashTrainer(Trainer):
+class DFlashTrainer(SequenceTrainer):
     def __init__(self, cache, cfg, g, device) -> None:
         super().__init__(cache, cfg, g, device)
         if cfg.block_size < 2:
@@ -46,33 +45,14 @@ class DFlashTrainer(Trainer):
         tc = cache["config"]
         self.ids = feature_layers(tc["num_hidden_layers"])
         self.mask_id = mask_token(tc)
-        seqs = torch.randperm(len(cache["first"]), generator=g)
-        n_held = max(1, int(len(seqs) * cfg.heldout_frac))
-        self.held_seqs, self.train_seqs = seqs[:n_held], seqs[n_held:]
-        keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
-        layer = {k: tc[k] for k in keep if tc.get(k) is not None}
-        rope = tc.get("rope_parameters") or {"rope_type": "default", "rope_theta": tc.get("rope_theta", 10000.0)}
-        layer.update(
-            rms_norm_eps=tc.get("rms_norm_eps", 1e-6),
-            hidden_act=tc.get("hidden_act", "silu"),
-            max_position_embeddings=tc.get("max_position_embeddings", 2048),
-            rope_parameters=rope,
-            vocab_size=tc["vocab_size"],
-            num_hidden_layers=max(cfg.num_layers, 1),
-        )
-        h = tc["hidden_size"]
         embed = nn.Embedding.from_pretrained(cache["embed"].float(), freeze=True)
         lm_head = self.lm_head
+        config = self.layer_config(max(cfg.num_layers, 1))
         self.module = DFlashDrafter(
-            LlamaConfig(**layer), len(self.ids), h, embed, lambda x: x @ lm_head.T, layer["max_position_embeddings"]
+            config, len(self.ids), tc["hidden_size"], embed, lambda x: x @ lm_head.T, config.max_position_embeddings
         )
+        self.start(self.module)
         with torch.no_grad():
-            for p in self.module.parameters():
-                if p.requires_grad and p.dim() > 1:
-                    nn.init.normal_(p, 0.0, 0.02)
-            for block in self.module.layers:  # residual branches start at zero
-                block.self_attn.o_proj.weight.zero_()
-                block.mlp.down_proj.weight.zero_()
             self.module.norm.weight.copy_(cache["norm"])
         self.module.to(device)
         self.module.init_rope()
@@ -82,19 +62,6 @@ class DFlashTrainer(Trainer):
         return feature_layers(config["num_hidden_layers"])
 
     # -- batches --------------------------------------------------------------------------------
-    def _pack_under(self, order: torch.Tensor, budget: int) -> list[torch.Tensor]:
-        packs, cur, rows = [], [], 0
-        lengths = self.cache["starts"][1:] - self.cache["starts"][:-1]
-        for s in order.tolist():
-            if cur and rows + int(lengths[s]) > budget:
-                packs.append(torch.tensor(cur))
-                cur, rows = [], 0
-            cur.append(s)
-            rows += int(lengths[s])
-        if cur:
-            packs.append(torch.tensor(cur))
-        return packs
-
     def _pack(self, seqs: torch.Tensor, g: torch.Generator) -> dict:
         """Whole sequences' rows (the context) and ``anchors`` blocks in each."""
         c, B = self.cache, self.cfg.block_size

@@ -50,7 +50,7 @@ from torch import nn
 
 from engine.config import EngineConfig
 from engine.models.llama import apply_rope
-from engine.offline.draft_training import TrainConfig, Trainer, kl_and_agreement
+from engine.offline.draft_training import SequenceTrainer, TrainConfig, Trainer, kl_and_agreement
 from engine.offline.train_dflash import DFlashTrainer
 from engine.runner.loader import resolve_model_path
 from engine.speculative.methods.eagle import EagleHead
@@ -214,27 +214,11 @@ def eagle_layer_ids(num_layers: int) -> list[int]:
     return [min(2, num_layers), max(num_layers // 2, 1), num_layers]
 
 
-class EagleTrainer(Trainer):
+class EagleTrainer(SequenceTrainer):
     def __init__(self, cache, cfg, g, device) -> None:
-        from transformers import LlamaConfig
-
         super().__init__(cache, cfg, g, device)
         tc = cache["config"]
         self.ids = eagle_layer_ids(tc["num_hidden_layers"])
-        seqs = torch.randperm(len(cache["first"]), generator=g)
-        n_held = max(1, int(len(seqs) * cfg.heldout_frac))
-        self.held_seqs, self.train_seqs = seqs[:n_held], seqs[n_held:]
-        keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
-        layer = {k: tc[k] for k in keep if tc.get(k) is not None}
-        rope = tc.get("rope_parameters") or {"rope_type": "default", "rope_theta": tc.get("rope_theta", 10000.0)}
-        layer.update(
-            rms_norm_eps=tc.get("rms_norm_eps", 1e-6),
-            hidden_act=tc.get("hidden_act", "silu"),
-            max_position_embeddings=tc.get("max_position_embeddings", 2048),
-            rope_parameters=rope,
-            vocab_size=tc["vocab_size"],
-            num_hidden_layers=1,
-        )
         V = tc["vocab_size"]
         if cfg.draft_vocab and cfg.draft_vocab < V:  # the most frequent ids of the target's continuations
             counts = torch.bincount(cache["tokens"], minlength=V)
@@ -243,14 +227,10 @@ class EagleTrainer(Trainer):
             self.draft_ids = torch.arange(V)
         dv, h = len(self.draft_ids), tc["hidden_size"]
         embed = nn.Embedding.from_pretrained(cache["embed"].float(), freeze=True)
-        self.module = EagleHead(LlamaConfig(**layer), len(self.ids), h, dv, embed, layer["max_position_embeddings"])
+        config = self.layer_config(1)
+        self.module = EagleHead(config, len(self.ids), h, dv, embed, config.max_position_embeddings)
+        self.start(self.module)
         with torch.no_grad():
-            for p in self.module.parameters():
-                if p.requires_grad and p.dim() > 1:
-                    nn.init.normal_(p, 0.0, 0.02)
-            layer0 = self.module.layers[0]
-            layer0.self_attn.o_proj.weight.zero_()  # residual branches start at zero
-            layer0.mlp.down_proj.weight.zero_()
             self.module.fc.weight.zero_()
             self.module.fc.weight[:, -h:].copy_(torch.eye(h))  # the last feature layer passes through
             self.module.norm.weight.copy_(cache["norm"])
@@ -285,20 +265,6 @@ class EagleTrainer(Trainer):
             nxt = torch.where(rows + 1 + j < end, rows + 1 + j, rows)
             steps.append((c["tokens"][nxt].to(dev), nxt, valid.float().to(dev)))
         return {"feats": feats, "doc": doc.to(dev), "pos": pos.to(dev), "steps": steps}
-
-    def _pack_under(self, order: torch.Tensor, budget: int) -> list[torch.Tensor]:
-        """Split sequences into packs of about ``budget`` rows."""
-        packs, cur, rows = [], [], 0
-        lengths = self.cache["starts"][1:] - self.cache["starts"][:-1]
-        for s in order.tolist():
-            if cur and rows + int(lengths[s]) > budget:
-                packs.append(torch.tensor(cur))
-                cur, rows = [], 0
-            cur.append(s)
-            rows += int(lengths[s])
-        if cur:
-            packs.append(torch.tensor(cur))
-        return packs
 
     def batch(self) -> dict:
         order = self.train_seqs[torch.randperm(len(self.train_seqs), generator=self.g)]
