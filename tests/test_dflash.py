@@ -212,14 +212,15 @@ def test_the_block_is_never_longer_than_the_checkpoints(target, tmp_path):
     assert 0 < eng.spec_stats.num_draft_tokens <= 3 * eng.spec_stats.num_drafts
 
 
-def test_sampling_keeps_the_targets_distribution(small_vocab_pair, tmp_path, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("topk", [1, 2], ids=["chains", "sampled-trees"])
+def test_sampling_keeps_the_targets_distribution(small_vocab_pair, tmp_path, monkeypatch, topk):  # noqa: F811
     target_dir, _ = small_vocab_pair
     d = write_dflash(target_dir, tmp_path / "dflash", layers=(0, 1), std=0.5, mask_token_id=2)
     params = SamplingParams(temperature=0.9, top_k=6, max_tokens=4, ignore_eos=True, num_draft_tokens=3)
     prompt = [0, 3, 4, 5]
     n = 12_800
     expected = exact_joint(target_dir, prompt, params)
-    kw = dict(draft_model=str(d))
+    kw = dict(draft_model=str(d), spec_tree_topk=topk)
     stat, dof = g_statistic(samples(target_dir, params, prompt, n, "dflash", **kw), expected, n)
     assert stat < g_test_threshold(dof), f"G={stat:.1f} dof={dof}"
     # A wrong rule: after a rejection, sample from p again, not from the residual.

@@ -40,6 +40,21 @@ from engine.speculative.early_stop import EarlyStop, draft_confidence
 from engine.speculative.proposer import ProposeContext, Proposer
 
 
+def draw_siblings(q: torch.Tensor, noise: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k`` distinct tokens drawn without replacement from each row of ``q`` ``[A, V]`` by the exponential
+    race against ``noise`` (Exp(1), ``[A, V]``): the tokens ``[A, k]`` in the order drawn, and the
+    distribution each was really drawn from ``[A, k, V]`` (``q`` without the earlier ones, renormalized),
+    which recursive rejection sampling divides by."""
+    order = (q / noise).topk(k, dim=-1).indices  # [A, k]
+    taken = torch.zeros_like(q, dtype=torch.bool)
+    qs = []
+    for i in range(k):
+        qi = q.masked_fill(taken, 0.0)
+        qs.append(qi / qi.sum(-1, keepdim=True).clamp_min(1e-30))
+        taken.scatter_(1, order[:, i : i + 1], True)
+    return order, torch.stack(qs, 1)
+
+
 def _rows(state: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
     return None if state is None else state[idx]
 
@@ -302,15 +317,7 @@ class LevelDrafter(Proposer):
         if k == 1:
             order = (q if mdl.all_greedy else q / exponential_noise(q, noise)).argmax(-1, keepdim=True)
             return rows, cur, order, q[:, None], state
-        # k distinct siblings, and the distribution each was drawn from
-        order = (q / exponential_noise(q, noise)).topk(k, dim=-1).indices  # [A, k]
-        taken = torch.zeros_like(q, dtype=torch.bool)
-        qs = []
-        for i in range(k):
-            qi = q.masked_fill(taken, 0.0)
-            qs.append(qi / qi.sum(-1, keepdim=True).clamp_min(1e-30))
-            taken.scatter_(1, order[:, i : i + 1], True)
-        return rows, cur, order, torch.stack(qs, 1), state
+        return rows, cur, *draw_siblings(q, exponential_noise(q, noise), k), state
 
     def _greedy_trees(
         self, seqs: list[Sequence], depths: list[int], logits: torch.Tensor, state: torch.Tensor | None

@@ -31,8 +31,9 @@ and overwritten by the next catch-up, so only the target's features ever stay in
 Verification: a chain of the argmax at each mask row for greedy requests, or with ``--spec-tree-topk
 K`` a tree of each position's best ``K`` grown best-first by their product (every node of a level has
 the same candidates, as Medusa's); sampled requests draw each position from the drafter's
-distribution ``q_j`` there (shaped by the request's own sampling parameters) and verify the chain by
-rejection sampling against those ``q_j``. A position's ``q_j`` does not depend on the tokens drafted
+distribution ``q_j`` there (shaped by the request's own sampling parameters), ``K`` distinct tokens a
+position under the previous position's first with ``--spec-tree-topk K``, and verify by (multi-draft)
+rejection sampling against the distribution each was drawn from. A position's ``q_j`` does not depend on the tokens drafted
 before it, which the rejection rule allows: it holds for any draft distribution fixed before the
 token is drawn, so the output keeps exactly the target's distribution. The block length (the depth)
 is the controller's, per request and step, at most the checkpoint's ``block_size - 1``.
@@ -61,6 +62,7 @@ from engine.runner.readback import to_host
 from engine.sampling.sampler import SamplingMetadata, compute_probs, exponential_noise, processed
 from engine.sampling.tree import DraftTree
 from engine.speculative.features import PendingFeatures
+from engine.speculative.levels import draw_siblings
 from engine.speculative.methods.medusa import best_first_tree
 from engine.speculative.own_cache import OwnCache
 from engine.speculative.proposer import CostShape, ProposeContext, Proposer
@@ -377,10 +379,10 @@ class DFlashProposer(Proposer):
 
     def slots_needed(self, depth: int, greedy: bool = True) -> int:
         depth = min(depth, self.block_size - 1)
-        if depth <= 0:
-            return 0
-        if self.topk == 1 or not greedy:  # a chain; the block writes as many slots past the root
-            return depth
+        if depth <= 0 or self.topk == 1:  # a chain; the block writes as many slots past the root
+            return max(depth, 0)
+        if not greedy:  # k siblings a position
+            return self.topk * depth
         return max(depth, min(self.budget, sum(self.topk**d for d in range(1, depth + 1))))
 
     def catch_up_tokens(self, seq: Sequence, route: str | None = None) -> int:
@@ -501,27 +503,42 @@ class DFlashProposer(Proposer):
     def _sampled(self, seqs, logits, offsets, members) -> list[DraftTree]:
         """Each position drawn from the drafter's distribution there, shaped by the request's own
         sampling parameters (``q``, kept for the rejection rule), with the noise the verify samples
-        that position with (a seeded request's draws are coupled to its verification's)."""
+        that position with (a seeded request's draws are coupled to its verification's). With
+        ``--spec-tree-topk K``, ``K`` distinct tokens a position, drawn without replacement, all under
+        the previous position's first (the spine), each with the distribution it was drawn from."""
         group = [seqs[i] for i, _ in members]
         md = SamplingMetadata.from_state(
             [s.params for s in group], [s.num_output_tokens for s in group], [s.token_counts for s in group],
             [s.prompt_mask for s in group], [s.noise_key() for s in group], self.eos_token_ids, self.vocab_size,
             self.device,
         )  # fmt: skip
-        tokens: list[list[torch.Tensor]] = [[] for _ in members]
-        qs: list[list[torch.Tensor]] = [[] for _ in members]
+        k = self.topk
+        levels = []  # per position: the sequences drafting it, their tokens [A, k] and those tokens' q [A, k, V]
         for level in range(max(d for _, d in members)):
             live = [b for b, (_, d) in enumerate(members) if d > level]
             idx = to_device([offsets[members[b][0]] + level for b in live], self.device, torch.int64)
             mdl = md.select(live)
             q = compute_probs(processed(logits[idx], mdl), mdl)  # [A, V]
             noise = exponential_noise(q, [group[b].noise_key(level) for b in live])
-            picked = (q / noise).argmax(-1)
-            for a, b in enumerate(live):
-                tokens[b].append(picked[a])
-                qs[b].append(q[a])
-        flat = to_host(*(torch.stack(t) for t in tokens))
-        return [DraftTree.chain(list(t), torch.stack(q)) for t, q in zip(flat, qs)]
+            order, qs = draw_siblings(q, noise, k) if k > 1 else ((q / noise).argmax(-1, keepdim=True), q[:, None])
+            levels.append((live, order, qs))
+        host = to_host(*(t for _, order, qs in levels for t in (order, qs.gather(2, order[..., None]))))
+        trees = []
+        for b in range(len(members)):
+            tokens, parents, rows, spine = [], [], [], -1
+            for (live, _, qs), toks, mass in zip(levels, host[::2], host[1::2]):
+                if b not in live:
+                    break
+                a, first = live.index(b), len(tokens)
+                for i in range(k):
+                    if i > 0 and mass[a][i][0] <= 0.0:
+                        continue  # fewer than k tokens have mass (top-k / top-p): no such sibling
+                    tokens.append(toks[a][i])
+                    parents.append(spine)
+                    rows.append(qs[a, i])
+                spine = first
+            trees.append(DraftTree(tokens, parents, torch.stack(rows)))
+        return trees
 
     def timings(self) -> list[tuple[str, int, int, float]]:
         laps, self._timings = self._timings, []
