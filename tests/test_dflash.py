@@ -288,3 +288,17 @@ def test_exact_through_graphs_on_gpu(target, tmp_path, topk):
     assert eng.proposer.runner.graphs is not None and eng.proposer.runner.attention_backend == "triton"
     assert [o.outputs[0].delta_token_ids for o in eng.generate(ps, params)] == plain
     assert eng.spec_stats.num_drafts > 0
+
+
+def test_compiled_drafter_is_exact_and_compiles_nothing_mid_serving(target, tmp_path):
+    d = write_dflash(target, tmp_path / "dflash")
+    ps = repetitive_prompts(4, seed=6) + [list(range(3, 60))]  # a long prompt: a catch-up over two steps
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, num_draft_tokens=4)
+    plain = [o.outputs[0].delta_token_ids for o in make(target, compile="off").generate(ps, params)]
+    eng = make(target, None, draft_model=str(d), compile="on", max_num_batched_tokens=32)
+    assert eng.proposer.runner.compiled
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert [o.outputs[0].delta_token_ids for o in eng.generate(ps, params)] == plain
+    assert eng.spec_stats.num_drafts > 0
+    # The drafter's forwards ran on the graphs warm_compiled() compiled.
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs

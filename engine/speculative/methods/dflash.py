@@ -33,10 +33,11 @@ K`` a tree of each position's best ``K`` grown best-first by their product (ever
 the same candidates, as Medusa's); sampled requests draw each position from the drafter's
 distribution ``q_j`` there (shaped by the request's own sampling parameters), ``K`` distinct tokens a
 position under the previous position's first with ``--spec-tree-topk K``, and verify by (multi-draft)
-rejection sampling against the distribution each was drawn from. A position's ``q_j`` does not depend on the tokens drafted
-before it, which the rejection rule allows: it holds for any draft distribution fixed before the
-token is drawn, so the output keeps exactly the target's distribution. The block length (the depth)
-is the controller's, per request and step, at most the checkpoint's ``block_size - 1``.
+rejection sampling against the distribution each was drawn from. A position's ``q_j`` does not
+depend on the tokens drafted before it, which the rejection rule allows: it holds for any draft
+distribution fixed before the token is drawn, so the output keeps exactly the target's distribution.
+The block length (the depth) is the controller's, per request and step, at most the checkpoint's
+``block_size - 1``.
 
 Checkpoints load in the published layout (``config.json`` with ``block_size`` and ``dflash_config``:
 ``mask_token_id``, ``target_layer_ids``; ``model.safetensors`` with ``fc.weight``,
@@ -546,6 +547,7 @@ class DFlashProposer(Proposer):
 
     # -- start-up -------------------------------------------------------------------------------
     def cost_probe(self):
+        @torch.inference_mode()
         def probe(chunks: list[ForwardChunk]):
             batch = self.runner.prepare(chunks)
             h = self.drafter.config.hidden_size
@@ -558,18 +560,25 @@ class DFlashProposer(Proposer):
         """With graphs, capture the drafter's forward as the step calls it (with the context input)."""
         self.runner.capture_graphs(features=self.drafter.config.hidden_size)
 
+    @torch.inference_mode()  # as propose() builds the metadata: a graph guards on its tensors' mode
     def warm_compiled(self, view) -> None:
-        """Compile the drafter's forward as the step calls it: context rows and a block, with their input."""
+        """Compile the drafter's forward as the step calls it, with the context input: context rows and a
+        block (masked), a block alone, and a long catch-up's context rows alone (causal)."""
         runner = view(self.runner)
         if not runner.compiled:
             return
         h = self.drafter.config.hidden_size
-        for take, depth in ((1, 2), (0, 1)):
-            q = take + 1 + depth
-            mask = torch.ones(q, q, dtype=torch.bool)
-            mask[:take, take:] = False
-            chunk = ForwardChunk([-1] * take + [0] * (1 + depth), 0, list(range(-(-q // runner.block_size))), depth,
-                                 tree_mask=mask)  # fmt: skip
-            batch = runner.prepare([chunk])
+        for take, depth in ((1, 2), (0, 1), (2, 0)):
+            q = take + (1 + depth if depth else 0)
+            mask = None
+            if depth:
+                mask = torch.ones(q, q, dtype=torch.bool)
+                mask[:take, take:] = False
+            ids = [-1] * take + ([0] * (1 + depth) if depth else [])
+            blocks = -(-q // runner.block_size)
+            # two sequences: a graph over one would specialise on it
+            chunks = [ForwardChunk(ids, 0, list(range(b * blocks, (b + 1) * blocks)), depth, tree_mask=mask)
+                      for b in range(2)]  # fmt: skip
+            batch = runner.prepare(chunks)
             feats = torch.zeros(batch.num_tokens, h, dtype=runner.dtype, device=runner.device)
             runner.execute(batch, hidden_in=feats)
