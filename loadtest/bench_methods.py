@@ -50,8 +50,8 @@ def run_methods_bench(cfg: EngineConfig, args: argparse.Namespace) -> int:
     engines = {"none": plain_engine}
     for spec in args.methods:
         method, _, draft = spec.partition("=")  # METHOD, or METHOD=DIR for one that loads a draft
-        if method in ("draft", "ouroboros") and not draft:
-            draft = cfg.draft_model or ""  # the demo's draft model
+        if method in ("draft", "ouroboros", "auto") and not draft:
+            draft = cfg.draft_model or ""  # the demo's draft model (auto: beside the lookups, as served)
         engines[method] = LLMEngine(dataclasses.replace(base, speculative_method=method, draft_model=draft or None))
     warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     for e in engines.values():  # allocator, caches, the controllers' first observations

@@ -527,6 +527,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         unroll=args.unroll,
         draft_vocab=args.draft_vocab,
         block_size=args.dflash_block,
+        anchors=args.dflash_anchors,
     )
     report = train_draft(config, out, prompts, cfg, resume=args.resume)
     before, after = report["heldout_before"], report["heldout_after"]
@@ -870,6 +871,7 @@ def _train_draft_parser(sub, common: argparse.ArgumentParser) -> None:
         default=8,
         help="dflash: block size (the root and N - 1 mask positions: the deepest draft)",
     )
+    train.add_argument("--dflash-anchors", type=int, default=32, help="dflash: blocks trained per sequence and step")
     train.add_argument("--unroll", type=int, default=3, help="eagle: steps per row, the later ones on its own outputs")
     train.add_argument(
         "--draft-vocab", type=int, default=0, help="eagle: a reduced draft vocabulary of N ids (0: the target's)"

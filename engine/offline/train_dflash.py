@@ -62,6 +62,15 @@ class DFlashTrainer(SequenceTrainer):
         return feature_layers(config["num_hidden_layers"])
 
     # -- batches --------------------------------------------------------------------------------
+    def feature(self, rows: torch.Tensor, layer: int) -> torch.Tensor:
+        """Target layer ``layer``'s output at ``rows`` as serving hands it over: Hugging Face's
+        ``hidden_states[layer + 1]``, which for the last layer is after the final norm."""
+        x = self.rows("layers", rows, layer)
+        if layer == self.cache["config"]["num_hidden_layers"] - 1:
+            eps = self.cache["config"].get("rms_norm_eps", 1e-6)
+            x = nn.functional.rms_norm(x, (x.shape[-1],), eps=eps) * self.cache["norm"].to(x.device)
+        return x
+
     def _pack(self, seqs: torch.Tensor, g: torch.Generator) -> dict:
         """Whole sequences' rows (the context) and ``anchors`` blocks in each."""
         c, B = self.cache, self.cfg.block_size
@@ -76,7 +85,7 @@ class DFlashTrainer(SequenceTrainer):
                 pick = usable[torch.randperm(len(usable), generator=g)[: self.cfg.anchors]]
                 anchors += [(d, int(t), a, b) for t in pick]
         rows, doc, pos = torch.cat(rows), torch.cat(doc), torch.cat(pos)
-        feats = torch.cat([self.rows("layers", rows, i) for i in self.ids], -1)
+        feats = torch.cat([self.feature(rows, i) for i in self.ids], -1)
         n = len(anchors)
         block_ids = torch.full((n, B), self.mask_id, dtype=torch.long)
         block_pos = torch.zeros(n, B, dtype=torch.long)
