@@ -4,8 +4,9 @@ it has much. A method that loads a draft takes it as ``METHOD=DIR`` (``draft`` a
 
 For each prompt set, temperature and concurrency: plain decoding (a method-less engine, timed before
 and after the methods; the ratio is against the mean), then each method on an engine of its own, its
-depth tuned by the controller as ``augur serve`` would. Reported: tokens/s, the ratio to plain, and
-the mean acceptance length (tokens per verify step).
+depth tuned by the controller as ``augur serve`` would (``--pin-depth K``: every request drafts ``K``
+tokens a step, the controller's choice set aside, to compare the drafters' acceptance). Reported:
+tokens/s, the ratio to plain, and the mean acceptance length (tokens per verify step).
 
 Prompt sets:
 
@@ -60,7 +61,9 @@ def run_methods_bench(cfg: EngineConfig, args: argparse.Namespace) -> int:
     for name in args.prompt_sets:
         ps = sets[name]
         for t in args.temperatures:
-            params = SamplingParams(temperature=t, max_tokens=args.max_tokens, ignore_eos=True)
+            params = SamplingParams(
+                temperature=t, max_tokens=args.max_tokens, ignore_eos=True, num_draft_tokens=args.pin_depth
+            )
             for c in conc:
                 first = run_augur(plain_engine, ps, args.max_tokens, c, params)
                 cells = {m: run_augur(e, ps, args.max_tokens, c, params) for m, e in engines.items() if m != "none"}
@@ -77,6 +80,7 @@ def run_methods_bench(cfg: EngineConfig, args: argparse.Namespace) -> int:
         "num_prompts": n,
         "max_tokens": args.max_tokens,
         "config": {k: getattr(cfg, k) for k in ("num_speculative_tokens", "layer_skip_config", "spec_early_stop")},
+        "pin_depth": args.pin_depth,
         "results": rows,
     }
     print(f"augur bench --methods: {report['model']} on {report['machine']}")

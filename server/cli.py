@@ -765,6 +765,13 @@ def _bench_parser(sub, common: argparse.ArgumentParser) -> None:
         choices=["held-out", "copy"],
         help="with --methods: held-out prompts, and prompts whose continuation copies from the prompt",
     )
+    bench.add_argument(
+        "--pin-depth",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with --methods: every request drafts K tokens a step (the controller's choice set aside)",
+    )
     bench.add_argument("--output", default=None, help="write the results as JSON")
     _suite_args(bench)
     bench.set_defaults(func=cmd_bench)
