@@ -28,7 +28,7 @@ from engine.core.engine_core import _STEP_DECODER, EngineCore, ProcessEngine
 from engine.core.llm_engine import LLMEngine
 from engine.request.sampling_params import SamplingParams
 from server.app import ServerSettings, create_app
-from servers import NUM_BLOCKS, Served, engine_factory, serve, wait_until
+from servers import FIRST_LOAD_S, NUM_BLOCKS, Served, engine_factory, serve, wait_until
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 MODEL = "tiny"
@@ -115,6 +115,18 @@ def test_the_process_engine_answers_as_the_thread_engine(servers):
     # The metrics cross the boundary: tokens counted, nothing left running.
     assert metric(process_srv, "augur_generation_tokens_total") >= sum(len(x[3]) for x in got[1])
     wait_until(lambda: metric(process_srv, "augur_num_requests_running") == 0, "the requests to finish")
+
+
+def test_an_idle_engine_process_says_when_its_compiled_forwards_are_in(llama_dir):
+    """Compiled in the background with no request in sight: the engine process swaps the compiled
+    forwards in while idle, and /health says so without waiting for a request (it used to say
+    ``pending`` until the next step published a message)."""
+    factory = process_factory(llama_dir, compile="on", compile_background=True)
+    with serve(create_app(ServerSettings(served_model_name=MODEL), factory)) as srv:
+        assert httpx.get(srv.base + "/health").json()["compile"] in ("pending", "on")
+        wait_until(lambda: httpx.get(srv.base + "/health").json()["compile"] == "on", "the idle swap", FIRST_LOAD_S)
+        r = client(srv).completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=4, temperature=0)
+        assert r.usage.completion_tokens == 4
 
 
 def test_a_client_leaving_frees_its_blocks_in_the_engine_process(long_dir):

@@ -119,6 +119,7 @@ class EngineCore:
         self.step = GuardedStep(engine)
         self.stopping = False
         self.last_load: EngineLoad | None = None
+        self.last_compile_state: str | None = None
 
     def run(self) -> None:
         while not self.stopping:
@@ -193,10 +194,12 @@ class EngineCore:
 
     def _publish(self, outputs: list[RequestOutput], seconds: float, force: bool = True) -> None:
         load = engine_load(self.engine)
-        if not force and not outputs and load == self.last_load:
-            return
-        self.last_load = load
         e = self.engine
+        # An idle engine publishes what changed: its load, or its compiled forwards swapped in (the
+        # API process's /health reads the state from these messages).
+        if not force and not outputs and load == self.last_load and e.compile_state == self.last_compile_state:
+            return
+        self.last_load, self.last_compile_state = load, e.compile_state
         st = e.spec_stats
         c = e.step_runner.constraints
         msg = StepMessage(
