@@ -183,6 +183,39 @@ def test_the_published_layout_loads_and_drafts_as_the_published_forward(target, 
             eng.step()
 
 
+def test_the_trainers_blocks_are_the_published_forward(target, tmp_path):
+    """``augur train-draft``'s loss reads the drafter as serving does: two sequences packed side by side
+    with two blocks each (scored against the context and within each block apart), every block row's
+    logits the published forward's over its own sequence's context before its anchor."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.offline.train_dflash import block_logits
+
+    d = write_dflash(target, tmp_path / "dflash")
+    drafter = make(target, None, draft_model=str(d), compile="off").proposer.drafter
+    ids = json.loads((d / "config.json").read_text())["dflash_config"]["target_layer_ids"]
+    mask = json.loads((d / "config.json").read_text())["dflash_config"]["mask_token_id"]
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    seqs = repetitive_prompts(2, seed=8)
+    B, anchors = 4, [(0, 5), (0, 11), (1, 3), (1, 9)]  # (sequence, anchor row)
+    with torch.no_grad():
+        states = [model(torch.tensor([s]), output_hidden_states=True).hidden_states for s in seqs]
+    feats = [torch.cat([hs[j + 1][0] for j in ids], -1) for hs in states]
+    pack = {
+        "feats": torch.cat(feats),
+        "doc": torch.cat([torch.full((len(s),), i) for i, s in enumerate(seqs)]),
+        "pos": torch.cat([torch.arange(len(s)) for s in seqs]),
+        "block_ids": torch.tensor([[seqs[i][t]] + [mask] * (B - 1) for i, t in anchors]),
+        "block_pos": torch.tensor([list(range(t, t + B)) for _, t in anchors]),
+        "block_doc": torch.tensor([i for i, _ in anchors]),
+    }
+    with torch.no_grad():
+        got = block_logits(drafter, pack)
+    for k, (i, t) in enumerate(anchors):
+        want = reference_block_logits(target, d, seqs[i][:t], seqs[i][t], B - 1)
+        torch.testing.assert_close(got[k, 1:], want, atol=2e-4, rtol=2e-4, msg=f"block {k}")
+
+
 @pytest.mark.parametrize("topk", [1, 2], ids=["chains", "trees"])
 def test_greedy_output_is_the_plain_decoders(target, tmp_path, topk):
     d = write_dflash(target, tmp_path / "dflash")

@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 
 from engine.assets import shipped_demo
+from engine.offline.draft_training import lr_at
 from engine.offline.muon import optimizers
 from engine.platform import CpuThreads, cpu_has_bf16_units
 
@@ -337,14 +338,6 @@ def _batches(stream: torch.Tensor, recipe: DemoRecipe, steps: int, seed: int) ->
     return [stream[s[:, None] + offsets] for s in starts]
 
 
-def _lr_at(step: int, steps: int, peak: float, warmup_frac: float) -> float:
-    warm = max(1, int(steps * warmup_frac))
-    if step < warm:
-        return peak * (step + 1) / warm
-    progress = (step - warm) / max(1, steps - warm)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 def _train(
     model, batches, lrs: tuple[float, float], recipe: DemoRecipe, device, loss_fn, desc: str, progress
 ) -> list[float]:
@@ -359,7 +352,7 @@ def _train(
             torch.set_num_threads(threads)
         for opt, peak in opts:
             for group in opt.param_groups:
-                group["lr"] = _lr_at(step, len(batches), peak, recipe.warmup_frac)
+                group["lr"] = lr_at(step, len(batches), peak, recipe.warmup_frac)
         batch = batch.to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             loss = loss_fn(model, batch)

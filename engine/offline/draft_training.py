@@ -3,6 +3,7 @@ the cached target rows on the training device, the target's distribution at a ro
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,8 @@ class TrainConfig:
     steps: int = 1500
     batch_size: int = 256  # positions per step (eagle: rows of whole sequences, packed)
     lr: float = 1e-3
+    warmup_frac: float = 0.05  # the learning rate's linear warm-up, as a share of the steps
+    clip: float = 1.0  # the gradient's largest norm (0: not clipped)
     head_decay: float = 0.8  # loss weight of draft depth k: head_decay ** k
     unroll: int = 3  # eagle: steps per row (1 + those on its own outputs)
     draft_vocab: int = 0  # eagle: 0 = the target's whole vocabulary, else its most frequent ids
@@ -25,6 +28,15 @@ class TrainConfig:
     seed: int = 0
     block_size: int = 8  # dflash: the block (its root and block_size - 1 mask positions: the deepest draft)
     anchors: int = 32  # dflash: blocks trained per sequence and step
+
+
+def lr_at(step: int, steps: int, peak: float, warmup_frac: float) -> float:
+    """A linear warm-up over ``warmup_frac`` of the steps, then a cosine decay to 10% of the peak."""
+    warm = max(1, int(steps * warmup_frac))
+    if step < warm:
+        return peak * (step + 1) / warm
+    progress = (step - warm) / max(1, steps - warm)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def kl_and_agreement(target_logp: torch.Tensor, logits: torch.Tensor, weight: torch.Tensor | None = None):

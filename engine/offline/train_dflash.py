@@ -37,6 +37,51 @@ def mask_token(config: dict) -> int:
     return int(pad) if isinstance(pad, int) and 0 <= pad < config["vocab_size"] else config["vocab_size"] - 1
 
 
+def block_logits(m: DFlashDrafter, b: dict) -> torch.Tensor:
+    """The drafter's logits ``[n, B, V]`` for a pack of blocks (``DFlashTrainer._pack``'s fields: the
+    context rows' raw target features, their sequence and position; each block's ids, positions and
+    sequence), every block row attending as serving attends: to its sequence's context rows before
+    its anchor and to all of its own block."""
+    n, B = b["block_ids"].shape
+    T = len(b["pos"])
+    # Block row (i, j) sees its sequence's context rows before its anchor, and all of its own block:
+    # the scores against the context are one [n B, T] product, those within blocks [n, B, B] (not
+    # the dense [n B, n B] of all blocks, most of it masked), softmaxed together.
+    sees_ctx = (b["block_doc"][:, None] == b["doc"][None, :]) & (b["pos"][None, :] < b["block_pos"][:, :1])
+    sees_ctx = sees_ctx[:, None, :].expand(n, B, T).reshape(n * B, T)
+    ctx = m.fuse(b["feats"])
+    x = m.embed_tokens(b["block_ids"].reshape(-1))
+    bpos = b["block_pos"].reshape(-1)
+    for layer in m.layers:
+        a = layer.self_attn
+        H, Hkv, D = a.num_heads, a.num_kv_heads, a.head_dim
+        h = layer.input_layernorm(x)
+
+        def qkv(src, positions, a=a, H=H, Hkv=Hkv, D=D):
+            q, k, v = a.qkv_proj(src).split([a.q_size, a.kv_size, a.kv_size], -1)
+            q, k = q.view(len(src), H, D), k.view(len(src), Hkv, D)
+            if a.q_norm is not None:
+                q, k = a.q_norm(q), a.k_norm(k)
+            cos, sin = m.rope_cos[positions].unsqueeze(1), m.rope_sin[positions].unsqueeze(1)
+            return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.view(len(src), Hkv, D)
+
+        q, kb, vb = qkv(h, bpos)
+        _, kc, vc = qkv(ctx, b["pos"])
+        kc, vc = kc.repeat_interleave(H // Hkv, 1), vc.repeat_interleave(H // Hkv, 1)  # [T, H, D]
+        kb = kb.repeat_interleave(H // Hkv, 1).view(n, B, H, D)
+        vb = vb.repeat_interleave(H // Hkv, 1).view(n, B, H, D)
+        s_ctx = torch.einsum("qhd,khd->hqk", q, kc) * a.scale  # [H, n B, T]
+        s_ctx = s_ctx.masked_fill(~sees_ctx[None], float("-inf"))
+        s_blk = torch.einsum("nihd,njhd->hnij", q.view(n, B, H, D), kb) * a.scale  # [H, n, B, B]
+        w = torch.cat([s_ctx, s_blk.reshape(H, n * B, B)], -1).softmax(-1)
+        w_ctx, w_blk = w[..., :T], w[..., T:].reshape(H, n, B, B)
+        o = torch.einsum("hqk,khd->qhd", w_ctx, vc)
+        o = o + torch.einsum("hnij,njhd->nihd", w_blk, vb).reshape(n * B, H, D)
+        x = x + a.o_proj(o.reshape(len(h), H * D))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return m.compute_logits(m.norm(x)).view(n, B, -1)
+
+
 class DFlashTrainer(SequenceTrainer):
     def __init__(self, cache, cfg, g, device) -> None:
         super().__init__(cache, cfg, g, device)
@@ -122,40 +167,8 @@ class DFlashTrainer(SequenceTrainer):
 
     # -- the loss -------------------------------------------------------------------------------
     def losses(self, b: dict):
-        m, B = self.module, self.cfg.block_size
-        n, T = b["block_ids"].shape[0], len(b["pos"])
-        # block row (i, j) sees context rows of its sequence before its anchor, and all of its own block
-        sees_ctx = (b["block_doc"][:, None] == b["doc"][None, :]) & (b["pos"][None, :] < b["block_pos"][:, :1])
-        sees_ctx = sees_ctx[:, None, :].expand(n, B, T).reshape(n * B, T)
-        own = torch.arange(n, device=self.device).repeat_interleave(B)
-        sees_block = own[:, None] == own[None, :]
-        visible = torch.cat([sees_ctx, sees_block], -1)  # [nB, T + nB]
-        ctx = m.fuse(b["feats"])
-        x = m.embed_tokens(b["block_ids"].reshape(-1))
-        bpos = b["block_pos"].reshape(-1)
-        for layer in m.layers:
-            a = layer.self_attn
-            H, Hkv, D = a.num_heads, a.num_kv_heads, a.head_dim
-            h = layer.input_layernorm(x)
-
-            def qkv(src, positions, a=a, H=H, Hkv=Hkv, D=D):
-                q, k, v = a.qkv_proj(src).split([a.q_size, a.kv_size, a.kv_size], -1)
-                q, k = q.view(len(src), H, D), k.view(len(src), Hkv, D)
-                if a.q_norm is not None:
-                    q, k = a.q_norm(q), a.k_norm(k)
-                cos, sin = m.rope_cos[positions].unsqueeze(1), m.rope_sin[positions].unsqueeze(1)
-                return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.view(len(src), Hkv, D)
-
-            q, kb, vb = qkv(h, bpos)
-            _, kc, vc = qkv(ctx, b["pos"])
-            k = torch.cat([kc, kb]).repeat_interleave(H // Hkv, 1)
-            v = torch.cat([vc, vb]).repeat_interleave(H // Hkv, 1)
-            scores = torch.einsum("qhd,khd->hqk", q, k) * a.scale
-            w = scores.masked_fill(~visible[None], float("-inf")).softmax(-1)
-            o = torch.einsum("hqk,khd->qhd", w, v).reshape(len(h), H * D)
-            x = x + a.o_proj(o)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        logits = m.compute_logits(m.norm(x)).view(n, B, -1)
+        B = self.cfg.block_size
+        logits = block_logits(self.module, b)
         out = []
         for j in range(1, B):  # block row j drafts token t + j: the target's distribution at row t + j - 1
             target = self.target_logp(b["target_rows"][:, j - 1])

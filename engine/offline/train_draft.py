@@ -41,7 +41,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import time
 from pathlib import Path
 
@@ -50,7 +49,7 @@ from torch import nn
 
 from engine.config import EngineConfig
 from engine.models.llama import apply_rope
-from engine.offline.draft_training import SequenceTrainer, TrainConfig, Trainer, kl_and_agreement
+from engine.offline.draft_training import SequenceTrainer, TrainConfig, Trainer, kl_and_agreement, lr_at
 from engine.offline.train_dflash import DFlashTrainer
 from engine.runner.loader import resolve_model_path
 from engine.speculative.methods.eagle import EagleHead
@@ -384,13 +383,15 @@ def train_draft(
     bar = tqdm(total=cfg.steps, initial=step, desc=f"augur train-draft ({cfg.method})", disable=not progress)
     t1 = time.perf_counter()
     while step < cfg.steps:
-        for group in opt.param_groups:  # cosine decay to 10% of the peak
-            group["lr"] = cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * step / cfg.steps)))
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg.steps, cfg.lr, cfg.warmup_frac)
         kls = [kl for kl, _ in trainer.losses(trainer.batch())]
         weights = [cfg.head_decay**k for k in range(len(kls))]
         loss = sum(w * kl for w, kl in zip(weights, kls)) / sum(weights)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if cfg.clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, cfg.clip)
         opt.step()
         step += 1
         bar.update(1)
