@@ -5,7 +5,8 @@ At each row the request masks, with ``left`` tokens still allowed (this row's am
 state's *ending* is the token sequence that completes the grammar from there: the text the grammar
 forces where it forces one, else the first closing token it allows (inside a reasoning model's thinking
 its end marker; ``"``, ``}``, ``]``), else the first short value or character it allows that this ending
-has not used yet (``0``, ``null``, ``false``, ... then any printable character), until the grammar
+has not used yet (``0``, ``null``, ``false``, ... then any printable character), else (mid-character:
+the grammar allows only a UTF-8 sequence's next byte) the first token it allows, until the grammar
 accepts. Then
 
 - where ``left`` is no more than the ending's length, the row allows only the ending's first token: the
@@ -15,7 +16,8 @@ accepts. Then
   item or the list's end), a choice is allowed only if its own ending fits in what is left after it:
   another call is not started unless it can be finished;
 - at a row of many choices (inside a string or a number) within :data:`MARGIN` tokens of it, tokens that
-  open structure (``{``, ``[``, ``,``, ``"``, ``\\``, ``<``) are left out, so the ending cannot grow there.
+  open structure (``{``, ``[``, ``,``, ``"``, ``\\``, ``<``) or end in a character's first bytes are left
+  out, so the ending cannot grow there.
 
 Every rule is a function of the row's grammar state and ``left`` alone, so a draft tree's rows get the
 masks plain decoding's rows would: speculation stays exact. An ending that completes a grammar which
@@ -74,7 +76,7 @@ class ClosingVocab:
             words = np.zeros(self.words, dtype=np.uint32)
             tok = self.tokenizer
             for t in range(min(tok.vocab_size, self.words * 32)):
-                if not tok.is_special_token(t) and OPENING_BYTES.intersection(tok.decode_bytes([t])):
+                if not tok.is_special_token(t) and _opens(tok.decode_bytes([t])):
                     words[t >> 5] |= np.uint32(1 << (t & 31))
             self._opening = words
         return self._opening
@@ -167,6 +169,8 @@ def ending(matcher, vocab: ClosingVocab, first: list[int], scratch: torch.Tensor
                             break
                         again = t if again is None else again
                 tok = tok if tok is not None else again
+            if tok is None:  # none of those: mid-character (a UTF-8 sequence's next byte), the first allowed
+                tok = next((t for t in _set_bits(words) if t not in vocab.eos), None)
             if tok is None or tok in vocab.eos or not matcher.consume_token(tok):
                 return None
             out.append(tok)
@@ -175,6 +179,28 @@ def ending(matcher, vocab: ClosingVocab, first: list[int], scratch: torch.Tensor
     finally:
         if out:
             matcher.rollback(len(out))
+
+
+def _set_bits(words: np.ndarray):
+    """The token ids whose bits are set in ``words``, in order."""
+    for w in np.flatnonzero(words):
+        value = int(words[w])
+        while value:
+            low = value & -value
+            yield int(w) * 32 + low.bit_length() - 1
+            value ^= low
+
+
+def _opens(data: bytes) -> bool:
+    """Whether a token's bytes may open structure: they hold one of :data:`OPENING_BYTES`, or end in a
+    character's first bytes (its remaining bytes then lengthen the ending, as an open string would)."""
+    if OPENING_BYTES.intersection(data):
+        return True
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return e.reason == "unexpected end of data"
+    return False
 
 
 def close(matcher, row: torch.Tensor, left: int, closing: Closing) -> list[int] | None:
