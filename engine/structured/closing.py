@@ -196,10 +196,11 @@ def _opens(data: bytes) -> bool:
     character's first bytes (its remaining bytes then lengthen the ending, as an open string would)."""
     if OPENING_BYTES.intersection(data):
         return True
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        return e.reason == "unexpected end of data"
+    for back in range(1, min(4, len(data)) + 1):  # the last lead byte, and whether its bytes all follow it
+        byte = data[-back]
+        if byte & 0xC0 != 0x80:  # not a continuation byte
+            need = 2 if byte & 0xE0 == 0xC0 else 3 if byte & 0xF0 == 0xE0 else 4 if byte & 0xF8 == 0xF0 else 1
+            return back < need
     return False
 
 
