@@ -193,8 +193,8 @@ def test_the_trainers_blocks_are_the_published_forward(target, tmp_path):
 
     d = write_dflash(target, tmp_path / "dflash")
     drafter = make(target, None, draft_model=str(d), compile="off").proposer.drafter
-    ids = json.loads((d / "config.json").read_text())["dflash_config"]["target_layer_ids"]
-    mask = json.loads((d / "config.json").read_text())["dflash_config"]["mask_token_id"]
+    dflash = json.loads((d / "config.json").read_text())["dflash_config"]
+    ids, mask = dflash["target_layer_ids"], dflash["mask_token_id"]
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     seqs = repetitive_prompts(2, seed=8)
     B, anchors = 4, [(0, 5), (0, 11), (1, 3), (1, 9)]  # (sequence, anchor row)

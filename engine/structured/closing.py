@@ -115,21 +115,26 @@ def only(row: torch.Tensor, tokens: list[int]) -> None:
         row[word] = value - (1 << 32) if value >= 1 << 31 else value
 
 
-def tokens_of(row: torch.Tensor, limit: int) -> list[int] | None:
-    """The tokens ``row`` allows, if there are at most ``limit`` of them (None: more)."""
-    words = row.numpy().view(np.uint32)
-    nonzero = np.flatnonzero(words)
-    if len(nonzero) > limit:
-        return None
-    out = []
-    for w in nonzero:
+def _set_bits(words: np.ndarray):
+    """The token ids whose bits are set in ``words``, in order."""
+    for w in np.flatnonzero(words):
         value = int(words[w])
         while value:
             low = value & -value
-            out.append(int(w) * 32 + low.bit_length() - 1)
-            if len(out) > limit:
-                return None
+            yield int(w) * 32 + low.bit_length() - 1
             value ^= low
+
+
+def tokens_of(row: torch.Tensor, limit: int) -> list[int] | None:
+    """The tokens ``row`` allows, if there are at most ``limit`` of them (None: more)."""
+    words = row.numpy().view(np.uint32)
+    if np.count_nonzero(words) > limit:
+        return None
+    out = []
+    for t in _set_bits(words):
+        out.append(t)
+        if len(out) > limit:
+            return None
     return out
 
 
@@ -179,16 +184,6 @@ def ending(matcher, vocab: ClosingVocab, first: list[int], scratch: torch.Tensor
     finally:
         if out:
             matcher.rollback(len(out))
-
-
-def _set_bits(words: np.ndarray):
-    """The token ids whose bits are set in ``words``, in order."""
-    for w in np.flatnonzero(words):
-        value = int(words[w])
-        while value:
-            low = value & -value
-            yield int(w) * 32 + low.bit_length() - 1
-            value ^= low
 
 
 def _opens(data: bytes) -> bool:
