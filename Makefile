@@ -41,8 +41,11 @@ endif
 		$(PY) -m pip install -q "torch==$(TORCH_VERSION)" $(if $(strip $(TORCH_INDEX_URL)),--index-url $(TORCH_INDEX_URL))
 	@$(PY) -m pip install -q -e ".$(if $(strip $(EXTRAS)),[$(EXTRAS)])"
 
+# The suite runs in $(PYTEST_WORKERS) pytest-xdist workers, each taking a whole file at a time (a module's
+# server and fixtures stay in one process); PYTEST_WORKERS=0 runs it in this process alone.
+PYTEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
 serve: install
 	$(BIN)augur serve $(ARGS)

@@ -110,7 +110,8 @@ def test_speculation_through_compiled_forwards_is_exact(tmp_path, tokenizer_dir)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, num_draft_tokens=3)
     kw = dict(model=str(target), device="cpu", num_kv_blocks=64, block_size=4)
     plain = LLMEngine(EngineConfig(**kw, compile="off"))
-    spec = LLMEngine(EngineConfig(**kw, compile="on", draft_model=str(draft)))
+    # Depth 3: chains fuse up to two levels (each length a graph of its own, compiled at start-up).
+    spec = LLMEngine(EngineConfig(**kw, compile="on", draft_model=str(draft), num_speculative_tokens=3))
     assert spec.runner.compiled and spec.proposer.runner.compiled
 
     def run(engine):
