@@ -525,6 +525,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         batch_size=args.batch_size or (512 if args.method in ("eagle", "dflash") else 256),
         lr=args.lr,
         unroll=args.unroll,
+        head_decay=args.head_decay if args.head_decay is not None else (0.3 if args.method == "dflash" else 0.8),
         draft_vocab=args.draft_vocab,
         block_size=args.dflash_block,
         anchors=args.dflash_anchors,
@@ -880,6 +881,13 @@ def _train_draft_parser(sub, common: argparse.ArgumentParser) -> None:
     )
     train.add_argument("--dflash-anchors", type=int, default=32, help="dflash: blocks trained per sequence and step")
     train.add_argument("--unroll", type=int, default=3, help="eagle: steps per row, the later ones on its own outputs")
+    train.add_argument(
+        "--head-decay",
+        type=float,
+        default=None,
+        help="the loss weight of draft depth k is DECAY ** (k - 1) (0.8; dflash: 0.3, where one block's seven "
+        "depths share the drafter and the first one pays most)",
+    )
     train.add_argument(
         "--draft-vocab", type=int, default=0, help="eagle: a reduced draft vocabulary of N ids (0: the target's)"
     )

@@ -300,6 +300,23 @@ def test_self_distillation_accepts_more_than_the_untrained_start(target, tmp_pat
     check_training_beats_start(target, tmp_path, cfg, depths=cfg.block_size - 1)
 
 
+def test_the_command_weights_a_blocks_depths_as_asked(target, tmp_path):
+    """``augur train-draft``: a DFlash block's depths are weighted 0.3 ** (k - 1) unless
+    ``--head-decay`` says otherwise (what the report records is what the loss used)."""
+    from server.cli import main
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["def f(x):", "class A:", "import os"]))
+    base = ["train-draft", "--method", "dflash", "--model", str(target), "--data", str(data), "--device", "cpu",
+            "--num-prompts", "3", "--gen-tokens", "6", "--steps", "1", "--num-layers", "1", "--dflash-block", "4",
+            "--dflash-anchors", "2", "--batch-size", "64", "--output", str(tmp_path / "d")]  # fmt: skip
+    decays = []
+    for extra in ([], ["--head-decay", "0.9"]):  # (the second run reuses the first one's cache)
+        assert main(base + extra) == 0
+        decays.append(json.loads((tmp_path / "d" / "report.json").read_text())["config"]["head_decay"])
+    assert decays == [0.3, 0.9]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("topk", [1, 2], ids=["chains", "trees"])
 def test_exact_through_graphs_on_gpu(target, tmp_path, topk):
