@@ -40,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -376,7 +377,7 @@ def measure_resident(specs: list[ServerSpec], args, prompts: list[Prompt], log_d
                 results.append(first)
                 continue
             lives.append((start(spec, log_dir), first))  # in the list before waiting: stopped however that ends
-            if not asyncio.run(ready(lives[-1][0], args, first)):
+            if not run_async(ready(lives[-1][0], args, first)):
                 stop(lives.pop()[0].proc)
                 results.append(first)
         gone: set[str] = set()
@@ -397,7 +398,7 @@ def measure_resident(specs: list[ServerSpec], args, prompts: list[Prompt], log_d
                         fail(made[name], RuntimeError(f"exited with status {live.proc.returncode}"), live)
                     else:
                         others = [other for other, o in lives if other is not live and o.name not in gone]
-                        asyncio.run(drive(live, args, prompts, made[name], [c], others))
+                        run_async(drive(live, args, prompts, made[name], [c], others))
                     if made[name].status == "failed":
                         gone.add(name)
     finally:
@@ -552,6 +553,42 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt  # so a SIGTERM to this tool still stops the server it started
 
 
+def run_async(coro):
+    """``asyncio.run(coro)``, where a SIGTERM cancels the work at its next ``await`` (as asyncio's own
+    Ctrl-C handling does) and then comes out as ``KeyboardInterrupt``.
+
+    A ``KeyboardInterrupt`` raised straight from a signal handler lands wherever the interpreter happens
+    to be: inside httpx's connect (an anyio task group) it comes out wrapped in an exception group that
+    ``except KeyboardInterrupt`` does not catch, and the tool dies with its servers' table unprinted. A
+    cancellation is something every awaited library unwinds from cleanly. Outside the main thread (no
+    signals there) this is ``asyncio.run``."""
+    if threading.current_thread() is not threading.main_thread():
+        return asyncio.run(coro)
+    termed = False
+
+    async def guarded():
+        nonlocal termed
+        loop, task = asyncio.get_running_loop(), asyncio.current_task()
+
+        def on_term(signum, frame) -> None:
+            nonlocal termed
+            termed = True
+            loop.call_soon_threadsafe(task.cancel)
+
+        previous = signal.signal(signal.SIGTERM, on_term)
+        try:
+            return await coro
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    try:
+        return asyncio.run(guarded())
+    except asyncio.CancelledError:
+        if termed:
+            raise KeyboardInterrupt from None
+        raise
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -580,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
                 round_dir = log_dir if args.rounds == 1 else log_dir / f"round{rnd}"
                 round_dir.mkdir(parents=True, exist_ok=True)
                 for spec in specs if rnd % 2 else specs[::-1]:
-                    results.append(asyncio.run(measure(spec, args, prompts, round_dir)))
+                    results.append(run_async(measure(spec, args, prompts, round_dir)))
                     results[-1].round = rnd
     except KeyboardInterrupt:
         print("peers: interrupted; reporting what finished", file=sys.stderr)

@@ -27,7 +27,6 @@ its context) is reported as failed with the server's message, and the rest still
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import shlex
@@ -45,7 +44,7 @@ import httpx
 
 from loadtest.client import RequestRecord, build_payload, send_request
 from loadtest.config import LoadTestConfig
-from loadtest.peers import free_port, machine, parse_preset, parse_server, stop, wait_ready
+from loadtest.peers import free_port, machine, parse_preset, parse_server, run_async, stop, wait_ready
 from loadtest.prompts import Prompt, load_prompts
 from loadtest.report import build_report, counter_acceptance_length, usage_acceptance_length
 from loadtest.runner import RunResult, make_client, run_load
@@ -263,9 +262,9 @@ def start_and_measure(
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(command, shell=True, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        server.model = asyncio.run(wait_ready(server.url, proc, args.startup_timeout, server.model))
+        server.model = run_async(wait_ready(server.url, proc, args.startup_timeout, server.model))
         server.startup_s = time.monotonic() - started
-        asyncio.run(measure(server, args, suite, modes))
+        run_async(measure(server, args, suite, modes))
     except RuntimeError as e:
         tail = "\n".join(log_path.read_text(errors="replace").strip().splitlines()[-15:])
         server.status, server.reason = "failed", f"{e}; its last lines:\n{tail}"
@@ -411,7 +410,7 @@ def run_suite(args: argparse.Namespace, engine_flags: list[str], ignored_flags: 
             elif server.command:
                 start_and_measure(server, args, suite, modes, log_dir)
             else:
-                asyncio.run(measure(server, args, suite, modes))
+                run_async(measure(server, args, suite, modes))
     except KeyboardInterrupt:
         interrupted = True
         print("bench: interrupted; reporting what finished", file=sys.stderr)

@@ -156,3 +156,52 @@ def test_resident_servers_are_stopped_when_interrupted_while_one_starts(tmp_path
     _, err = proc.communicate(timeout=90)
     assert "interrupted" in err
     assert processes_mentioning(marker) == []
+
+
+SIGTERM_IN_A_TASK_GROUP = """
+import os, signal, sys
+import anyio
+from loadtest.peers import _interrupt
+{runner}
+
+signal.signal(signal.SIGTERM, _interrupt)
+unwound = []
+
+
+async def child():
+    os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, inside this task's step
+    await anyio.sleep(30)
+
+
+async def work():
+    try:
+        async with anyio.create_task_group() as tg:  # what httpx's connect runs its attempts in
+            tg.start_soon(child)
+            tg.start_soon(anyio.sleep, 30)
+    finally:
+        unwound.append(True)
+
+
+try:
+    runner(work())
+except KeyboardInterrupt:
+    print("interrupted", unwound)
+"""
+
+
+def test_a_sigterm_inside_a_task_group_cancels_the_work_and_comes_out_as_an_interrupt():
+    """A SIGTERM that lands while a task of an anyio task group runs (httpx's connect, mid-start-up in
+    CI) cancels the work, which unwinds, and surfaces as KeyboardInterrupt with nothing on stderr;
+    ``asyncio.run`` with the handler raising there instead leaves an exception group behind."""
+    runners = {
+        "run_async": "from loadtest.peers import run_async as runner",
+        "asyncio": "from asyncio import run as runner",
+    }
+    ran = {
+        name: subprocess.run([sys.executable, "-c", SIGTERM_IN_A_TASK_GROUP.format(runner=line)],
+                             capture_output=True, text=True, timeout=60, cwd=REPO)
+        for name, line in runners.items()
+    }  # fmt: skip
+    ok = ran["run_async"]
+    assert ok.returncode == 0 and ok.stdout.strip() == "interrupted [True]" and ok.stderr == "", ok.stderr
+    assert "TaskGroup" in ran["asyncio"].stderr  # the failure this guards against, still there without it
