@@ -222,12 +222,15 @@ def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
     print(f"peers: process group {proc.pid} survived SIGKILL", file=sys.stderr)
 
 
-async def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float, model: str | None) -> str | None:
+async def wait_ready(
+    url: str, proc: subprocess.Popen, timeout_s: float, model: str | None, api_key: str | None = None
+) -> str | None:
     """Poll until ``/v1/models`` lists a model and a one-token completion succeeds (some servers list
     their model while still loading it); returns ``model`` or else the listed id. Raises if the server
-    exits or is late."""
+    exits or is late. ``api_key``: sent as the bearer token."""
     deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient(base_url=url, timeout=120.0) as client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with httpx.AsyncClient(base_url=url, timeout=120.0, headers=headers) as client:
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"exited with status {proc.returncode} before answering")

@@ -27,10 +27,13 @@ its context) is reported as failed with the server's message, and the rest still
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,7 +47,7 @@ import httpx
 
 from loadtest.client import RequestRecord, build_payload, send_request
 from loadtest.config import LoadTestConfig
-from loadtest.peers import free_port, machine, parse_preset, parse_server, run_async, stop, wait_ready
+from loadtest.peers import free_port, machine, parse_preset, parse_server, run_async, stop, stop_all, wait_ready
 from loadtest.prompts import Prompt, load_prompts
 from loadtest.report import build_report, counter_acceptance_length, usage_acceptance_length
 from loadtest.runner import RunResult, make_client, run_load
@@ -64,6 +67,7 @@ class Server:
     model: str | None = None
     startup_s: float | None = None
     log: str | None = None
+    keyed: bool = False  # started by the bench with its run keys (see run_key): each run its own stores
     rows: list[dict] = field(default_factory=list)
 
 
@@ -148,35 +152,85 @@ def make_row(server: str, mode: str, category: str, run: RunResult, report: dict
 
 async def measure(server: Server, args: argparse.Namespace, suite: dict[str, list[Prompt]], modes: list[str]) -> None:
     """Every category at every concurrency in every mode, against one running server."""
-    base = LoadTestConfig(
-        url=server.url,
-        num_requests=1,
-        concurrency=max(args.concurrency),
-        max_tokens=args.max_tokens,
-        api_key=args.api_key,
-        request_timeout=args.request_timeout,
+    await measure_rounds([server], args, suite, {server.name: modes}, rounds=1)
+
+
+async def measure_rounds(
+    servers: list[Server], args: argparse.Namespace, suite: dict[str, list[Prompt]], modes: dict[str, list[str]],
+    rounds: int,
+) -> None:  # fmt: skip
+    """``rounds`` rounds against running servers: in each, every category, and in it every concurrency,
+    is run by every server in each of its ``modes`` back to back (every other round in reverse order),
+    so the runs a ratio compares are seconds apart. A server the bench started with its run keys
+    (``Server.keyed``) gets each run under its own API key (:func:`run_key`), so no run drafts from
+    another run's answers to the same prompts (suffix decoding's store is per key)."""
+    clients: dict[str, httpx.AsyncClient] = {}
+
+    def client_for(server: Server, key: str) -> httpx.AsyncClient:
+        client = clients[server.name]
+        if server.keyed:
+            client.headers["Authorization"] = f"Bearer {key}"
+        return client
+
+    async with contextlib.AsyncExitStack() as stack:
+        for server in servers:
+            base = LoadTestConfig(
+                url=server.url,
+                num_requests=1,
+                concurrency=max(args.concurrency),
+                max_tokens=args.max_tokens,
+                api_key=args.api_key,
+                request_timeout=args.request_timeout,
+            )
+            client = clients[server.name] = await stack.enter_async_context(make_client(base))
+            client_for(server, run_key(0, 0, "warmup"))
+            try:
+                resp = await client.get("/v1/models")
+            except httpx.TransportError as e:
+                server.status, server.reason = "failed", f"cannot reach {server.url}: {type(e).__name__}: {e}"
+                del clients[server.name]
+                continue
+            server.model = server.model or _listed_model(resp)
+            apis = {category_api(ps, args.api) for ps in suite.values()}
+            for _ in range(args.warmup):
+                for api in sorted(apis):
+                    payload = build_payload(
+                        api, WARMUP_PROMPT, model=server.model, max_tokens=args.max_tokens, temperature=0.0,
+                        ignore_eos=True,
+                    )  # fmt: skip
+                    await send_request(client, api, payload, RequestRecord(-1, -1), 0.0)
+        live = [s for s in servers if s.name in clients]
+
+        for rnd in range(1, rounds + 1):
+            order = live if rnd % 2 else live[::-1]
+            for category, prompts in suite.items():
+                for server in order:
+                    await prime(client_for(server, run_key(rnd, 0, "prime")), server, args, prompts)
+                for c in args.concurrency:
+                    for server in order:
+                        for mode in modes[server.name] if rnd % 2 else modes[server.name][::-1]:
+                            client = client_for(server, run_key(rnd, c, mode))
+                            row = await measure_one(client, server, args, category, prompts, c, mode)
+                            row["round"] = rnd
+                            server.rows.append(row)
+        for server in live:
+            server.status = "ok"
+
+
+def run_key(rnd: int, concurrency: int, mode: str) -> str:
+    """The API key of one run (a round's runs at one concurrency in one mode; ``prime``: a round's
+    unrecorded priming requests, ``warmup`` the warm-up's) against a server the bench started with them."""
+    return f"augur-bench-r{rnd}-c{concurrency}-{mode}"
+
+
+def run_keys(args: argparse.Namespace, modes: list[str]) -> list[str]:
+    """Every key :func:`measure_rounds` may send (what a server the bench starts accepts)."""
+    rounds = range(1, args.rounds + 1)
+    return (
+        [run_key(0, 0, "warmup")]
+        + [run_key(r, 0, "prime") for r in rounds]
+        + [run_key(r, c, m) for r in rounds for c in args.concurrency for m in modes]
     )
-    async with make_client(base) as client:
-        try:
-            resp = await client.get("/v1/models")
-        except httpx.TransportError as e:
-            server.status, server.reason = "failed", f"cannot reach {server.url}: {type(e).__name__}: {e}"
-            return
-        server.model = server.model or _listed_model(resp)
-        apis = {category_api(ps, args.api) for ps in suite.values()}
-        for _ in range(args.warmup):
-            for api in sorted(apis):
-                payload = build_payload(
-                    api, WARMUP_PROMPT, model=server.model, max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True
-                )
-                await send_request(client, api, payload, RequestRecord(-1, -1), 0.0)
-        for category, prompts in suite.items():
-            await prime(client, server, args, prompts)
-            for c in args.concurrency:
-                for mode in modes:
-                    row = await measure_one(client, server, args, category, prompts, c, mode)
-                    server.rows.append(row)
-    server.status = "ok"
 
 
 def _listed_model(resp: httpx.Response) -> str | None:
@@ -233,8 +287,9 @@ async def measure_one(
         request_timeout=args.request_timeout,
     )
     label = f"{server.name}{'' if mode == 'default' else ' ' + mode} {category} c={concurrency}"
+    started_at = time.time()
     run = await run_load(config, prompts, server.model, speculative=MODES[mode], label=label, client=client)
-    row = make_row(server.name, mode, category, run, build_report(run, config))
+    row = {**make_row(server.name, mode, category, run, build_report(run, config)), "started_at": started_at}
     if row["status"] != "ok":
         print(f"bench: {label} failed: {row['error']}", file=sys.stderr)
     return row
@@ -247,11 +302,12 @@ def augur_command(args: argparse.Namespace, engine_flags: list[str]) -> str:
     return f"{shlex.join([*argv, *engine_flags])} --port {{port}}"
 
 
-def start_and_measure(
-    server: Server, args: argparse.Namespace, suite: dict[str, list[Prompt]], modes: list[str], log_dir: Path
-) -> None:
-    """Start the server's command on a free port, wait until it answers, measure it, and stop its whole
-    process group whatever happens (before the next server starts: two would share the cores)."""
+def launch(server: Server, args: argparse.Namespace, log_dir: Path, keys: list[str] | None = None) -> subprocess.Popen:
+    """Start the server's command on a free port (its own process group; ``keys``: the API keys an Augur
+    accepts, as ``AUGUR_API_KEY``) and wait until it answers; the server is marked failed, with its
+    log's last lines, if it does not."""
+    env = {**os.environ, "AUGUR_API_KEY": ",".join(keys)} if keys else None
+    server.keyed = bool(keys)
     port = free_port()
     server.url = f"http://127.0.0.1:{port}"
     log_path = log_dir / f"{server.name}.log"
@@ -260,33 +316,110 @@ def start_and_measure(
     print(f"bench: starting {server.name}: {command} (log: {log_path})", file=sys.stderr)
     started = time.monotonic()
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(command, shell=True, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            command, shell=True, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
     try:
-        server.model = run_async(wait_ready(server.url, proc, args.startup_timeout, server.model))
+        key = keys[0] if keys else args.api_key
+        server.model = run_async(wait_ready(server.url, proc, args.startup_timeout, server.model, key))
         server.startup_s = time.monotonic() - started
-        run_async(measure(server, args, suite, modes))
     except RuntimeError as e:
-        tail = "\n".join(log_path.read_text(errors="replace").strip().splitlines()[-15:])
-        server.status, server.reason = "failed", f"{e}; its last lines:\n{tail}"
-        print(f"bench: {server.name} failed: {server.reason}", file=sys.stderr)
+        _failed(server, e)
+    return proc
+
+
+def _failed(server: Server, error: Exception) -> None:
+    tail = "\n".join(Path(server.log).read_text(errors="replace").strip().splitlines()[-15:]) if server.log else ""
+    server.status, server.reason = "failed", f"{error}; its last lines:\n{tail}"
+    print(f"bench: {server.name} failed: {server.reason}", file=sys.stderr)
+
+
+def start_and_measure(
+    server: Server, args: argparse.Namespace, suite: dict[str, list[Prompt]], modes: list[str], log_dir: Path
+) -> None:
+    """Start the server's command, measure it, and stop its whole process group whatever happens
+    (before the next server starts: two would share the cores)."""
+    proc = launch(server, args, log_dir, run_keys(args, modes) if args.api_key is None else None)
+    try:
+        if server.status != "failed":
+            run_async(measure(server, args, suite, modes))
+    except RuntimeError as e:
+        _failed(server, e)
     finally:
         stop(proc)
 
 
+def measure_resident(
+    given: list[Server],
+    args: argparse.Namespace,
+    suite: dict[str, list[Prompt]],
+    modes: list[str],
+    log_dir: Path | None,
+) -> None:
+    """``--rounds`` above 1: start every server once (one at a time: one compiling beside another would
+    slow its start), keep them all up, and run the rounds (:func:`measure_rounds`): one server under load
+    at a time, the others idle. Servers this starts accept every run's key (:func:`run_keys`), unless
+    ``--api-key`` is given. Every started server is stopped whatever happens."""
+    keys = run_keys(args, modes) if args.api_key is None else None
+    procs: list[subprocess.Popen] = []
+    try:
+        for server in given:
+            if server.command and server.status != "skipped":
+                procs.append(launch(server, args, log_dir, keys))
+        live = [s for s in given if s.status not in ("skipped", "failed")]
+        run_async(measure_rounds(live, args, suite, {s.name: modes for s in live}, args.rounds))
+    finally:
+        stop_all(procs)
+
+
 # -- the report ----------------------------------------------------------------------------------------
 def add_ratios(servers: list[Server]) -> str | None:
-    """tok/s over the baseline row's at the same category and concurrency; returns the baseline label."""
+    """tok/s over the baseline row's at the same category and concurrency in the same round; returns
+    the baseline label."""
     first = next((s for s in servers if s.rows), None)
     if first is None:
         return None
     modes = {r["mode"] for r in first.rows}
     baseline = first.name + (" plain" if "plain" in modes else "")
-    base = {(r["category"], r["concurrency"]): r["output_tok_s"] for r in first.rows if r["label"] == baseline}
+    base = {
+        (r.get("round", 1), r["category"], r["concurrency"]): r["output_tok_s"]
+        for r in first.rows
+        if r["label"] == baseline
+    }
     for s in servers:
         for r in s.rows:
-            b = base.get((r["category"], r["concurrency"]))
+            b = base.get((r.get("round", 1), r["category"], r["concurrency"]))
             r["ratio"] = r["output_tok_s"] / b if b and r["output_tok_s"] is not None else None
     return baseline
+
+
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def across_rounds(rows: list[dict]) -> list[dict]:
+    """One row per server, mode, category and concurrency: the medians over its rounds (the ratio is the
+    median of each round's own ratio), ``ratio_range`` the rounds' lowest and highest ratio, and the
+    requests of every round counted together. Rows of a single round come back as they are."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["label"], r["category"], r["concurrency"]), []).append(r)
+    if all(len(g) == 1 for g in groups.values()):
+        return rows
+    out = []
+    for group in groups.values():
+        ratios = [r["ratio"] for r in group if r["ratio"] is not None]
+        row = {**group[0], "rounds": len(group), "ratio_range": [min(ratios), max(ratios)] if ratios else None}
+        for key in ("output_tok_s", "ratio", "ttft_p50_s", "tpot_p50_s", "mean_acceptance_length"):
+            row[key] = _median([r[key] for r in group])
+        row["completed"], row["total"] = sum(r["completed"] for r in group), sum(r["total"] for r in group)
+        failed = [r for r in group if r["status"] != "ok"]
+        row["status"] = "ok" if row["output_tok_s"] is not None else "failed"
+        row["error"] = "; ".join(f"round {r['round']}: {r['error']}" for r in failed if r["error"]) or None
+        row["note"] = next((r["note"] for r in group if r["note"]), None)
+        out.append(row)
+    return out
 
 
 def _f(x: float | None, fmt: str, scale: float = 1.0) -> str:
@@ -300,12 +433,26 @@ def _geomean(values: list[float]) -> float | None:
 
 def markdown(servers: list[Server], baseline: str | None, info: dict) -> str:
     m, load = info["machine"], info["load"]
-    rows = [r for s in servers for r in s.rows]
+    rows = across_rounds([r for s in servers for r in s.rows])
+    rounds = load.get("rounds", 1)
     lines = [
         f"Machine: {m['cpu']}, {m['cores']} cores ({m['platform']}); {info['date']}. Suite `{load['suite']}`: "
         f"{load['max_tokens']} tokens per request (ignore_eos), temperature {load['temperature']}, each prompt "
         f"once per run, closed loop. Ratio: tok/s over `{baseline or '-'}` in the same category and concurrency.",
     ]
+    if load.get("run_keys"):
+        lines[0] += (
+            " Each run (a server's round at one concurrency in one mode) of a server the bench started went "
+            "under its own API key: its own drafting stores, so no run drafts from another's answers to the "
+            "same prompts."
+        )
+    if rounds > 1:
+        lines[0] += (
+            f" {rounds} rounds, servers resident, one under load at a time, every other round in reverse "
+            "order: medians over the rounds; a ratio is the median of each round's own ratio, its range the "
+            "rounds' lowest and highest."
+        )
+    spread = rounds > 1
     for category in info["categories"]:
         mine = [r for r in rows if r["category"] == category]
         if not mine:
@@ -314,13 +461,17 @@ def markdown(servers: list[Server], baseline: str | None, info: dict) -> str:
             "",
             f"### {category} ({info['categories'][category]} prompts, {mine[0]['api']} API)",
             "",
-            "| server | concurrency | tok/s | ratio | TTFT p50 (ms) | TPOT p50 (ms) | accept. len | ok |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| server | concurrency | tok/s | ratio |"
+            + (" ratio range |" if spread else "")
+            + " TTFT p50 (ms) | TPOT p50 (ms) | accept. len | ok |",
+            "| --- | ---: | ---: | ---: |" + (" ---: |" if spread else "") + " ---: | ---: | ---: | ---: |",
         ]
         for r in sorted(mine, key=lambda r: r["concurrency"]):
+            span = r.get("ratio_range")
             lines.append(
                 f"| {r['label']} | {r['concurrency']} | {_f(r['output_tok_s'], '.1f')} | {_f(r['ratio'], '.2f')} | "
-                f"{_f(r['ttft_p50_s'], '.0f', 1e3)} | {_f(r['tpot_p50_s'], '.1f', 1e3)} | "
+                + (f"{span[0]:.2f}-{span[1]:.2f} | " if spread and span else "- | " if spread else "")
+                + f"{_f(r['ttft_p50_s'], '.0f', 1e3)} | {_f(r['tpot_p50_s'], '.1f', 1e3)} | "
                 f"{_f(r['mean_acceptance_length'], '.2f')} | {r['completed']}/{r['total']} |"
             )
     labels = list(dict.fromkeys((r["label"], r["concurrency"]) for r in rows))
@@ -362,8 +513,8 @@ def run_suite(args: argparse.Namespace, engine_flags: list[str], ignored_flags: 
     arguments (``server.cli.engine_argv``), for the Augur this starts when no server is given;
     ``ignored_flags``: those that then do nothing (all but the model name and seed), to say so."""
     args.concurrency = sorted(args.concurrency or [1])
-    if min(args.concurrency) < 1 or args.max_tokens < 1 or args.warmup < 0:
-        raise ValueError("--concurrency and --max-tokens must be at least 1, --warmup at least 0")
+    if min(args.concurrency) < 1 or args.max_tokens < 1 or args.warmup < 0 or args.rounds < 1:
+        raise ValueError("--concurrency, --max-tokens and --rounds must be at least 1, --warmup at least 0")
     given = [parse_url(text) if kind == "url" else parse_command(text) for kind, text in args.servers or []]
     names = [server.name for server in given]
     if len(set(names)) < len(names):
@@ -386,6 +537,7 @@ def run_suite(args: argparse.Namespace, engine_flags: list[str], ignored_flags: 
             "warmup": args.warmup,
             "seed": args.seed,
             "api": args.api,
+            "rounds": args.rounds,
         },
         "categories": {c: len(ps) for c, ps in suite.items()},
     }
@@ -397,6 +549,7 @@ def run_suite(args: argparse.Namespace, engine_flags: list[str], ignored_flags: 
 
             ensure_demo()  # built here, with its progress bar, rather than inside the server's start-up
         given, modes = [Server("augur", command=augur_command(args, engine_flags))], ["default", "plain"]
+    info["load"]["run_keys"] = args.api_key is None and any(s.command for s in given)
     log_dir = Path(tempfile.mkdtemp(prefix="augur-bench-")) if any(s.command for s in given) else None
     servers: list[Server] = []
     main_thread = threading.current_thread() is threading.main_thread()
@@ -404,13 +557,20 @@ def run_suite(args: argparse.Namespace, engine_flags: list[str], ignored_flags: 
     interrupted = False
     try:
         for server in given:
-            servers.append(server)
             if server.status == "skipped":
                 print(f"bench: {server.name} skipped: {server.reason}", file=sys.stderr)
-            elif server.command:
-                start_and_measure(server, args, suite, modes, log_dir)
-            else:
-                run_async(measure(server, args, suite, modes))
+        if args.rounds > 1:
+            servers = given
+            measure_resident(given, args, suite, modes, log_dir)
+        else:
+            for server in given:
+                servers.append(server)
+                if server.status == "skipped":
+                    continue
+                if server.command:
+                    start_and_measure(server, args, suite, modes, log_dir)
+                else:
+                    run_async(measure(server, args, suite, modes))
     except KeyboardInterrupt:
         interrupted = True
         print("bench: interrupted; reporting what finished", file=sys.stderr)
@@ -422,6 +582,8 @@ def run_suite(args: argparse.Namespace, engine_flags: list[str], ignored_flags: 
     print(table)
     if args.output:
         out = {**info, "baseline": baseline, "servers": [asdict(s) for s in servers]}
+        if args.rounds > 1:  # each server's rows are its rounds'; these are their medians
+            out["across_rounds"] = across_rounds([r for s in servers for r in s.rows])
         path = Path(args.output)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(out, indent=1, allow_nan=False) + "\n", encoding="utf-8")
@@ -429,7 +591,7 @@ def run_suite(args: argparse.Namespace, engine_flags: list[str], ignored_flags: 
     if args.plots:
         from loadtest.plots import write_suite_plots
 
-        files = write_suite_plots([r for s in servers for r in s.rows], args.plots)
+        files = write_suite_plots(across_rounds([r for s in servers for r in s.rows]), args.plots)
         print(f"bench: plots {', '.join(map(str, files))}", file=sys.stderr)
     if interrupted:
         return 130

@@ -813,6 +813,14 @@ def _suite_args(bench: argparse.ArgumentParser) -> None:
         action="store_true",
         help='with --url/--server: also run each category with "speculative": {"enabled": false} (Augur servers)',
     )
+    suite.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="above 1: start every server once and keep them up, and run every category this many times, the "
+        "servers' runs back to back (one under load at a time, every other round in reverse), each round "
+        "under its own API key (fresh drafting stores): medians of each round's own ratio",
+    )
     suite.add_argument("--api-key", default=None, help="sent to the servers as 'Authorization: Bearer KEY'")
     suite.add_argument(
         "--api",

@@ -8,8 +8,10 @@ import argparse
 import json
 import random
 import re
+import shlex
 import shutil
 import socket
+import sys
 from pathlib import Path
 
 import matplotlib.image
@@ -19,7 +21,7 @@ from transformers import AutoTokenizer
 from loadtest.prompts import load_prompts
 from loadtest.report import counter_acceptance_length
 from loadtest.suite import CATEGORIES, PER_CATEGORY, _problem, by_category, math_prompts, read_suite
-from loadtest.suite_bench import parse_command, parse_url
+from loadtest.suite_bench import parse_command, parse_url, run_keys
 from server.app import ServerSettings, create_app
 from server.cli import add_engine_args, build_parser, engine_argv, main
 from servers import engine_factory, processes_mentioning, serve
@@ -249,3 +251,60 @@ def test_bench_suite_url_reports_a_failed_category_and_an_absent_server(tiny_dem
     rc = main(["bench", "--suite", "--url", gone, "--categories", "math", "--num-prompts", "1", "--no-progress"])
     assert rc == 1
     assert "failed: cannot reach" in capsys.readouterr().out
+
+
+def test_bench_suite_rounds_keep_servers_up_alternate_them_and_give_each_run_fresh_stores(tiny_demo, tmp_path, capsys):
+    """``--rounds 2``. On the Augur the bench starts (suffix decoding): it starts once, round 1 runs
+    speculative then plain and round 2 the reverse, and every run goes under its own API key, which the
+    server (started with them all) accepts, so no run's drafting store holds another run's answers to
+    the same prompts (the store's isolation by key: test_suffix). Then two ``--server`` commands and
+    one ``--api-key``: both start once, round 1 runs them in command-line order and round 2 in reverse.
+    The summary is the median of each round's own ratio."""
+    target = tiny_demo / "target"
+    flags = ["--categories", "code", "--num-prompts", "2", "--max-tokens", "16", "--warmup", "1", "--no-progress",
+             "--startup-timeout", "120", "--rounds", "2"]  # fmt: skip
+    fresh_out = tmp_path / "fresh.json"
+    rc = main(
+        ["bench", "--suite", "--model", str(target), "--speculative-method", "suffix", "--device", "cpu",
+         "--dtype", "float32", "--num-kv-blocks", "256", "--block-size", "4", *flags, "--output", str(fresh_out)]
+    )  # fmt: skip
+    captured = capsys.readouterr()
+    assert rc == 0, captured.out
+    assert captured.err.count("bench: starting augur") == 1  # resident: one start for both rounds
+    fresh = json.loads(fresh_out.read_text())
+    assert fresh["load"]["rounds"] == 2 and fresh["load"]["run_keys"] is True
+    (server,) = fresh["servers"]
+    rows = {(r["round"], r["label"]): r for r in server["rows"]}
+    assert len(rows) == len(server["rows"]) == 2 * 2
+    assert all(r["completed"] == r["total"] == 2 for r in rows.values())  # every run's key was accepted
+    args = argparse.Namespace(rounds=2, concurrency=[1, 8])
+    assert len(set(run_keys(args, ["default", "plain"]))) == 1 + 2 + 2 * 2 * 2  # the warm-up, two primes, eight runs
+    assert rows[1, "augur"]["started_at"] < rows[1, "augur plain"]["started_at"]
+    assert rows[2, "augur plain"]["started_at"] < rows[2, "augur"]["started_at"]  # every other round in reverse
+    assert rows[1, "augur plain"]["ratio"] == rows[2, "augur plain"]["ratio"] == 1.0
+    (summary,) = [r for r in fresh["across_rounds"] if r["label"] == "augur"]
+    ratios = sorted(rows[rnd, "augur"]["ratio"] for rnd in (1, 2))
+    assert summary["ratio"] == pytest.approx(sum(ratios) / 2) and summary["ratio_range"] == ratios
+    assert summary["rounds"] == 2 and summary["completed"] == summary["total"] == 4
+    assert "2 rounds, servers resident" in captured.out and "ratio range" in captured.out
+    assert "its own API key" in captured.out
+
+    serve = (
+        f"{shlex.quote(sys.executable)} -m server.cli serve --port {{port}} --model {shlex.quote(str(target))} "
+        "--device cpu --dtype float32 --num-kv-blocks 256 --block-size 4 --speculative-method"
+    )
+    shared_out = tmp_path / "shared.json"
+    rc = main(
+        ["bench", "--suite", "--server", f"suffix={serve} suffix", "--server", f"plain={serve} none",
+         "--api-key", "one-key", *flags, "--output", str(shared_out)]
+    )  # fmt: skip
+    captured = capsys.readouterr()
+    assert rc == 0, captured.out
+    assert captured.err.count("bench: starting suffix") == 1 and captured.err.count("bench: starting plain") == 1
+    shared = json.loads(shared_out.read_text())
+    assert shared["load"]["run_keys"] is False and shared["baseline"] == "suffix"
+    both = {(r["round"], r["label"]): r for s in shared["servers"] for r in s["rows"]}
+    assert both[1, "suffix"]["started_at"] < both[1, "plain"]["started_at"]
+    assert both[2, "plain"]["started_at"] < both[2, "suffix"]["started_at"]
+    assert "its own API key" not in captured.out
+    assert processes_mentioning(str(target)) == []
