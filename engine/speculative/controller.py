@@ -182,7 +182,7 @@ class ExplorationBudget:
     would overdraw by its own cost (a request's first draft feeds the draft its whole prompt: several
     plain steps' time). Exploration that wins pays for more."""
 
-    def __init__(self, fraction: float = 0.03, decay: float = 0.998) -> None:
+    def __init__(self, fraction: float = 0.01, decay: float = 0.998) -> None:
         self.fraction, self.decay = fraction, decay
         self.spent = 0.0  # decayed seconds lost by exploring steps
         self.elapsed = 0.0  # decayed seconds of every decode-only step
