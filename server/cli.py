@@ -818,8 +818,8 @@ def _suite_args(bench: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="above 1: start every server once and keep them up, and run every category this many times, the "
-        "servers' runs back to back (one under load at a time, every other round in reverse), each round "
-        "under its own API key (fresh drafting stores): medians of each round's own ratio",
+        "servers' runs back to back (one under load at a time, every other round in reverse): medians of each "
+        "round's own ratio. A server the bench starts takes each run under its own API key (fresh drafting stores)",
     )
     suite.add_argument("--api-key", default=None, help="sent to the servers as 'Authorization: Bearer KEY'")
     suite.add_argument(
