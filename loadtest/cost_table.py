@@ -36,7 +36,7 @@ from collections import Counter
 from pathlib import Path
 
 from loadtest.config import LoadTestConfig
-from loadtest.peers import demo_dir, free_port, machine, stop, wait_ready
+from loadtest.peers import demo_dir, free_port, log_tail, machine, stop, wait_ready
 from loadtest.prompts import load_prompts
 from loadtest.runner import run_load
 
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(profile(url, proc.pid, model, prompts, c, len(prompts), args.max_tokens, args.rate,
                                     Path(tmp) / f"c{c}.txt"))  # fmt: skip
         except RuntimeError as e:
-            tail = "\n".join(log_path.read_text(errors="replace").strip().splitlines()[-15:])
+            tail = log_tail(log_path)
             print(f"cost_table: {e}; the server's last lines:\n{tail}", file=sys.stderr)
             return 1
         finally:

@@ -301,9 +301,14 @@ async def ready(live: Live, args: argparse.Namespace, result: ServerResult) -> b
     return True
 
 
+def log_tail(path: Path, lines: int = 15) -> str:
+    """A server log's last ``lines`` lines, what a failure report shows."""
+    return "\n".join(Path(path).read_text(errors="replace").strip().splitlines()[-lines:])
+
+
 def fail(result: ServerResult, error: Exception, live: Live) -> None:
     result.status, result.reason = "failed", f"{error} (log: {live.log_path})"
-    tail = "\n".join(live.log_path.read_text(errors="replace").strip().splitlines()[-15:])
+    tail = log_tail(live.log_path)
     print(f"peers: {result.name} failed: {result.reason}; its last lines:\n{tail}", file=sys.stderr)
 
 

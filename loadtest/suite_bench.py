@@ -47,7 +47,17 @@ import httpx
 
 from loadtest.client import RequestRecord, build_payload, send_request
 from loadtest.config import LoadTestConfig
-from loadtest.peers import free_port, machine, parse_preset, parse_server, run_async, stop, stop_all, wait_ready
+from loadtest.peers import (
+    free_port,
+    log_tail,
+    machine,
+    parse_preset,
+    parse_server,
+    run_async,
+    stop,
+    stop_all,
+    wait_ready,
+)
 from loadtest.prompts import Prompt, load_prompts
 from loadtest.report import build_report, counter_acceptance_length, usage_acceptance_length
 from loadtest.runner import RunResult, make_client, run_load
@@ -329,7 +339,7 @@ def launch(server: Server, args: argparse.Namespace, log_dir: Path, keys: list[s
 
 
 def _failed(server: Server, error: Exception) -> None:
-    tail = "\n".join(Path(server.log).read_text(errors="replace").strip().splitlines()[-15:]) if server.log else ""
+    tail = log_tail(server.log) if server.log else ""
     server.status, server.reason = "failed", f"{error}; its last lines:\n{tail}"
     print(f"bench: {server.name} failed: {server.reason}", file=sys.stderr)
 
@@ -468,9 +478,10 @@ def markdown(servers: list[Server], baseline: str | None, info: dict) -> str:
         ]
         for r in sorted(mine, key=lambda r: r["concurrency"]):
             span = r.get("ratio_range")
+            spread_cell = (f"{span[0]:.2f}-{span[1]:.2f} | " if span else "- | ") if spread else ""
             lines.append(
                 f"| {r['label']} | {r['concurrency']} | {_f(r['output_tok_s'], '.1f')} | {_f(r['ratio'], '.2f')} | "
-                + (f"{span[0]:.2f}-{span[1]:.2f} | " if spread and span else "- | " if spread else "")
+                + spread_cell
                 + f"{_f(r['ttft_p50_s'], '.0f', 1e3)} | {_f(r['tpot_p50_s'], '.1f', 1e3)} | "
                 f"{_f(r['mean_acceptance_length'], '.2f')} | {r['completed']}/{r['total']} |"
             )

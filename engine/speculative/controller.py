@@ -419,11 +419,11 @@ class SpecController:
         """
         room = room if room is not None else [self.max_depth] * len(seqs)
         self._memo = {}
-        members = frozenset(s.seq_id for s in seqs)
-        cap = self._cap = self.guard.limit(len(seqs), all(s.params.greedy for s in seqs), members, self.budget.allows())
+        greedy = all(s.params.greedy for s in seqs)
+        cap = self._cap = self.guard.limit(len(seqs), greedy, frozenset(s.seq_id for s in seqs), self.budget.allows())
         if cap or any(s.params.num_draft_tokens for s in seqs):  # a step with no draft needs no route
             self._choose_routes(seqs, other_tokens)
-        depths = self._plan(seqs, other_tokens, room, cap)
+        depths = self._plan(seqs, other_tokens, room, cap, greedy)
         for seq, d, r in zip(seqs, depths, room):
             seq.spec_reason = None if d or r <= 0 else self._reason(seq, len(seqs))
         return depths
@@ -498,9 +498,8 @@ class SpecController:
         self.estimate(seq, route).asked(drafted)
         self._population(route, seq).asked(drafted)
 
-    def _plan(self, seqs: list[Sequence], other_tokens: int, room: list[int], cap: int) -> list[int]:
-        """Depths under the guard's ``cap`` for this step."""
-        kind = all(s.params.greedy for s in seqs)
+    def _plan(self, seqs: list[Sequence], other_tokens: int, room: list[int], cap: int, kind: bool) -> list[int]:
+        """Depths under the guard's ``cap`` for this step; ``kind``: whether the batch is all greedy."""
         self.exploring = self.bursting = False
         bucket = self.guard.bucket(len(seqs), kind)
         self.on_probation = bucket.on and bucket.probation > 0
