@@ -14,6 +14,8 @@ category at a time, each prompt of the category once per run. The servers, in co
 
 With ``--url``/``--server``, ``--plain-baseline`` adds the plain run per category, which needs Augur's
 ``speculative`` request field (a plain run in which the server's draft counters still move is flagged).
+Only servers whose ``GET /v1/models`` names Augur as the owner get it: another server ignores the
+field, and its "plain" run would repeat its default one.
 
 Ratios divide tok/s by the baseline row's at the same category and concurrency: the first server's plain
 run where there is one (so above 1 means speculation helps), else the first server's run.
@@ -201,6 +203,10 @@ async def measure_rounds(
                 del clients[server.name]
                 continue
             server.model = server.model or _listed_model(resp)
+            if "plain" in modes[server.name] and not _is_augur(resp):
+                modes = {**modes, server.name: [m for m in modes[server.name] if m != "plain"]}
+                print(f"bench: {server.name} is not an Augur server: no plain run (it ignores "
+                      "speculative.enabled)", file=sys.stderr)  # fmt: skip
             apis = {category_api(ps, args.api) for ps in suite.values()}
             for _ in range(args.warmup):
                 for api in sorted(apis):
@@ -241,6 +247,18 @@ def run_keys(args: argparse.Namespace, modes: list[str]) -> list[str]:
         + [run_key(r, 0, "prime") for r in rounds]
         + [run_key(r, c, m) for r in rounds for c in args.concurrency for m in modes]
     )
+
+
+def _is_augur(resp: httpx.Response) -> bool:
+    """Whether a GET /v1/models answer is Augur's (its models' ``owned_by``): the servers that read the
+    ``speculative`` request field, so the ones a plain run (``--plain-baseline``) means something on."""
+    if resp.status_code != 200:
+        return False
+    try:
+        data = resp.json().get("data") or []
+    except (ValueError, AttributeError):
+        return False
+    return any(isinstance(card, dict) and card.get("owned_by") == "augur" for card in data)
 
 
 def _listed_model(resp: httpx.Response) -> str | None:

@@ -811,7 +811,8 @@ def _suite_args(bench: argparse.ArgumentParser) -> None:
     suite.add_argument(
         "--plain-baseline",
         action="store_true",
-        help='with --url/--server: also run each category with "speculative": {"enabled": false} (Augur servers)',
+        help='with --url/--server: also run each category with "speculative": {"enabled": false} on every Augur '
+        "server (one whose /v1/models names Augur as owner; others ignore the field and run once)",
     )
     suite.add_argument(
         "--rounds",

@@ -14,6 +14,7 @@ import socket
 import sys
 from pathlib import Path
 
+import httpx
 import matplotlib.image
 import pytest
 from transformers import AutoTokenizer
@@ -21,7 +22,7 @@ from transformers import AutoTokenizer
 from loadtest.prompts import load_prompts
 from loadtest.report import counter_acceptance_length
 from loadtest.suite import CATEGORIES, PER_CATEGORY, _problem, by_category, math_prompts, read_suite
-from loadtest.suite_bench import parse_command, parse_url, run_keys
+from loadtest.suite_bench import _is_augur, parse_command, parse_url, run_keys
 from server.app import ServerSettings, create_app
 from server.cli import add_engine_args, build_parser, engine_argv, main
 from servers import engine_factory, processes_mentioning, serve
@@ -161,6 +162,22 @@ def test_acceptance_from_augur_or_vllm_counters():
     assert counter_acceptance_length("", "# nothing\n") == (None, None)
 
 
+def test_only_augur_servers_count_as_reading_the_speculative_field():
+    """``--plain-baseline`` gives the plain run to Augur servers only: the answers of llama.cpp's and vLLM's
+    ``GET /v1/models`` (their documented shapes) are not Augur's, nor is an error or a non-JSON body.
+    (Augur's own answer is checked against a served Augur in the ``--url`` test below.)"""
+    def models(status: int, body) -> httpx.Response:
+        return httpx.Response(status, json=body) if not isinstance(body, str) else httpx.Response(status, text=body)
+
+    llamacpp = {"object": "list", "data": [{"id": "demo", "object": "model", "created": 1, "owned_by": "llamacpp",
+                                            "meta": {"n_vocab": 4096}}]}  # fmt: skip
+    vllm = {"object": "list", "data": [{"id": "demo", "object": "model", "owned_by": "vllm", "root": "demo"}]}
+    assert not _is_augur(models(200, llamacpp)) and not _is_augur(models(200, vllm))
+    assert not _is_augur(models(200, {"object": "list", "data": []}))
+    assert not _is_augur(models(401, {"error": {"message": "no key"}})) and not _is_augur(models(200, "<html>"))
+    assert _is_augur(models(200, {"object": "list", "data": [{"id": "demo", "owned_by": "augur"}]}))
+
+
 # -- end to end ------------------------------------------------------------------------------------------------
 def test_bench_suite_starts_augur_and_compares_speculative_with_plain(tiny_demo, tmp_path, capsys):
     target = tiny_demo / "target"
@@ -219,6 +236,7 @@ def test_bench_suite_url_reports_a_failed_category_and_an_absent_server(tiny_dem
 
     app = create_app(ServerSettings(served_model_name="tiny"), engine_factory(target, speculative_method="ngram"))
     with serve(app) as served:
+        assert _is_augur(httpx.get(f"{served.base}/v1/models"))  # so it gets the plain run
         out = tmp_path / "url.json"
         rc = main(
             ["bench", "--suite", "--url", f"tiny={served.base}", "--url", f"gone={gone}", "--server", "vllm-draft",
