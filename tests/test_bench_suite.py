@@ -166,6 +166,7 @@ def test_only_augur_servers_count_as_reading_the_speculative_field():
     """``--plain-baseline`` gives the plain run to Augur servers only: the answers of llama.cpp's and vLLM's
     ``GET /v1/models`` (their documented shapes) are not Augur's, nor is an error or a non-JSON body.
     (Augur's own answer is checked against a served Augur in the ``--url`` test below.)"""
+
     def models(status: int, body) -> httpx.Response:
         return httpx.Response(status, json=body) if not isinstance(body, str) else httpx.Response(status, text=body)
 
