@@ -249,27 +249,27 @@ def run_keys(args: argparse.Namespace, modes: list[str]) -> list[str]:
     )
 
 
-def _is_augur(resp: httpx.Response) -> bool:
-    """Whether a GET /v1/models answer is Augur's (its models' ``owned_by``): the servers that read the
-    ``speculative`` request field, so the ones a plain run (``--plain-baseline``) means something on."""
+def _model_cards(resp: httpx.Response) -> list:
+    """The ``data`` list of a GET /v1/models answer (empty for an error or a body without one)."""
     if resp.status_code != 200:
-        return False
+        return []
     try:
         data = resp.json().get("data") or []
     except (ValueError, AttributeError):
-        return False
-    return any(isinstance(card, dict) and card.get("owned_by") == "augur" for card in data)
+        return []
+    return data if isinstance(data, list) else []
+
+
+def _is_augur(resp: httpx.Response) -> bool:
+    """Whether a GET /v1/models answer is Augur's (its models' ``owned_by``): the servers that read the
+    ``speculative`` request field, so the ones a plain run (``--plain-baseline``) means something on."""
+    return any(isinstance(card, dict) and card.get("owned_by") == "augur" for card in _model_cards(resp))
 
 
 def _listed_model(resp: httpx.Response) -> str | None:
     """The first id of a GET /v1/models answer; None (the field is then left out) when there is none."""
-    if resp.status_code != 200:
-        return None
-    try:
-        data = resp.json().get("data") or []
-        return str(data[0]["id"]) if data and isinstance(data[0], dict) and data[0].get("id") else None
-    except (ValueError, AttributeError):
-        return None
+    first = next(iter(_model_cards(resp)), None)
+    return str(first["id"]) if isinstance(first, dict) and first.get("id") else None
 
 
 async def prime(client: httpx.AsyncClient, server: Server, args: argparse.Namespace, prompts: list[Prompt]) -> None:
