@@ -41,7 +41,9 @@ import transformers
 
 from engine.attention import BACKENDS as ATTENTION_BACKENDS
 from engine.models import model_class_for
+from engine.models.invariant import load_invariant_kernels
 from engine.models.llama import use_fused_ops
+from engine.models.moe import has_experts
 from engine.runner.loader import fused_ops_serve
 from engine.runner.model_runner import ForwardChunk, ModelRunner
 from engine.sampling.tree import DraftTree, tree_layout
@@ -74,6 +76,17 @@ SHAPES: dict[str, dict] = {
         num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
         attn_logit_softcapping=50.0, final_logit_softcapping=30.0, tie_word_embeddings=True,
     ),
+    # Mixtures at their published shapes (issue 59): the bound is what the routed experts read.
+    "qwen3-30b-a3b": dict(
+        cls="Qwen3MoeForCausalLM", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, tie_word_embeddings=False,
+    ),
+    "gpt-oss-20b": dict(
+        cls="GptOssForCausalLM", vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+        sliding_window=128, tie_word_embeddings=False,
+    ),
     "tiny": dict(
         cls="LlamaForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, draft="tiny-draft",
@@ -82,12 +95,19 @@ SHAPES: dict[str, dict] = {
         cls="LlamaForCausalLM", vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
     ),
+    "tiny-moe": dict(
+        cls="Qwen3MoeForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False,
+    ),
 }  # fmt: skip
 
 _CONFIGS = {
     "LlamaForCausalLM": transformers.LlamaConfig,
     "Qwen2ForCausalLM": transformers.Qwen2Config,
     "Gemma2ForCausalLM": transformers.Gemma2Config,
+    "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
+    "GptOssForCausalLM": transformers.GptOssConfig,
 }
 BLOCK = 16
 TREE_NODES = 60
@@ -126,14 +146,18 @@ def build(
     max_positions: int,
     attention_backend: str = "auto",
     graphs: bool = False,
+    prepare=None,
+    invariant: bool = False,
 ) -> tuple[ModelRunner, object]:
     """The model at ``name``'s shape with random weights (N(0, 0.02); norms at 1), built on ``device``,
-    on the fused kernels where the loader would put it on them (engine/models/fused.py)."""
+    on the fused kernels where the loader would put it on them (engine/models/fused.py), or on the
+    batch-invariant operators with ``invariant`` (as ``--batch-invariant on`` serves it); ``prepare(model)``
+    then changes it as a serving option would (quantized layers, LoRA slots) before its runner is built."""
     config = model_config(name, max_positions)
     cls_name = config.architectures[0]
     with torch.device("meta"):
         model = model_class_for(config)(config, max_positions)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)  # (in its dtype at once: a 30B mixture fits once, not twice)
     model.init_buffers(max_positions)
     g = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
@@ -142,11 +166,22 @@ def build(
                 p.normal_(0.0, 0.02, generator=g)
             else:
                 p.fill_(0.0 if cls_name == "Gemma2ForCausalLM" else 1.0)  # Gemma's norms scale by 1 + w
-    if fused_ops_serve(device, dtype):  # the small operators on fused kernels, as the loader serves them
+    if device.type == "cuda" and has_experts(model):
+        import engine.models.moe_triton  # noqa: F401  (the mixture's GPU kernels, as the loader serves them)
+    if invariant:
+        if device.type == "cuda":
+            from engine.models import invariant_cuda  # noqa: F401  (registers its CUDA kernels)
+        elif not load_invariant_kernels():
+            raise RuntimeError("the batch-invariant kernels could not be built (a C++ compiler is needed)")
+        model.use_invariant_ops()
+    elif fused_ops_serve(device, dtype):  # the small operators on fused kernels, as the loader serves them
         use_fused_ops(model)
+    if prepare is not None:
+        prepare(model)
     runner = ModelRunner(
-        model.eval(), config, device, dtype, BLOCK, attention_backend=attention_backend, cuda_graph_max_seqs=int(graphs)
-    )
+        model.eval(), config, device, dtype, BLOCK, attention_backend=attention_backend,
+        cuda_graph_max_seqs=int(graphs), batch_invariant=invariant,
+    )  # fmt: skip
     return runner, config
 
 

@@ -3,19 +3,22 @@
 # the step benchmark at the 8B shape (triton and sdpa attention, CUDA graphs on and off), then every
 # GPU-marked test and the test files whose tensors live on CUDA when it exists (in parallel workers
 # where pytest-xdist came in ./.whl); on request, the step costs by batch size, a prefill, the
-# drafters and the controller's choice (loadtest.bench_gpu_scale, stage "scale"), where each
+# drafters and the controller's choice (loadtest.bench_gpu_scale, stage "scale"), the serving options that
+# change the kernels (batch-invariant, int4, FP8, LoRA) and the mixtures at their published shapes
+# (loadtest.bench_gpu_variants, stage "variants"), where each
 # method's steps wait for the device on the demo pair (loadtest.device_waits: reads, builds and the syncs
 # themselves, with their lines), the demo pair served (plain and the default, each with ordinary steps and
 # with --async-scheduling on; loadtest.peers), and the kernel profile of a decode against chain verifies
 # (loadtest.profile_gpu).
 #   OUT=DIR [STAGES="bench tests waits served profile"] bash loadtest/gpu_checks.sh [SHAPES...]
-# (default stages: bench tests; all of them: scale bench tests waits served profile; default shape: llama-3.1-8b). Missing Python packages (openai, pydantic,
+# (default stages: bench tests; all of them: scale variants bench tests waits served profile; default shape:
+# llama-3.1-8b; SCALE_ARGS: more arguments for bench_gpu_scale, e.g. "--fused" to skip its fused on/off pair). Missing Python packages (openai, pydantic,
 # FastAPI, uvicorn, pyzmq, msgspec and their needs: that machine's image has none of them) install from
 # ./.whl if present: `bash loadtest/gpu_wheels.sh` fills it here, and the device call carries it.
 # Each failing test's traceback goes to $OUT/failures.log as it fails (tests/conftest.py), so a run
 # cut short by its time limit still says why.
-# In a 15-minute lease (a start costs 1-2 minutes): one call with STAGES="scale tests profile" (timeout_s
-# 420); then STAGES=served if 5 minutes are left; carry .whl in every call. The C++ CPU kernels the
+# In a 15-minute lease (a start costs 1-2 minutes): one call with STAGES="scale variants tests" (timeout_s
+# 560); then the failed tests again, or STAGES=served, if 5 minutes are left; carry .whl in every call. The C++ CPU kernels the
 # tests need build in the background while the benchmarks run.
 set -u
 OUT=${OUT:-/tmp/augur-gpu-checks}
@@ -40,7 +43,9 @@ load_small_linear; print('C++ CPU kernels built:', load_cpu_kernel(), load_small
     build=$!
 fi
 [[ $stages == *" scale "* ]] && timeout "${SCALE_TIMEOUT:-150}" python3 -m loadtest.bench_gpu_scale --shape "${shapes[0]}" \
-    --output "$OUT/scale.json" 2>&1 | tee "$OUT/scale.log"
+    --output "$OUT/scale.json" ${SCALE_ARGS:-} 2>&1 | tee "$OUT/scale.log"
+[[ $stages == *" variants "* ]] && timeout "${VARIANTS_TIMEOUT:-170}" python3 -m loadtest.bench_gpu_variants \
+    --shape "${shapes[0]}" --output "$OUT/variants.json" 2>&1 | tee "$OUT/variants.log"
 [[ $stages == *" bench "* ]] && timeout "${BENCH_TIMEOUT:-200}" python3 -m loadtest.bench_gpu --shapes "${shapes[@]}" --attention-backends triton sdpa \
     --cuda-graphs on off --output "$OUT/steps.json" 2>&1 | tee "$OUT/bench.log"
 if [[ $stages == *" tests "* ]]; then

@@ -39,7 +39,7 @@ def test_real_shapes_build_as_published():
     from engine.models import model_class_for
 
     counts = {}
-    for name in ("llama-3.1-8b", "qwen2.5-7b", "gemma-2-9b", "llama-3.2-1b"):
+    for name in ("llama-3.1-8b", "qwen2.5-7b", "gemma-2-9b", "llama-3.2-1b", "qwen3-30b-a3b", "gpt-oss-20b"):
         config = bench_gpu.model_config(name, max_positions=64)
         with torch.device("meta"):
             model = model_class_for(config)(config, 64)
@@ -48,6 +48,36 @@ def test_real_shapes_build_as_published():
     assert counts["qwen2.5-7b"] == pytest.approx(7.62, abs=0.01)
     assert counts["gemma-2-9b"] == pytest.approx(9.24, abs=0.01)
     assert counts["llama-3.2-1b"] == pytest.approx(1.24, abs=0.01)
+    assert counts["qwen3-30b-a3b"] == pytest.approx(30.53, abs=0.01)
+    assert counts["gpt-oss-20b"] == pytest.approx(20.91, abs=0.01)
+
+
+def test_serving_options_are_measured_against_their_own_bytes(tmp_path):
+    """``loadtest.bench_gpu_variants`` on toy shapes: every option and a mixture get decode, verify and
+    prefill figures; quantized weights are counted as the bytes they store, LoRA slots on top of the
+    base, and a mixture's bound reads only the experts its tokens are routed to."""
+    from loadtest import bench_gpu_variants
+
+    out = tmp_path / "variants.json"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    argv = ["--shape", "tiny", "--moe-shapes", "tiny-moe", "--device", device, "--dtype", "float32", "--context", "40",
+            "--repeats", "2", "--prefill", "32", "--batch-sizes", "1", "3", "--output", str(out)]  # fmt: skip
+    assert bench_gpu_variants.main(argv) == 0
+    report = json.loads(out.read_text())
+    got = {(r["shape"], r["variant"]): r for r in report["results"]}
+    assert set(got) == {("tiny", v) for v in bench_gpu_variants.VARIANTS} | {("tiny-moe", "plain")}
+    for r in got.values():
+        assert set(r["decode"]) == {"1", "3"} and r["verify4_ms"] > 0 and r["prefill"]["ms"] > 0
+        assert all(0 < d["fraction_of_bound"] and d["ms"] > 0 for d in r["decode"].values())
+    plain = got["tiny", "plain"]["weights_gb"]
+    assert got["tiny", "int4"]["weights_gb"] < 0.6 * plain and got["tiny", "fp8"]["weights_gb"] < 0.6 * plain
+    assert got["tiny", "lora"]["weights_gb"] > plain and set(got["tiny", "lora"]["decode_base_ms"]) == {"1", "3"}
+    moe = got["tiny-moe", "plain"]
+    assert 0 < moe["experts_gb"] < moe["weights_gb"]
+    # 2 of 8 experts a token: one token reads a quarter of them, three tokens 1 - (3/4)^3 of them
+    for B, share in (("1", 0.25), ("3", 1 - 0.75**3)):
+        read = (moe["weights_gb"] - moe["experts_gb"] * (1 - share)) * 1e9 + int(B) * 40 * moe["kv_bytes_per_token"]
+        assert moe["decode"][B]["memory_bound_ms"] == pytest.approx(read / report["copy_bandwidth_gb_s"] / 1e6)
 
 
 @pytest.mark.gpu
