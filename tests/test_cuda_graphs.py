@@ -136,7 +136,7 @@ def test_input_ids_and_features_from_the_device(llama_dir, tmp_path, monkeypatch
         torch.testing.assert_close(outs[1].logits, outs[0].logits, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(outs[1].final_hidden, outs[0].final_hidden, atol=1e-5, rtol=1e-5)
         shape = batches[1].graph  # run through the graph of this shape with the features' static buffer
-        assert (shape.num_seqs, shape.width, None, (tuple(feats.shape[1:]), feats.dtype)) in graphed.graphs.graphs
+        assert (shape.num_seqs, shape.width, None, (tuple(feats.shape[1:]), feats.dtype), None) in graphed.graphs.graphs
     # The features count: the last step again with other features (the same tokens) gives other logits.
     other = graphed.execute(graphed.prepare(chunks), input_ids=ids, hidden_in=feats.flip(0)).logits
     assert not torch.allclose(other, outs[1].logits, atol=1e-3)

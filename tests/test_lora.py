@@ -529,6 +529,7 @@ def test_the_engine_on_the_gpu_kernels_matches_peft_and_a_mixed_batch(llama_dir,
     invariant = "on" if device.type == "cuda" else "auto"
     engine = make(llama_dir, adapters, device=str(device), batch_invariant=invariant)
     assert engine.adapters.slots.kernel == (device.type == "cuda")
+    assert (engine.runner.graphs is not None) == (device.type == "cuda")  # on a GPU, through captured graphs
     engine.adapters.slots.kernel = True
     ids = list(range(5, 25))
     with torch.no_grad():

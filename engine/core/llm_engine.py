@@ -112,8 +112,9 @@ class LLMEngine:
         self.runner = runner_cls(
             *front, model, self.hf_config, self.device, self.dtype, config.block_size, compile=compiled,
             attention_backend=config.attention_backend,
-            # LoRA rows are masked by a tensor sized at run time: not yet captured in graphs
-            cuda_graph_max_seqs=0 if config.lora_enabled else config.cuda_graph_max_seqs,
+            # LoRA on the Triton kernels is captured (each row reads its slot from one device buffer); the
+            # eager path's mask is sized at run time, so it runs uncaptured
+            cuda_graph_max_seqs=0 if self.adapters and not self.adapters.slots.kernel else config.cuda_graph_max_seqs,
             batch_invariant=invariant, kv_cache_dtype=config.kv_cache_dtype,
         )  # fmt: skip
         self.proposer = None

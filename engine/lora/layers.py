@@ -106,6 +106,7 @@ class LoraSlots:
         # On CUDA the rows gather their own slots on two Triton kernels, which read each row's slot here
         self.kernel = device.type == "cuda" and importlib.util.find_spec("triton") is not None
         self.rows = torch.full((0,), -1, dtype=torch.int64, device=device)  # [rows] each row's slot
+        self.generation = 0  # how often ``rows`` was replaced by a larger buffer (captured graphs read the old)
 
     @classmethod
     def attach(cls, model: nn.Module, max_loras: int, max_rank: int, rows: int, invariant: bool = False) -> LoraSlots:
@@ -128,6 +129,8 @@ class LoraSlots:
             setattr(model.get_submodule(parent) if parent else model, attr, layer)
             self.layers[name] = layer
         self.mask = torch.zeros(rows, max_loras, dtype=self.dtype, device=self.device)
+        if self.kernel:  # one buffer from the start, so captured graphs keep reading the one they were taken over
+            self.rows = torch.full((rows,), -1, dtype=torch.int64, device=self.device)
         model.lora = self
         return self
 
@@ -184,6 +187,12 @@ class LoraSlots:
             layer.a[slot * width : (slot + 1) * width].zero_()
             layer.b[:, slot * width : (slot + 1) * width].zero_()
 
+    def graph_key(self) -> tuple[bool, int]:
+        """What a captured graph of the Triton kernels' forward depends on besides its shape: whether
+        any row uses a slot (a forward of base rows alone skips the adapters' products), and which
+        ``rows`` buffer it reads. Valid after :meth:`set_rows`."""
+        return self.used > 0, self.generation
+
     def set_rows(self, slots: torch.Tensor | None, rows: int, used: int) -> None:
         """The slot of each of the next forward's ``rows`` rows (``slots [rows]`` int64 on the device,
         -1 for the base model; None: every row the base model), and ``used``: the highest slot a row
@@ -194,8 +203,9 @@ class LoraSlots:
         if slots is None:
             return
         if self.kernel:
-            if rows > self.rows.shape[0]:
+            if rows > self.rows.shape[0]:  # a new buffer: graphs captured over the old one are not replayed
                 self.rows = torch.full((rows,), -1, dtype=torch.int64, device=self.device)
+                self.generation += 1
             self.rows[:rows].copy_(slots[:rows])
             return
         if rows > self.mask.shape[0]:

@@ -140,10 +140,12 @@ class CudaGraphs:
         programs = num_seqs * programs_per_sequence(width) * self.num_kv_heads
         return key_splits(programs, num_seqs * width, self.max_kv_len, self.device)
 
-    def run(self, fn, batch, input_ids, kv_cache, skip, hidden_layers, hidden_in):
+    def run(self, fn, batch, input_ids, kv_cache, skip, hidden_layers, hidden_in, variant=None):
         """Load ``batch`` (padded by the runner's prepare) into the static buffers, replay its shape's
         graph (capturing it first if new), and return the hidden layers asked for and the final hidden
-        states at the real rows, and the final hidden states at the rows needing logits."""
+        states at the real rows, and the final hidden states at the rows needing logits. ``variant``:
+        what else the forward's kernels depend on (LoRA slots: :meth:`engine.lora.LoraSlots.graph_key`),
+        a graph of its own for each."""
         shape: GraphShape = batch.graph
         if not set(hidden_layers) <= set(self.hidden_layers):
             self.hidden_layers = tuple(sorted({*self.hidden_layers, *hidden_layers}))
@@ -151,7 +153,7 @@ class CudaGraphs:
             if self.capture:  # the old graphs' memory pool is released with them: record into a new one
                 self.pool = torch.cuda.graph_pool_handle()
         sig = None if hidden_in is None else (tuple(hidden_in.shape[1:]), hidden_in.dtype)
-        key = (shape.num_seqs, shape.width, skip, sig)
+        key = (shape.num_seqs, shape.width, skip, sig, variant)
         args = self._load(batch, input_ids, hidden_in, sig)
         static_args = (*args, kv_cache, self.static.no_rows, skip, self.hidden_layers)
         g = self.graphs.get(key)

@@ -527,8 +527,9 @@ class ModelRunner:
             self.lora.set_rows(batch.lora, rows, batch.lora_used)
         if batch.graph is not None:  # the output layer runs after the graph (see engine.runner.cuda_graphs)
             captured, final, at_logits = self.graphs.run(
-                self._run, batch, ids, self.kv_cache, skip, hidden_layers, hidden_in
-            )
+                self._run, batch, ids, self.kv_cache, skip, hidden_layers, hidden_in,
+                variant=None if self.lora is None else self.lora.graph_key(),
+            )  # fmt: skip
             return ForwardOutput(self.model.compute_logits(at_logits), captured, final)
         logits, captured, final = self._run(
             ids, batch.positions, batch.meta, self.kv_cache, batch.logit_rows, skip, hidden_layers, hidden_in
