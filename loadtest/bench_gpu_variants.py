@@ -11,8 +11,8 @@ sequence), the same forwards as each option serves them:
 * ``int4``: ``--quantization int4`` (4-bit weights in groups, engine/quant/int4.py);
 * ``fp8``: ``--quantization fp8`` (e4m3 weights and tokens, W8A8 on ``torch._scaled_mm``);
 * ``lora``: four LoRA adapters of rank 16 on every adaptable layer, a batch's sequences spread over
-  them (sequence ``i`` under adapter ``i % 4``), eager as an engine serving adapters runs (it captures
-  no graphs), and beside it the same runner's base rows alone (``decode_base``);
+  them (sequence ``i`` under adapter ``i % 4``), and beside it the same runner's base rows alone
+  (``decode_base_ms``);
 
 and each mixture shape (``--moe-shapes``, plain) against the bound set by the bytes its routed experts
 read: at batch B with k of E experts a token, the expected number of distinct experts a layer reads is
@@ -110,7 +110,7 @@ def measure(shape: str, variant: str, args, device, dtype, bandwidth: float, rat
     blocks_each = -(-(args.context + 16) // BLOCK)
     B_max = max(args.batch_sizes)
     prepare = PREPARE[variant]
-    graphs = args.cuda_graphs == "on" and variant != "lora"  # (an engine serving adapters captures no graphs)
+    graphs = args.cuda_graphs == "on"
     invariant = variant == "invariant"
     runner, config = build(shape, device, dtype, max_positions, "auto", graphs, prepare, invariant=invariant)
     runner.cuda_graph_max_seqs = B_max if runner.cuda_graph_max_seqs else 0
