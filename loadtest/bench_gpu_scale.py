@@ -129,14 +129,14 @@ def timed(fn, device, repeats: int) -> float:
 
 
 class ChainCosts(Proposer):
-    """A chain drafter as the controller prices it: one catch-up and one forward a level, timed in the
-    cost model's ``kind`` table, and one KV slot a drafted token. The benchmark plans with it; it
-    never drafts."""
+    """A chain drafter as the controller prices it: one catch-up and one forward a level (``per_level``;
+    a block drafter such as DFlash drafts every depth in its one catch-up), timed in the cost model's
+    ``kind`` table, and one KV slot a drafted token. The benchmark plans with it; it never drafts."""
 
     method = "chain"
 
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
+    def __init__(self, kind: str, per_level: bool = True) -> None:
+        self.kind, self.per_level = kind, per_level
 
     @classmethod
     def build(cls, config, target, *, tokenizer, eos_token_ids):
@@ -146,7 +146,7 @@ class ChainCosts(Proposer):
         return depth
 
     def cost_for(self, route):
-        return CostShape(kind=self.kind)
+        return CostShape(kind=self.kind, per_level=self.per_level)
 
     def cost_kinds(self) -> tuple[str, ...]:
         return (self.kind,)
@@ -156,10 +156,12 @@ class ChainCosts(Proposer):
 
 
 def controller_depth(
-    batch: int, alpha: float, max_depth: int, decode: float, verify: dict[int, float], level: float, catch_up: float
+    batch: int, alpha: float, max_depth: int, decode: float, verify: dict[int, float], level: float, catch_up: float,
+    per_level: bool = True,
 ) -> int:
     """The depth the serving controller plans for ``batch`` greedy requests accepting ``alpha`` per
-    position, its cost model holding these measured forwards (seconds)."""
+    position, its cost model holding these measured forwards (seconds); ``per_level=False``: a block
+    drafter's (one catch-up for every depth, as DFlash's proposer declares its cost)."""
     cost = CostModel()
     for _ in range(3):
         cost.observe("target", batch, batch, decode)
@@ -167,7 +169,7 @@ def controller_depth(
             cost.observe("target", batch, batch * (k + 1), t)
         cost.observe("draft", batch, batch, level)
         cost.observe("draft", batch, 2 * batch, catch_up)
-    ctl = SpecController(max_depth, ChainCosts("draft"), cost=cost)
+    ctl = SpecController(max_depth, ChainCosts("draft", per_level), cost=cost)
     ctl.trial_steps = 0  # no trial drafts: the estimates below are the requests' own
     ctl.guard.min_samples = 0  # and no early plain probes: this asks for the plan alone
     params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
@@ -288,7 +290,7 @@ def speculation(costs: dict, drafter: dict, batch_sizes, alphas, depths, max_dep
         decode, verify = costs["decode"][B], costs["verify"][B]
         level, catch_up = drafter["level"][B], drafter["catch_up"][B]
         for alpha in alphas:
-            chosen = controller_depth(B, alpha, max_depth, decode, verify, level, catch_up)
+            chosen = controller_depth(B, alpha, max_depth, decode, verify, level, catch_up, per_level=level > 0)
             for k in depths:
                 tokens = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1.0
                 step = catch_up + (k - 1) * level + verify[k]

@@ -8,7 +8,8 @@ sequence), the same forwards as each option serves them:
 * ``plain``: bfloat16 weights on the fused kernels (the default);
 * ``invariant``: ``--batch-invariant on`` (engine/models/invariant_cuda.py: one tile shape and a fixed
   split of K for every batch size), whose cost issue 57 asks for;
-* ``int4``: ``--quantization int4`` (4-bit weights in groups, engine/quant/int4.py);
+* ``int4``: ``--quantization int4`` (4-bit weights in groups, engine/quant/int4.py) on our Triton kernel,
+  and ``int4-tinygemm`` the same weights on PyTorch's own CUDA kernel;
 * ``fp8``: ``--quantization fp8`` (e4m3 weights and tokens, W8A8 on ``torch._scaled_mm``);
 * ``lora``: four LoRA adapters of rank 16 on every adaptable layer, a batch's sequences spread over
   them (sequence ``i`` under adapter ``i % 4``), and beside it the same runner's base rows alone
@@ -36,13 +37,15 @@ import torch
 from torch import nn
 
 from engine.lora import LoraSlots
+from engine.models import model_class_for
+from engine.quant import int4
 from engine.quant.fp8 import quantize_linears_fp8
 from engine.quant.int4 import quantize_linears_int4
 from engine.runner.model_runner import ForwardChunk
-from loadtest.bench_gpu import BLOCK, SHAPES, build, copy_bandwidth, device_name, sync, time_forward
+from loadtest.bench_gpu import BLOCK, SHAPES, build, copy_bandwidth, device_name, model_config, sync, time_forward
 from loadtest.bench_gpu_scale import fill_pool, matmul_rate, tables
 
-VARIANTS = ("plain", "invariant", "int4", "fp8", "lora")
+VARIANTS = ("plain", "invariant", "int4", "int4-tinygemm", "fp8", "lora")
 LORA_ADAPTERS, LORA_RANK = 4, 16
 
 
@@ -55,10 +58,20 @@ def _lora(model: nn.Module) -> None:
         layer.b.normal_(0.0, 0.02, generator=g)
 
 
+def _int4_tinygemm(model: nn.Module) -> None:
+    """int4 on PyTorch's own CUDA kernel (tinygemm) rather than ours: the two measured side by side."""
+    saved, int4.CUDA_KERNEL = int4.CUDA_KERNEL, "tinygemm"
+    try:
+        quantize_linears_int4(model)
+    finally:
+        int4.CUDA_KERNEL = saved
+
+
 PREPARE = {
     "plain": None,
     "invariant": None,
     "int4": quantize_linears_int4,
+    "int4-tinygemm": _int4_tinygemm,
     "fp8": quantize_linears_fp8,
     "lora": _lora,
 }
@@ -91,9 +104,13 @@ def expert_share(config, rows: int) -> float:
     return 1.0 - (1.0 - k / experts) ** rows
 
 
-def linear_flops_per_token(model: nn.Module, config) -> float:
+def linear_flops_per_token(shape: str, max_positions: int) -> float:
     """Two FLOPs per weight a token multiplies by: every 2-D weight of the layers and the output layer;
-    of a mixture's experts only the k a token is routed to."""
+    of a mixture's experts only the k a token is routed to. Counted on the full-precision model (built
+    on the meta device): a quantized layer does the same products from fewer bytes."""
+    config = model_config(shape, max_positions)
+    with torch.device("meta"):
+        model = model_class_for(config)(config, max_positions)
     flops = 0.0
     for name, p in model.named_parameters():
         if name.endswith("embed_tokens.weight") and model.lm_head is not None:
@@ -117,7 +134,7 @@ def measure(shape: str, variant: str, args, device, dtype, bandwidth: float, rat
     runner.allocate_kv(max(B_max * blocks_each, -(-args.prefill // BLOCK)) + 1)
     fill_pool(runner)
     weights, experts = stored_bytes(runner.model)
-    flops = linear_flops_per_token(runner.model, config)
+    flops = linear_flops_per_token(shape, max_positions)
     adapter = (lambda i: i % LORA_ADAPTERS) if variant == "lora" else (lambda i: -1)
     out = dict(shape=shape, variant=variant, weights_gb=weights / 1e9, experts_gb=experts / 1e9, cuda_graphs=graphs,
                kv_bytes_per_token=runner.kv_bytes_per_token,

@@ -12,7 +12,8 @@
 # (loadtest.profile_gpu).
 #   OUT=DIR [STAGES="bench tests waits served profile"] bash loadtest/gpu_checks.sh [SHAPES...]
 # (default stages: bench tests; all of them: scale variants bench tests waits served profile; default shape:
-# llama-3.1-8b; SCALE_ARGS: more arguments for bench_gpu_scale, e.g. "--fused" to skip its fused on/off pair). Missing Python packages (openai, pydantic,
+# llama-3.1-8b; SCALE_ARGS, VARIANTS_ARGS: more arguments for bench_gpu_scale and bench_gpu_variants, e.g.
+# "--fused" to skip the former's fused on/off pair, "--variants int4 fp8 --moe-shapes" for two options alone). Missing Python packages (openai, pydantic,
 # FastAPI, uvicorn, pyzmq, msgspec and their needs: that machine's image has none of them) install from
 # ./.whl if present: `bash loadtest/gpu_wheels.sh` fills it here, and the device call carries it.
 # Each failing test's traceback goes to $OUT/failures.log as it fails (tests/conftest.py), so a run
@@ -45,7 +46,7 @@ fi
 [[ $stages == *" scale "* ]] && timeout "${SCALE_TIMEOUT:-150}" python3 -m loadtest.bench_gpu_scale --shape "${shapes[0]}" \
     --output "$OUT/scale.json" ${SCALE_ARGS:-} 2>&1 | tee "$OUT/scale.log"
 [[ $stages == *" variants "* ]] && timeout "${VARIANTS_TIMEOUT:-170}" python3 -m loadtest.bench_gpu_variants \
-    --shape "${shapes[0]}" --output "$OUT/variants.json" 2>&1 | tee "$OUT/variants.log"
+    --shape "${shapes[0]}" --output "$OUT/variants.json" ${VARIANTS_ARGS:-} 2>&1 | tee "$OUT/variants.log"
 [[ $stages == *" bench "* ]] && timeout "${BENCH_TIMEOUT:-200}" python3 -m loadtest.bench_gpu --shapes "${shapes[@]}" --attention-backends triton sdpa \
     --cuda-graphs on off --output "$OUT/steps.json" 2>&1 | tee "$OUT/bench.log"
 if [[ $stages == *" tests "* ]]; then

@@ -56,6 +56,23 @@ def _float32_by_default():
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _a_gpu_shared_by_workers():
+    """In several pytest-xdist workers on one GPU (loadtest/gpu_checks.sh), an engine that sizes its KV
+    pool from the free memory would take most of the GPU and leave the other workers' engines none:
+    each worker's engines size theirs from a share of it, as several servers on one GPU are set up."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    mp = pytest.MonkeyPatch()
+    if torch.cuda.is_available() and workers > 1:
+        import engine.runner.model_runner as model_runner
+
+        free = model_runner.available_memory_bytes
+        share = lambda device: free(device) // (2 * workers) if device.type == "cuda" else free(device)  # noqa: E731
+        mp.setattr(model_runner, "available_memory_bytes", share)
+    yield
+    mp.undo()
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _eager_by_default():
     """Compiling every test engine would take minutes: ``compile=auto`` means eager in the tests
     (servers they start inherit it); the compiled path has tests of its own that ask for it."""

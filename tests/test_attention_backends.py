@@ -181,7 +181,7 @@ def test_triton_attention_sinks(splits, window):
     """gpt-oss's sinks (a logit per query head in each softmax, with no value), in one key range and
     in split ranges combined, against the reference; the sinks change the output."""
     lists, positions, pool, q, k, v = random_batch(21, KINDS["mixed"] + ["tree"], 8, 2, 16, 4)
-    sinks = torch.linspace(-2.0, 6.0, 8)
+    sinks = torch.linspace(-2.0, 6.0, 8, device=DEVICE)
     args = (lists, positions, pool, q * 3, k, v, window, 0.0, window is not None)
     (ref, _), (got, _) = attend_both(*args, sinks=sinks, num_splits=splits)
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)

@@ -157,6 +157,29 @@ def test_the_layer_on_a_gpu_is_the_w8a8_product():
     torch.testing.assert_close(got, want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_the_token_kernel_gives_the_eager_quantizations_bits(dtype):
+    """engine/quant/fp8_tokens.py (CUDA's path; Triton's interpreter on CPU tensors): every row's scale and
+    e4m3 bytes as the eager quantize_tokens gives them: rows over six decades of magnitude, one of
+    zeros, values in e4m3's subnormal range, negative zeros, and rows longer than a block."""
+    pytest.importorskip("triton")
+    from engine.platform import triton_interpreted
+    from engine.quant.fp8_tokens import quantize_tokens_kernel
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not triton_interpreted():
+        pytest.skip("needs CUDA or Triton's interpreter")
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(6, 2500, generator=g) * torch.logspace(-6, 3, 6)[:, None]).to(dtype)
+    x[2] = 0.0
+    x[3, ::7] *= 1e-4
+    x[4, :5] = -0.0
+    want_q, want_s = quantize_tokens(x)
+    got_q, got_s = quantize_tokens_kernel(x.to(device))
+    assert torch.equal(got_s.cpu(), want_s)
+    assert torch.equal(got_q.cpu().view(torch.uint8), want_q.view(torch.uint8))
+
+
 def block_weight(n: int, k: int, seed: int = 0):
     """A weight of e4m3 values with a float32 scale per 128 x 128 block (DeepSeek-V3's layout)."""
     g = torch.Generator().manual_seed(seed)

@@ -1,9 +1,9 @@
 """The fused GPU kernels (engine/models/fused.py) against the eager expressions they replace.
 
 On CPU tensors the kernels run in Triton's interpreter (conftest sets ``TRITON_INTERPRET=1`` without
-CUDA); with CUDA, on the GPU. The kernels round to bfloat16 on the bits (``fused._round``), so bfloat16
-is checked bit for bit on both. Float16 rounds by conversion, which a GPU compiler may fold away (an
-H200 did): there it is checked to within a unit or two in the last place. Each check can fail: a kernel
+CUDA); with CUDA, on the GPU. The kernels round to bfloat16 and float16 on the bits (``fused._round``):
+a GPU compiler may fold a conversion and back away (an H200 did), so both are checked bit for bit on
+both. Each check can fail: a kernel
 that skipped the eager expression's rounding of a product, or read a neighbouring row, differs in the
 bits these compare.
 """
@@ -27,9 +27,7 @@ DEVICE = "cuda" if CUDA else "cpu"
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit for bit in bfloat16; within 2 units in the last place in float16 on a GPU (see above)."""
-    if a.dtype == torch.float16 and CUDA:
-        return _ulps(a, b) <= 2
+    """Bit for bit, in both dtypes."""
     return torch.equal(a, b)
 
 

@@ -505,13 +505,13 @@ def test_the_gpu_kernels_gather_each_rows_own_adapter_and_rows_stay_independent(
     from engine.lora.triton_lora import lora_delta
 
     g = torch.Generator().manual_seed(0)
-    slots_n, width, K, N = 3, 24, 96, 200
+    slots_n, width, K, N = 3, 24, 600, 200  # (600 inputs: the shrink's three ranges)
     a, b = torch.randn(slots_n * width, K, generator=g), torch.randn(N, slots_n * width, generator=g)
     x = torch.randn(7, K, generator=g)
     slots = torch.tensor([2, -1, 0, 1, 2, -1, 0])
     a, b, x, slots = (t.to(device) for t in (a, b, x, slots))
     got = lora_delta(x, a, b, slots, width)
-    assert got.device == device
+    assert got.device.type == device.type
     got, a, b, x = got.cpu(), a.cpu(), b.cpu(), x.cpu()
     for t, s in enumerate(slots.tolist()):
         want = torch.zeros(N) if s < 0 else b[:, s * width : (s + 1) * width] @ (a[s * width : (s + 1) * width] @ x[t])
@@ -519,6 +519,35 @@ def test_the_gpu_kernels_gather_each_rows_own_adapter_and_rows_stay_independent(
         alone = lora_delta(*(v.to(device) for v in (x[t : t + 1], a, b, slots[t : t + 1])), width)
         assert torch.equal(alone[0].cpu(), got[t])
     assert torch.equal(got[1], torch.zeros(N))
+
+
+def test_a_prefills_many_rows_take_the_products_over_every_slot():
+    """From ``DENSE_ROWS`` rows (a prefill) outside the batch-invariant mode, the kernels' layer takes two
+    matrix products over every slot with the other slots' columns zeroed: each row gets its own slot's
+    delta, as the row-by-row kernels give it, and a base row exactly the base layer's output."""
+    from engine.lora import LoraSlots
+    from engine.lora.layers import DENSE_ROWS
+
+    device = _kernel_device()
+    g = torch.Generator().manual_seed(3)
+    rows = DENSE_ROWS + 44
+    model = torch.nn.Module()
+    model.o_proj = base = torch.nn.Linear(64, 48, bias=False, device=device)
+    slots = LoraSlots.attach(model, 3, 8, rows=rows)
+    slots.kernel = True  # (CUDA's default; on CPU tensors the interpreter runs them)
+    for t in (model.o_proj.a, model.o_proj.b):
+        t.copy_(torch.randn(t.shape, generator=g))
+    which = torch.tensor([(i % 4) - 1 for i in range(rows)])  # -1 (the base), 0, 1, 2 in turn
+    x = torch.randn(rows, 64, generator=g).to(device)
+    with torch.no_grad():
+        slots.set_rows(which.to(device), rows, 3)
+        dense = model.o_proj(x)
+        slots.invariant = True  # the kernels' path, row by row
+        gathered = model.o_proj(x)
+        plain = base(x)
+    torch.testing.assert_close(dense.cpu(), gathered.cpu(), atol=1e-4, rtol=1e-4)
+    assert torch.equal(dense[which == -1].cpu(), plain[which == -1].cpu())
+    assert not torch.allclose(dense[which >= 0].cpu(), plain[which >= 0].cpu())
 
 
 def test_the_engine_on_the_gpu_kernels_matches_peft_and_a_mixed_batch(llama_dir, adapters):

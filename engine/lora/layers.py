@@ -41,6 +41,10 @@ from torch import nn
 from engine.lora.adapters import Adapter, AdapterError, LoraPair
 
 ADAPTABLE = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# From this many rows a forward's adapters take two matrix products over every slot (their other slots'
+# columns zeroed) rather than the kernels' row by row gather, which re-reads a slot's weights for each
+# row; not in the batch-invariant mode, where a row's sums must not depend on how many rows came with it.
+DENSE_ROWS = 256
 
 
 class LoraLinear(nn.Module):
@@ -63,11 +67,17 @@ class LoraLinear(nn.Module):
         if not used:
             return y
         flat = x.reshape(-1, self.in_features)
-        if slots.kernel:  # each row gathers its own slot (engine/lora/triton_lora.py)
-            from engine.lora.triton_lora import lora_delta
+        if slots.kernel and (flat.shape[0] < DENSE_ROWS or slots.invariant):
+            from engine.lora.triton_lora import lora_delta  # each row gathers its own slot
 
             delta = lora_delta(flat, self.a, self.b, slots.rows[: flat.shape[0]], len(self.parts) * slots.max_rank)
             return y + delta.to(y.dtype).view(y.shape)
+        if slots.kernel:  # a prefill's many rows: two matrix products over every slot, the others' columns zeroed
+            rows = flat.shape[0]
+            own = slots.rows[:rows, None] == torch.arange(slots.max_loras, device=flat.device)
+            h = F.linear(flat.to(self.a.dtype), self.a, None)
+            h = (h.view(rows, slots.max_loras, -1) * own[:, :, None].to(h.dtype)).view(rows, -1)
+            return y + F.linear(h, self.b, None).to(y.dtype).view(y.shape)
         rows, cols = flat.shape[0], used * len(self.parts) * slots.max_rank
         linear = torch.ops.augur.invariant_linear if slots.invariant else F.linear
         h = linear(flat.to(self.a.dtype), self.a[:cols], None)

@@ -47,15 +47,18 @@ _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the kernels
 @triton.jit
 def _round(x, DT: tl.constexpr):
     """Float32 ``x`` rounded to the model's dtype (``DT``: 0 float32, 1 float16, 2 bfloat16), returned in
-    float32. To bfloat16 on the bits (to nearest, ties to even; finite values): a compiler may fold a
-    conversion to a narrower float and back away (on an H200 one did, and RoPE's products went
-    unrounded), never integer arithmetic; Triton's interpreter also truncates where a GPU rounds."""
+    float32. On the bits (to nearest, ties to even; finite values): a compiler may fold a conversion to
+    a narrower float and back away (on an H200 one did, in bfloat16 and float16, and RoPE's products
+    went unrounded), never integer arithmetic; Triton's interpreter also truncates where a GPU rounds."""
     if DT == 2:
         bits = x.to(tl.uint32, bitcast=True)
         bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
         y = bits.to(tl.float32, bitcast=True)
-    elif DT == 1:
-        y = x.to(tl.float16).to(tl.float32)
+    elif DT == 1:  # float16's 10 bits of mantissa on the bits; below its normal range, multiples of 2**-24
+        bits = x.to(tl.uint32, bitcast=True)
+        normal = (((bits + 0xFFF + ((bits >> 13) & 1)) >> 13) << 13).to(tl.float32, bitcast=True)
+        tiny = (x + 0.75) - 0.75  # the float32 sum's last place is 2**-24 there: it rounds x as float16 would
+        y = tl.where(tl.abs(x) < 6.103515625e-05, tiny, normal)
     else:
         y = x
     return y

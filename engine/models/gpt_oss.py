@@ -32,6 +32,7 @@ from engine.parallel import TensorParallel
 from engine.quant.mxfp4 import BLOCK, dequantize_mxfp4
 
 _EXPERTS = ".mlp.experts."
+SWIGLU_ALPHA = 1.702  # the clamped SwiGLU's slope, a constant of the model (older transformers' configs omit it)
 
 
 class GptOssAttention(LlamaAttention):
@@ -56,7 +57,7 @@ class GptOssForCausalLM(MoEWeights, LlamaForCausalLM):
             tp,
             biases=True,
             softmax_after_topk=True,
-            swiglu=(float(config.swiglu_alpha), float(config.swiglu_limit)),
+            swiglu=(float(getattr(config, "swiglu_alpha", SWIGLU_ALPHA)), float(config.swiglu_limit)),
         )
         attn = GptOssAttention(config, i, tp)
         return LlamaDecoderLayer(config, i, qkv_bias, o_bias, False, tp, mlp=moe, attn=attn)

@@ -13,9 +13,11 @@ count alone:
 - kernel 1, per (block, tile of the inner dimension): the block's tokens' rows of ``x`` gathered
   straight from ``x`` (no copy), times the expert's gate and up rows, the bias, the activation
   (SiLU, tanh-GELU or gpt-oss's clamped SwiGLU) fused; the result [T * k, I] in sorted order;
-- kernel 2, per (block, tile of the hidden dimension): times the expert's down projection, the bias;
-- then the outputs back in slot order and each token's k outputs summed in its choice order in
-  float32, as the host version does.
+- kernel 2, per (block, tile of the hidden dimension): times the expert's down projection, the bias,
+  each row written back at its (token, choice) slot;
+- kernel 3, per (token, tile of the hidden dimension): the token's k outputs times their routing
+  weights, summed in its choice order in float32 (at a decode's one token the eager form of this was
+  3k + 2 small kernels a layer).
 
 A row's sums run over the inner dimension in fixed tiles whatever the other rows are, and under the
 batch-invariant mode the row block is one size for every batch, so a token's output keeps its bits in
@@ -91,7 +93,7 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    out_ptr, h_ptr, w_ptr, b_ptr, block_expert_ptr, block_start_ptr, seg_end_ptr,
+    out_ptr, h_ptr, w_ptr, b_ptr, order_ptr, block_expert_ptr, block_start_ptr, seg_end_ptr,
     num_experts, H, INNER, stride_h, stride_we, stride_wn, stride_o,
     HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -116,11 +118,25 @@ def _down_kernel(
             acc += tl.dot(a, w, input_precision="ieee")
         if HAS_BIAS:
             acc += tl.load(b_ptr + e.to(tl.int64) * H + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        slots = tl.load(order_ptr + rows, mask=row_ok, other=0)  # each sorted row back to its (token, choice)
         tl.store(
-            out_ptr + rows[:, None] * stride_o + n[None, :],
+            out_ptr + slots[:, None].to(tl.int64) * stride_o + n[None, :],
             acc.to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None] & n_ok[None, :],
         )
+
+
+@triton.jit
+def _combine_kernel(out_ptr, slot_ptr, w_ptr, H, K: tl.constexpr, BLOCK: tl.constexpr):
+    """A token's k outputs times its routing weights, summed in its choice order in float32."""
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = n < H
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(K):
+        y = tl.load(slot_ptr + (t * K + j) * H + n, mask=ok, other=0.0).to(tl.float32)
+        acc += y * tl.load(w_ptr + t * K + j)
+    tl.store(out_ptr + t * H + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def row_blocks(ids: torch.Tensor, num_experts: int, block_m: int):
@@ -166,17 +182,18 @@ def triton_moe_experts(
         ACT=ACTS[act], HAS_BIAS=gate_up_bias is not None, UPCAST=upcast,
         BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k,
     )  # fmt: skip
-    out_sorted = torch.empty(T * k, H, dtype=x.dtype, device=x.device)
+    by_slot = torch.empty(T * k, H, dtype=x.dtype, device=x.device)  # written in (token, choice) order
     _down_kernel[(nb, triton.cdiv(H, 64))](
-        out_sorted, h, down, down_bias if down_bias is not None else dummy, block_expert, block_start, seg_end,
-        E, H, I, h.stride(0), down.stride(0), down.stride(1), out_sorted.stride(0),
+        by_slot, h, down, down_bias if down_bias is not None else dummy, order, block_expert, block_start,
+        seg_end, E, H, I, h.stride(0), down.stride(0), down.stride(1), by_slot.stride(0),
         HAS_BIAS=down_bias is not None, UPCAST=upcast, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k,
     )  # fmt: skip
-    by_slot = torch.empty_like(out_sorted).index_copy_(0, order, out_sorted).view(T, k, H)
-    acc = by_slot[:, 0].float() * weights[:, :1]
-    for j in range(1, k):  # the token's choices in order, as the host version sums them
-        acc = acc + by_slot[:, j].float() * weights[:, j : j + 1]
-    return acc.to(x.dtype)
+    out = torch.empty(T, H, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(H))
+    _combine_kernel[(T, triton.cdiv(H, block))](out, by_slot, weights.float().contiguous(), H, K=k, BLOCK=block)
+    return out
 
 
 _lib = torch.library.Library("augur", "IMPL")

@@ -4,7 +4,8 @@
 ``float8_e4m3fn`` with one float32 scale per output row, and each call quantizes its activations per
 token: ``x ≈ xq * sx`` with ``sx = max|x_row| / 448``. The product is ``torch._scaled_mm(xq, wq^T, sx,
 sw)``: the FP8 tensor cores on CUDA (sm89+; a scale per row needs sm90), PyTorch's own kernel on a CPU.
-Half of bfloat16's bytes a weight: a decode bound by reading the weights reads half as many.
+Half of bfloat16's bytes a weight: a decode bound by reading the weights reads half as many. On CUDA the
+activations are quantized in one Triton kernel of ours (engine/quant/fp8_tokens.py, the same bits).
 
 *Where the weights come from*: an FP8 checkpoint whose scales are per tensor or per row (AutoFP8's
 ``quant_method: fp8`` with ``weight_scale``, compressed-tensors ``float-quantized`` with tensor or channel
@@ -24,6 +25,7 @@ precision, as the LM head always does.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 import torch
@@ -34,6 +36,7 @@ from engine.quant.install import assemble, replace
 logger = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
+TRITON = importlib.util.find_spec("triton") is not None  # the activations' quantization in one kernel on CUDA
 FP8_MAX = 448.0
 
 
@@ -72,7 +75,12 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        xq, sx = quantize_tokens(flat)
+        if x.is_cuda and TRITON:  # one kernel, the same bits (engine/quant/fp8_tokens.py)
+            from engine.quant.fp8_tokens import quantize_tokens_kernel
+
+            xq, sx = quantize_tokens_kernel(flat)
+        else:
+            xq, sx = quantize_tokens(flat)
         if self.invariant:
             w = self.weight.float() * self.weight_scale.t()
             y = torch.ops.augur.invariant_linear(xq.float() * sx, w, None).to(x.dtype)
