@@ -85,7 +85,7 @@ SHAPES: dict[str, dict] = {
     "gpt-oss-20b": dict(
         cls="GptOssForCausalLM", vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
         num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
-        sliding_window=128, tie_word_embeddings=False,
+        sliding_window=128, swiglu_limit=7.0, tie_word_embeddings=False,
     ),
     "tiny": dict(
         cls="LlamaForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -8,8 +8,7 @@ sequence), the same forwards as each option serves them:
 * ``plain``: bfloat16 weights on the fused kernels (the default);
 * ``invariant``: ``--batch-invariant on`` (engine/models/invariant_cuda.py: one tile shape and a fixed
   split of K for every batch size), whose cost issue 57 asks for;
-* ``int4``: ``--quantization int4`` (4-bit weights in groups, engine/quant/int4.py) on our Triton kernel,
-  and ``int4-tinygemm`` the same weights on PyTorch's own CUDA kernel;
+* ``int4``: ``--quantization int4`` (4-bit weights in groups, engine/quant/int4.py);
 * ``fp8``: ``--quantization fp8`` (e4m3 weights and tokens, W8A8 on ``torch._scaled_mm``);
 * ``lora``: four LoRA adapters of rank 16 on every adaptable layer, a batch's sequences spread over
   them (sequence ``i`` under adapter ``i % 4``), and beside it the same runner's base rows alone
@@ -38,14 +37,13 @@ from torch import nn
 
 from engine.lora import LoraSlots
 from engine.models import model_class_for
-from engine.quant import int4
 from engine.quant.fp8 import quantize_linears_fp8
 from engine.quant.int4 import quantize_linears_int4
 from engine.runner.model_runner import ForwardChunk
 from loadtest.bench_gpu import BLOCK, SHAPES, build, copy_bandwidth, device_name, model_config, sync, time_forward
 from loadtest.bench_gpu_scale import fill_pool, matmul_rate, tables
 
-VARIANTS = ("plain", "invariant", "int4", "int4-tinygemm", "fp8", "lora")
+VARIANTS = ("plain", "invariant", "int4", "fp8", "lora")
 LORA_ADAPTERS, LORA_RANK = 4, 16
 
 
@@ -58,20 +56,10 @@ def _lora(model: nn.Module) -> None:
         layer.b.normal_(0.0, 0.02, generator=g)
 
 
-def _int4_tinygemm(model: nn.Module) -> None:
-    """int4 on PyTorch's own CUDA kernel (tinygemm) rather than ours: the two measured side by side."""
-    saved, int4.CUDA_KERNEL = int4.CUDA_KERNEL, "tinygemm"
-    try:
-        quantize_linears_int4(model)
-    finally:
-        int4.CUDA_KERNEL = saved
-
-
 PREPARE = {
     "plain": None,
     "invariant": None,
     "int4": quantize_linears_int4,
-    "int4-tinygemm": _int4_tinygemm,
     "fp8": quantize_linears_fp8,
     "lora": _lora,
 }

@@ -113,6 +113,25 @@ def test_layers_alternate_and_hold_sinks(oss_dir):
     assert all(layer.self_attn.sinks.shape == (4,) for layer in model.layers)
 
 
+def test_a_config_without_the_swiglu_constants_gets_the_models_own():
+    """transformers 5.17's GptOssConfig has neither ``swiglu_alpha`` nor ``swiglu_limit`` (the lent GPU's
+    image has it): the model takes gpt-oss's 1.702 and 7.0 rather than failing to build."""
+    from engine.models import model_class_for
+
+
+    class OlderConfig(transformers.GptOssConfig):
+        def __getattribute__(self, name):
+            if name in ("swiglu_alpha", "swiglu_limit"):
+                raise AttributeError(name)
+            return super().__getattribute__(name)
+
+    config = OlderConfig(**gpt_oss_config().to_dict())
+    assert not hasattr(config, "swiglu_limit") and not hasattr(config, "swiglu_alpha")
+    with torch.device("meta"):
+        model = model_class_for(config)(config, 64)
+    assert {(layer.mlp.alpha, layer.mlp.limit) for layer in model.layers} == {(1.702, 7.0)}
+
+
 def test_logits_match_transformers(oss_dir):
     """A 30-token prompt, longer than the 8-token window."""
     ids = prompts(1, seed=1, lo=30, hi=31)[0]

@@ -66,34 +66,6 @@ def test_kernel_multiplies_by_the_dequantized_weight(bias, shape):
     torch.testing.assert_close(got.float(), reference(x, linear, group), atol=1e-2, rtol=1e-2)
 
 
-@pytest.mark.parametrize("shape", [(1280, 128, 128), (192, 96, 32)], ids=["split", "one-range"])
-def test_the_gpu_kernel_multiplies_by_the_dequantized_weight(shape):
-    """engine/quant/int4_triton.py (CUDA's int4 kernel; Triton's interpreter on CPU tensors): the product by
-    the dequantized weight within bfloat16's rounding of the output, for one row, a decode's few rows
-    (inputs split in ranges where the layer is wide) and a prefill's many; and a row of a few keeps its
-    bits whatever rows come with it."""
-    pytest.importorskip("triton")
-    from engine.platform import triton_interpreted
-    from engine.quant.int4_triton import int4_matmul, pack_pairs
-
-    if DEVICE.type == "cpu" and not triton_interpreted():
-        pytest.skip("needs CUDA or Triton's interpreter")
-    K, N, group = shape
-    torch.manual_seed(2)
-    linear = nn.Linear(K, N, bias=False)
-    q, scale, lo = quantize_int4(linear.weight.detach(), group)
-    stats = torch.stack([scale.t(), (lo + 8 * scale).t()], dim=-1).contiguous().bfloat16().to(DEVICE)
-    pairs = pack_pairs(q).to(DEVICE)
-    x = torch.randn(40, K).bfloat16()
-    want = reference(x, linear, group)
-    for rows in (1, 5, 16, 40):
-        got = int4_matmul(x[:rows].to(DEVICE), pairs, stats, group).float().cpu()
-        torch.testing.assert_close(got, want[:rows], atol=2e-2 * want.abs().max().item(), rtol=1e-2)
-    few = int4_matmul(x[:16].to(DEVICE), pairs, stats, group)
-    for lo_, hi_ in ((0, 1), (3, 9), (15, 16)):
-        assert torch.equal(int4_matmul(x[lo_:hi_].to(DEVICE), pairs, stats, group), few[lo_:hi_])
-
-
 def test_engine_on_int4_computes_the_dequantized_model(llama_dir):
     """Every linear but the LM head becomes int4, and a forward's logits are those of the same model
     holding the dequantized weights in full precision (the reference's linears swapped by hand), up

@@ -32,7 +32,9 @@ from engine.parallel import TensorParallel
 from engine.quant.mxfp4 import BLOCK, dequantize_mxfp4
 
 _EXPERTS = ".mlp.experts."
-SWIGLU_ALPHA = 1.702  # the clamped SwiGLU's slope, a constant of the model (older transformers' configs omit it)
+# The clamped SwiGLU's slope and clamp: constants of the model that older transformers' configs omit (the
+# published config.json has the clamp, 7.0; transformers 5.17's GptOssConfig has neither)
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
 
 
 class GptOssAttention(LlamaAttention):
@@ -47,6 +49,7 @@ class GptOssForCausalLM(MoEWeights, LlamaForCausalLM):
     checkpoint_quantizations = ("mxfp4",)
 
     def decoder_layer(self, config, i: int, qkv_bias: bool, o_bias: bool, tp: TensorParallel) -> nn.Module:
+        swiglu = (getattr(config, "swiglu_alpha", SWIGLU_ALPHA), getattr(config, "swiglu_limit", SWIGLU_LIMIT))
         moe = SparseMoE(
             config.hidden_size,
             config.intermediate_size,
@@ -57,7 +60,7 @@ class GptOssForCausalLM(MoEWeights, LlamaForCausalLM):
             tp,
             biases=True,
             softmax_after_topk=True,
-            swiglu=(float(getattr(config, "swiglu_alpha", SWIGLU_ALPHA)), float(config.swiglu_limit)),
+            swiglu=(float(swiglu[0]), float(swiglu[1])),
         )
         attn = GptOssAttention(config, i, tp)
         return LlamaDecoderLayer(config, i, qkv_bias, o_bias, False, tp, mlp=moe, attn=attn)

@@ -6,15 +6,14 @@ and its ``min``, and stores ``q = round((w - min) / scale)`` in 0..15. Dequantiz
 The kernels take the zero point in their own convention, ``(q - 8) * scale + zero``, so
 ``zero = min + 8 * scale``.
 
-*Kernels*: ``aten._weight_int4pack_mm_for_cpu`` on a CPU, on weights packed for it by
-``_convert_weight_to_int4pack_for_cpu`` (it ships with PyTorch; torchao's int4 layouts call the same
-operator), and on CUDA a Triton kernel of ours (engine/quant/int4_triton.py) on weights stored as 4-bit
-pairs: PyTorch's CUDA one (``aten._weight_int4pack_mm``, tinygemm) serves a decode's few rows but took
-991 ms for a 2,048-token prefill at the 8B shape on an H200. They multiply straight from the 4-bit
-weights: less memory and, in a memory-bound decode, less time (``docs/benchmarks.md``). Both run on
-bfloat16 activations (the CPU one's float32 path is several times slower than its bfloat16 one, and
-slower than a dense float32 matmul): a float32 model's activations are rounded to bfloat16 at each
-int4 layer and its output comes back in float32. Next to 4-bit weights that rounding is small.
+*Kernels*: ``aten._weight_int4pack_mm_for_cpu`` on a CPU and ``aten._weight_int4pack_mm`` on CUDA
+(sm80+, bfloat16 activations), each on weights packed for it by ``_convert_weight_to_int4pack[_for_cpu]``.
+They ship with PyTorch (torchao's int4 layouts call the same operators), so no other package is
+needed. They multiply straight from the packed 4-bit weights: less memory and, in a memory-bound
+decode, less time (``docs/benchmarks.md``). Both run on bfloat16 activations (CUDA's takes nothing
+else; the CPU one's float32 path is several times slower than its bfloat16 one, and slower than a
+dense float32 matmul): a float32 model's activations are rounded to bfloat16 at each int4 layer and
+its output comes back in float32. Next to 4-bit weights that rounding is small.
 
 A layer whose shape the kernels cannot take (rows not a multiple of 16, inputs not a multiple of
 32) stays in full precision, as the LM head always does.
@@ -33,9 +32,6 @@ logger = logging.getLogger(__name__)
 
 GROUP_SIZES = (128, 64, 32)  # tried in order: the first that divides the input features
 COMPUTE_DTYPE = torch.bfloat16  # the kernels' activations and statistics
-# On CUDA: our Triton kernel (engine/quant/int4_triton.py: every row count) or PyTorch's tinygemm (a
-# decode's few rows only); loadtest.bench_gpu_variants measures both ("int4", "int4-tinygemm").
-CUDA_KERNEL = "triton"
 
 
 def group_size_for(in_features: int, out_features: int) -> int | None:
@@ -85,11 +81,7 @@ class Int4Linear(nn.Module):
         zero = lo + 8 * scale
         self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous().to(device, COMPUTE_DTYPE)
         q = q.to(device)
-        if device.type == "cuda" and CUDA_KERNEL == "triton":
-            from engine.quant.int4_triton import pack_pairs
-
-            self.packed = pack_pairs(q)  # [N, K/2] uint8, the even column in the high nibble
-        elif device.type == "cuda":
+        if device.type == "cuda":
             inner_k_tiles = next(t for t in (8, 4, 2) if self.in_features % (t * 16) == 0)
             pairs = (q[:, ::2] << 4) | q[:, 1::2]  # [N, K/2] uint8, the even column in the high nibble
             self.packed = torch._convert_weight_to_int4pack(pairs.contiguous(), inner_k_tiles)
@@ -100,11 +92,7 @@ class Int4Linear(nn.Module):
         flat = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
         if self.perm is not None:
             flat = flat.index_select(1, self.perm)
-        if x.device.type == "cuda" and self.packed.dtype == torch.uint8:  # our kernel's pairs
-            from engine.quant.int4_triton import int4_matmul
-
-            y = int4_matmul(flat, self.packed, self.scales_and_zeros, self.group_size)
-        elif x.device.type == "cuda":
+        if x.device.type == "cuda":
             y = torch.ops.aten._weight_int4pack_mm(flat, self.packed, self.group_size, self.scales_and_zeros)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_and_zeros)
