@@ -54,8 +54,9 @@ if [[ $stages == *" tests "* ]]; then
     cat "$OUT/build.log"
     export AUGUR_FAILURE_LOG=$OUT/failures.log
 fi
-# The short files first: a run cut at its limit has checked the most files. About 130 tests: one worker
-# checked ~119 of them in 330 s on the H200 (2026-11-28); four workers, a file each at a time, share that.
+# The short files first: a run cut at its limit has checked the most files. About 175 tests: eight workers,
+# a file each at a time, ran them in 151 s on the H200 (2026-11-30; conftest sizes each worker's KV pools
+# from its share of the GPU).
 workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-4} --dist loadfile")
 [[ $stages == *" tests "* ]] && timeout "${TESTS_TIMEOUT:-330}" python3 -m pytest -q -p no:cacheprovider -o addopts="" -rfE $workers $(python3 -c "import pytest_timeout" 2>/dev/null && echo --timeout 120) \
     tests/test_fused.py tests/test_batch_invariance_gpu.py tests/test_staging.py tests/test_sampler.py::test_cuda_matches_cpu_and_seeds_reproduce \
@@ -64,9 +65,13 @@ workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-4} -
     tests/test_int4.py tests/test_bench_gpu.py tests/test_cuda_graphs.py tests/test_gpu_speculation.py \
     tests/test_attention_backends.py tests/test_run_ahead.py::test_run_ahead_through_graphs_on_gpu \
     tests/test_kv_cache_fp8.py::test_the_triton_kernel_reads_fp8_tiles tests/test_fp8_weights.py::test_the_layer_on_a_gpu_is_the_w8a8_product \
+    tests/test_fp8_weights.py::test_the_token_kernel_gives_the_eager_quantizations_bits \
+    tests/test_fp8_weights.py::test_the_block_kernel_is_the_dequantized_product \
+    tests/test_gpt_oss.py::test_a_config_without_the_swiglu_constants_gets_the_models_own \
     tests/test_quantized_checkpoints.py::test_int4_checkpoint_groups_on_a_gpu \
     tests/test_lora.py::test_the_gpu_kernels_gather_each_rows_own_adapter_and_rows_stay_independent \
     tests/test_lora.py::test_the_engine_on_the_gpu_kernels_matches_peft_and_a_mixed_batch \
+    tests/test_lora.py::test_a_prefills_many_rows_take_the_products_over_every_slot \
     tests/test_dflash.py::test_exact_through_graphs_on_gpu 2>&1 | tee "$OUT/tests.log"
 [[ $stages == *" waits "* ]] && timeout "${WAITS_TIMEOUT:-180}" python3 -m loadtest.device_waits --device cuda \
     --output-md "$OUT/waits.md" 2>&1 | tee "$OUT/waits.log"

@@ -130,3 +130,17 @@ def test_batch_scale_benchmark_runs_and_reports(tmp_path):
             step = d["catch_up"][B] + (k - 1) * d["level"][B] + b["verify_ms"][str(k)]
             tokens = (1 - x["alpha"] ** (k + 1)) / (1 - x["alpha"])
             assert x["speedup"] == pytest.approx(tokens / step * b["decode_ms"])
+
+
+def test_a_block_drafter_is_planned_deep_where_its_one_forward_drafts_every_depth():
+    """The controller prices one more drafted position as a verify token plus, for a drafter that runs a
+    forward a level, that forward: a block drafter (DFlash: ``per_level=False``) pays its one forward
+    whatever the depth. With the H200's costs at the 8B shape (a 1.65 ms block forward, a 5.1 ms decode,
+    verifies up to 7 tokens within 6% of it) it drafts the deepest chain at acceptance 0.6, where that
+    chain returns 1.75x and one position 1.21x; priced as a forward a level it would draft one or two."""
+    from loadtest.bench_gpu_scale import controller_depth
+
+    decode = 5.11e-3
+    verify = {k: decode * (1.0 + 0.01 * k) for k in range(1, 7)}
+    assert controller_depth(1, 0.6, 6, decode, verify, 0.0, 1.65e-3, per_level=False) == 6
+    assert controller_depth(1, 0.6, 6, decode, verify, 1.65e-3, 1.65e-3, per_level=True) <= 2

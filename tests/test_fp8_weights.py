@@ -197,7 +197,9 @@ def test_the_block_kernel_is_the_dequantized_product(dtype, rows):
     w8, blocks = block_weight(200, 320)  # two whole blocks and a partial one along a row
     x = torch.randn(rows, 320, generator=torch.Generator().manual_seed(1)).to(dtype)
     want = x.float() @ (w8.float() * expand_blocks(blocks, w8.shape, (128, 128))).t()
-    got = block_fp8_matmul(x, w8, rows_of_blocks(blocks, 200, 128), (1, 128))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU, else the interpreter
+    scales = rows_of_blocks(blocks, 200, 128)
+    got = block_fp8_matmul(x.to(device), w8.to(device), scales.to(device), (1, 128)).cpu()
     assert got.dtype == dtype
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want, atol=tol * want.abs().max().item(), rtol=tol)

@@ -664,9 +664,12 @@ class SpecController:
         return plain, max(t - plain, 0.0)
 
     def _marginal_token_time(self, depths: list[int], other_tokens: int, seqs: list[Sequence]) -> float:
+        """What one more drafted position adds to a step: a token more in the verify, and a draft level's
+        forward where the drafter runs one a level (a block drafter's one forward drafts every depth)."""
         n, m = len(depths) + 1, self._target_tokens(depths, other_tokens, seqs)
         extra = max(self._predict("target", n, m + 1) - self._predict("target", n, m), 0.0)
-        for kind in {self.proposer.cost_for(s.spec_route).kind for s in seqs} - {None}:
+        shapes = (self.proposer.cost_for(s.spec_route) for s in seqs)
+        for kind in {shape.kind for shape in shapes if shape.per_level} - {None}:
             extra += max(self._predict(kind, 2, 2) - self._predict(kind, 1, 1), 0.0)
         return extra
 
