@@ -455,6 +455,41 @@ def test_controller_reuses_the_plan_of_an_unchanged_batch(target, tmp_path):
     assert ctl.plan([seq], 0) == [0] and len(searched) == 20
 
 
+def test_an_idle_plan_is_answered_without_a_search_and_probes_when_the_search_would(target, tmp_path):
+    """A batch whose plan drafts nothing gets that answer again without a search for as long as the
+    search would reuse it (``reuse_idle_plans``), and never past a request's idle probe: over 80 steps
+    its plans (idle probes at full depth among them) are those of a controller that searches every
+    step, with a fraction of the searches. A step with other requests searches at once."""
+    from test_spec import cheap_draft_costs
+
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    runs = {}
+    for fast in (True, False):
+        eng, ctl = _controlled_engine(target, tmp_path / str(fast))
+        for i in range(4):
+            eng.add_request(f"r{i}", [5, 6, 7, 8 + i], params)
+        while len(eng.scheduler.running) < 4 or any(s.num_output_tokens == 0 for s in eng.scheduler.running):
+            eng.step()
+        seqs = sorted(eng.scheduler.running, key=lambda s: s.seq_id)
+        ctl.cost = cheap_draft_costs()
+        ctl.guard = Guard(4, min_samples=0, probe_every=10**9)
+        for k, s in enumerate(seqs):
+            ctl.estimate(s).alpha = [0.05] * 4  # too little to draft, but a probe could pay
+            s.spec_idle_steps = 3 * k  # probes due at different steps
+        if not fast:
+            ctl.reuse_idle_plans = 0  # the reference: a search every step
+        searched = []
+        ctl._plan = lambda *a, f=ctl._plan, n=searched: n.append(1) or f(*a)
+        plans = [ctl.plan(seqs, 0) for _ in range(80)]
+        runs[fast] = plans, len(searched)
+        if fast:
+            before = len(searched)
+            assert ctl.plan(seqs[:3], 0) == [0, 0, 0] and len(searched) == before + 1  # another batch
+    (plans, searches), (reference, every) = runs[True], runs[False]
+    assert plans == reference and sum(d > 0 for p in plans for d in p) >= 8  # the probes, at the same steps
+    assert every == 80 and searches < 20
+
+
 def test_a_long_catch_up_does_not_price_later_drafts(target, tmp_path):
     """A request's first drafts feed the draft its whole prompt: that step's whole-step ratio and host
     time stay out of the cost model (else a few of them price every later draft at several times
@@ -711,7 +746,7 @@ def test_under_load_the_plan_finds_the_depth_that_pays_and_prices_it_across_requ
     costs real time (compute-bound, as on this CPU), the same batch drafts nothing."""
     eng, ctl = _controlled_engine(target, tmp_path)
     ctl.guard.min_samples = 0  # the plan alone: no early plain probes
-    ctl.reuse_plans = 0
+    ctl.reuse_plans = ctl.reuse_idle_plans = 0  # (the estimates are set by hand below, not observed)
     params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
     for i in range(32):
         eng.add_request(f"r{i}", [5, 6, 7, 8 + i], params)

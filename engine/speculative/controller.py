@@ -335,6 +335,23 @@ class Guard:
 
 
 @dataclass
+class _IdleRun:
+    """A plan that drafted nothing, answered again for the same batch without a search (see
+    :meth:`SpecController.plan`): ``left`` more times; ``skipped`` so far, each a step that the batch's
+    requests spent idle and that their routes aged, counted on them by :meth:`catch_up`."""
+
+    key: tuple  # (the requests' ids, other tokens, room, the guard's cap, the cost model, the evidence count)
+    seqs: list  # the batch's requests
+    left: int
+    skipped: int = 0
+
+    def catch_up(self) -> None:
+        for s in self.seqs:
+            s.spec_idle_steps += self.skipped
+            s.spec_route_age -= self.skipped
+
+
+@dataclass
 class SpecController:
     max_depth: int
     proposer: object  # engine.speculative.proposer.Proposer: its slots_needed and cost shape
@@ -367,6 +384,8 @@ class SpecController:
         self._challenger, self._streak = {True: None, False: None}, {True: 0, False: 0}
         self._memo: dict[tuple, float] = {}
         self._last_key, self._last_plan, self._reused = None, (), 0
+        self._idle: _IdleRun | None = None  # the plan that drafted nothing, answered again without a search
+        self._evidence = 0  # acceptance observations so far (update, asked): an idle plan stands while none come
         self._cap = self.max_depth  # the guard's limit for this step's plan
         self._route_slots: dict[tuple[str, bool], list[int]] = {}  # slots_for at each depth, per route
         self.exploring = False  # this step's plan holds a trial or an idle probe (see observe_step)
@@ -387,6 +406,9 @@ class SpecController:
         self.depth = {True: self.max_depth, False: self.max_depth}
         self._challenger, self._streak = {True: None, False: None}, {True: 0, False: 0}
         self._memo, self._last_key, self._last_plan, self._reused = {}, None, (), 0
+        if self._idle is not None:
+            self._idle.catch_up()
+            self._idle = None
 
     def _population(self, route: str, seq: Sequence) -> AcceptanceEstimate:
         """What requests like ``seq`` accept by ``route``: greedy or sampled, under its LoRA adapter (an
@@ -420,12 +442,36 @@ class SpecController:
         room = room if room is not None else [self.max_depth] * len(seqs)
         self._memo = {}
         greedy = all(s.params.greedy for s in seqs)
-        cap = self._cap = self.guard.limit(len(seqs), greedy, frozenset(s.seq_id for s in seqs), self.budget.allows())
+        ids = tuple(s.seq_id for s in seqs)
+        cap = self._cap = self.guard.limit(len(seqs), greedy, frozenset(ids), self.budget.allows())
+        idle = self._idle
+        state = (ids, other_tokens, tuple(min(r, self.max_depth) for r in room), cap, id(self.cost), self._evidence)
+        if idle is not None and idle.left > 0 and state == idle.key:
+            # The batch of the last plan, which drafted nothing: the same answer, and no search. Each
+            # request's idle steps and route age are counted when the plans search again (``catch_up``),
+            # which they do before any request's idle probe is due.
+            idle.left -= 1
+            idle.skipped += 1
+            bucket = self.guard.bucket(len(seqs), greedy)
+            self.exploring = self.bursting = False
+            self.on_probation = bucket.on and bucket.probation > 0
+            return [0] * len(seqs)
+        if idle is not None:
+            self._idle = None
+            idle.catch_up()
+            self._reused += idle.skipped
         if cap or any(s.params.num_draft_tokens for s in seqs):  # a step with no draft needs no route
             self._choose_routes(seqs, other_tokens)
         depths = self._plan(seqs, other_tokens, room, cap, greedy)
         for seq, d, r in zip(seqs, depths, room):
             seq.spec_reason = None if d or r <= 0 else self._reason(seq, len(seqs))
+        if cap and not any(depths) and not self.exploring and not self.bursting:
+            # skip searching while nothing could change its answer: the plans an idle plan is reused
+            # for anyway (``reuse_idle_plans``), and never past the step a request's idle probe is due
+            due = min((self.idle_probe - s.spec_idle_steps for s in seqs), default=0) - 1
+            left = min(self.reuse_idle_plans - self._reused, due)
+            if left > 0:
+                self._idle = _IdleRun(state, list(seqs), left)
         return depths
 
     def _reason(self, seq: Sequence, num_seqs: int) -> str:
@@ -494,6 +540,7 @@ class SpecController:
     def asked(self, seq: Sequence, route: str | None, drafted: bool) -> None:
         """``seq`` was asked for a draft by ``route`` this step, and had one (or none: a lookup's miss)."""
         route = route or seq.spec_route or self.routes[0]
+        self._evidence += 1
         seq.spec_route_age = 0  # its estimates move: its route is chosen anew next plan
         self.estimate(seq, route).asked(drafted)
         self._population(route, seq).asked(drafted)
@@ -678,6 +725,7 @@ class SpecController:
         which ``accepted`` were kept. A lookup that found nothing to draft is a draft of one position
         that missed: what a route is expected to return counts the steps it has nothing."""
         route = route or seq.spec_route or self.routes[0]
+        self._evidence += 1
         self.estimate(seq, route).update(drafted, accepted)
         self._population(route, seq).update(drafted, accepted)
 
