@@ -114,7 +114,9 @@ class LLMEngine:
             attention_backend=config.attention_backend,
             # LoRA on the Triton kernels is captured (each row reads its slot from one device buffer); the
             # eager path's mask is sized at run time, so it runs uncaptured
-            cuda_graph_max_seqs=0 if self.adapters and not self.adapters.slots.kernel else config.cuda_graph_max_seqs,
+            cuda_graph_max_seqs=(
+                0 if self.adapters is not None and not self.adapters.slots.kernel else config.cuda_graph_max_seqs
+            ),
             batch_invariant=invariant, kv_cache_dtype=config.kv_cache_dtype,
         )  # fmt: skip
         self.proposer = None

@@ -57,7 +57,8 @@ def _round(x, DT: tl.constexpr):
     elif DT == 1:  # float16's 10 bits of mantissa on the bits; below its normal range, multiples of 2**-24
         bits = x.to(tl.uint32, bitcast=True)
         normal = (((bits + 0xFFF + ((bits >> 13) & 1)) >> 13) << 13).to(tl.float32, bitcast=True)
-        tiny = (x + 0.75) - 0.75  # the float32 sum's last place is 2**-24 there: it rounds x as float16 would
+        tiny = (tl.abs(x) + 0.75) - 0.75  # the float32 sum's last place is 2**-24 there: float16's rounding
+        tiny = tl.where((bits >> 31) == 1, -tiny, tiny)  # (the sign kept, of a zero too)
         y = tl.where(tl.abs(x) < 6.103515625e-05, tiny, normal)
     else:
         y = x

@@ -3,7 +3,7 @@
 :func:`engine.quant.fp8.quantize_tokens` is six or seven elementwise kernels in eager torch (to float32,
 the magnitude, its row maximum, the scale, the division, the clamp, the cast). An FP8 model runs it
 before every linear layer, and at a decode's one row each of those kernels is a launch and a few bytes:
-on an H200 at the Llama-3.1-8B shape they made an FP8 decode slower than bfloat16's. Here one program
+on an H200 at the Llama-3.1-8B shape a decode took 6.86 ms with them and 5.81 with this. Here one program
 a row finds the row's largest magnitude, then writes the quantized row and its scale, with the eager
 version's arithmetic: the scale is the maximum over 448 (at least float32's smallest normal), each
 value divided by it (IEEE division, rounded to nearest) and clamped to ±448, then rounded to e4m3
