@@ -89,10 +89,16 @@ def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
     return 2 * n**3 / best
 
 
-def linear_flops(model: nn.Module) -> tuple[float, float]:
-    """(FLOPs per token of the decoder layers, of the LM head): two per weight of each matrix product."""
+def linear_flops(model: nn.Module, experts_per_token: int = 0) -> tuple[float, float]:
+    """(FLOPs per token of the decoder layers, of the LM head): two per weight of each matrix product; of
+    a mixture's stacked experts (``[E, out, in]``) only the ``experts_per_token`` a token is routed to."""
     head = model.lm_head.weight if model.lm_head is not None else model.embed_tokens.weight
-    layers = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("layers."))
+    layers = 0
+    for n, p in model.named_parameters():
+        if n.startswith("layers.") and p.dim() == 2:
+            layers += p.numel()
+        elif n.startswith("layers.") and p.dim() == 3 and ".experts_" in n:
+            layers += p[0].numel() * experts_per_token
     return 2.0 * layers, 2.0 * head.numel()
 
 
@@ -354,7 +360,7 @@ def run(args) -> dict:
     fill_pool(runner)
     nbytes = decode_bytes(runner, 0)
     kv_token = runner.kv_bytes_per_token
-    layer_flops, head_flops = linear_flops(runner.model)
+    layer_flops, head_flops = linear_flops(runner.model, getattr(config, "num_experts_per_tok", 0))
     costs = section("target", lambda r=runner: step_costs(r, args.batch_sizes, depths, args.context, blocks_each,
                                                  args.repeats, args.prefill))  # fmt: skip
     del runner

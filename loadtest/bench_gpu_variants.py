@@ -41,7 +41,7 @@ from engine.quant.fp8 import quantize_linears_fp8
 from engine.quant.int4 import quantize_linears_int4
 from engine.runner.model_runner import ForwardChunk
 from loadtest.bench_gpu import BLOCK, SHAPES, build, copy_bandwidth, device_name, model_config, sync, time_forward
-from loadtest.bench_gpu_scale import fill_pool, matmul_rate, tables
+from loadtest.bench_gpu_scale import fill_pool, linear_flops, matmul_rate, tables
 
 VARIANTS = ("plain", "invariant", "int4", "fp8", "lora")
 LORA_ADAPTERS, LORA_RANK = 4, 16
@@ -93,21 +93,13 @@ def expert_share(config, rows: int) -> float:
 
 
 def linear_flops_per_token(shape: str, max_positions: int) -> float:
-    """Two FLOPs per weight a token multiplies by: every 2-D weight of the layers and the output layer;
-    of a mixture's experts only the k a token is routed to. Counted on the full-precision model (built
-    on the meta device): a quantized layer does the same products from fewer bytes."""
+    """A token's matrix-product FLOPs (``bench_gpu_scale.linear_flops``: the layers', a mixture's routed
+    experts only, and the output layer's), counted on the full-precision model built on the meta device:
+    a quantized layer does the same products from fewer bytes."""
     config = model_config(shape, max_positions)
     with torch.device("meta"):
         model = model_class_for(config)(config, max_positions)
-    flops = 0.0
-    for name, p in model.named_parameters():
-        if name.endswith("embed_tokens.weight") and model.lm_head is not None:
-            continue
-        if p.dim() == 3 and ".experts_" in name:  # [E, out, in]
-            flops += 2.0 * p[0].numel() * config.num_experts_per_tok
-        elif p.dim() == 2 and p.is_floating_point():
-            flops += 2.0 * p.numel()
-    return flops
+    return sum(linear_flops(model, getattr(config, "num_experts_per_tok", 0)))
 
 
 def measure(shape: str, variant: str, args, device, dtype, bandwidth: float, rate: float) -> dict:

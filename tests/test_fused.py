@@ -26,11 +26,6 @@ DTYPES = [torch.bfloat16, torch.float16]
 DEVICE = "cuda" if CUDA else "cpu"
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit for bit, in both dtypes."""
-    return torch.equal(a, b)
-
-
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
     """The largest distance in units of the last place between same-dtype tensors (finite values)."""
     bits = {torch.float16: torch.int16, torch.bfloat16: torch.int16}[a.dtype]
@@ -52,8 +47,8 @@ def test_rope_gives_the_eager_expressions_bits(dtype, head_dim, heads, kv_heads)
     sin = torch.randn(T, 1, D, generator=g).to(dtype).to(DEVICE)
     q, k = fused.fused_rope(qkv, cos, sin, heads, kv_heads)
     q_ref, k_ref, _ = qkv.split([heads * D, kv_heads * D, kv_heads * D], dim=-1)
-    assert _same(q, apply_rope(q_ref.reshape(T, heads, D), cos, sin))
-    assert _same(k, apply_rope(k_ref.reshape(T, kv_heads, D), cos, sin))
+    assert torch.equal(q, apply_rope(q_ref.reshape(T, heads, D), cos, sin))
+    assert torch.equal(k, apply_rope(k_ref.reshape(T, kv_heads, D), cos, sin))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -67,8 +62,8 @@ def test_norms_round_as_eager_and_each_row_alone(dtype, unit_offset):
     # Within one unit in the last place of eager torch's (the sum of squares is reduced in another order).
     assert _ulps(out, _rms_norm(x, w, 1e-6, unit_offset)) <= 1
     normed, total = fused.fused_add_rms_norm(x, delta, w, 1e-6, unit_offset)
-    assert _same(total, x + delta)  # the residual sum, rounded as torch rounds it
-    assert _same(normed, fused.fused_rms_norm(x + delta, w, 1e-6, unit_offset))
+    assert torch.equal(total, x + delta)  # the residual sum, rounded as torch rounds it
+    assert torch.equal(normed, fused.fused_rms_norm(x + delta, w, 1e-6, unit_offset))
     # A row's result does not depend on the rows beside it.
     for i in (0, 4, 8):
         assert torch.equal(fused.fused_rms_norm(x[i : i + 1], w, 1e-6, unit_offset), out[i : i + 1])

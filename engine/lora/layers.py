@@ -72,16 +72,19 @@ class LoraLinear(nn.Module):
 
             delta = lora_delta(flat, self.a, self.b, slots.rows[: flat.shape[0]], len(self.parts) * slots.max_rank)
             return y + delta.to(y.dtype).view(y.shape)
-        if slots.kernel:  # a prefill's many rows: two matrix products over every slot, the others' columns zeroed
-            rows = flat.shape[0]
-            own = slots.rows[:rows, None] == torch.arange(slots.max_loras, device=flat.device)
-            h = F.linear(flat.to(self.a.dtype), self.a, None)
-            h = (h.view(rows, slots.max_loras, -1) * own[:, :, None].to(h.dtype)).view(rows, -1)
-            return y + F.linear(h, self.b, None).to(y.dtype).view(y.shape)
-        rows, cols = flat.shape[0], used * len(self.parts) * slots.max_rank
+        # Two matrix products over the slots, each row's other slots' columns zeroed: the slots up to the
+        # highest a row uses, by the mask; on the kernels' device (a prefill's many rows) every slot, by
+        # the rows' slots (a captured graph knows only whether any row uses one)
+        rows = flat.shape[0]
+        if slots.kernel:
+            used = slots.max_loras
+            own = (slots.rows[:rows, None] == torch.arange(used, device=flat.device)).to(self.a.dtype)
+        else:
+            own = slots.mask[:rows, :used]
+        cols = used * len(self.parts) * slots.max_rank
         linear = torch.ops.augur.invariant_linear if slots.invariant else F.linear
         h = linear(flat.to(self.a.dtype), self.a[:cols], None)
-        h = (h.view(rows, used, -1) * slots.mask[:rows, :used, None]).view(rows, cols)
+        h = (h.view(rows, used, -1) * own[:, :, None]).view(rows, cols)
         return y + linear(h, self.b[:, :cols], None).to(y.dtype).view(y.shape)
 
     def extra_repr(self) -> str:
