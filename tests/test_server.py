@@ -151,14 +151,18 @@ def grown(before, after, name: str, **labels: str) -> float:
 
 
 @contextmanager
-def watch_steps(s: Served, gate: threading.Event | None = None) -> Iterator[list[str]]:
+def watch_steps(s: Served, gate: threading.Event | None = None, free_steps: int = 0) -> Iterator[list[str]]:
     """Record the ids of requests that finish, through the engine's public step hooks; with ``gate``,
-    the engine also waits for it after each step (so a test can act while a request is mid-flight)."""
+    the engine also waits for it after each step that had outputs, past the first ``free_steps`` of
+    them (so a test can act while a request is mid-flight, however fast the engine is)."""
     finished: list[str] = []
+    stepped = [0]
 
     def hook(outputs, _elapsed) -> None:
         finished.extend(o.request_id for o in outputs if o.finished)
-        if gate is not None:
+        if outputs:
+            stepped[0] += 1
+        if gate is not None and stepped[0] > free_steps:
             gate.wait(60)
 
     hooks = s.async_engine.step_hooks
@@ -942,18 +946,30 @@ def test_stream_disconnect_aborts(srv, http):
     wait_idle(srv)
     before = scrape(http)
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": LONG, "temperature": 0, "ignore_eos": True, "stream": True}
-    with watch_steps(srv) as finished:
-        with httpx.Client(base_url=srv.base, timeout=60) as c, c.stream("POST", "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            events = []
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append(json.loads(line[len("data: ") :]))
-                if len(events) == 2:
-                    break
-            assert srv.engine.has_unfinished_requests()
-            assert srv.engine.block_manager.num_free_blocks < NUM_BLOCKS  # it holds KV blocks now
-        wait_idle(srv)  # leaving the with-blocks closed the connection mid-stream
+
+    def noticed() -> bool:
+        return grown(before, scrape(http), "augur_request_failure_total", reason="client_disconnect") == 1
+
+    # Two steps run freely (two events); after that the engine waits for the gate after each step, so
+    # the request cannot run to its end before the client leaves, however fast this machine is.
+    gate = threading.Event()
+    with watch_steps(srv, gate, free_steps=2) as finished:
+        try:
+            with httpx.Client(base_url=srv.base, timeout=60) as c, c.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                events = []
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(json.loads(line[len("data: ") :]))
+                    if len(events) == 2:
+                        break
+                assert srv.engine.has_unfinished_requests()
+                assert srv.engine.block_manager.num_free_blocks < NUM_BLOCKS  # it holds KV blocks now
+            # leaving the with-blocks closed the connection mid-stream
+            wait_until(noticed, "the server to notice the disconnect", timeout=5.0)
+        finally:
+            gate.set()
+            wait_idle(srv)
     assert finished == [], "the request ran to the end instead of being aborted"
     assert grown(before, scrape(http), "augur_request_failure_total", reason="client_disconnect") == 1
 
