@@ -66,6 +66,93 @@ def test_kernel_multiplies_by_the_dequantized_weight(bias, shape):
     torch.testing.assert_close(got.float(), reference(x, linear, group), atol=1e-2, rtol=1e-2)
 
 
+def tiled_packer(inner_k_tiles: int, seed: int, tile_local: bool = True):
+    """A packer in the CUDA kernel's form (``q [N, K]`` → ``[N/8, K/tk, 32, inner_k_tiles/2]`` int32, each
+    8-row by ``tk``-input tile's nibbles in some order, eight to an int32, low nibble first) whose order
+    within a tile is a random permutation: the same in every tile, or, with ``tile_local=False``, not."""
+    tk = 16 * inner_k_tiles
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(8 * tk, generator=g)  # memory slot → element of the tile
+
+    def pack(q: torch.Tensor) -> torch.Tensor:
+        N, K = q.shape
+        tiles = q.reshape(N // 8, 8, K // tk, tk).permute(0, 2, 1, 3).reshape(N // 8, K // tk, 8 * tk)
+        slots = tiles[..., perm].clone()
+        if not tile_local:
+            slots[-1, -1] = slots[-1, -1].roll(1)
+        words = slots.to(torch.int64).reshape(N // 8, K // tk, 32, inner_k_tiles // 2, 8)
+        word = (words << (4 * torch.arange(8))).sum(-1)
+        return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+
+    return pack
+
+
+@pytest.mark.parametrize("inner_k_tiles", [2, 8])
+def test_the_packed_layout_is_read_off_the_packer(inner_k_tiles):
+    """The dense path for many rows on CUDA reads its integers straight from the packed weight, in the
+    order read off the packer at load (probes that spell each element's position): whatever the tile's
+    permutation, every integer comes back in place; a layout that is not one tile repeated is refused."""
+    from engine.quant.int4 import tile_order, unpack_tiles
+
+    pack = tiled_packer(inner_k_tiles, seed=inner_k_tiles)
+    order = tile_order(pack, inner_k_tiles, torch.device("cpu"))
+    g = torch.Generator().manual_seed(3)
+    N, K = 48, 3 * 16 * inner_k_tiles
+    q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
+    assert torch.equal(unpack_tiles(pack(q), order, N, K), q)
+    other = tile_order(tiled_packer(inner_k_tiles, seed=99), inner_k_tiles, torch.device("cpu"))
+    assert not torch.equal(unpack_tiles(pack(q), other, N, K), q)  # the order matters
+    with pytest.raises(ValueError, match="not one tile"):
+        tile_order(tiled_packer(inner_k_tiles, seed=1, tile_local=False), inner_k_tiles, torch.device("cpu"))
+
+
+def test_many_rows_multiply_by_the_same_dequantized_weight():
+    """From DENSE_ROWS rows a layer with a tile order multiplies on the dense GEMM by its weight
+    dequantized from the packed form: the same integers and statistics the kernel uses, so its rows
+    agree with the kernel's (CPU's, here) within bfloat16's rounding; the batch-invariant mode stays on
+    the kernel at every row count."""
+    from engine.quant.int4 import DENSE_ROWS, tile_order
+
+    torch.manual_seed(2)
+    K, N = 256, 96
+    linear = nn.Linear(K, N, bias=True)
+    group = group_size_for(K, N)
+    layer = Int4Linear.from_linear(linear, group)
+    x = torch.randn(DENSE_ROWS + 3, K)
+    kernel = layer(x)
+    assert layer.order is None  # a CPU's kernel takes every row count
+    inner_k_tiles = 8
+    pack = tiled_packer(inner_k_tiles, seed=5)
+    q, _, _ = quantize_int4(linear.weight.detach(), group)
+    dense = Int4Linear.from_linear(linear, group)
+    dense.packed = pack(q)
+    dense.order = tile_order(pack, inner_k_tiles, torch.device("cpu"))
+    got = dense(x)
+    torch.testing.assert_close(got, reference(x, linear, group), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(got, kernel, atol=1e-2, rtol=1e-2)
+    assert (linear(x) - got).abs().max() > 0.1  # the quantized weight, not the original
+    assert not torch.equal(got, kernel)
+    dense.invariant, dense.packed = True, layer.packed  # the kernel's own packing back: the kernel's bits
+    assert torch.equal(dense(x), kernel)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_many_rows_on_cuda_agree_with_the_kernel():
+    """On CUDA, the layout read off PyTorch's packer: a prefill's rows on the dense path equal, within
+    bfloat16's rounding, the same rows run through the int4 kernel a few at a time."""
+    from engine.quant.int4 import DENSE_ROWS
+
+    torch.manual_seed(4)
+    K, N = 4096, 1024
+    linear = nn.Linear(K, N, bias=False).to("cuda", torch.bfloat16)
+    layer = Int4Linear.from_linear(linear, group_size_for(K, N))
+    x = torch.randn(DENSE_ROWS * 2, K, device="cuda", dtype=torch.bfloat16)
+    dense = layer(x)
+    few = torch.cat([layer(x[i : i + 8]) for i in range(0, x.shape[0], 8)])
+    torch.testing.assert_close(dense.float(), few.float(), atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(dense.float(), reference(x, linear, group_size_for(K, N)), atol=3e-2, rtol=2e-2)
+
+
 def test_engine_on_int4_computes_the_dequantized_model(llama_dir):
     """Every linear but the LM head becomes int4, and a forward's logits are those of the same model
     holding the dequantized weights in full precision (the reference's linears swapped by hand), up

@@ -17,6 +17,15 @@ its output comes back in float32. Next to 4-bit weights that rounding is small.
 
 A layer whose shape the kernels cannot take (rows not a multiple of 16, inputs not a multiple of
 32) stays in full precision, as the LM head always does.
+
+*Many rows on CUDA* (a prefill, a wide verify): the CUDA kernel is built for a few rows, and its time
+grows with them (2,048 rows at the 8B shape took about 1 s against bfloat16's 63 ms on an H200). From
+``DENSE_ROWS`` rows on, a layer dequantizes its weight to bfloat16 for the call and multiplies on the
+dense GEMM, reading the packed weight itself: no second copy is kept. The packed layout is PyTorch's
+own and undocumented, so it is not written down here but read off the device at load: packing three
+probe matrices whose nibbles spell each element's position gives where each element of a tile lands
+(:func:`tile_order`). The batch-invariant mode keeps every row count on the kernel (one order per
+output).
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.quant.install import assemble, replace
@@ -32,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 GROUP_SIZES = (128, 64, 32)  # tried in order: the first that divides the input features
 COMPUTE_DTYPE = torch.bfloat16  # the kernels' activations and statistics
+DENSE_ROWS = 128  # CUDA: from this many rows a call dequantizes and runs the dense GEMM
+TILE_ROWS = 8  # the CUDA layout's tile: 8 output rows by 16 * inner_k_tiles inputs
 
 
 def group_size_for(in_features: int, out_features: int) -> int | None:
@@ -57,6 +69,63 @@ def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> t
     return (q.reshape(N, groups, K // groups).float() * scale[..., None] + lo[..., None]).reshape(N, K)
 
 
+def _pairs(q: torch.Tensor) -> torch.Tensor:
+    """``q [N, K]`` in 0..15 → ``[N, K/2]`` uint8, the even column in the high nibble: what the CUDA
+    packer takes."""
+    return ((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8).contiguous()
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """A packed ``[N/8, K/tk, 32, inner_k_tiles/2]`` int32 weight → ``[N/8, K/tk, 8 * tk]`` uint8: each
+    tile's 4-bit fields in memory order (the low nibble of each byte first, bytes little-endian)."""
+    tiles = packed.shape[:2]
+    octets = packed.contiguous().view(torch.uint8).reshape(*tiles, -1)
+    return torch.stack((octets & 15, octets >> 4), dim=-1).reshape(*tiles, -1)
+
+
+def tile_order(pack, inner_k_tiles: int, device) -> torch.Tensor:
+    """``[8 * tk]`` int64, ``tk = 16 * inner_k_tiles``: for each element of a tile, in row-major order
+    (row ``n``, input ``k`` at ``n * tk + k``), where ``pack`` (``q [N, K]`` in 0..15 → its packed int32
+    weight) puts its nibble among the tile's nibbles in memory order. Read off ``pack`` itself: each of
+    three probes holds one hexadecimal digit of every element's position in its tile, over a matrix of
+    two tiles each way, and every tile must spell the same permutation (a layout that is not one tile's
+    pattern repeated is refused: :class:`ValueError`)."""
+    tk = 16 * inner_k_tiles
+    rows, cols = 2 * TILE_ROWS, 2 * tk
+    n = torch.arange(rows, device=device)[:, None]
+    k = torch.arange(cols, device=device)[None, :]
+    local = (n % TILE_ROWS) * tk + k % tk  # each element's position in its tile
+    spelled = torch.zeros(2, 2, TILE_ROWS * tk, dtype=torch.int64, device=device)
+    for digit in range(3):  # 8 * tk <= 1,024 < 16 ** 3
+        probe = ((local >> (4 * digit)) & 15).to(torch.uint8)
+        spelled += _nibbles(pack(probe)).to(torch.int64) << (4 * digit)
+    order = spelled[0, 0]  # memory slot → element
+    every = torch.arange(order.numel(), device=device)
+    if not bool((spelled == order).all()) or not torch.equal(order.sort().values, every):
+        raise ValueError("the int4 packed layout is not one tile's permutation repeated")
+    return order.argsort()  # element → memory slot
+
+
+def unpack_tiles(packed: torch.Tensor, order: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The ``[N, K]`` uint8 integers (0..15) of a packed weight whose tiles hold their elements at
+    ``order`` (:func:`tile_order`)."""
+    tk = order.numel() // TILE_ROWS
+    tiles = _nibbles(packed).index_select(-1, order)  # [N/8, K/tk, 8 * tk], each tile row-major
+    tiles = tiles.reshape(out_features // TILE_ROWS, in_features // tk, TILE_ROWS, tk)
+    return tiles.permute(0, 2, 1, 3).reshape(out_features, in_features)
+
+
+_TILE_ORDERS: dict[tuple[str, int], torch.Tensor] = {}  # (device, inner_k_tiles) → its tile_order
+
+
+def _cuda_tile_order(device: torch.device, inner_k_tiles: int) -> torch.Tensor:
+    key = (str(device), inner_k_tiles)
+    if key not in _TILE_ORDERS:
+        pack = lambda q: torch._convert_weight_to_int4pack(_pairs(q), inner_k_tiles)  # noqa: E731
+        _TILE_ORDERS[key] = tile_order(pack, inner_k_tiles, device)
+    return _TILE_ORDERS[key]
+
+
 class Int4Linear(nn.Module):
     """A linear layer whose weight is packed int4 for its device's kernel (built by :meth:`from_linear`)."""
 
@@ -67,6 +136,10 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros", torch.empty(0), persistent=False)  # [K/g, N, 2]
         # [K] int64: the input columns in the order the groups were made (act order), None: as they come
         self.register_buffer("perm", None, persistent=False)
+        # CUDA: where the packed layout puts each element of a tile (:func:`tile_order`), for the calls
+        # of DENSE_ROWS rows or more; None on a CPU (its kernel is fast at every row count)
+        self.register_buffer("order", None, persistent=False)
+        self.invariant = False  # the batch-invariant mode: every row count on the kernel
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     @classmethod
@@ -83,8 +156,8 @@ class Int4Linear(nn.Module):
         q = q.to(device)
         if device.type == "cuda":
             inner_k_tiles = next(t for t in (8, 4, 2) if self.in_features % (t * 16) == 0)
-            pairs = (q[:, ::2] << 4) | q[:, 1::2]  # [N, K/2] uint8, the even column in the high nibble
-            self.packed = torch._convert_weight_to_int4pack(pairs.contiguous(), inner_k_tiles)
+            self.packed = torch._convert_weight_to_int4pack(_pairs(q), inner_k_tiles)
+            self.order = _cuda_tile_order(device, inner_k_tiles)
         else:
             self.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
 
@@ -92,7 +165,9 @@ class Int4Linear(nn.Module):
         flat = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
         if self.perm is not None:
             flat = flat.index_select(1, self.perm)
-        if x.device.type == "cuda":
+        if self.order is not None and flat.shape[0] >= DENSE_ROWS and not self.invariant:
+            y = F.linear(flat, self.dequantized())
+        elif x.device.type == "cuda":
             y = torch.ops.aten._weight_int4pack_mm(flat, self.packed, self.group_size, self.scales_and_zeros)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_and_zeros)
@@ -100,6 +175,15 @@ class Int4Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The ``[N, K]`` bfloat16 weight the kernel multiplies by: ``(q - 8) * scale + zero`` per group,
+        in float32 and rounded once (the CUDA layout only: ``order`` set)."""
+        q = unpack_tiles(self.packed, self.order, self.out_features, self.in_features)
+        groups = self.in_features // self.group_size
+        stats = self.scales_and_zeros.float().transpose(0, 1)  # [N, K/g, 2]
+        w = (q.reshape(self.out_features, groups, self.group_size).float() - 8) * stats[..., :1] + stats[..., 1:]
+        return w.reshape(self.out_features, self.in_features).to(COMPUTE_DTYPE)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
