@@ -477,7 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--spec-max-batch", type=int, default=32, help="speculation is priced up to this batch size")
     ap.add_argument("--prefill", type=int, default=2048, help="tokens of the prefill measured (0: none)")
-    ap.add_argument("--depths", type=int, nargs="+", default=[2, 3, 4, 5, 6])
+    ap.add_argument("--depths", type=int, nargs="+", default=[2, 3, 4, 5, 6, 15],
+                    help="chain depths verified and priced (15: a DFlash 16-row block's whole draft)")  # fmt: skip
     ap.add_argument("--alphas", type=float, nargs="+", default=[0.6, 0.7, 0.8])
     ap.add_argument("--fused", nargs="*", default=["on", "off"], choices=["on", "off"],
                     help="measure batch 1 with the fused kernels on and off (none: skip)")  # fmt: skip
