@@ -229,6 +229,7 @@ class LLMEngine:
         if self.adapters is None:
             raise AdapterError("this engine serves no LoRA adapters (start it with --enable-runtime-lora)")
         self.adapters.add(read_adapter(name, path, self.config.max_lora_rank))
+        self._forget_adapter(name)  # what an earlier adapter of this name left (its last request has ended)
         logger.info("LoRA adapter %s loaded from %s", name, path)
 
     def unload_lora_adapter(self, name: str) -> None:
@@ -237,7 +238,17 @@ class LLMEngine:
         if self.adapters is None:
             raise KeyError(name)
         self.adapters.remove(name)
+        self._forget_adapter(name)
         logger.info("LoRA adapter %s unloaded", name)
+
+    def _forget_adapter(self, name: str) -> None:
+        """Drop the drafting evidence kept from adapter ``name``'s requests: the proposers' stores of
+        their outputs and the controller's acceptance for them (a name unloaded for good keeps nothing;
+        one loaded again starts afresh)."""
+        if self.proposer is not None:
+            self.proposer.forget_adapter(name)
+        if self.controller is not None:
+            self.controller.forget_adapter(name)
 
     def _admit_lora_queue(self) -> list[RequestOutput]:
         """Schedule the waiting requests whose adapter has (or now gets) a slot, strictly in arrival order:

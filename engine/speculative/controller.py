@@ -419,6 +419,12 @@ class SpecController:
             self.population[key] = AcceptanceEstimate([self.prior] * self.max_depth, ema=0.05)
         return self.population[key]
 
+    def forget_adapter(self, name: str) -> None:
+        """Drop the acceptance learned from LoRA adapter ``name``'s requests: it was unloaded, or a new
+        adapter is loading under its name (which starts from the prior, not the old one's evidence)."""
+        for key in [k for k in self.population if k[2] == name]:
+            del self.population[key]
+
     def estimate(self, seq: Sequence, route: str | None = None) -> AcceptanceEstimate:
         """The request's acceptance estimate by ``route`` (None: the route it drafts by now)."""
         route = route or seq.spec_route or self.routes[0]

@@ -248,3 +248,7 @@ class Proposer(ABC):
 
     def on_free(self, seq: Sequence) -> None:  # noqa: B027
         """``seq`` finished or was aborted."""
+
+    def forget_adapter(self, name: str) -> None:  # noqa: B027
+        """Drop what was kept from LoRA adapter ``name``'s requests (their outputs, to draft from): it was
+        unloaded, or a new adapter is loading under its name."""

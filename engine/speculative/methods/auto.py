@@ -208,6 +208,10 @@ class AutoProposer(Proposer):
         for m in self.members.values():
             m.on_preempt(seq)
 
+    def forget_adapter(self, name: str) -> None:
+        for m in self.members.values():
+            m.forget_adapter(name)
+
     def on_free(self, seq: Sequence) -> None:
         self._own.pop(seq.seq_id, None)
         for m in self.members.values():

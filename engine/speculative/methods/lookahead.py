@@ -155,6 +155,11 @@ class LookaheadProposer(Proposer):
             self._pools[seq.seq_id] = pool
         return pool
 
+    def forget_adapter(self, name: str) -> None:
+        # (a running request keeps its pool object until it ends; no new request joins it)
+        for key in [k for k in self._families if k[0][0] == name]:  # ((adapter, API key), prompt head)
+            del self._families[key]
+
     def _window(self, seq: Sequence) -> _Window:
         win = self._windows.get(seq.seq_id)
         if win is None:  # guesses drawn from the prompt: tokens of the text are likelier than noise

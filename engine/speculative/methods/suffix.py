@@ -177,6 +177,10 @@ class SuffixProposer(Proposer):
                 push(nxt, -neg, node, level + 1, path + [tok])
         return DraftTree(out_tokens, parents)
 
+    def forget_adapter(self, name: str) -> None:
+        for key in [k for k in self.stores if k[0] == name]:  # (adapter, API key)
+            del self.stores[key]
+
     def on_free(self, seq: Sequence) -> None:
         self._requests.pop(seq.seq_id, None)
         # A finished output has its reason set by now; an aborted or failed one has none yet (or ERROR).
