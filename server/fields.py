@@ -81,7 +81,6 @@ REFUSED: dict[str, tuple[str, tuple]] = {
     "return_prompt_text": ("the rendered prompt is not returned (/tokenize renders it)", ()),
     "mm_payload": ("a render endpoint's option", ("tensors", "none")),
     "return_mm_kwargs": ("a render endpoint's option", ()),
-    "cache_salt": ("the prefix cache has no per-request isolation: a salt would not isolate anything", ()),
     "kv_transfer_params": ("no prefill/decode disaggregation", ()),
     "ec_transfer_params": ("no encoder-cache disaggregation", ()),
     "vllm_xargs": ("no logits-processor plugins", ()),

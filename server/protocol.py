@@ -215,6 +215,8 @@ class _Sampling(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
     seed: Seed | None = None
+    # vLLM's: the prefix cache shares KV only among requests with the same salt
+    cache_salt: str | None = Field(default=None, min_length=1)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
@@ -347,6 +349,7 @@ class _Sampling(BaseModel):
             frequency_penalty=self.frequency_penalty,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             seed=self.seed,
+            cache_salt=self.cache_salt,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             stop=list(self.stop or []),

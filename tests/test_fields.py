@@ -100,7 +100,7 @@ def test_a_field_nothing_knows_is_refused_by_name(http, endpoint):
 
 
 ASKING_NOTHING = [("priority", 0), ("spaces_between_special_tokens", True), ("stream_reasoning", True),
-                  ("cache_salt", None), ("echo", False)]  # fmt: skip
+                  ("echo", False)]  # fmt: skip
 
 
 @pytest.mark.parametrize("name,default", ASKING_NOTHING)

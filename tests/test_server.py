@@ -942,6 +942,29 @@ def test_concurrent_streams_match_sequential(srv, client):
 LONG = MAX_LEN - 8  # output tokens of a request that only an abort can end early
 
 
+def test_cache_salt_keeps_prefix_cache_hits_among_requests_with_the_same_salt(client, http):
+    """vLLM's ``cache_salt``: a prompt cached without a salt, or under another, is computed afresh; a
+    second request with the same salt hits the first one's blocks; the text is the same in every case
+    (the salt changes what is cached, never what is said). An empty salt is a 400 naming it."""
+    prompt = "salted prompt " * 6 + "one two three four five six seven eight"
+
+    def run(salt):
+        extra = {} if salt is None else {"cache_salt": salt}
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, extra_body=extra)
+        return r.choices[0].text, r.usage.prompt_tokens_details.cached_tokens
+
+    plain, _ = run(None)
+    assert run(None)[1] > 0  # unsalted requests share the cache
+    first, cached = run("tenant-a")
+    assert cached == 0 and first == plain
+    again, cached = run("tenant-a")
+    assert cached > 0 and again == plain
+    other, cached = run("tenant-b")
+    assert cached == 0 and other == plain
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1, "cache_salt": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+
+
 def test_stream_disconnect_aborts(srv, http):
     wait_idle(srv)
     before = scrape(http)

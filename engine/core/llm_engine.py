@@ -388,8 +388,9 @@ class LLMEngine:
             time.monotonic() if arrival_time is None else arrival_time,
             prompt if isinstance(prompt, str) else None,
         )
-        if params.lora is not None:
-            group.kv_root = chain_root(self.adapters.kv_namespace(params.lora))
+        if params.lora is not None or params.cache_salt is not None:
+            namespace = None if params.lora is None else self.adapters.kv_namespace(params.lora)
+            group.kv_root = chain_root(namespace, params.cache_salt)
         if params.use_beam_search:
             group.beam = BeamState()
         seq = group.seqs[0]

@@ -37,10 +37,13 @@ BlockKey = tuple[int, tuple[int, ...]]
 ROOT_PARENT_HASH = 0
 
 
-def chain_root(namespace: str | None) -> int:
+def chain_root(namespace: str | None, salt: str | None = None) -> int:
     """The parent hash a sequence's first block chains from: the base model's for None, else one of
-    its own for ``namespace`` (a LoRA adapter's name), so the cache never hands one model's KV to
-    another's sequence with the same tokens."""
+    its own for ``namespace`` (a LoRA adapter's load), so the cache never hands one model's KV to
+    another's sequence with the same tokens; with ``salt`` (a request's ``cache_salt``), one of that
+    salt's own too, shared only with requests that carry it."""
+    if salt is not None:
+        return hash(("salted", namespace, salt))
     return ROOT_PARENT_HASH if namespace is None else hash(("namespace", namespace))
 
 

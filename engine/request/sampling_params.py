@@ -45,6 +45,10 @@ class SamplingParams:
     # learn from other requests' text (suffix decoding's store, lookahead's shared pools) keep one
     # store per (lora, tenant), so no adapter's or key's text is ever drafted into another's requests.
     tenant: str | None = None
+    # vLLM's cache_salt: the prefix cache shares KV only among requests with the same salt (and adapter),
+    # so a tenant's prompts cannot be probed through another's cache hits. None: shared with every
+    # request that has none.
+    cache_salt: str | None = None
     # Each output token's provenance in CompletionOutput.delta_provenance (drafted and accepted, bonus,
     # recovered, forced, plain; its proposer and the draft depth): the stream's include_speculation
     include_speculation: bool = False

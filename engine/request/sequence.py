@@ -213,7 +213,8 @@ class SequenceGroup:
         self.params = params
         self.arrival_time = arrival_time
         # The LoRA slot its target forwards run under (-1: the base model), and the parent hash its
-        # prefix-cache chain starts from (the adapter's own: engine/kv/block_manager.py chain_root).
+        # prefix-cache chain starts from (the adapter's and the cache salt's own: engine/kv/block_manager.py
+        # chain_root).
         self.lora_slot = -1
         self.kv_root = 0
         self.first_token_time: float | None = None
