@@ -136,6 +136,16 @@ def test_many_rows_multiply_by_the_same_dequantized_weight():
     assert torch.equal(dense(x), kernel)
 
 
+def test_a_packer_whose_layout_cannot_be_read_leaves_every_row_count_on_the_kernel(caplog):
+    """Where the CUDA packer cannot be probed (here: it has no CPU kernel), the layer keeps no tile order
+    and runs every row count on the int4 kernel, as before the dense path; a warning says so."""
+    from engine.quant.int4 import _cuda_tile_order
+
+    with caplog.at_level("WARNING", logger="engine.quant.int4"):
+        assert _cuda_tile_order(torch.device("cpu"), 8) is None
+    assert "many rows stay on the kernel" in caplog.text
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_many_rows_on_cuda_agree_with_the_kernel():
     """On CUDA, the layout read off PyTorch's packer: a prefill's rows on the dense path equal, within

@@ -115,14 +115,20 @@ def unpack_tiles(packed: torch.Tensor, order: torch.Tensor, out_features: int, i
     return tiles.permute(0, 2, 1, 3).reshape(out_features, in_features)
 
 
-_TILE_ORDERS: dict[tuple[str, int], torch.Tensor] = {}  # (device, inner_k_tiles) → its tile_order
+_TILE_ORDERS: dict[tuple[str, int], torch.Tensor | None] = {}  # (device, inner_k_tiles) → its tile_order
 
 
-def _cuda_tile_order(device: torch.device, inner_k_tiles: int) -> torch.Tensor:
+def _cuda_tile_order(device: torch.device, inner_k_tiles: int) -> torch.Tensor | None:
+    """The tile order of PyTorch's CUDA packer on ``device``, or None (every row count on the kernel,
+    as before this path) where the layout cannot be read: a PyTorch whose packer is not tile-local."""
     key = (str(device), inner_k_tiles)
     if key not in _TILE_ORDERS:
         pack = lambda q: torch._convert_weight_to_int4pack(_pairs(q), inner_k_tiles)  # noqa: E731
-        _TILE_ORDERS[key] = tile_order(pack, inner_k_tiles, device)
+        try:
+            _TILE_ORDERS[key] = tile_order(pack, inner_k_tiles, device)
+        except (ValueError, RuntimeError) as exc:
+            logger.warning("int4: the packed layout could not be read (%s); many rows stay on the kernel", exc)
+            _TILE_ORDERS[key] = None
     return _TILE_ORDERS[key]
 
 
