@@ -623,23 +623,28 @@ def test_an_adapter_loaded_again_under_its_name_drafts_from_nothing_the_old_one_
     evidence, and a name unloaded for good keeps nothing; the base model's evidence stays."""
     engine = make(llama_dir, {"x": adapters["all"]}, "suffix", enable_runtime_lora=True)
     ps = [[5, 6, 7, 5, 6, 7, 5, 6]]
+
+    def params(lora):  # a pinned depth: every step drafts, whatever the controller's costs say
+        return SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, lora=lora, num_draft_tokens=2)
+
     for lora in ("x", None):
-        engine.generate(ps, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, lora=lora))
+        engine.generate(ps, params(lora))
     stores, population = engine.proposer.stores, engine.controller.population
     assert {k[0] for k in stores} == {"x", None} and {k[2] for k in population} == {"x", None}
     engine.unload_lora_adapter("x")
     assert {k[0] for k in stores} == {None} and {k[2] for k in population} == {None}
     engine.load_lora_adapter("x", str(adapters["qv"]))
-    out = engine.generate(ps, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, lora="x"))[0]
+    out = engine.generate(ps, params("x"))[0]
     assert out.outputs[0].delta_token_ids == greedy(make(llama_dir, adapters), ps, "qv", 8)[0]
     assert {k[0] for k in stores} == {"x", None} and all(len(st.outputs) == 1 for st in stores.values())
     # lookahead's pools shared by the requests of a prompt family (--lookahead-shared) go the same way
     engine = make(llama_dir, {"x": adapters["all"]}, "lookahead", enable_runtime_lora=True, lookahead_shared=True)
     for lora in ("x", None):
-        engine.generate(ps, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, lora=lora))
-    assert {k[0][0] for k in engine.proposer._families} == {"x", None}
+        engine.generate(ps, params(lora))
+    families = engine.proposer._families
+    assert {k[0][0] for k in families} == {"x", None}
     engine.unload_lora_adapter("x")
-    assert {k[0][0] for k in engine.proposer._families} == {None}
+    assert {k[0][0] for k in families} == {None}
 
 
 def test_a_malformed_adapter_is_an_adapter_error(adapters, tmp_path):
