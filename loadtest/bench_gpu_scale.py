@@ -29,7 +29,9 @@ so (engine/models/fused.py).
   drafts, beside the best depth in the table.
 
 ``--fused on off`` measures the batch-1 decode, a 4-token verify and the tree with the fused kernels
-(engine/models/fused.py) and without them, in the same run. ``--shape tiny`` runs it all on CPU
+(engine/models/fused.py) and without them, in the same run; ``--skinny on off`` the same with every
+linear layer's calls of up to 64 rows on ``augur::skinny_linear`` (engine/models/skinny_linear.py)
+and on cuBLAS. ``--shape tiny`` runs it all on CPU
 (the tests do). Results print as tables and go to ``--output`` as JSON.
 """
 
@@ -305,6 +307,13 @@ def speculation(costs: dict, drafter: dict, batch_sizes, alphas, depths, max_dep
     return rows
 
 
+def _use_skinny(model: nn.Module, on: bool) -> None:
+    if on:
+        from engine.models.skinny_linear import use_skinny_linear  # (needs Triton)
+
+        use_skinny_linear(model)
+
+
 def run(args) -> dict:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     bandwidth = copy_bandwidth(device, 1 << 30 if device.type == "cuda" else 1 << 26)
@@ -330,28 +339,32 @@ def run(args) -> dict:
             report["errors"].append(f"{name}: {type(exc).__name__}: {exc}")
             return None
 
-    # -- the fused kernels on and off, batch 1 ------------------------------------------------------
-    fused_rows = {}
-    for state in args.fused:
+    # -- the fused kernels, and the few-rows linear kernel, on and off: batch 1 ------------------------
+    for key, label, states, switch in (
+        ("fused", "fused kernels", args.fused, use_fused_ops),
+        ("skinny", "few-rows linear kernel", args.skinny, _use_skinny),
+    ):
+        rows = {}
+        for state in states:
 
-        def one(state=state):
-            runner, _ = build(args.shape, device, dtype, positions, "auto", graphs)
-            use_fused_ops(runner.model, state == "on")
-            runner.allocate_kv(num_blocks)
-            fill_pool(runner)
-            costs = step_costs(runner, [1], [3], args.context, blocks_each, args.repeats, 0)
-            del runner
-            return dict(decode_ms=costs["decode"][1] * 1e3, verify4_ms=costs["verify"][1][3] * 1e3,
-                        tree_ms=costs["tree"] * 1e3)  # fmt: skip
+            def one(state=state, switch=switch):
+                runner, _ = build(args.shape, device, dtype, positions, "auto", graphs)
+                switch(runner.model, state == "on")
+                runner.allocate_kv(num_blocks)
+                fill_pool(runner)
+                costs = step_costs(runner, [1], [3], args.context, blocks_each, args.repeats, 0)
+                del runner
+                return dict(decode_ms=costs["decode"][1] * 1e3, verify4_ms=costs["verify"][1][3] * 1e3,
+                            tree_ms=costs["tree"] * 1e3)  # fmt: skip
 
-        r = section(f"fused {state}", one)
-        if r:
-            fused_rows[state] = r
-            print(f"fused kernels {state}: decode {r['decode_ms']:.2f} ms, 4-token verify {r['verify4_ms']:.2f} ms, "
-                  f"{TREE_NODES}-node tree {r['tree_ms']:.2f} ms", flush=True)  # fmt: skip
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    report["fused"] = fused_rows
+            r = section(f"{key} {state}", one)
+            if r:
+                rows[state] = r
+                print(f"{label} {state}: decode {r['decode_ms']:.2f} ms, 4-token verify {r['verify4_ms']:.2f} ms, "
+                      f"{TREE_NODES}-node tree {r['tree_ms']:.2f} ms", flush=True)  # fmt: skip
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        report[key] = rows
 
     # -- the target by batch size (as served: fused kernels where they serve) -------------------------
     runner, config = build(args.shape, device, dtype, positions, "auto", graphs)
@@ -482,6 +495,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--alphas", type=float, nargs="+", default=[0.6, 0.7, 0.8])
     ap.add_argument("--fused", nargs="*", default=["on", "off"], choices=["on", "off"],
                     help="measure batch 1 with the fused kernels on and off (none: skip)")  # fmt: skip
+    ap.add_argument("--skinny", nargs="*", default=["on", "off"], choices=["on", "off"],
+                    help="measure batch 1 with the few-rows linear kernel on and off (none: skip)")  # fmt: skip
     ap.add_argument("--cuda-graphs", choices=["on", "off"], default="on")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--output", default=None, help="write the results as JSON")

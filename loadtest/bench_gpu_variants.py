@@ -10,6 +10,8 @@ sequence), the same forwards as each option serves them:
   split of K for every batch size), whose cost issue 57 asks for;
 * ``int4``: ``--quantization int4`` (4-bit weights in groups, engine/quant/int4.py);
 * ``fp8``: ``--quantization fp8`` (e4m3 weights and tokens, W8A8 on ``torch._scaled_mm``);
+* ``skinny``: every linear layer on ``augur::skinny_linear`` (engine/models/skinny_linear.py) for its
+  calls of up to 64 rows, instead of cuBLAS: opt-in until this has measured it;
 * ``lora``: four LoRA adapters of rank 16 on every adaptable layer, a batch's sequences spread over
   them (sequence ``i`` under adapter ``i % 4``), and beside it the same runner's base rows alone
   (``decode_base_ms``);
@@ -43,7 +45,7 @@ from engine.runner.model_runner import ForwardChunk
 from loadtest.bench_gpu import BLOCK, SHAPES, build, copy_bandwidth, device_name, model_config, sync, time_forward
 from loadtest.bench_gpu_scale import fill_pool, linear_flops, matmul_rate, tables
 
-VARIANTS = ("plain", "invariant", "int4", "fp8", "lora")
+VARIANTS = ("plain", "invariant", "int4", "fp8", "skinny", "lora")
 LORA_ADAPTERS, LORA_RANK = 4, 16
 
 
@@ -56,11 +58,18 @@ def _lora(model: nn.Module) -> None:
         layer.b.normal_(0.0, 0.02, generator=g)
 
 
+def _skinny(model: nn.Module) -> None:
+    from engine.models.skinny_linear import use_skinny_linear  # (needs Triton)
+
+    use_skinny_linear(model)
+
+
 PREPARE = {
     "plain": None,
     "invariant": None,
     "int4": quantize_linears_int4,
     "fp8": quantize_linears_fp8,
+    "skinny": _skinny,
     "lora": _lora,
 }
 

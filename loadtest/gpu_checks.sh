@@ -5,13 +5,14 @@
 # where pytest-xdist came in ./.whl); on request, the step costs by batch size, a prefill, the
 # drafters and the controller's choice (loadtest.bench_gpu_scale, stage "scale"), the serving options that
 # change the kernels (batch-invariant, int4, FP8, LoRA) and the mixtures at their published shapes
-# (loadtest.bench_gpu_variants, stage "variants"), where each
+# (loadtest.bench_gpu_variants, stage "variants"), the few-rows linear kernel against cuBLAS at each layer
+# shape (loadtest.bench_gpu_skinny, stage "skinny"), where each
 # method's steps wait for the device on the demo pair (loadtest.device_waits: reads, builds and the syncs
 # themselves, with their lines), the demo pair served (plain and the default, each with ordinary steps and
 # with --async-scheduling on; loadtest.peers), and the kernel profile of a decode against chain verifies
 # (loadtest.profile_gpu).
 #   OUT=DIR [STAGES="bench tests waits served profile"] bash loadtest/gpu_checks.sh [SHAPES...]
-# (default stages: bench tests; all of them: scale variants bench tests waits served profile; default shape:
+# (default stages: bench tests; all of them: skinny scale variants bench tests waits served profile; default shape:
 # llama-3.1-8b; SCALE_ARGS, VARIANTS_ARGS: more arguments for bench_gpu_scale and bench_gpu_variants, e.g.
 # "--fused" to skip the former's fused on/off pair, "--variants int4 fp8 --moe-shapes" for two options alone). Missing Python packages (openai, pydantic,
 # FastAPI, uvicorn, pyzmq, msgspec and their needs: that machine's image has none of them) install from
@@ -43,6 +44,8 @@ if [[ $stages == *" tests "* ]]; then
 load_small_linear; print('C++ CPU kernels built:', load_cpu_kernel(), load_small_linear())" >"$OUT/build.log" 2>&1 &
     build=$!
 fi
+[[ $stages == *" skinny "* ]] && timeout "${SKINNY_TIMEOUT:-120}" python3 -m loadtest.bench_gpu_skinny --shape "${shapes[0]}" \
+    --output "$OUT/skinny.json" ${SKINNY_ARGS:-} 2>&1 | tee "$OUT/skinny.log"
 [[ $stages == *" scale "* ]] && timeout "${SCALE_TIMEOUT:-150}" python3 -m loadtest.bench_gpu_scale --shape "${shapes[0]}" \
     --output "$OUT/scale.json" ${SCALE_ARGS:-} 2>&1 | tee "$OUT/scale.log"
 [[ $stages == *" variants "* ]] && timeout "${VARIANTS_TIMEOUT:-170}" python3 -m loadtest.bench_gpu_variants \
@@ -59,7 +62,7 @@ fi
 # from its share of the GPU).
 workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-4} --dist loadfile")
 [[ $stages == *" tests "* ]] && timeout "${TESTS_TIMEOUT:-330}" python3 -m pytest -q -p no:cacheprovider -o addopts="" -rfE $workers $(python3 -c "import pytest_timeout" 2>/dev/null && echo --timeout 120) \
-    tests/test_fused.py tests/test_batch_invariance_gpu.py tests/test_staging.py tests/test_sampler.py::test_cuda_matches_cpu_and_seeds_reproduce \
+    tests/test_fused.py tests/test_skinny_linear.py tests/test_batch_invariance_gpu.py tests/test_staging.py tests/test_sampler.py::test_cuda_matches_cpu_and_seeds_reproduce \
     tests/test_moe.py::test_the_gpu_kernels_on_a_gpu_keep_a_rows_bits_and_serve_graphs \
     "tests/test_engine.py::test_logits_match_transformers_cuda" tests/test_loading.py::test_cuda_greedy_matches_cpu \
     tests/test_int4.py tests/test_bench_gpu.py tests/test_cuda_graphs.py tests/test_gpu_speculation.py \

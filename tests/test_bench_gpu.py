@@ -97,6 +97,34 @@ def test_kernel_profile_by_width(tmp_path, capsys):
     assert "| **wall per forward** |" in capsys.readouterr().out
 
 
+def test_the_few_rows_kernel_is_timed_against_cublas_at_every_layer_shape(tmp_path):
+    """``loadtest.bench_gpu_skinny`` on the toy shape (without CUDA in Triton's interpreter): every
+    linear layer's shape, each row count against F.linear with the kernel's result beside it, and at
+    the swept row count every tile shape of the sweep (one row: on both kinds of cores) and the best."""
+    from loadtest import bench_gpu_skinny
+
+    pytest.importorskip("triton")
+    out = tmp_path / "skinny.json"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    argv = ["--shape", "tiny", "--device", device, "--rows", "1", "3", "--sweep-rows", "1", "--block-n", "16", "32",
+            "--block-k", "64", "--stages", "3", "--repeats", "1", "--output", str(out)]  # fmt: skip
+    assert bench_gpu_skinny.main(argv) == 0
+    r = json.loads(out.read_text())
+    assert r["errors"] == [] and r["copy_bandwidth_gb_s"] > 0
+    shapes = bench_gpu_skinny.layer_shapes("tiny")
+    assert {k: (v["out_features"], v["in_features"]) for k, v in r["layers"].items()} == shapes
+    assert shapes["qkv"] == (4 * 16 + 2 * 2 * 16, 64) and shapes["lm_head"] == (512, 64)
+    for layer in r["layers"].values():
+        assert set(layer["by_rows"]) == {"1", "3"}
+        for m, row in layer["by_rows"].items():
+            assert row["cublas_us"] > 0 and row["kernel_us"] > 0 and row["max_abs_diff"] < 0.05
+            assert ("sweep" in row) == (m == "1")
+        sweep = layer["by_rows"]["1"]["sweep"]
+        assert sorted((s["tiles"]["block_n"], s["tiles"]["dot"]) for s in sweep) == [
+            (16, False), (16, True), (32, False), (32, True)]  # fmt: skip
+        assert layer["by_rows"]["1"]["best"]["us"] == min(s["us"] for s in sweep)
+
+
 def test_batch_scale_benchmark_runs_and_reports(tmp_path):
     """``loadtest.bench_gpu_scale`` on toy shapes: the decode by batch size against its bounds, a prefill,
     the drafters' steps (a DFlash block's one forward among them), the speculation table from them and
@@ -106,11 +134,12 @@ def test_batch_scale_benchmark_runs_and_reports(tmp_path):
     out = tmp_path / "scale.json"
     argv = ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--context", "40", "--repeats", "1"]
     argv += ["--batch-sizes", "1", "2", "--prefill", "48", "--depths", "2", "3", "--alphas", "0.6", "0.95"]
-    argv += ["--fused", "off", "--cuda-graphs", "off", "--output", str(out)]
+    argv += ["--fused", "off", "--skinny", "off", "--cuda-graphs", "off", "--output", str(out)]
     assert bench_gpu_scale.main(argv) == 0
     r = json.loads(out.read_text())
     assert r["errors"] == [] and r["copy_bandwidth_gb_s"] > 0 and r["matmul_tflops"] > 0
     assert set(r["fused"]) == {"off"} and r["fused"]["off"]["decode_ms"] > 0
+    assert set(r["skinny"]) == {"off"} and r["skinny"]["off"]["tree_ms"] > 0
     assert [b["batch"] for b in r["batches"]] == [1, 2]
     for b in r["batches"]:
         bound = max(b["memory_bound_ms"], b["compute_bound_ms"])

@@ -1,0 +1,180 @@
+"""Linear layers for a GPU step's few rows: ``augur::skinny_linear``, a Triton kernel for 1 to 64 rows.
+
+At batch 1 an 8B model's decode is the time to read its weights once, and on an H200 the matrix
+products are most of it: cuBLAS's kernels at one row took 4.16 ms of a 5.07 ms step, 81% of the copy
+bandwidth over the bytes they read (docs/benchmarks-history.md, the fourth GPU run's profile). A
+verify's 5 to 64 rows should cost the same bytes, but cuBLAS picks other kernels per row count, and a
+60-node tree verify took 1.31x a decode. This kernel streams the weight once for up to 64 rows:
+
+- a program per ``BLOCK_N`` output columns, walking the whole inner dimension in ``BLOCK_K`` steps
+  (``num_stages`` of them in flight), the rows padded to ``BLOCK_M`` (16, 32 or 64: the bucket the row
+  count falls in) and multiplied on the tensor cores (``tl.dot``); a single row, with
+  :attr:`Tiles.dot` off, as products summed over ``BLOCK_K`` on the CUDA cores instead;
+- the sums in float32, the bias added in float32, one rounding to the output dtype.
+
+A row's sums never depend on the other rows: the tile shapes are fixed by the layer's shape and the
+row bucket, never by how many of the bucket's rows are real, so (tensor cores on for one row too) a
+decode row and the same row in a verify of up to 16 rows get the same bits, which cuBLAS does not
+promise (the tests check it).
+
+The tile shapes per layer shape are :func:`tiles`; ``python -m loadtest.bench_gpu_skinny`` times the
+kernel against cuBLAS at the 8B model's layer shapes over a sweep of them. The kernel is opt-in until
+a GPU run has measured it: :func:`use_skinny_linear` switches a model's ``nn.Linear`` layers to
+:class:`SkinnyLinear` (``loadtest.bench_gpu_scale --skinny on off`` compares whole steps). On CPU
+tensors the kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``): the tests check it there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import nn
+
+from engine.platform import triton_interpreted
+
+MAX_ROWS = 64  # more rows go to F.linear (a prefill's products are compute-bound: cuBLAS's GEMMs)
+ROW_BUCKETS = (16, 32, 64)  # BLOCK_M: a call's rows padded up to the first that holds them
+
+_lib = torch.library.Library("augur", "FRAGMENT")
+_lib.define("skinny_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor")
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One launch's tile shapes and schedule (``tiles`` picks them per layer shape)."""
+
+    block_n: int = 32
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 4
+    dot: bool = True  # one row too on the tensor cores (padded to 16), or its products summed on the CUDA cores
+
+
+def tiles(out_features: int, in_features: int, sms: int = 132) -> Tiles:
+    """The tiles for a weight of ``out_features`` x ``in_features`` on a GPU of ``sms`` multiprocessors:
+    the widest column block (16 to 64) that still gives every multiprocessor two programs, so that no
+    multiprocessor waits on a last, lone wave; 256 columns of the inner dimension a step (a 64 KiB
+    weight tile at 64 x 256 bfloat16), four in flight."""
+    block_n = 64
+    while block_n > 16 and triton.cdiv(out_features, block_n) < 2 * sms:
+        block_n //= 2
+    return Tiles(block_n=block_n, block_k=min(256, triton.next_power_of_2(in_features)))
+
+
+@triton.jit
+def _skinny_kernel(
+    out_ptr, x_ptr, w_ptr, b_ptr, M, N, K, x_stride, w_stride, out_stride,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DOT: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    ks = tl.arange(0, BLOCK_K)
+    col_ok = cols < N
+    row_ok = rows < M
+    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * w_stride + ks[None, :]  # [BLOCK_N, BLOCK_K]
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * x_stride + ks[None, :]  # [BLOCK_M, BLOCK_K]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
+            x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            k_ok = k0 + ks < K
+            w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if DOT and not UPCAST:
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        elif DOT:  # Triton's interpreter: its dot of 16-bit floats is wrong, and numpy's of float32 sums a
+            # row in an order that depends on its place in the block; float32 holds the products exactly
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        else:  # one row (BLOCK_M 1): its products over this step's columns, summed in float32
+            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rows[:, None].to(tl.int64) * out_stride + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def row_bucket(rows: int) -> int:
+    return next(b for b in ROW_BUCKETS if b >= rows)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tile: Tiles | None = None):
+    """``F.linear(x, weight, bias)`` for ``x`` of [rows, in_features], rows at most :data:`MAX_ROWS`, on
+    the kernel (``tile``: its tiles, else :func:`tiles`' for the weight's shape)."""
+    M, K = x.shape
+    N = weight.shape[0]
+    if M > MAX_ROWS:
+        raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {M}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if weight.stride(-1) != 1:
+        raise ValueError("skinny_linear needs a weight with unit stride along its inner dimension")
+    out = x.new_empty(M, N)
+    if M == 0 or N == 0:
+        return out
+    t = tile or tiles(N, K, _multiprocessors(x.device))
+    dot = t.dot or M > 1
+    block_m = row_bucket(M) if dot else 1
+    _skinny_kernel[(triton.cdiv(N, t.block_n),)](
+        out, x, weight, bias if bias is not None else weight, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, HAS_BIAS=bias is not None, DOT=dot,
+        EVEN_K=K % t.block_k == 0, UPCAST=triton_interpreted() and x.dtype != torch.float32,
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )  # fmt: skip
+    return out
+
+
+_SMS: dict[int, int] = {}
+
+
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # (Triton's interpreter: an H100's count, so the CPU tests launch what a GPU would)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
+
+
+def _skinny_impl(x, weight, bias=None):
+    return skinny_linear(x, weight, bias)
+
+
+_lib.impl("skinny_linear", _skinny_impl, "CompositeExplicitAutograd")
+torch.library.register_fake(
+    "augur::skinny_linear", lambda x, weight, bias=None: x.new_empty(x.shape[0], weight.shape[0]), lib=_lib
+)
+
+
+class SkinnyLinear(nn.Linear):
+    """An ``nn.Linear`` whose forwards of up to :data:`MAX_ROWS` rows run ``augur::skinny_linear``; more
+    rows run ``F.linear``. Same parameters, same state dict: :func:`use_skinny_linear` switches a layer
+    by its class alone, so whatever reads or wraps the layer (LoRA, tensor parallelism) is unaffected."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.shape[0] > MAX_ROWS:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.augur.skinny_linear(flat, self.weight, self.bias).view(*x.shape[:-1], self.out_features)
+
+
+def use_skinny_linear(model: nn.Module, on: bool = True) -> int:
+    """Switch ``model``'s plain ``nn.Linear`` layers (bfloat16 or float16 weights) to :class:`SkinnyLinear`
+    (``on``) or back; the number switched. Quantized and packed layers are other classes and stay."""
+    count = 0
+    for module in model.modules():
+        if on and type(module) is nn.Linear and module.weight.dtype in (torch.bfloat16, torch.float16):
+            module.__class__ = SkinnyLinear
+            count += 1
+        elif not on and type(module) is SkinnyLinear:
+            module.__class__ = nn.Linear
+            count += 1
+    return count

@@ -1,0 +1,178 @@
+"""The few-rows linear kernel against cuBLAS at a model's layer shapes: ``python -m loadtest.bench_gpu_skinny``.
+
+``augur::skinny_linear`` (engine/models/skinny_linear.py) streams a weight once for up to 64 rows.
+Whether it beats cuBLAS where a decode spends its time is a measurement. For each distinct linear
+layer of ``--shape`` (qkv, o, gate-up, down and the LM head; random bfloat16 weights) and each row
+count of ``--rows``, this times:
+
+* ``F.linear`` (cuBLAS);
+* the kernel at the tiles it would launch (:func:`engine.models.skinny_linear.tiles`);
+* at the row counts of ``--sweep-rows``, every tile shape of the sweep (``--block-n``, ``--block-k``,
+  ``--stages``, ``--warps``; at one row, on the tensor cores and on the CUDA cores), and the best;
+
+each as the median of ``--repeats`` replays of a CUDA graph of calls that cycle through enough copies
+of the weight (``--l2-bytes`` at least) that no call finds its weight in the L2 cache, as a decode's
+layers do not. Each figure is given as the bandwidth of the bytes the call must move (weight, rows
+in and out) over the device-to-device copy bandwidth measured in the same run; the largest
+difference from ``F.linear``'s result is kept beside it. ``--output`` is rewritten after each layer,
+so a run cut short keeps what it measured. ``--shape tiny --device cpu`` runs the kernel in Triton's
+interpreter (``TRITON_INTERPRET=1``; the tests do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+from loadtest.bench_gpu import SHAPES, copy_bandwidth, device_name, model_config, sync
+
+
+def layer_shapes(name: str) -> dict[str, tuple[int, int]]:
+    """(out_features, in_features) of each linear layer of ``name``'s shape."""
+    c = model_config(name, 4096)
+    heads, kv = c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads
+    hd = getattr(c, "head_dim", None) or c.hidden_size // heads
+    return {
+        "qkv": ((heads + 2 * kv) * hd, c.hidden_size),
+        "o": (c.hidden_size, heads * hd),
+        "gate_up": (2 * c.intermediate_size, c.hidden_size),
+        "down": (c.hidden_size, c.intermediate_size),
+        "lm_head": (c.vocab_size, c.hidden_size),
+    }
+
+
+def timed(calls: list, device: torch.device, repeats: int) -> float:
+    """Median seconds of one call, ``calls`` run in turn (on CUDA: captured once, replayed)."""
+    if device.type == "cuda":
+        for call in calls:  # (compiles a kernel before the capture)
+            call()
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for call in calls:
+                call()
+        graph.replay()
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3 / len(calls))
+        return statistics.median(times)
+    times = []
+    for _ in range(max(1, repeats)):
+        sync(device)
+        t0 = time.perf_counter()
+        for call in calls:
+            call()
+        sync(device)
+        times.append((time.perf_counter() - t0) / len(calls))
+    return statistics.median(times)
+
+
+def measure_layer(n: int, k: int, args, device: torch.device, bandwidth: float) -> dict:
+    from engine.models.skinny_linear import Tiles, skinny_linear, tiles
+
+    dtype = getattr(torch, args.dtype)
+    g = torch.Generator(device=device).manual_seed(n + k)
+    weight_bytes = n * k * torch.finfo(dtype).bits // 8
+    copies = max(1, -(-args.l2_bytes // weight_bytes)) if device.type == "cuda" else 1
+    weights = [torch.empty(n, k, device=device, dtype=dtype).normal_(0.0, 0.02, generator=g) for _ in range(copies)]
+    chosen = tiles(
+        n, k, torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    )
+    row = dict(out_features=n, in_features=k, weight_mb=weight_bytes / 1e6, copies=copies, tiles=vars(chosen),
+               by_rows={})  # fmt: skip
+    for m in args.rows:
+        x = torch.randn(m, k, device=device, dtype=dtype, generator=g)
+        moved = weight_bytes + 2 * m * (k + n) * torch.finfo(dtype).bits // 16  # the weight, the rows in and out
+
+        def of_copy(seconds: float, moved=moved) -> float:
+            return moved / seconds / bandwidth
+
+        def time_calls(fn, x=x) -> float:  # fn(x, w) for each copy of the weight in turn
+            return timed([lambda w=w: fn(x, w) for w in weights], device, args.repeats)
+
+        want = F.linear(x, weights[0])
+        cublas = time_calls(F.linear)
+        mine = time_calls(lambda x, w: skinny_linear(x, w, None, chosen))
+        diff = float((skinny_linear(x, weights[0], None, chosen).float() - want.float()).abs().max())
+        r = dict(cublas_us=cublas * 1e6, cublas_of_copy=of_copy(cublas), kernel_us=mine * 1e6,
+                 kernel_of_copy=of_copy(mine), max_abs_diff=diff)  # fmt: skip
+        if m in args.sweep_rows:
+            sweep = []
+            dots = (True, False) if m == 1 else (True,)
+            grid = itertools.product(args.block_n, args.block_k, args.stages, args.warps, dots)
+            for bn, bk, stages, warps, dot in grid:
+                t = Tiles(block_n=bn, block_k=min(bk, k), num_warps=warps, num_stages=stages, dot=dot)
+                try:
+                    s = time_calls(lambda x, w, t=t: skinny_linear(x, w, None, t))
+                except Exception as exc:  # a tile shape the device cannot hold (shared memory): noted, skipped
+                    sweep.append(dict(tiles=vars(t), error=f"{type(exc).__name__}: {str(exc)[:120]}"))
+                    continue
+                sweep.append(dict(tiles=vars(t), us=s * 1e6, of_copy=of_copy(s)))
+            done = [s for s in sweep if "us" in s]
+            r["sweep"] = sweep
+            r["best"] = min(done, key=lambda s: s["us"]) if done else None
+        row["by_rows"][m] = r
+        best = r.get("best")
+        print(f"  {n} x {k}, {m} rows: cuBLAS {r['cublas_us']:.1f} us ({r['cublas_of_copy']:.0%} of copy), kernel "
+              f"{r['kernel_us']:.1f} us ({r['kernel_of_copy']:.0%})"
+              + (f", best of sweep {best['us']:.1f} us ({best['of_copy']:.0%}) at {best['tiles']}" if best else "")
+              + f"; max |diff| {diff:.3g}", flush=True)  # fmt: skip
+    return row
+
+
+def run(args) -> dict:
+    device = torch.device(args.device)
+    bandwidth = copy_bandwidth(device, 1 << 30 if device.type == "cuda" else 1 << 26)
+    print(f"device: {device_name(device)}; copy {bandwidth / 1e9:.0f} GB/s; {args.shape}; {args.dtype}", flush=True)
+    report: dict = dict(device=device_name(device), shape=args.shape, dtype=args.dtype, torch=torch.__version__,
+                        copy_bandwidth_gb_s=bandwidth / 1e9, layers={}, errors=[])  # fmt: skip
+    for name, (n, k) in layer_shapes(args.shape).items():
+        print(f"{name}:", flush=True)
+        try:
+            report["layers"][name] = measure_layer(n, k, args, device, bandwidth)
+        except Exception as exc:  # one layer's failure must not lose the others' figures
+            traceback.print_exc()
+            report["errors"].append(f"{name}: {type(exc).__name__}: {exc}")
+        if args.output:
+            with open(args.output, "w") as f:
+                json.dump(report, f, indent=1)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="llama-3.1-8b", choices=SHAPES)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--sweep-rows", type=int, nargs="*", default=[1, 16, 64], help="row counts that sweep tiles")
+    ap.add_argument("--block-n", type=int, nargs="+", default=[16, 32, 64])
+    ap.add_argument("--block-k", type=int, nargs="+", default=[128, 256, 512])
+    ap.add_argument("--stages", type=int, nargs="+", default=[3, 5])
+    ap.add_argument("--warps", type=int, nargs="+", default=[4])
+    ap.add_argument("--l2-bytes", type=int, default=256 << 20, help="weights cycled per timed graph, at least")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--output", default=None, help="write the results as JSON (after each layer)")
+    args = ap.parse_args(argv)
+    report = run(args)
+    if report["errors"]:
+        print("errors: " + "; ".join(report["errors"]))
+    return 1 if report["errors"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

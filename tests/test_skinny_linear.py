@@ -1,0 +1,122 @@
+"""The few-rows linear kernel (engine/models/skinny_linear.py) against float64 sums, and its rows'
+independence.
+
+On CPU tensors the kernel runs in Triton's interpreter (conftest sets ``TRITON_INTERPRET=1`` without
+CUDA); with CUDA, on the GPU (the battery in loadtest/gpu_checks.sh runs this file). The interpreter
+truncates a float32 sum to bfloat16 where a GPU rounds it, so a result is checked within one unit in
+the last place of the exact sum, plus the float32 sums' own error. Each check can fail: a kernel that
+dropped a step of the inner dimension, read a neighbouring row or column, skipped the bias or tiled
+a row's sums by the number of rows differs in what these compare.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.runner.loader import load_config, load_model
+from engine.runner.model_runner import ForwardChunk, ModelRunner
+
+skinny = pytest.importorskip("engine.models.skinny_linear", reason="needs Triton")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def _close_to_exact(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    exact = x.double() @ w.double().T + (b.double() if b is not None else 0.0)
+    ulp = 2.0 ** -(7 if got.dtype == torch.bfloat16 else 10)  # one unit in the last place, relative
+    # float32 sums of K products of operands near 1: a few units of float32's last place times K
+    slack = 1e-6 * x.shape[1] * (x.double().abs() @ w.double().abs().T)
+    err = (got.double() - exact).abs()
+    assert bool((err <= ulp * exact.abs() + slack + 1e-30).all()), float((err - ulp * exact.abs() - slack).max())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(96, 64), (100, 300), (40, 520)])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 64])
+def test_the_kernel_gives_the_exact_sums_within_a_rounding(dtype, n, k, rows):
+    """Uneven shapes on purpose: a last column block and a last inner step only partly inside."""
+    g = torch.Generator().manual_seed(n * 1000 + k + rows)
+    wide = torch.randn(rows, k + 8, generator=g).to(dtype).to(DEVICE)
+    x = wide[:, :k]  # rows with a stride beyond their width, as a view would have
+    w = torch.randn(n, k, generator=g).to(dtype).to(DEVICE)
+    b = torch.randn(n, generator=g).to(dtype).to(DEVICE)
+    _close_to_exact(skinny.skinny_linear(x, w, b), x, w, b)
+    _close_to_exact(skinny.skinny_linear(x, w, None), x, w, None)
+
+
+@pytest.mark.parametrize(
+    "tile", [skinny.Tiles(dot=False, block_n=16, block_k=64), skinny.Tiles(block_n=64, block_k=128)]
+)
+def test_other_tiles_and_one_row_on_the_cuda_cores_give_the_same_sums(tile):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 200, generator=g).to(torch.bfloat16).to(DEVICE)
+    w = torch.randn(72, 200, generator=g).to(torch.bfloat16).to(DEVICE)
+    b = torch.randn(72, generator=g).to(torch.bfloat16).to(DEVICE)
+    _close_to_exact(skinny.skinny_linear(x, w, b, tile), x, w, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_rows_bits_do_not_depend_on_the_other_rows_of_its_bucket(dtype):
+    """A decode row alone, and the same row among the 2 to 16 rows of a verify: the same bits (the
+    tiles depend on the layer's shape and the row bucket only). Past 16 rows another bucket begins."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(80, 136, generator=g).to(dtype).to(DEVICE)
+    b = torch.randn(80, generator=g).to(dtype).to(DEVICE)
+    x = torch.randn(64, 136, generator=g).to(dtype).to(DEVICE)
+    alone = torch.cat([skinny.skinny_linear(x[i : i + 1], w, b) for i in range(16)])
+    for rows in (2, 5, 16):
+        assert torch.equal(skinny.skinny_linear(x[:rows], w, b), alone[:rows])
+    # the other rows' values change nothing either (a row reading its neighbours would)
+    shuffled = torch.cat([x[:1], torch.randn(15, 136, generator=g).to(dtype).to(DEVICE)])
+    assert torch.equal(skinny.skinny_linear(shuffled, w, b)[0], alone[0])
+    wide = torch.cat([skinny.skinny_linear(x[:40], w, b)[:1], skinny.skinny_linear(x[:64], w, b)[:1]])
+    assert torch.equal(wide[0], wide[1])  # 40 and 64 rows: one bucket
+
+
+def test_tiles_leave_no_multiprocessor_a_lone_last_wave():
+    for n in (1024, 4096, 6144, 28672, 128256):
+        t = skinny.tiles(n, 4096, sms=132)
+        assert 16 <= t.block_n <= 64
+        assert t.block_n == 16 or -(-n // t.block_n) >= 2 * 132
+        assert t.block_n == 64 or -(-n // (2 * t.block_n)) < 2 * 132  # the widest that still gives two each
+    assert skinny.tiles(4096, 64).block_k == 64  # not a step wider than the inner dimension
+
+
+def test_more_rows_than_the_kernel_takes_are_refused_by_it_and_served_by_the_layer():
+    layer = torch.nn.Linear(24, 40).to(torch.bfloat16).to(DEVICE)
+    x = torch.randn(65, 24).to(torch.bfloat16).to(DEVICE)
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        skinny.skinny_linear(x, layer.weight, layer.bias)
+    want = F.linear(x, layer.weight, layer.bias)
+    assert skinny.use_skinny_linear(layer) == 1 and type(layer) is skinny.SkinnyLinear
+    assert torch.equal(layer(x), want)  # F.linear itself past 64 rows
+    _close_to_exact(layer(x[:3].view(1, 3, 24)).view(3, 40), x[:3], layer.weight, layer.bias)
+    assert skinny.use_skinny_linear(layer, on=False) == 1 and type(layer) is torch.nn.Linear
+
+
+def test_a_model_switched_to_it_keeps_its_state_and_its_greedy_tokens(model_dirs):
+    """A bfloat16 Llama on the kernel for every linear layer (its LM head too): the same state dict, and
+    a prefill's greedy tokens and logits as on F.linear, within the roundings the two orders of summing
+    give; float32 layers are not switched."""
+    path = model_dirs["LlamaForCausalLM"]
+    config = load_config(path)
+    model = load_model(path, config, torch.bfloat16, torch.device(DEVICE), 64)
+    keys = sorted(model.state_dict())
+    prompt = [5, 9, 17, 33, 65, 120, 7, 8, 200, 11, 3, 4]
+
+    def logits():
+        runner = ModelRunner(model, config, torch.device(DEVICE), torch.bfloat16, 4, num_blocks=32)
+        return runner.forward([ForwardChunk(prompt, 0, list(range(32)), len(prompt))]).logits
+
+    plain = logits()
+    linears = sum(type(m) is torch.nn.Linear for m in model.modules())
+    assert skinny.use_skinny_linear(model) == linears > 0
+    assert sorted(model.state_dict()) == keys
+    got = logits()
+    assert (got - plain).abs().max() <= 0.05 * plain.abs().max()
+    assert (got.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.9
+    fp32 = load_model(path, config, torch.float32, torch.device(DEVICE), 64)
+    assert skinny.use_skinny_linear(fp32) == 0
