@@ -17,6 +17,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 SHARDABLE_DRAFTERS = ("draft", "ouroboros", "medusa", "eagle")
 
 
+PREFIX_CACHE_SCOPES = ("shared", "api-key")  # EngineConfig.prefix_cache_scope
+
 @dataclass
 class EngineConfig:
     model: str
@@ -50,6 +52,10 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    # Whose requests share cached prompt KV: "shared", every request's (a cache_salt narrows it); "api-key",
+    # only requests under the same API key (SamplingParams.tenant), so no key can probe another's prompts
+    # through its hits (time to first token). Requests without a key (no --api-key) share as before.
+    prefix_cache_scope: str = "shared"
     seed: int = 0
     # torch.compile the target and draft forwards: auto | on | off. auto: the AUGUR_COMPILE environment
     # variable (on/off) if set, else on for CPUs (measured 1.06-1.27x per target forward, 1.2-1.9x per
@@ -180,6 +186,10 @@ class EngineConfig:
         check(
             self.kv_cache_dtype in KV_CACHE_DTYPES,
             f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}",
+        )
+        check(
+            self.prefix_cache_scope in PREFIX_CACHE_SCOPES,
+            f"prefix_cache_scope must be one of {list(PREFIX_CACHE_SCOPES)}, got {self.prefix_cache_scope!r}",
         )
         check(self.max_num_seqs >= 1, "max_num_seqs must be positive")
         check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be positive")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from engine.attention import BACKENDS as ATTENTION_BACKENDS
 from engine.attention.kv_dtype import KV_CACHE_DTYPES
-from engine.config import EngineConfig
+from engine.config import PREFIX_CACHE_SCOPES, EngineConfig
 from engine.quant import QUANTIZATIONS
 from engine.speculative.methods import known_methods
 from server.metrics import COMPAT
@@ -80,6 +80,13 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
     g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument(
+        "--prefix-cache-scope",
+        default="shared",
+        choices=list(PREFIX_CACHE_SCOPES),
+        help="whose requests share cached prompt KV: shared (all; a request's cache_salt narrows it) | api-key "
+        "(only requests under the same --api-key: no key can probe another's prompts through its cache hits)",
+    )
     g.add_argument(
         "--compile",
         default="auto",
@@ -333,6 +340,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # Several keys: --api-key given more than once, or AUGUR_API_KEY with commas between them.
     env_keys = os.environ.get("AUGUR_API_KEY") or ""
     api_key = args.api_key or [k.strip() for k in env_keys.split(",") if k.strip()]
+    if config.prefix_cache_scope == "api-key" and not api_key:
+        raise SystemExit("augur: error: --prefix-cache-scope api-key scopes the cache by API key: give --api-key")
     from server.protocol import check_template_kwargs
 
     check_template_kwargs(args.default_chat_template_kwargs, "--default-chat-template-kwargs")

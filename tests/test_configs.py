@@ -135,3 +135,15 @@ def test_a_server_whose_engine_cannot_load_exits_non_zero(llama_dir, tmp_path):
     assert done.returncode == 1, done.stderr[-2000:]
     assert "engine failed to load" in done.stderr
     assert "layer-skip config names layers [6, 7], but the model has 2" in done.stderr.splitlines()[-1]
+
+
+def test_a_cache_scoped_by_api_key_needs_a_key(llama_dir):
+    """``--prefix-cache-scope api-key`` on a server without keys would scope nothing: it is refused
+    before the model loads, naming the flag; an unknown scope is refused by the engine's config."""
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(llama_dir), "--port", "0", "--device", "cpu"]
+    cmd += ["--prefix-cache-scope", "api-key"]
+    env = {k: v for k, v in os.environ.items() if k != "AUGUR_API_KEY"} | {"PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert done.returncode != 0 and "--prefix-cache-scope api-key" in done.stderr and "--api-key" in done.stderr
+    with pytest.raises(ValueError, match="prefix_cache_scope must be one of"):
+        EngineConfig(model=str(llama_dir), prefix_cache_scope="per-user")

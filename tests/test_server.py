@@ -965,6 +965,34 @@ def test_cache_salt_keeps_prefix_cache_hits_among_requests_with_the_same_salt(cl
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
 
 
+def test_prefix_cache_scope_api_key_keeps_each_keys_cached_prompts_its_own(llama_dir):
+    """``--prefix-cache-scope api-key``: a prompt one key cached is computed afresh for another key (no
+    key learns from a hit what another sent), and hits again under the first; a cache_salt narrows a
+    key's own cache further; the text is the same in every case. The default shares across keys."""
+    prompt = "scoped prompt " * 6 + "one two three four five six seven eight"
+    keys = ["key-a", "key-b"]
+
+    def run(base, key, **extra):
+        client = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0)
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, extra_body=extra)
+        return r.choices[0].text, r.usage.prompt_tokens_details.cached_tokens
+
+    settings = ServerSettings(served_model_name=MODEL, api_key=keys)
+    with serve(create_app(settings, engine_factory(llama_dir, prefix_cache_scope="api-key"))) as s:
+        text, cached = run(s.base, "key-a")
+        assert cached == 0
+        assert run(s.base, "key-b") == (text, 0)  # another key: computed afresh
+        again, cached = run(s.base, "key-a")
+        assert again == text and cached > 0  # its own key: a hit
+        assert run(s.base, "key-b")[1] > 0
+        assert run(s.base, "key-a", cache_salt="s") == (text, 0)  # a salt within a key: its own again
+        assert run(s.base, "key-a", cache_salt="s")[1] > 0 and run(s.base, "key-b", cache_salt="s")[1] == 0
+    with serve(create_app(settings, engine_factory(llama_dir))) as s:  # the default: shared by every key
+        text, _ = run(s.base, "key-a")
+        other, cached = run(s.base, "key-b")
+        assert other == text and cached > 0
+
+
 def test_stream_disconnect_aborts(srv, http):
     wait_idle(srv)
     before = scrape(http)

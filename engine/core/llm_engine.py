@@ -388,9 +388,10 @@ class LLMEngine:
             time.monotonic() if arrival_time is None else arrival_time,
             prompt if isinstance(prompt, str) else None,
         )
-        if params.lora is not None or params.cache_salt is not None:
+        tenant = params.tenant if self.config.prefix_cache_scope == "api-key" else None
+        if params.lora is not None or params.cache_salt is not None or tenant is not None:
             namespace = None if params.lora is None else self.adapters.kv_namespace(params.lora)
-            group.kv_root = chain_root(namespace, params.cache_salt)
+            group.kv_root = chain_root(namespace, params.cache_salt, tenant)
         if params.use_beam_search:
             group.beam = BeamState()
         seq = group.seqs[0]

@@ -37,11 +37,14 @@ BlockKey = tuple[int, tuple[int, ...]]
 ROOT_PARENT_HASH = 0
 
 
-def chain_root(namespace: str | None, salt: str | None = None) -> int:
+def chain_root(namespace: str | None, salt: str | None = None, tenant: str | None = None) -> int:
     """The parent hash a sequence's first block chains from: the base model's for None, else one of
     its own for ``namespace`` (a LoRA adapter's load), so the cache never hands one model's KV to
     another's sequence with the same tokens; with ``salt`` (a request's ``cache_salt``), one of that
-    salt's own too, shared only with requests that carry it."""
+    salt's own too, shared only with requests that carry it; with ``tenant`` (an API key's digest, under
+    ``--prefix-cache-scope api-key``), one of that key's own, shared only with its requests."""
+    if tenant is not None:
+        return hash(("tenant", namespace, salt, tenant))
     if salt is not None:
         return hash(("salted", namespace, salt))
     return ROOT_PARENT_HASH if namespace is None else hash(("namespace", namespace))
