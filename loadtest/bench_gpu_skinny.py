@@ -5,7 +5,8 @@ Whether it beats cuBLAS where a decode spends its time is a measurement. For eac
 layer of ``--shape`` (qkv, o, gate-up, down and the LM head; random bfloat16 weights) and each row
 count of ``--rows``, this times:
 
-* ``F.linear`` (cuBLAS);
+* ``F.linear`` (cuBLAS), or with ``--dtype fp8`` (``--quantization fp8``'s layer: e4m3 weights with a
+  scale per row, rows quantized per token) ``torch._scaled_mm``;
 * the kernel at the tiles it would launch (:func:`engine.models.skinny_linear.tiles`);
 * at the row counts of ``--sweep-rows``, every tile shape of the sweep (``--block-n``, ``--block-k``,
   ``--stages``, ``--warps``; at one row, on the tensor cores and on the CUDA cores), and the best;
@@ -79,33 +80,54 @@ def timed(calls: list, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure_layer(n: int, k: int, args, device: torch.device, bandwidth: float) -> dict:
-    from engine.models.skinny_linear import Tiles, skinny_linear, tiles
+def operands(n: int, k: int, m: int, args, device: torch.device, g: torch.Generator, copies: int):
+    """(x, weights, baseline(x, w), kernel(x, w, tiles), bytes a call moves) for ``args.dtype``: 16-bit
+    weights against ``F.linear``; ``fp8``, e4m3 weights with a scale per row and rows quantized per
+    token (``--quantization fp8``'s layer) against ``torch._scaled_mm``."""
+    from engine.models.skinny_linear import skinny_linear
+    from engine.quant.fp8 import Fp8Linear, quantize_rows
 
-    dtype = getattr(torch, args.dtype)
+    dense = torch.bfloat16 if args.dtype == "fp8" else getattr(torch, args.dtype)
+    x = torch.randn(m, k, device=device, dtype=dense, generator=g)
+    weights = [torch.empty(n, k, device=device, dtype=dense).normal_(0.0, 0.02, generator=g) for _ in range(copies)]
+    if args.dtype != "fp8":
+        moved = (n * k + m * (k + n)) * 2
+        return x, weights, F.linear, lambda x, w, t: skinny_linear(x, w, None, t), moved
+    weights = [quantize_rows(w) for w in weights]  # (e4m3 [n, k], float32 [n])
+    xq, sx = Fp8Linear.tokens(x)
+
+    def baseline(x, w):
+        return torch._scaled_mm(x[0], w[0].t(), x[1], w[1].view(1, -1), out_dtype=torch.bfloat16)
+
+    def kernel(x, w, t):
+        return skinny_linear(x[0], w[0], None, t, scales=(x[1].view(-1), w[1]), out_dtype=torch.bfloat16)
+
+    return (xq, sx), weights, baseline, kernel, n * k + m * k + m * n * 2
+
+
+def measure_layer(n: int, k: int, args, device: torch.device, bandwidth: float) -> dict:
+    from engine.models.skinny_linear import Tiles, tiles
+
     g = torch.Generator(device=device).manual_seed(n + k)
-    weight_bytes = n * k * torch.finfo(dtype).bits // 8
+    weight_bytes = n * k * (1 if args.dtype == "fp8" else 2)
     copies = max(1, -(-args.l2_bytes // weight_bytes)) if device.type == "cuda" else 1
-    weights = [torch.empty(n, k, device=device, dtype=dtype).normal_(0.0, 0.02, generator=g) for _ in range(copies)]
-    chosen = tiles(
-        n, k, torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    )
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    chosen = tiles(n, k, sms)
     row = dict(out_features=n, in_features=k, weight_mb=weight_bytes / 1e6, copies=copies, tiles=vars(chosen),
                by_rows={})  # fmt: skip
     for m in args.rows:
-        x = torch.randn(m, k, device=device, dtype=dtype, generator=g)
-        moved = weight_bytes + 2 * m * (k + n) * torch.finfo(dtype).bits // 16  # the weight, the rows in and out
+        x, weights, baseline, kernel, moved = operands(n, k, m, args, device, g, copies)
 
         def of_copy(seconds: float, moved=moved) -> float:
             return moved / seconds / bandwidth
 
-        def time_calls(fn, x=x) -> float:  # fn(x, w) for each copy of the weight in turn
+        def time_calls(fn, x=x, weights=weights) -> float:  # fn(x, w) for each copy of the weight in turn
             return timed([lambda w=w: fn(x, w) for w in weights], device, args.repeats)
 
-        want = F.linear(x, weights[0])
-        cublas = time_calls(F.linear)
-        mine = time_calls(lambda x, w: skinny_linear(x, w, None, chosen))
-        diff = float((skinny_linear(x, weights[0], None, chosen).float() - want.float()).abs().max())
+        want = baseline(x, weights[0])
+        cublas = time_calls(baseline)
+        mine = time_calls(lambda x, w, kernel=kernel: kernel(x, w, chosen))
+        diff = float((kernel(x, weights[0], chosen).float() - want.float()).abs().max())
         r = dict(cublas_us=cublas * 1e6, cublas_of_copy=of_copy(cublas), kernel_us=mine * 1e6,
                  kernel_of_copy=of_copy(mine), max_abs_diff=diff)  # fmt: skip
         if m in args.sweep_rows:
@@ -115,7 +137,7 @@ def measure_layer(n: int, k: int, args, device: torch.device, bandwidth: float) 
             for bn, bk, stages, warps, dot in grid:
                 t = Tiles(block_n=bn, block_k=min(bk, k), num_warps=warps, num_stages=stages, dot=dot)
                 try:
-                    s = time_calls(lambda x, w, t=t: skinny_linear(x, w, None, t))
+                    s = time_calls(lambda x, w, t=t, kernel=kernel: kernel(x, w, t))
                 except Exception as exc:  # a tile shape the device cannot hold (shared memory): noted, skipped
                     sweep.append(dict(tiles=vars(t), error=f"{type(exc).__name__}: {str(exc)[:120]}"))
                     continue
@@ -125,7 +147,7 @@ def measure_layer(n: int, k: int, args, device: torch.device, bandwidth: float) 
             r["best"] = min(done, key=lambda s: s["us"]) if done else None
         row["by_rows"][m] = r
         best = r.get("best")
-        print(f"  {n} x {k}, {m} rows: cuBLAS {r['cublas_us']:.1f} us ({r['cublas_of_copy']:.0%} of copy), kernel "
+        print(f"  {n} x {k}, {m} rows: baseline {r['cublas_us']:.1f} us ({r['cublas_of_copy']:.0%} of copy), kernel "
               f"{r['kernel_us']:.1f} us ({r['kernel_of_copy']:.0%})"
               + (f", best of sweep {best['us']:.1f} us ({best['of_copy']:.0%}) at {best['tiles']}" if best else "")
               + f"; max |diff| {diff:.3g}", flush=True)  # fmt: skip
@@ -157,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="llama-3.1-8b", choices=SHAPES)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "fp8"],
+                    help="the weights: 16-bit against F.linear, or fp8 (W8A8, per-row and per-token scales) against "
+                    "torch._scaled_mm")  # fmt: skip
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--sweep-rows", type=int, nargs="*", default=[1, 16, 64], help="row counts that sweep tiles")
     ap.add_argument("--block-n", type=int, nargs="+", default=[16, 32, 64])

@@ -6,7 +6,7 @@
 # drafters and the controller's choice (loadtest.bench_gpu_scale, stage "scale"), the serving options that
 # change the kernels (batch-invariant, int4, FP8, LoRA) and the mixtures at their published shapes
 # (loadtest.bench_gpu_variants, stage "variants"), the few-rows linear kernel against cuBLAS at each layer
-# shape (loadtest.bench_gpu_skinny, stage "skinny"), where each
+# shape (loadtest.bench_gpu_skinny, stage "skinny"; SKINNY_ARGS="--dtype fp8" for FP8's layers), where each
 # method's steps wait for the device on the demo pair (loadtest.device_waits: reads, builds and the syncs
 # themselves, with their lines), the demo pair served (plain and the default, each with ordinary steps and
 # with --async-scheduling on; loadtest.peers), and the kernel profile of a decode against chain verifies

@@ -71,6 +71,7 @@ def test_serving_options_are_measured_against_their_own_bytes(tmp_path):
         assert all(0 < d["fraction_of_bound"] and d["ms"] > 0 for d in r["decode"].values())
     plain = got["tiny", "plain"]["weights_gb"]
     assert got["tiny", "int4"]["weights_gb"] < 0.6 * plain and got["tiny", "fp8"]["weights_gb"] < 0.6 * plain
+    assert got["tiny", "fp8-skinny"]["weights_gb"] == got["tiny", "fp8"]["weights_gb"]
     assert got["tiny", "lora"]["weights_gb"] > plain and set(got["tiny", "lora"]["decode_base_ms"]) == {"1", "3"}
     moe = got["tiny-moe", "plain"]
     assert 0 < moe["experts_gb"] < moe["weights_gb"]
@@ -97,17 +98,20 @@ def test_kernel_profile_by_width(tmp_path, capsys):
     assert "| **wall per forward** |" in capsys.readouterr().out
 
 
-def test_the_few_rows_kernel_is_timed_against_cublas_at_every_layer_shape(tmp_path):
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8"])
+def test_the_few_rows_kernel_is_timed_against_cublas_at_every_layer_shape(tmp_path, dtype):
     """``loadtest.bench_gpu_skinny`` on the toy shape (without CUDA in Triton's interpreter): every
-    linear layer's shape, each row count against F.linear with the kernel's result beside it, and at
-    the swept row count every tile shape of the sweep (one row: on both kinds of cores) and the best."""
+    linear layer's shape, each row count against F.linear (fp8: ``torch._scaled_mm`` of the same e4m3
+    operands) with the kernel's result beside it, and at the swept row count every tile shape of the
+    sweep (one row: on both kinds of cores) and the best."""
     from loadtest import bench_gpu_skinny
 
     pytest.importorskip("triton")
     out = tmp_path / "skinny.json"
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    argv = ["--shape", "tiny", "--device", device, "--rows", "1", "3", "--sweep-rows", "1", "--block-n", "16", "32",
-            "--block-k", "64", "--stages", "3", "--repeats", "1", "--output", str(out)]  # fmt: skip
+    argv = ["--shape", "tiny", "--device", device, "--dtype", dtype, "--rows", "1", "3", "--sweep-rows", "1",
+            "--block-n", "16", "32", "--block-k", "64", "--stages", "3", "--repeats", "1"]  # fmt: skip
+    argv += ["--output", str(out)]
     assert bench_gpu_skinny.main(argv) == 0
     r = json.loads(out.read_text())
     assert r["errors"] == [] and r["copy_bandwidth_gb_s"] > 0

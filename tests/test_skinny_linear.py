@@ -120,3 +120,34 @@ def test_a_model_switched_to_it_keeps_its_state_and_its_greedy_tokens(model_dirs
     assert (got.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.9
     fp32 = load_model(path, config, torch.float32, torch.device(DEVICE), 64)
     assert skinny.use_skinny_linear(fp32) == 0
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_an_fp8_layer_on_it_multiplies_the_same_quantized_operands(rows):
+    """``--quantization fp8``'s layer (e4m3 weights with a scale per row, activations quantized per
+    token) switched to the kernel: the exact sum of the same quantized operands within a rounding, and
+    within a rounding of the layer's own ``torch._scaled_mm``; more rows run the layer as it was."""
+    from engine.quant.fp8 import Fp8Linear
+
+    g = torch.Generator().manual_seed(rows)
+    dense = torch.nn.Linear(160, 48, bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        dense.weight.copy_(torch.randn(48, 160, generator=g))
+    holder = torch.nn.Sequential(Fp8Linear.from_linear(dense)).to(DEVICE)
+    layer = holder[0]
+    x = torch.randn(rows, 160, generator=g).to(torch.bfloat16).to(DEVICE)
+    want = layer(x)
+    assert skinny.use_skinny_linear(holder) == 1 and type(layer) is skinny.SkinnyFp8Linear
+    got = layer(x)
+    xq, sx = layer.tokens(x)
+    exact = (xq.double() * sx.double()) @ (layer.weight.double() * layer.weight_scale.double().view(-1, 1)).T
+    exact += layer.bias.double()
+    ulp = 2.0**-7
+    magnitudes = (xq.double().abs() * sx.double()) @ (layer.weight.double().abs().T * layer.weight_scale.double())
+    slack = 1e-6 * 160 * magnitudes
+    assert bool(((got.double() - exact).abs() <= 2 * ulp * exact.abs() + slack + 1e-30).all())
+    assert bool(((got.double() - want.double()).abs() <= 2 * ulp * want.double().abs() + slack + 1e-30).all())
+    many = torch.randn(65, 160, generator=g).to(torch.bfloat16).to(DEVICE)
+    on_kernel = layer(many)
+    assert skinny.use_skinny_linear(holder, on=False) == 1 and type(layer) is Fp8Linear
+    assert torch.equal(on_kernel, layer(many))  # past 64 rows: the layer's own product

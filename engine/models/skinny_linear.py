@@ -17,8 +17,15 @@ row bucket, never by how many of the bucket's rows are real, so (tensor cores on
 decode row and the same row in a verify of up to 16 rows get the same bits, which cuBLAS does not
 promise (the tests check it).
 
+``--quantization fp8``'s layers get the same kernel (:class:`SkinnyFp8Linear`): their e4m3 weights and
+per-token e4m3 rows multiplied on the tensor cores, summed exactly in float32 (no fast accumulation),
+then scaled per row and column, as ``torch._scaled_mm`` computes them. On the H200 ``_scaled_mm`` read
+at 34% of the bound at one row (an FP8 decode took 5.81 ms, a bfloat16 one 5.10): here a call reads
+half of bfloat16's bytes, and what it gains is a GPU measurement too.
+
 The tile shapes per layer shape are :func:`tiles`; ``python -m loadtest.bench_gpu_skinny`` times the
-kernel against cuBLAS at the 8B model's layer shapes over a sweep of them. The kernel is opt-in until
+kernel against cuBLAS (``--dtype fp8``: against ``_scaled_mm``) at the 8B model's layer shapes over a
+sweep of them. The kernel is opt-in until
 a GPU run has measured it: :func:`use_skinny_linear` switches a model's ``nn.Linear`` layers to
 :class:`SkinnyLinear` (``loadtest.bench_gpu_scale --skinny on off`` compares whole steps). On CPU
 tensors the kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``): the tests check it there.
@@ -35,12 +42,16 @@ import triton.language as tl
 from torch import nn
 
 from engine.platform import triton_interpreted
+from engine.quant.fp8 import Fp8Linear
 
 MAX_ROWS = 64  # more rows go to F.linear (a prefill's products are compute-bound: cuBLAS's GEMMs)
 ROW_BUCKETS = (16, 32, 64)  # BLOCK_M: a call's rows padded up to the first that holds them
 
 _lib = torch.library.Library("augur", "FRAGMENT")
 _lib.define("skinny_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor")
+_lib.define(
+    "skinny_scaled_linear(Tensor x, Tensor x_scale, Tensor weight, Tensor weight_scale, ScalarType out_dtype) -> Tensor"
+)
 
 
 @dataclass(frozen=True)
@@ -67,9 +78,9 @@ def tiles(out_features: int, in_features: int, sms: int = 132) -> Tiles:
 
 @triton.jit
 def _skinny_kernel(
-    out_ptr, x_ptr, w_ptr, b_ptr, M, N, K, x_stride, w_stride, out_stride,
+    out_ptr, x_ptr, w_ptr, b_ptr, sx_ptr, sw_ptr, M, N, K, x_stride, w_stride, out_stride,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    DOT: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+    SCALED: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
@@ -87,8 +98,8 @@ def _skinny_kernel(
             k_ok = k0 + ks < K
             w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if DOT and not UPCAST:
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        if DOT and not UPCAST:  # (e4m3 products summed exactly in float32 too: no fast accumulation)
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee", max_num_imprecise_acc=0)
         elif DOT:  # Triton's interpreter: its dot of 16-bit floats is wrong, and numpy's of float32 sums a
             # row in an order that depends on its place in the block; float32 holds the products exactly
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
@@ -96,6 +107,10 @@ def _skinny_kernel(
             acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if SCALED:  # e4m3 rows and weights: a scale per row of x and one per output column
+        sx = tl.load(sx_ptr + rows, mask=row_ok, other=0.0)
+        sw = tl.load(sw_ptr + cols, mask=col_ok, other=0.0)
+        acc = acc * sx[:, None] * sw[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + rows[:, None].to(tl.int64) * out_stride + cols[None, :]
@@ -106,9 +121,19 @@ def row_bucket(rows: int) -> int:
     return next(b for b in ROW_BUCKETS if b >= rows)
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tile: Tiles | None = None):
+def skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    tile: Tiles | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x`` of [rows, in_features], rows at most :data:`MAX_ROWS`, on
-    the kernel (``tile``: its tiles, else :func:`tiles`' for the weight's shape)."""
+    the kernel (``tile``: its tiles, else :func:`tiles`' for the weight's shape). With ``scales``, ``x``
+    and ``weight`` are e4m3 and ``scales`` is (float32 [rows] per row of x, float32 [out_features] per
+    row of the weight): the product is ``(x * sx) @ (weight * sw)^T``, as ``torch._scaled_mm`` computes
+    it, in ``out_dtype``."""
     M, K = x.shape
     N = weight.shape[0]
     if M > MAX_ROWS:
@@ -117,15 +142,16 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x = x.contiguous()
     if weight.stride(-1) != 1:
         raise ValueError("skinny_linear needs a weight with unit stride along its inner dimension")
-    out = x.new_empty(M, N)
+    out = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
     t = tile or tiles(N, K, _multiprocessors(x.device))
     dot = t.dot or M > 1
     block_m = row_bucket(M) if dot else 1
     _skinny_kernel[(triton.cdiv(N, t.block_n),)](
-        out, x, weight, bias if bias is not None else weight, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, HAS_BIAS=bias is not None, DOT=dot,
+        out, x, weight, bias if bias is not None else out, *(scales or (out, out)), M, N, K, x.stride(0),
+        weight.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        HAS_BIAS=bias is not None, SCALED=scales is not None, DOT=dot,
         EVEN_K=K % t.block_k == 0, UPCAST=triton_interpreted() and x.dtype != torch.float32,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
@@ -148,9 +174,19 @@ def _skinny_impl(x, weight, bias=None):
     return skinny_linear(x, weight, bias)
 
 
+def _scaled_impl(x, x_scale, weight, weight_scale, out_dtype):
+    return skinny_linear(x, weight, scales=(x_scale, weight_scale), out_dtype=out_dtype)
+
+
 _lib.impl("skinny_linear", _skinny_impl, "CompositeExplicitAutograd")
 torch.library.register_fake(
     "augur::skinny_linear", lambda x, weight, bias=None: x.new_empty(x.shape[0], weight.shape[0]), lib=_lib
+)
+_lib.impl("skinny_scaled_linear", _scaled_impl, "CompositeExplicitAutograd")
+torch.library.register_fake(
+    "augur::skinny_scaled_linear",
+    lambda x, xs, w, ws, out_dtype: torch.empty(x.shape[0], w.shape[0], dtype=out_dtype, device=x.device),
+    lib=_lib,
 )
 
 
@@ -166,15 +202,40 @@ class SkinnyLinear(nn.Linear):
         return torch.ops.augur.skinny_linear(flat, self.weight, self.bias).view(*x.shape[:-1], self.out_features)
 
 
+class SkinnyFp8Linear(Fp8Linear):
+    """An :class:`~engine.quant.fp8.Fp8Linear` (W8A8: e4m3 weights with a scale per row, activations
+    quantized per token) whose calls of up to :data:`MAX_ROWS` rows multiply on
+    ``augur::skinny_scaled_linear`` instead of ``torch._scaled_mm``: the same quantized operands and
+    scales, products summed exactly in float32 in another order. More rows, and the batch-invariant
+    mode, run the layer as it was."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if self.invariant or flat.shape[0] > MAX_ROWS:
+            return super().forward(x)
+        xq, sx = self.tokens(flat)
+        out = torch.bfloat16 if x.is_cuda else x.dtype  # as the layer's _scaled_mm returns it
+        y = torch.ops.augur.skinny_scaled_linear(xq, sx.view(-1), self.weight, self.weight_scale.view(-1), out)
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+_SWITCHED = {nn.Linear: SkinnyLinear, Fp8Linear: SkinnyFp8Linear}
+
+
 def use_skinny_linear(model: nn.Module, on: bool = True) -> int:
     """Switch ``model``'s plain ``nn.Linear`` layers (bfloat16 or float16 weights) to :class:`SkinnyLinear`
-    (``on``) or back; the number switched. Quantized and packed layers are other classes and stay."""
+    and its FP8 layers to :class:`SkinnyFp8Linear` (``on``), or back; the number switched. Other
+    quantized and packed layers are other classes and stay."""
     count = 0
     for module in model.modules():
-        if on and type(module) is nn.Linear and module.weight.dtype in (torch.bfloat16, torch.float16):
-            module.__class__ = SkinnyLinear
+        kind = type(module)
+        if on and kind in _SWITCHED and (kind is Fp8Linear or module.weight.dtype in (torch.bfloat16, torch.float16)):
+            module.__class__ = _SWITCHED[kind]
             count += 1
-        elif not on and type(module) is SkinnyLinear:
-            module.__class__ = nn.Linear
+        elif not on and kind in _SWITCHED.values():
+            module.__class__ = next(k for k, v in _SWITCHED.items() if v is kind)
             count += 1
     return count

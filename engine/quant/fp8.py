@@ -73,14 +73,18 @@ class Fp8Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
         return cls(*quantize_rows(linear.weight.detach()), linear.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if x.is_cuda and TRITON:  # one kernel, the same bits (engine/quant/fp8_tokens.py)
+    @staticmethod
+    def tokens(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A call's activations ``[T, K]`` quantized per token: ``(e4m3 [T, K], float32 scale [T, 1])``."""
+        if flat.is_cuda and TRITON:  # one kernel, the same bits (engine/quant/fp8_tokens.py)
             from engine.quant.fp8_tokens import quantize_tokens_kernel
 
-            xq, sx = quantize_tokens_kernel(flat)
-        else:
-            xq, sx = quantize_tokens(flat)
+            return quantize_tokens_kernel(flat)
+        return quantize_tokens(flat)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        xq, sx = self.tokens(flat)
         if self.invariant:
             w = self.weight.float() * self.weight_scale.t()
             y = torch.ops.augur.invariant_linear(xq.float() * sx, w, None).to(x.dtype)
