@@ -19,8 +19,9 @@
 # ./.whl if present: `bash loadtest/gpu_wheels.sh` fills it here, and the device call carries it.
 # Each failing test's traceback goes to $OUT/failures.log as it fails (tests/conftest.py), so a run
 # cut short by its time limit still says why.
-# In a 15-minute lease (a start costs 1-2 minutes): one call with STAGES="scale variants tests" (timeout_s
-# 560); then the failed tests again, or STAGES=served, if 5 minutes are left; carry .whl in every call. The C++ CPU kernels the
+# In a 15-minute lease (a start costs 1-2 minutes): one call with STAGES="skinny variants tests" (timeout_s
+# 560; VARIANTS_ARGS="--variants skinny fp8 fp8-skinny int4 --moe-shapes gpt-oss-20b"), then STAGES="scale"
+# or STAGES=served with what is left; carry .whl in every call. The C++ CPU kernels the
 # tests need build in the background while the benchmarks run.
 set -u
 OUT=${OUT:-/tmp/augur-gpu-checks}
