@@ -15,9 +15,8 @@ from engine.platform import cpu_has_bf16_units
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The speculative methods whose drafter --draft-tensor-parallel-size can shard like the target.
 SHARDABLE_DRAFTERS = ("draft", "ouroboros", "medusa", "eagle")
-
-
 PREFIX_CACHE_SCOPES = ("shared", "api-key")  # EngineConfig.prefix_cache_scope
+
 
 @dataclass
 class EngineConfig:

@@ -25,9 +25,8 @@ half of bfloat16's bytes, and what it gains is a GPU measurement too.
 
 The tile shapes per layer shape are :func:`tiles`; ``python -m loadtest.bench_gpu_skinny`` times the
 kernel against cuBLAS (``--dtype fp8``: against ``_scaled_mm``) at the 8B model's layer shapes over a
-sweep of them. The kernel is opt-in until
-a GPU run has measured it: :func:`use_skinny_linear` switches a model's ``nn.Linear`` layers to
-:class:`SkinnyLinear` (``loadtest.bench_gpu_scale --skinny on off`` compares whole steps). On CPU
+sweep of them. The kernel is opt-in until a GPU run has measured it: :func:`use_skinny_linear`
+switches a model's layers (``loadtest.bench_gpu_scale --skinny on off`` compares whole steps). On CPU
 tensors the kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``): the tests check it there.
 """
 
