@@ -6,7 +6,8 @@ layer of ``--shape`` (qkv, o, gate-up, down and the LM head; random bfloat16 wei
 count of ``--rows``, this times:
 
 * ``F.linear`` (cuBLAS), or with ``--dtype fp8`` (``--quantization fp8``'s layer: e4m3 weights with a
-  scale per row, rows quantized per token) ``torch._scaled_mm``;
+  scale per row, rows quantized per token) ``torch._scaled_mm``, or with ``--dtype int4``
+  (``--quantization int4``'s layer, 4-bit integers in groups) PyTorch's int4 kernel;
 * the kernel at the tiles it would launch (:func:`engine.models.skinny_linear.tiles`);
 * at the row counts of ``--sweep-rows``, every tile shape of the sweep (``--block-n``, ``--block-k``,
   ``--stages``, ``--warps``; at one row, on the tensor cores and on the CUDA cores), and the best;
@@ -87,9 +88,11 @@ def operands(n: int, k: int, m: int, args, device: torch.device, g: torch.Genera
     from engine.models.skinny_linear import skinny_linear
     from engine.quant.fp8 import Fp8Linear, quantize_rows
 
-    dense = torch.bfloat16 if args.dtype == "fp8" else getattr(torch, args.dtype)
+    dense = torch.bfloat16 if args.dtype in ("fp8", "int4") else getattr(torch, args.dtype)
     x = torch.randn(m, k, device=device, dtype=dense, generator=g)
     weights = [torch.empty(n, k, device=device, dtype=dense).normal_(0.0, 0.02, generator=g) for _ in range(copies)]
+    if args.dtype == "int4":
+        return (x, *int4_operands(weights, m, device))
     if args.dtype != "fp8":
         moved = (n * k + m * (k + n)) * 2
         return x, weights, F.linear, lambda x, w, t: skinny_linear(x, w, None, t), moved
@@ -105,12 +108,39 @@ def operands(n: int, k: int, m: int, args, device: torch.device, g: torch.Genera
     return (xq, sx), weights, baseline, kernel, n * k + m * k + m * n * 2
 
 
+def int4_operands(weights: list[torch.Tensor], m: int, device: torch.device):
+    """``--dtype int4`` (``--quantization int4``'s layer): each weight as PyTorch's int4 kernel takes it
+    (the baseline) and by rows for the few-rows kernel (which has one tile shape)."""
+    from engine.models.skinny_linear import skinny_int4_linear
+    from engine.quant.int4 import COMPUTE_DTYPE, Int4Linear, group_size_for, quantize_int4
+
+    n, k = weights[0].shape
+    group = group_size_for(k, n)
+    layers = []
+    for w in weights:
+        q, scale, lo = quantize_int4(w, group)
+        layer = Int4Linear(k, n, group, None)
+        layer.set_weight(q, scale, lo, device)
+        layers.append((layer, ((q[:, 1::2] << 4) | q[:, ::2]).to(torch.uint8).contiguous()))
+
+    def baseline(x, lw):
+        layer = lw[0]
+        mm = torch.ops.aten._weight_int4pack_mm if x.is_cuda else torch.ops.aten._weight_int4pack_mm_for_cpu
+        return mm(x.to(COMPUTE_DTYPE), layer.packed, layer.group_size, layer.scales_and_zeros)
+
+    def kernel(x, lw, t):
+        return skinny_int4_linear(x, lw[1], lw[0].scales_and_zeros, group)
+
+    moved = n * k // 2 + (k // group) * n * 4 + 2 * m * (k + n)
+    return layers, baseline, kernel, moved
+
+
 def measure_layer(n: int, k: int, args, device: torch.device, bandwidth: float) -> dict:
     from engine.models.skinny_linear import Tiles, tiles
 
     g = torch.Generator(device=device).manual_seed(n + k)
-    weight_bytes = n * k * (1 if args.dtype == "fp8" else 2)
-    copies = max(1, -(-args.l2_bytes // weight_bytes)) if device.type == "cuda" else 1
+    weight_bytes = n * k * {"fp8": 1, "int4": 0.5}.get(args.dtype, 2)
+    copies = max(1, int(-(-args.l2_bytes // weight_bytes))) if device.type == "cuda" else 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
     chosen = tiles(n, k, sms)
     row = dict(out_features=n, in_features=k, weight_mb=weight_bytes / 1e6, copies=copies, tiles=vars(chosen),
@@ -130,7 +160,7 @@ def measure_layer(n: int, k: int, args, device: torch.device, bandwidth: float) 
         diff = float((kernel(x, weights[0], chosen).float() - want.float()).abs().max())
         r = dict(cublas_us=cublas * 1e6, cublas_of_copy=of_copy(cublas), kernel_us=mine * 1e6,
                  kernel_of_copy=of_copy(mine), max_abs_diff=diff)  # fmt: skip
-        if m in args.sweep_rows:
+        if m in args.sweep_rows and args.dtype != "int4":  # (int4's kernel has one tile shape)
             sweep = []
             dots = (True, False) if m == 1 else (True,)
             grid = itertools.product(args.block_n, args.block_k, args.stages, args.warps, dots)
@@ -179,9 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="llama-3.1-8b", choices=SHAPES)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "fp8"],
-                    help="the weights: 16-bit against F.linear, or fp8 (W8A8, per-row and per-token scales) against "
-                    "torch._scaled_mm")  # fmt: skip
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "fp8", "int4"],
+                    help="the weights: 16-bit against F.linear; fp8 (W8A8, per-row and per-token scales) against "
+                    "torch._scaled_mm; int4 (4-bit groups) against PyTorch's int4 kernel")  # fmt: skip
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--sweep-rows", type=int, nargs="*", default=[1, 16, 64], help="row counts that sweep tiles")
     ap.add_argument("--block-n", type=int, nargs="+", default=[16, 32, 64])

@@ -12,7 +12,8 @@ sequence), the same forwards as each option serves them:
 * ``fp8``: ``--quantization fp8`` (e4m3 weights and tokens, W8A8 on ``torch._scaled_mm``);
 * ``skinny``: every linear layer on ``augur::skinny_linear`` (engine/models/skinny_linear.py) for its
   calls of up to 64 rows, instead of cuBLAS; ``fp8-skinny``: ``fp8``'s layers on the same kernel's
-  e4m3 products instead of ``torch._scaled_mm``: both opt-in until this has measured them;
+  e4m3 products instead of ``torch._scaled_mm``; ``int4-skinny``: ``int4``'s layers on its 4-bit
+  kernel (CUDA) instead of PyTorch's: all opt-in until this has measured them;
 * ``lora``: four LoRA adapters of rank 16 on every adaptable layer, a batch's sequences spread over
   them (sequence ``i`` under adapter ``i % 4``), and beside it the same runner's base rows alone
   (``decode_base_ms``);
@@ -46,7 +47,7 @@ from engine.runner.model_runner import ForwardChunk
 from loadtest.bench_gpu import BLOCK, SHAPES, build, copy_bandwidth, device_name, model_config, sync, time_forward
 from loadtest.bench_gpu_scale import fill_pool, linear_flops, matmul_rate, tables
 
-VARIANTS = ("plain", "invariant", "int4", "fp8", "skinny", "fp8-skinny", "lora")
+VARIANTS = ("plain", "invariant", "int4", "fp8", "skinny", "fp8-skinny", "int4-skinny", "lora")
 LORA_ADAPTERS, LORA_RANK = 4, 16
 
 
@@ -72,6 +73,7 @@ PREPARE = {
     "fp8": quantize_linears_fp8,
     "skinny": _skinny,
     "fp8-skinny": lambda model: (quantize_linears_fp8(model), _skinny(model)),
+    "int4-skinny": lambda model: (quantize_linears_int4(model), _skinny(model)),
     "lora": _lora,
 }
 

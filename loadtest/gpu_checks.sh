@@ -6,7 +6,8 @@
 # drafters and the controller's choice (loadtest.bench_gpu_scale, stage "scale"), the serving options that
 # change the kernels (batch-invariant, int4, FP8, LoRA) and the mixtures at their published shapes
 # (loadtest.bench_gpu_variants, stage "variants"), the few-rows linear kernel against cuBLAS at each layer
-# shape (loadtest.bench_gpu_skinny, stage "skinny"; SKINNY_ARGS="--dtype fp8" for FP8's layers), where each
+# shape (loadtest.bench_gpu_skinny, stage "skinny"; SKINNY_ARGS="--dtype fp8" or "--dtype int4" for the
+# quantized layers), where each
 # method's steps wait for the device on the demo pair (loadtest.device_waits: reads, builds and the syncs
 # themselves, with their lines), the demo pair served (plain and the default, each with ordinary steps and
 # with --async-scheduling on; loadtest.peers), and the kernel profile of a decode against chain verifies
@@ -20,7 +21,7 @@
 # Each failing test's traceback goes to $OUT/failures.log as it fails (tests/conftest.py), so a run
 # cut short by its time limit still says why.
 # In a 15-minute lease (a start costs 1-2 minutes): one call with STAGES="skinny variants tests" (timeout_s
-# 560; VARIANTS_ARGS="--variants skinny fp8 fp8-skinny int4 --moe-shapes gpt-oss-20b"), then STAGES="scale"
+# 560; VARIANTS_ARGS="--variants skinny fp8 fp8-skinny int4 int4-skinny --moe-shapes gpt-oss-20b"), then STAGES="scale"
 # or STAGES=served with what is left; carry .whl in every call. The C++ CPU kernels the
 # tests need build in the background while the benchmarks run.
 set -u

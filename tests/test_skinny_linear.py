@@ -151,3 +151,62 @@ def test_an_fp8_layer_on_it_multiplies_the_same_quantized_operands(rows):
     on_kernel = layer(many)
     assert skinny.use_skinny_linear(holder, on=False) == 1 and type(layer) is Fp8Linear
     assert torch.equal(on_kernel, layer(many))  # past 64 rows: the layer's own product
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 65])
+@pytest.mark.parametrize("group", [128, 32])
+def test_an_int4_layer_on_it_multiplies_its_dequantized_weight(monkeypatch, rows, group):
+    """``--quantization int4``'s layer, switched to the kernel: its integers re-laid from the CUDA
+    kernel's tiles (here a packer of the same form: tests/test_int4.py) to bytes by rows, and its few
+    rows multiplied by the same dequantized weight the dense path uses (within a rounding: the kernel
+    rounds each weight to bfloat16 on a GPU, and Triton's interpreter does not); past 64 rows the dense
+    path itself. Switched back, it is the kernel's tiles again, byte for byte."""
+    from test_int4 import tiled_packer
+
+    from engine.quant.int4 import Int4Linear, quantize_int4, tile_order
+
+    g = torch.Generator().manual_seed(rows + group)
+    K, N = 256, 48
+    linear = torch.nn.Linear(K, N, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(N, K, generator=g) * 0.05)
+    pack = tiled_packer(8, seed=group)
+    layer = Int4Linear.from_linear(linear, group)
+    q, _, _ = quantize_int4(linear.weight.detach(), group)
+    layer.packed, layer.order = pack(q), tile_order(pack, 8, torch.device("cpu"))
+    tiles_before = layer.packed.clone()
+    holder = torch.nn.Sequential(layer).to(DEVICE)
+    want_weight = layer.dequantized()
+    monkeypatch.setattr(skinny, "_tile_pack", lambda q, inner_k_tiles: pack(q.cpu()).to(q.device))
+    assert skinny.use_skinny_linear(holder) == 1 and type(layer) is skinny.SkinnyInt4Linear
+    assert layer.packed.shape == (N, K // 2) and torch.equal(layer.integers(), q.to(layer.packed.device))
+    x = torch.randn(rows, K, generator=g).to(torch.bfloat16).to(DEVICE)
+    got = layer(x)
+    exact = x.double() @ want_weight.double().T + layer.bias.double()
+    rounding = 2.0**-8 * (x.double().abs() @ want_weight.double().abs().T)  # each weight's bfloat16 rounding
+    assert bool(((got.double() - exact).abs() <= 2.0**-7 * exact.abs() + rounding + 1e-3).all())
+    if rows > 64:
+        want = (torch.nn.functional.linear(x, want_weight) + layer.bias).to(got.dtype)
+        assert torch.equal(got, want)
+    assert skinny.use_skinny_linear(holder, on=False) == 1 and type(layer) is Int4Linear
+    assert torch.equal(layer.packed.cpu(), tiles_before)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_an_int4_layer_from_pytorchs_own_packer_round_trips_and_agrees_with_its_kernel():
+    """On CUDA with PyTorch's packer: the layer's integers re-laid by rows and back give its packed
+    tiles byte for byte, and its few rows on the kernel agree with PyTorch's int4 kernel within
+    bfloat16's rounding."""
+    from engine.quant.int4 import Int4Linear, group_size_for
+
+    torch.manual_seed(6)
+    K, N = 4096, 1024
+    linear = torch.nn.Linear(K, N, bias=False).to("cuda", torch.bfloat16)
+    holder = torch.nn.Sequential(Int4Linear.from_linear(linear, group_size_for(K, N)))
+    layer = holder[0]
+    assert layer.order is not None
+    x = torch.randn(8, K, device="cuda", dtype=torch.bfloat16)
+    tiles, want = layer.packed.clone(), layer(x)
+    assert skinny.use_skinny_linear(holder) == 1
+    torch.testing.assert_close(layer(x).float(), want.float(), atol=3e-2, rtol=2e-2)
+    assert skinny.use_skinny_linear(holder, on=False) == 1 and torch.equal(layer.packed, tiles)

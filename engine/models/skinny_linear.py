@@ -23,6 +23,13 @@ then scaled per row and column, as ``torch._scaled_mm`` computes them. On the H2
 at 34% of the bound at one row (an FP8 decode took 5.81 ms, a bfloat16 one 5.10): here a call reads
 half of bfloat16's bytes, and what it gains is a GPU measurement too.
 
+``--quantization int4``'s layers on CUDA (:class:`SkinnyInt4Linear`) hold their 4-bit integers by rows
+instead of in PyTorch's int4 kernel's tiles (re-laid at the switch, from the tile order read at load;
+the same bytes), and a call of up to 64 rows dequantizes each group of the weight in registers,
+``(q - 8) * scale + zero`` rounded once to bfloat16 as the layer's dense path does, and multiplies it on
+the tensor cores (``augur::skinny_int4_linear``): PyTorch's kernel read at a third of the bound at one
+row on the H200.
+
 The tile shapes per layer shape are :func:`tiles`; ``python -m loadtest.bench_gpu_skinny`` times the
 kernel against cuBLAS (``--dtype fp8``: against ``_scaled_mm``) at the 8B model's layer shapes over a
 sweep of them. The kernel is opt-in until a GPU run has measured it: :func:`use_skinny_linear`
@@ -42,12 +49,14 @@ from torch import nn
 
 from engine.platform import triton_interpreted
 from engine.quant.fp8 import Fp8Linear
+from engine.quant.int4 import COMPUTE_DTYPE, TILE_ROWS, Int4Linear, _pairs
 
 MAX_ROWS = 64  # more rows go to F.linear (a prefill's products are compute-bound: cuBLAS's GEMMs)
 ROW_BUCKETS = (16, 32, 64)  # BLOCK_M: a call's rows padded up to the first that holds them
 
 _lib = torch.library.Library("augur", "FRAGMENT")
 _lib.define("skinny_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor")
+_lib.define("skinny_int4_linear(Tensor x, Tensor nibbles, Tensor scales_and_zeros, int group_size) -> Tensor")
 _lib.define(
     "skinny_scaled_linear(Tensor x, Tensor x_scale, Tensor weight, Tensor weight_scale, ScalarType out_dtype) -> Tensor"
 )
@@ -116,6 +125,43 @@ def _skinny_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _int4_kernel(
+    out_ptr, x_ptr, w_ptr, sz_ptr, M, N, K, x_stride, w_stride, out_stride,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """One group of inputs a step: a row's bytes hold inputs 2j (low nibble) and 2j + 1 (high), each
+    ``(q - 8) * scale + zero`` in float32, rounded once to bfloat16, as ``Int4Linear.dequantized``."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    half = tl.arange(0, GROUP // 2)
+    col_ok = cols < N
+    row_ok = rows < M
+    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * w_stride + half[None, :]  # [BLOCK_N, GROUP / 2] bytes
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * x_stride + 2 * half[None, :]  # the even inputs
+    sz_ptrs = sz_ptr + cols.to(tl.int64) * 2  # [K / GROUP, N, 2]: scale, zero
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(0, K, GROUP):
+        byte = tl.load(w_ptrs, mask=col_ok[:, None], other=0).to(tl.int32)
+        scale = tl.load(sz_ptrs, mask=col_ok, other=0.0).to(tl.float32)[:, None]
+        zero = tl.load(sz_ptrs + 1, mask=col_ok, other=0.0).to(tl.float32)[:, None]
+        w_lo = ((byte & 15).to(tl.float32) - 8.0) * scale + zero
+        w_hi = ((byte >> 4).to(tl.float32) - 8.0) * scale + zero
+        x_lo = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+        x_hi = tl.load(x_ptrs + 1, mask=row_ok[:, None], other=0.0)
+        if UPCAST:  # Triton's interpreter (see _skinny_kernel), the weights left in float32
+            acc += tl.sum(x_lo.to(tl.float32)[:, None, :] * w_lo[None, :, :], axis=2)
+            acc += tl.sum(x_hi.to(tl.float32)[:, None, :] * w_hi[None, :, :], axis=2)
+        else:
+            acc += tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)), input_precision="ieee")
+            acc += tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)), input_precision="ieee")
+        w_ptrs += GROUP // 2
+        x_ptrs += GROUP
+        sz_ptrs += 2 * N
+    out = out_ptr + rows[:, None].to(tl.int64) * out_stride + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
 def row_bucket(rows: int) -> int:
     return next(b for b in ROW_BUCKETS if b >= rows)
 
@@ -157,6 +203,26 @@ def skinny_linear(
     return out
 
 
+def skinny_int4_linear(x: torch.Tensor, nibbles: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int):
+    """``x [rows, K]`` (bfloat16, rows at most :data:`MAX_ROWS`) times a 4-bit weight stored by rows:
+    ``nibbles [N, K/2]`` uint8 (input 2j in the low nibble, 2j + 1 in the high), ``scales_and_zeros
+    [K/g, N, 2]`` bfloat16 (``Int4Linear``'s): ``(q - 8) * scale + zero`` per group of ``group_size``."""
+    M, K = x.shape
+    N = nibbles.shape[0]
+    if M > MAX_ROWS:
+        raise ValueError(f"skinny_int4_linear takes at most {MAX_ROWS} rows, got {M}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = x.new_empty(M, N)
+    if M and N:
+        t = tiles(N, K, _multiprocessors(x.device))
+        _int4_kernel[(triton.cdiv(N, t.block_n),)](
+            out, x, nibbles, scales_and_zeros, M, N, K, x.stride(0), nibbles.stride(0), out.stride(0),
+            GROUP=group_size, BLOCK_M=row_bucket(M), BLOCK_N=t.block_n, UPCAST=triton_interpreted(),
+            num_warps=t.num_warps, num_stages=t.num_stages,
+        )  # fmt: skip
+    return out
+
+
 _SMS: dict[int, int] = {}
 
 
@@ -180,6 +246,10 @@ def _scaled_impl(x, x_scale, weight, weight_scale, out_dtype):
 _lib.impl("skinny_linear", _skinny_impl, "CompositeExplicitAutograd")
 torch.library.register_fake(
     "augur::skinny_linear", lambda x, weight, bias=None: x.new_empty(x.shape[0], weight.shape[0]), lib=_lib
+)
+_lib.impl("skinny_int4_linear", skinny_int4_linear, "CompositeExplicitAutograd")
+torch.library.register_fake(
+    "augur::skinny_int4_linear", lambda x, nib, sz, g: x.new_empty(x.shape[0], nib.shape[0]), lib=_lib
 )
 _lib.impl("skinny_scaled_linear", _scaled_impl, "CompositeExplicitAutograd")
 torch.library.register_fake(
@@ -221,20 +291,68 @@ class SkinnyFp8Linear(Fp8Linear):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
-_SWITCHED = {nn.Linear: SkinnyLinear, Fp8Linear: SkinnyFp8Linear}
+def _tile_pack(q: torch.Tensor, inner_k_tiles: int) -> torch.Tensor:
+    """``q [N, K]`` (0..15) packed for PyTorch's CUDA int4 kernel (a test substitutes a packer of its own)."""
+    return torch._convert_weight_to_int4pack(_pairs(q), inner_k_tiles)
+
+
+class SkinnyInt4Linear(Int4Linear):
+    """An :class:`~engine.quant.int4.Int4Linear` on CUDA whose weight is held by rows (``packed``: ``[N,
+    K/2]`` uint8, two inputs a byte; the same bytes as the kernel's tiles, re-laid at the switch) and
+    whose calls of up to :data:`MAX_ROWS` rows run ``augur::skinny_int4_linear``; more rows multiply
+    by :meth:`dequantized` on the dense GEMM, as an ``Int4Linear`` does from ``DENSE_ROWS``. PyTorch's
+    int4 kernel (whose time at one row is a third of the bound on an H200) is not called."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
+        if self.perm is not None:
+            flat = flat.index_select(1, self.perm)
+        if flat.shape[0] > MAX_ROWS:
+            y = F.linear(flat, self.dequantized())
+        else:
+            y = torch.ops.augur.skinny_int4_linear(flat, self.packed, self.scales_and_zeros, self.group_size)
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def integers(self) -> torch.Tensor:  # (from the bytes by rows)
+        return torch.stack((self.packed & 15, self.packed >> 4), dim=-1).reshape(self.out_features, self.in_features)
+
+    def to_rows(self) -> None:
+        """From the kernel's tiles (an ``Int4Linear`` with a readable ``order``) to bytes by rows."""
+        q = Int4Linear.integers(self)
+        self.packed = ((q[:, 1::2] << 4) | q[:, ::2]).to(torch.uint8).contiguous()
+
+    def to_tiles(self) -> None:
+        self.packed = _tile_pack(self.integers(), self.order.numel() // TILE_ROWS // 16)
+
+
+_SWITCHED = {nn.Linear: SkinnyLinear, Fp8Linear: SkinnyFp8Linear, Int4Linear: SkinnyInt4Linear}
+
+
+def _switchable(module: nn.Module) -> bool:
+    kind = type(module)
+    if kind is Int4Linear:  # its integers readable from the kernel's tiles, and not the invariant mode's
+        return module.order is not None and not module.invariant
+    return kind is Fp8Linear or (kind is nn.Linear and module.weight.dtype in (torch.bfloat16, torch.float16))
 
 
 def use_skinny_linear(model: nn.Module, on: bool = True) -> int:
-    """Switch ``model``'s plain ``nn.Linear`` layers (bfloat16 or float16 weights) to :class:`SkinnyLinear`
-    and its FP8 layers to :class:`SkinnyFp8Linear` (``on``), or back; the number switched. Other
-    quantized and packed layers are other classes and stay."""
+    """Switch ``model``'s plain ``nn.Linear`` layers (bfloat16 or float16 weights) to :class:`SkinnyLinear`,
+    its FP8 layers to :class:`SkinnyFp8Linear` and its int4 layers on CUDA to :class:`SkinnyInt4Linear`
+    (``on``), or back; the number switched. Other quantized and packed layers are other classes and stay."""
     count = 0
     for module in model.modules():
         kind = type(module)
-        if on and kind in _SWITCHED and (kind is Fp8Linear or module.weight.dtype in (torch.bfloat16, torch.float16)):
+        if on and kind in _SWITCHED and _switchable(module):
             module.__class__ = _SWITCHED[kind]
+            if kind is Int4Linear:
+                module.to_rows()
             count += 1
         elif not on and kind in _SWITCHED.values():
+            if kind is SkinnyInt4Linear:
+                module.to_tiles()
             module.__class__ = next(k for k, v in _SWITCHED.items() if v is kind)
             count += 1
     return count

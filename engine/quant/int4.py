@@ -182,10 +182,15 @@ class Int4Linear(nn.Module):
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def integers(self) -> torch.Tensor:
+        """The weight's ``[N, K]`` integers (0..15), read from the packed tiles (the CUDA layout only:
+        ``order`` set)."""
+        return unpack_tiles(self.packed, self.order, self.out_features, self.in_features)
+
     def dequantized(self) -> torch.Tensor:
         """The ``[N, K]`` bfloat16 weight the kernel multiplies by: ``(q - 8) * scale + zero`` per group,
         in float32 and rounded once (the CUDA layout only: ``order`` set)."""
-        q = unpack_tiles(self.packed, self.order, self.out_features, self.in_features)
+        q = self.integers()
         groups = self.in_features // self.group_size
         stats = self.scales_and_zeros.float().transpose(0, 1)  # [N, K/g, 2]
         w = (q.reshape(self.out_features, groups, self.group_size).float() - 8) * stats[..., :1] + stats[..., 1:]
