@@ -49,7 +49,7 @@ from torch import nn
 
 from engine.platform import triton_interpreted
 from engine.quant.fp8 import Fp8Linear
-from engine.quant.int4 import COMPUTE_DTYPE, TILE_ROWS, Int4Linear, _pairs
+from engine.quant.int4 import TILE_ROWS, Int4Linear, _pairs
 
 MAX_ROWS = 64  # more rows go to F.linear (a prefill's products are compute-bound: cuBLAS's GEMMs)
 ROW_BUCKETS = (16, 32, 64)  # BLOCK_M: a call's rows padded up to the first that holds them
@@ -303,18 +303,10 @@ class SkinnyInt4Linear(Int4Linear):
     by :meth:`dequantized` on the dense GEMM, as an ``Int4Linear`` does from ``DENSE_ROWS``. PyTorch's
     int4 kernel (whose time at one row is a third of the bound on an H200) is not called."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
-        if self.perm is not None:
-            flat = flat.index_select(1, self.perm)
+    def product(self, flat: torch.Tensor) -> torch.Tensor:
         if flat.shape[0] > MAX_ROWS:
-            y = F.linear(flat, self.dequantized())
-        else:
-            y = torch.ops.augur.skinny_int4_linear(flat, self.packed, self.scales_and_zeros, self.group_size)
-        y = y.to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+            return F.linear(flat, self.dequantized())
+        return torch.ops.augur.skinny_int4_linear(flat, self.packed, self.scales_and_zeros, self.group_size)
 
     def integers(self) -> torch.Tensor:  # (from the bytes by rows)
         return torch.stack((self.packed & 15, self.packed >> 4), dim=-1).reshape(self.out_features, self.in_features)

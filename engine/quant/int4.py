@@ -171,16 +171,18 @@ class Int4Linear(nn.Module):
         flat = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
         if self.perm is not None:
             flat = flat.index_select(1, self.perm)
-        if self.order is not None and flat.shape[0] >= DENSE_ROWS and not self.invariant:
-            y = F.linear(flat, self.dequantized())
-        elif x.device.type == "cuda":
-            y = torch.ops.aten._weight_int4pack_mm(flat, self.packed, self.group_size, self.scales_and_zeros)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_and_zeros)
-        y = y.to(x.dtype)
+        y = self.product(flat).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def product(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat [T, K]`` (bfloat16, inputs in the groups' order) times the weight, in bfloat16."""
+        if self.order is not None and flat.shape[0] >= DENSE_ROWS and not self.invariant:
+            return F.linear(flat, self.dequantized())
+        if flat.is_cuda:
+            return torch.ops.aten._weight_int4pack_mm(flat, self.packed, self.group_size, self.scales_and_zeros)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_and_zeros)
 
     def integers(self) -> torch.Tensor:
         """The weight's ``[N, K]`` integers (0..15), read from the packed tiles (the CUDA layout only:
