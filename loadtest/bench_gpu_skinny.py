@@ -84,7 +84,7 @@ def timed(calls: list, device: torch.device, repeats: int) -> float:
 def operands(n: int, k: int, m: int, args, device: torch.device, g: torch.Generator, copies: int):
     """(x, weights, baseline(x, w), kernel(x, w, tiles), bytes a call moves) for ``args.dtype``: 16-bit
     weights against ``F.linear``; ``fp8``, e4m3 weights with a scale per row and rows quantized per
-    token (``--quantization fp8``'s layer) against ``torch._scaled_mm``."""
+    token (``--quantization fp8``'s layer) against ``torch._scaled_mm``; ``int4``: :func:`int4_operands`."""
     from engine.models.skinny_linear import skinny_linear
     from engine.quant.fp8 import Fp8Linear, quantize_rows
 
