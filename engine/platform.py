@@ -17,6 +17,15 @@ def triton_interpreted() -> bool:
 
 
 @functools.cache
+def sm_count(device) -> int:
+    """Streaming multiprocessors of the CUDA ``device`` (a torch.device), read once per device: what the
+    Triton kernels size their launch grids by."""
+    import torch
+
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
 def cpu_flags() -> tuple[str, ...]:
     """This CPU's feature flags, as Linux reports them (empty where it does not)."""
     try:

@@ -22,12 +22,11 @@ import itertools
 import json
 import math
 import statistics
-import time
 
 from engine.assets import DEMO_DIR
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
-from engine.offline.measure import machine_description
+from engine.offline.measure import machine_description, run_augur
 from engine.request.sampling_params import SamplingParams
 from loadtest.prompts import load_prompts
 from loadtest.suite import by_category
@@ -43,15 +42,9 @@ def prompt_ids(engine: LLMEngine, prompt) -> list[int]:
     return tok.encode(prompt.as_text())
 
 
-def run_once(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, tag: str) -> float:
+def run_once(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> float:
     """Seconds until every prompt (all in flight at once) has its ``max_tokens``."""
-    start = time.perf_counter()
-    for i, ids in enumerate(prompts):
-        engine.add_request(f"{tag}-{i}", ids, params)
-    pending = len(prompts)
-    while pending:
-        pending -= sum(out.finished for out in engine.step())
-    return time.perf_counter() - start
+    return run_augur(engine, prompts, params.max_tokens, len(prompts), params).seconds
 
 
 def geometric_mean(values) -> float:
@@ -77,13 +70,13 @@ def run(args) -> dict:
                               seed=args.seed, tenant=f"ab-{next(tenants)}")  # fmt: skip
 
     for e in engines.values():  # warm-up: first calls, and a compile where one is on
-        run_once(e, ids[next(iter(ids))][:2], params(), "warm")
+        run_once(e, ids[next(iter(ids))][:2], params())
     ratios = {m: {c: [] for c in ids} for m in args.methods}
     for r in range(args.rounds):
         order = list(engines) if r % 2 == 0 else list(engines)[::-1]
         for c, prompts in ids.items():
             batch = prompts[: args.concurrency] if args.concurrency > 1 else [prompts[r % len(prompts)]]
-            seconds = {m: run_once(engines[m], batch, params(), f"r{r}-{c}") for m in order}
+            seconds = {m: run_once(engines[m], batch, params()) for m in order}
             for m in args.methods:
                 ratios[m][c].append(seconds[PLAIN] / seconds[m])
         print(f"round {r + 1}/{args.rounds} done", flush=True)

@@ -111,7 +111,7 @@ def operands(n: int, k: int, m: int, args, device: torch.device, g: torch.Genera
 def int4_operands(weights: list[torch.Tensor], m: int, device: torch.device):
     """``--dtype int4`` (``--quantization int4``'s layer): each weight as PyTorch's int4 kernel takes it
     (the baseline) and by rows for the few-rows kernel (which has one tile shape)."""
-    from engine.models.skinny_linear import skinny_int4_linear
+    from engine.models.skinny_linear import pack_rows, skinny_int4_linear
     from engine.quant.int4 import COMPUTE_DTYPE, Int4Linear, group_size_for, quantize_int4
 
     n, k = weights[0].shape
@@ -121,7 +121,7 @@ def int4_operands(weights: list[torch.Tensor], m: int, device: torch.device):
         q, scale, lo = quantize_int4(w, group)
         layer = Int4Linear(k, n, group, None)
         layer.set_weight(q, scale, lo, device)
-        layers.append((layer, ((q[:, 1::2] << 4) | q[:, ::2]).to(torch.uint8).contiguous()))
+        layers.append((layer, pack_rows(q)))
 
     def baseline(x, lw):
         layer = lw[0]
@@ -136,13 +136,12 @@ def int4_operands(weights: list[torch.Tensor], m: int, device: torch.device):
 
 
 def measure_layer(n: int, k: int, args, device: torch.device, bandwidth: float) -> dict:
-    from engine.models.skinny_linear import Tiles, tiles
+    from engine.models.skinny_linear import Tiles, multiprocessors, tiles
 
     g = torch.Generator(device=device).manual_seed(n + k)
     weight_bytes = n * k * {"fp8": 1, "int4": 0.5}.get(args.dtype, 2)
     copies = max(1, int(-(-args.l2_bytes // weight_bytes))) if device.type == "cuda" else 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    chosen = tiles(n, k, sms)
+    chosen = tiles(n, k, multiprocessors(device))
     row = dict(out_features=n, in_features=k, weight_mb=weight_bytes / 1e6, copies=copies, tiles=vars(chosen),
                by_rows={})  # fmt: skip
     for m in args.rows:

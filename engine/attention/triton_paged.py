@@ -37,6 +37,7 @@ import triton.language as tl
 from engine.attention.common import optional_inputs, padded_block_tables, triton_interpreted
 from engine.attention.kv_dtype import is_fp8, write_rows
 from engine.attention.staging import Pack, direct_pack
+from engine.platform import sm_count
 
 # ``seq_info`` has one int32 row per sequence: context length, KV length (context + new tokens), its
 # first token in the flat batch, new tokens, offset of its tree mask in ``masks`` (-1: causal), first key
@@ -383,10 +384,6 @@ _lib.define(
 
 
 @functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def program_tokens(max_q_len: int) -> int:
     """New tokens one kernel program takes in a batch whose longest sequence feeds ``max_q_len``. A
     program's rows are those tokens x G heads: a short verify (2-16 tokens) gets no more rows than it
@@ -407,7 +404,7 @@ def key_splits(programs: int, tokens: int, max_kv_len: int, device: torch.device
     runs on ``Hkv`` of the GPU's streaming multiprocessors."""
     if device.type != "cuda":
         return 1
-    want = -(-2 * _sm_count(device) // programs)
+    want = -(-2 * sm_count(device) // programs)
     return max(1, min(MAX_SPLITS, want, max_kv_len // MIN_KEYS_PER_SPLIT, SPLIT_SCRATCH_TOKENS // max(tokens, 1)))
 
 

@@ -25,8 +25,6 @@ The tiles are fixed per dtype, so a row's bits are fixed per (GPU, dtype): a CPU
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -34,6 +32,7 @@ import triton.language as tl
 from engine.attention.common import triton_interpreted
 from engine.models.fused import FUSED_ACTIVATIONS, fused_act_mul, fused_rms_norm
 from engine.models.invariant import ACTIVATIONS
+from engine.platform import sm_count
 
 _lib = torch.library.Library("augur", "IMPL")
 
@@ -96,11 +95,8 @@ def _reduce_kernel(out_ptr, part_ptr, b_ptr, MN, N, S, BLOCK: tl.constexpr, HAS_
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@functools.cache
 def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # Triton's interpreter (the tests): any fixed figure
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return sm_count(device) if device.type == "cuda" else 4  # Triton's interpreter (the tests): any fixed figure
 
 
 def k_splits(n: int, k: int, device: torch.device) -> int:

@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from engine.platform import triton_interpreted
+from engine.platform import sm_count, triton_interpreted
 from engine.quant.fp8 import Fp8Linear
 from engine.quant.int4 import TILE_ROWS, Int4Linear, _pairs
 
@@ -190,7 +190,7 @@ def skinny_linear(
     out = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
-    t = tile or tiles(N, K, _multiprocessors(x.device))
+    t = tile or tiles(N, K, multiprocessors(x.device))
     dot = t.dot or M > 1
     block_m = row_bucket(M) if dot else 1
     _skinny_kernel[(triton.cdiv(N, t.block_n),)](
@@ -214,7 +214,7 @@ def skinny_int4_linear(x: torch.Tensor, nibbles: torch.Tensor, scales_and_zeros:
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = x.new_empty(M, N)
     if M and N:
-        t = tiles(N, K, _multiprocessors(x.device))
+        t = tiles(N, K, multiprocessors(x.device))
         _int4_kernel[(triton.cdiv(N, t.block_n),)](
             out, x, nibbles, scales_and_zeros, M, N, K, x.stride(0), nibbles.stride(0), out.stride(0),
             GROUP=group_size, BLOCK_M=row_bucket(M), BLOCK_N=t.block_n, UPCAST=triton_interpreted(),
@@ -223,16 +223,10 @@ def skinny_int4_linear(x: torch.Tensor, nibbles: torch.Tensor, scales_and_zeros:
     return out
 
 
-_SMS: dict[int, int] = {}
-
-
-def _multiprocessors(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # (Triton's interpreter: an H100's count, so the CPU tests launch what a GPU would)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
+def multiprocessors(device: torch.device) -> int:
+    """What :func:`tiles` sizes the grid by: the GPU's count, or in Triton's interpreter an H100's, so
+    that the CPU tests launch what a GPU would."""
+    return sm_count(device) if device.type == "cuda" else 132
 
 
 def _skinny_impl(x, weight, bias=None):
@@ -278,17 +272,17 @@ class SkinnyFp8Linear(Fp8Linear):
     scales, products summed exactly in float32 in another order. More rows, and the batch-invariant
     mode, run the layer as it was."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if self.invariant or flat.shape[0] > MAX_ROWS:
-            return super().forward(x)
-        xq, sx = self.tokens(flat)
-        out = torch.bfloat16 if x.is_cuda else x.dtype  # as the layer's _scaled_mm returns it
-        y = torch.ops.augur.skinny_scaled_linear(xq, sx.view(-1), self.weight, self.weight_scale.view(-1), out)
-        y = y.to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+    def product(self, xq: torch.Tensor, sx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.invariant or xq.shape[0] > MAX_ROWS:
+            return super().product(xq, sx, dtype)
+        out = torch.bfloat16 if xq.is_cuda else dtype  # as the layer's _scaled_mm returns it
+        return torch.ops.augur.skinny_scaled_linear(xq, sx.view(-1), self.weight, self.weight_scale.view(-1), out)
+
+
+def pack_rows(q: torch.Tensor) -> torch.Tensor:
+    """``q [N, K]`` (0..15) → ``[N, K/2]`` uint8 as ``augur::skinny_int4_linear`` reads it: input 2j in
+    a byte's low nibble, 2j + 1 in its high."""
+    return ((q[:, 1::2] << 4) | q[:, ::2]).to(torch.uint8).contiguous()
 
 
 def _tile_pack(q: torch.Tensor, inner_k_tiles: int) -> torch.Tensor:
@@ -313,14 +307,14 @@ class SkinnyInt4Linear(Int4Linear):
 
     def to_rows(self) -> None:
         """From the kernel's tiles (an ``Int4Linear`` with a readable ``order``) to bytes by rows."""
-        q = Int4Linear.integers(self)
-        self.packed = ((q[:, 1::2] << 4) | q[:, ::2]).to(torch.uint8).contiguous()
+        self.packed = pack_rows(Int4Linear.integers(self))
 
     def to_tiles(self) -> None:
         self.packed = _tile_pack(self.integers(), self.order.numel() // TILE_ROWS // 16)
 
 
 _SWITCHED = {nn.Linear: SkinnyLinear, Fp8Linear: SkinnyFp8Linear, Int4Linear: SkinnyInt4Linear}
+_BACK = {skinny: plain for plain, skinny in _SWITCHED.items()}
 
 
 def _switchable(module: nn.Module) -> bool:
@@ -342,9 +336,9 @@ def use_skinny_linear(model: nn.Module, on: bool = True) -> int:
             if kind is Int4Linear:
                 module.to_rows()
             count += 1
-        elif not on and kind in _SWITCHED.values():
+        elif not on and kind in _BACK:
             if kind is SkinnyInt4Linear:
                 module.to_tiles()
-            module.__class__ = next(k for k, v in _SWITCHED.items() if v is kind)
+            module.__class__ = _BACK[kind]
             count += 1
     return count

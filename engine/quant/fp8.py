@@ -84,17 +84,19 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        xq, sx = self.tokens(flat)
-        if self.invariant:
-            w = self.weight.float() * self.weight_scale.t()
-            y = torch.ops.augur.invariant_linear(xq.float() * sx, w, None).to(x.dtype)
-        else:
-            # CUDA's per-row scaled product returns bfloat16 only: another dtype is cast from it
-            out = torch.bfloat16 if x.is_cuda else x.dtype
-            y = torch._scaled_mm(xq, self.weight.t(), sx, self.weight_scale, out_dtype=out).to(x.dtype)
+        y = self.product(*self.tokens(flat), x.dtype).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def product(self, xq: torch.Tensor, sx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The quantized rows times the weight, for a model in ``dtype``."""
+        if self.invariant:
+            w = self.weight.float() * self.weight_scale.t()
+            return torch.ops.augur.invariant_linear(xq.float() * sx, w, None)
+        # CUDA's per-row scaled product returns bfloat16 only: another dtype is cast from it
+        out = torch.bfloat16 if xq.is_cuda else dtype
+        return torch._scaled_mm(xq, self.weight.t(), sx, self.weight_scale, out_dtype=out)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 weights, per-row scales"
