@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_gemma2 import build_gemma2_dir
+from test_gemma3 import build_gemma3_dir
 
 from engine.models.invariant import _act_mul, _rms_norm
 from engine.models.llama import apply_rope
@@ -49,6 +50,33 @@ def test_rope_gives_the_eager_expressions_bits(dtype, head_dim, heads, kv_heads)
     q_ref, k_ref, _ = qkv.split([heads * D, kv_heads * D, kv_heads * D], dim=-1)
     assert torch.equal(q, apply_rope(q_ref.reshape(T, heads, D), cos, sin))
     assert torch.equal(k, apply_rope(k_ref.reshape(T, kv_heads, D), cos, sin))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("unit_offset", [False, True], ids=["qwen3", "gemma3"])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(128, 4, 2), (80, 2, 1)])
+def test_rope_with_the_heads_norms_gives_the_two_kernels_bits(dtype, unit_offset, head_dim, heads, kv_heads):
+    """Qwen3's and Gemma 3's q/k norms inside the RoPE kernel: the bits of fused_rms_norm per head
+    followed by the eager rotation, whose own kernels they replace."""
+    g = torch.Generator().manual_seed(head_dim + unit_offset)
+    T, D = 6, head_dim
+    width = (heads + 2 * kv_heads) * D
+    qkv = (torch.randn(T, width + 8, generator=g) * 3).to(dtype).to(DEVICE)[:, :width]
+    cos = torch.randn(T, 1, D, generator=g).to(dtype).to(DEVICE)
+    sin = torch.randn(T, 1, D, generator=g).to(dtype).to(DEVICE)
+    qw = (torch.randn(D, generator=g) * 0.5).to(dtype).to(DEVICE)
+    kw = (torch.randn(D, generator=g) * 0.5).to(dtype).to(DEVICE)
+    q, k = fused.fused_rope(qkv, cos, sin, heads, kv_heads, qw, kw, 1e-6, unit_offset)
+    q_ref, k_ref, _ = qkv.split([heads * D, kv_heads * D, kv_heads * D], dim=-1)
+    q_normed = fused.fused_rms_norm(q_ref.reshape(T, heads, D), qw, 1e-6, unit_offset)
+    k_normed = fused.fused_rms_norm(k_ref.reshape(T, kv_heads, D), kw, 1e-6, unit_offset)
+    assert torch.equal(q, apply_rope(q_normed, cos, sin))
+    assert torch.equal(k, apply_rope(k_normed, cos, sin))
+    # Each head took its own norm weights (q's for q, k's for k), and its own row's sum of squares.
+    assert not torch.equal(k, apply_rope(fused.fused_rms_norm(k_ref.reshape(T, kv_heads, D), qw, 1e-6, unit_offset),
+                                         cos, sin))  # fmt: skip
+    one_q, one_k = fused.fused_rope(qkv[2:3], cos[2:3], sin[2:3], heads, kv_heads, qw, kw, 1e-6, unit_offset)
+    assert torch.equal(one_q, q[2:3]) and torch.equal(one_k, k[2:3])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -110,10 +138,12 @@ def _logits(model, config, dtype, device, prompt) -> torch.Tensor:
 def family_dirs(model_dirs, tmp_path_factory, tokenizer_dir):
     dirs = {arch: model_dirs[arch] for arch in ("LlamaForCausalLM", "Qwen3ForCausalLM")}  # Qwen3: q/k norms
     dirs["Gemma2ForCausalLM"] = build_gemma2_dir(tmp_path_factory.mktemp("gemma2") / "m", tokenizer_dir, std=0.08)
+    # Gemma 3: q/k norms scaled by 1 + weight
+    dirs["Gemma3ForCausalLM"] = build_gemma3_dir(tmp_path_factory.mktemp("gemma3"), tokenizer_dir, "text")
     return dirs
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM"])
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"])
 def test_a_model_on_the_fused_kernels_matches_its_eager_forward(family_dirs, arch):
     dtype = torch.bfloat16
     path = family_dirs[arch]
@@ -145,10 +175,11 @@ def test_the_loader_turns_them_on_for_half_precision_cuda_only():
 
 
 @pytest.mark.gpu
-def test_fused_kernels_inside_captured_graphs_on_gpu(model_dirs):
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])  # Qwen3: its q/k norms in RoPE's kernel
+def test_fused_kernels_inside_captured_graphs_on_gpu(model_dirs, arch):
     """A bfloat16 model on CUDA serves on the fused kernels, and its captured graphs replay what the
     eager forward computes."""
-    path = model_dirs["LlamaForCausalLM"]
+    path = model_dirs[arch]
     config = load_config(path)
     model = load_model(path, config, torch.bfloat16, torch.device("cuda"), 64)
     assert all(m.fused for m in model.modules() if hasattr(m, "fused"))

@@ -8,9 +8,13 @@ work and a launch: RoPE as six (two products, a negation, a concatenation and a 
 strided views), an RMSNorm as four (to float32, the norm, back, the weight's product), the residual
 sums and the MLP's activation and product. Here each is one kernel:
 
-- ``fused_rope(qkv, cos, sin, heads, kv_heads)``: the rotated q and k, read from the qkv projection's
-  output, computed with the roundings of the eager expression (``apply_rope``): each product rounded
-  to the dtype, then their sum. It gives the same bits in bfloat16 and float16.
+- ``fused_rope(qkv, cos, sin, heads, kv_heads[, q_norm, k_norm, eps, unit_offset])``: the rotated q
+  and k, read from the qkv projection's output, computed with the roundings of the eager expression
+  (``apply_rope``): each product rounded to the dtype, then their sum. It gives the same bits in
+  bfloat16 and float16. A family that normalizes each head before RoPE (Qwen3 and Qwen3-MoE, Gemma 3)
+  passes its norms' weights: the head's norm is taken in the same program, with the bits
+  ``fused_rms_norm`` gives it (eagerly those norms and the rotation were about twelve kernels a layer:
+  the norms' copies out of the strided qkv view, and RoPE's six per q and k).
 - ``fused_rms_norm(x, weight, eps, unit_offset)`` and ``fused_add_rms_norm(x, delta, ...)``
   (``x + delta``, rounded as torch's sum is, then its norm: both returned): one program a row, the
   sum of squares in float32, then Llama's order (normalized, rounded to the dtype, times the weight)
@@ -33,7 +37,10 @@ import triton
 import triton.language as tl
 
 _lib = torch.library.Library("augur", "FRAGMENT")
-_lib.define("fused_rope(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads) -> (Tensor, Tensor)")
+_lib.define(
+    "fused_rope(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor? q_norm=None, "
+    "Tensor? k_norm=None, float eps=0.0, bool unit_offset=False) -> (Tensor, Tensor)"
+)
 _lib.define("fused_rms_norm(Tensor x, Tensor weight, float eps, bool unit_offset=False) -> Tensor")
 _lib.define(
     "fused_add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps, bool unit_offset=False) -> (Tensor, Tensor)"
@@ -67,8 +74,9 @@ def _round(x, DT: tl.constexpr):
 
 @triton.jit
 def _rope_kernel(
-    q_ptr, k_ptr, qkv_ptr, cos_ptr, sin_ptr, qkv_stride, cs_stride, H, HKV,
-    D: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, DT: tl.constexpr,
+    q_ptr, k_ptr, qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, qkv_stride, cs_stride, H, HKV, n_dim, eps,
+    D: tl.constexpr, D_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, DT: tl.constexpr,
+    NORM: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)  # below H: a query head; from H on: a key head
@@ -84,6 +92,17 @@ def _rope_kernel(
     s2 = tl.load(sin_ptr + row + HALF + cols, mask=m, other=0.0).to(tl.float32)
     dt = x1.dtype
     a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
+    if NORM > 0:  # the head's RMSNorm first (Qwen3's, Gemma 3's q/k norms), as _rms_norm_kernel computes it
+        full = tl.arange(0, D_PAD)
+        xf = tl.load(src + full, mask=full < D, other=0.0).to(tl.float32)  # the whole head: the same sum
+        r = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_dim + eps)  # (n_dim = D, a runtime value as there)
+        w_ptr = qn_ptr if h < H else kn_ptr
+        w1 = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + cols, mask=m, other=0.0).to(tl.float32)
+        if NORM == 2:  # Gemma: y * (1 + w) in float32
+            a1, a2 = _round(a1 * r * (1.0 + w1), DT), _round(a2 * r * (1.0 + w2), DT)
+        else:  # Llama: y rounded to the dtype, then times the weight
+            a1, a2 = _round(_round(a1 * r, DT) * w1, DT), _round(_round(a2 * r, DT) * w2, DT)
     # x * cos + cat(-x2, x1) * sin, each product rounded to the dtype before the sum (as eager torch).
     o1 = _round(_round(a1 * c1, DT) + _round(-a2 * s1, DT), DT).to(dt)
     o2 = _round(_round(a2 * c2, DT) + _round(a1 * s2, DT), DT).to(dt)
@@ -142,21 +161,37 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def fused_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int):
+def fused_rope(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+    unit_offset: bool = False,
+):
     """qkv [T, (heads + 2 kv_heads) * D]; cos/sin [T, D] (or [T, 1, D]) in qkv's dtype → q [T, heads, D],
-    k [T, kv_heads, D], rotated (rotate-half convention)."""
+    k [T, kv_heads, D], rotated (rotate-half convention). ``q_norm`` / ``k_norm`` [D]: each head is
+    RMS-normalized with them first (Qwen3's and Gemma 3's q/k norms; ``unit_offset``: Gemma's ``1 +
+    weight``), the bits :func:`fused_rms_norm` gives."""
     qkv = _rows(qkv)
     T = qkv.shape[0]
     D = qkv.shape[1] // (heads + 2 * kv_heads)
     cos, sin = _rows(cos), _rows(sin)
     q = qkv.new_empty(T, heads, D)
     k = qkv.new_empty(T, kv_heads, D)
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("fused_rope normalizes both q and k or neither")
     if T:
         half = D // 2
+        norm = 0 if q_norm is None else 2 if unit_offset else 1
         _rope_kernel[(T, heads + kv_heads)](
-            q, k, qkv, cos, sin, qkv.stride(0), cos.stride(0), heads, kv_heads,
-            D=D, HALF=half, HALF_PAD=triton.next_power_of_2(half), DT=_DTYPES[qkv.dtype],
-            num_warps=1 if D <= 128 else 2,
+            q, k, qkv, cos, sin, qkv if q_norm is None else q_norm, qkv if k_norm is None else k_norm,
+            qkv.stride(0), cos.stride(0), heads, kv_heads, D, eps,
+            D=D, D_PAD=triton.next_power_of_2(D), HALF=half, HALF_PAD=triton.next_power_of_2(half),
+            DT=_DTYPES[qkv.dtype], NORM=norm, num_warps=1 if D <= 128 else 2,
         )  # fmt: skip
     return q, k
 
@@ -201,7 +236,7 @@ def fused_act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     return out.view(*shape[:-1], inner)
 
 
-def _fake_rope(qkv, cos, sin, heads, kv_heads):
+def _fake_rope(qkv, cos, sin, heads, kv_heads, *_, **__):
     D = qkv.shape[-1] // (heads + 2 * kv_heads)
     return qkv.new_empty(qkv.shape[0], heads, D), qkv.new_empty(qkv.shape[0], kv_heads, D)
 

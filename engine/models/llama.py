@@ -104,15 +104,17 @@ class LlamaAttention(nn.Module):
         # [2, this rank's KV heads] float32: K and V scales of an FP8 KV cache, where the checkpoint carries
         # them (engine/attention/kv_dtype.py; set by LlamaForCausalLM.load_weights); None: 1.0
         self.register_buffer("kv_scales", None, persistent=False)
-        self.fused = False  # RoPE on augur::fused_rope (LlamaForCausalLM.use_fused_ops)
+        self.fused = False  # q/k norms and RoPE on augur::fused_rope (LlamaForCausalLM.use_fused_ops)
 
     def forward(self, x, cos, sin, kv_pool: torch.Tensor, layer: int, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.fused and self.q_norm is None:
-            q, k = torch.ops.augur.fused_rope(qkv, cos, sin, self.num_heads, self.num_kv_heads)
+        if self.fused:  # the q/k norms (where the family has them) and RoPE in one kernel
+            qn, kn = self.q_norm, self.k_norm
+            norms = (None, None, 0.0, False) if qn is None else (qn.weight, kn.weight, qn.eps, qn.unit_offset)
+            q, k = torch.ops.augur.fused_rope(qkv, cos, sin, self.num_heads, self.num_kv_heads, *norms)
         else:
             q = q.view(T, self.num_heads, self.head_dim)
             k = k.view(T, self.num_kv_heads, self.head_dim)
