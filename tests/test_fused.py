@@ -14,6 +14,7 @@ import pytest
 import torch
 from test_gemma2 import build_gemma2_dir
 from test_gemma3 import build_gemma3_dir
+from test_moe import build_moe_dir
 
 from engine.models.invariant import _act_mul, _rms_norm
 from engine.models.llama import apply_rope
@@ -140,10 +141,15 @@ def family_dirs(model_dirs, tmp_path_factory, tokenizer_dir):
     dirs["Gemma2ForCausalLM"] = build_gemma2_dir(tmp_path_factory.mktemp("gemma2") / "m", tokenizer_dir, std=0.08)
     # Gemma 3: q/k norms scaled by 1 + weight
     dirs["Gemma3ForCausalLM"] = build_gemma3_dir(tmp_path_factory.mktemp("gemma3"), tokenizer_dir, "text")
+    # Qwen3-MoE: its routing on augur::moe_route (on CUDA the routing and layout kernels), q/k norms
+    dirs["Qwen3MoeForCausalLM"] = build_moe_dir(tmp_path_factory.mktemp("moe"), tokenizer_dir, "Qwen3MoeForCausalLM")
     return dirs
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"])
+ARCHS = ["LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_a_model_on_the_fused_kernels_matches_its_eager_forward(family_dirs, arch):
     dtype = torch.bfloat16
     path = family_dirs[arch]
@@ -175,11 +181,11 @@ def test_the_loader_turns_them_on_for_half_precision_cuda_only():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])  # Qwen3: its q/k norms in RoPE's kernel
-def test_fused_kernels_inside_captured_graphs_on_gpu(model_dirs, arch):
-    """A bfloat16 model on CUDA serves on the fused kernels, and its captured graphs replay what the
-    eager forward computes."""
-    path = model_dirs[arch]
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"])
+def test_fused_kernels_inside_captured_graphs_on_gpu(family_dirs, arch):
+    """A bfloat16 model on CUDA serves on the fused kernels (Qwen3's q/k norms inside RoPE's; Qwen3-MoE's
+    routing and row layout), and its captured graphs replay what the eager forward computes."""
+    path = family_dirs[arch]
     config = load_config(path)
     model = load_model(path, config, torch.bfloat16, torch.device("cuda"), 64)
     assert all(m.fused for m in model.modules() if hasattr(m, "fused"))

@@ -327,6 +327,50 @@ def test_row_blocks_cover_each_experts_rows_once():
     assert block_expert.shape[0] == 5 + 5 and (block_expert == 5).sum() == 10 - 6  # the grid's bound, the rest idle
 
 
+@pytest.mark.parametrize(
+    "E,k,T,block_m",
+    [(5, 2, 5, 2), (128, 8, 1, 16), (128, 8, 8, 16), (60, 4, 17, 16), (4, 2, 140, 64), (3, 3, 11, 4), (8, 2, 40, 16)],
+)
+def test_the_layout_kernel_gives_row_blocks_values(E, k, T, block_m):
+    """The one-program layout of a decode's or a verify's slots (Qwen3-30B-A3B's 128 experts at k = 8,
+    widths off the powers of two, experts with no rows, with exactly a block's rows, prefill blocks)
+    holds the very values torch's sort and scans give."""
+    from engine.models.moe_triton import device_row_blocks, row_blocks
+
+    g = torch.Generator().manual_seed(E * 100 + T)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    if (E, T) == (5, 5):  # expert 0 gets exactly two blocks of 2, expert 4 none
+        ids = torch.tensor([[0, 1], [0, 2], [3, 0], [1, 3], [0, 2]])
+    for want, got in zip(row_blocks(ids, E, block_m), device_row_blocks(ids, E, block_m), strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["softmax-then-top-k", "top-k-then-softmax"])
+@pytest.mark.parametrize("renormalize", [False, True], ids=["raw", "renormalized"])
+@pytest.mark.parametrize("E,k", [(128, 8), (60, 4), (8, 1)])
+def test_the_routing_kernel_routes_as_the_eager_router(after, renormalize, E, k):
+    """augur::moe_route's kernel: the eager router's experts in its order, its weights within float32
+    rounding, a token's routing alone equal to its row in a batch; at a tie (bfloat16 logits tie often
+    among 128 experts) the lower index first."""
+    from engine.models.moe import moe_route
+    from engine.models.moe_triton import triton_moe_route
+
+    g = torch.Generator().manual_seed(E + k)
+    logits = torch.randn(9, E, generator=g) * 2
+    ids, weights = triton_moe_route(logits, k, renormalize, after)
+    want_ids, want_weights = moe_route(logits, k, renormalize, after)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=2e-6, atol=1e-7)
+    alone_ids, alone_weights = triton_moe_route(logits[4:5], k, renormalize, after)
+    assert torch.equal(alone_ids, ids[4:5]) and torch.equal(alone_weights, weights[4:5])
+    tied = torch.full((1, E), -1.0).to(torch.bfloat16)
+    tied[0, [E - 1, E // 2, 0]] = 3.0  # three equal best logits
+    tied_ids, tied_weights = triton_moe_route(tied, k, renormalize, after)
+    assert tied_ids[0].tolist() == ([0, E // 2, E - 1] + [1, 2, 3, 4, 5])[:k]
+    if k > 1:
+        assert tied_weights[0, 0] == tied_weights[0, 1]
+
+
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh", "clamped_swiglu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_gpu_kernels_compute_the_mixture(act, dtype):

@@ -16,7 +16,8 @@ in the step as long as each expert's product is: under the batch-invariant mode 
 The operator is opaque to ``torch.compile`` (how many rows each expert gets is data the host reads:
 one sync a layer), so a compiled forward compiles around it instead of recompiling per routing. On
 CUDA it runs Triton kernels instead (engine/models/moe_triton.py): no sync, one launch per
-projection, so a mixture's forward is captured in CUDA graphs like a dense one's.
+projection, so a mixture's forward is captured in CUDA graphs like a dense one's; the routing
+(``augur::moe_route``) is one kernel there too under the fused operators.
 
 Tensor parallelism (``-tp``) splits every expert like a dense MLP, each rank holding its slice of
 each expert's inner dimension (Megatron's layout, every rank's experts all of them): the router is
@@ -45,6 +46,8 @@ _lib.define(
     "moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor gate_up, Tensor down, Tensor? gate_up_bias, "
     "Tensor? down_bias, str act, str ops, float alpha=1.0, float limit=0.0) -> Tensor"
 )
+
+_lib.define("moe_route(Tensor logits, int top_k, bool renormalize, bool softmax_after_topk) -> (Tensor, Tensor)")
 
 OPS = ("eager", "invariant", "fused")  # the products' and activation's operators (see SparseMoE.ops)
 CLAMPED_SWIGLU = "clamped_swiglu"  # gpt-oss's expert activation (see _clamped_swiglu)
@@ -113,13 +116,39 @@ _lib.impl("moe_experts", moe_experts, "CompositeExplicitAutograd")
 torch.library.register_fake("augur::moe_experts", lambda x, *_, **__: torch.empty_like(x), lib=_lib)
 
 
+def moe_route(
+    logits: torch.Tensor, top_k: int, renormalize: bool, softmax_after_topk: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] the router's → (ids [T, k] int64, weights [T, k] float32): each token's experts,
+    most probable first. The softmax over every expert in float32, its k largest (``renormalize``:
+    divided by their sum: ``norm_topk_prob``); or (``softmax_after_topk``, gpt-oss) the k largest
+    logits and the softmax of those. On CUDA one Triton kernel (engine/models/moe_triton.py)."""
+    if softmax_after_topk:
+        top, ids = torch.topk(logits, top_k, dim=-1)
+        return ids, torch.softmax(top.float(), dim=-1)
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights
+
+
+def _fake_route(logits, top_k, *_):
+    shape = (logits.shape[0], top_k)
+    return logits.new_empty(shape, dtype=torch.int64), logits.new_empty(shape, dtype=torch.float32)
+
+
+_lib.impl("moe_route", moe_route, "CompositeExplicitAutograd")
+torch.library.register_fake("augur::moe_route", _fake_route, lib=_lib)
+
+
 class SparseMoE(nn.Module):
     """A mixture-of-experts MLP block (see the module docstring). Parameters: ``gate`` (the router,
     [E, H]), ``experts_gate_up`` [E, 2I, H] and ``experts_down`` [E, H, I] (this rank's I), and a
     ``shared_expert`` with its ``shared_expert_gate`` where the family has one."""
 
     invariant = False  # the products and activation on the batch-invariant operators (use_invariant_ops)
-    fused = False  # the activation on augur::fused_act_mul (use_fused_ops)
+    fused = False  # the routing on augur::moe_route, the activation on augur::fused_act_mul (use_fused_ops)
 
     def __init__(
         self,
@@ -172,15 +201,10 @@ class SparseMoE(nn.Module):
         return "invariant" if self.invariant else "fused" if self.fused else "eager"
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids [T, k], weights [T, k] float32): each token's experts, most probable first."""
-        if self.softmax_after_topk:
-            top, ids = torch.topk(self.gate(x), self.top_k, dim=-1)
-            return ids, torch.softmax(top.float(), dim=-1)
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return ids, weights
+        """(ids [T, k], weights [T, k] float32): each token's experts, most probable first
+        (:func:`moe_route`; under the fused operators its one-kernel form on CUDA)."""
+        route = torch.ops.augur.moe_route if self.fused else moe_route
+        return route(self.gate(x), self.top_k, self.norm_topk_prob, self.softmax_after_topk)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)

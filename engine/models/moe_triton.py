@@ -6,10 +6,16 @@ one matrix product per expert: a sync per layer, which a CUDA graph cannot hold,
 Here everything the kernels need is computed on the device, at shapes fixed by the batch's token
 count alone:
 
+- the routing (``augur::moe_route`` under the fused operators): a program a token takes the softmax
+  over the router's logits, its k largest and their renormalization, in place of the eager softmax,
+  top-k, sum and division;
 - the slots (token, choice) sorted by expert (``order``), each expert's rows counted and its run of
   sorted rows cut into blocks of ``BLOCK_M`` rows; the number of blocks is at most
   ``ceil(T * k / BLOCK_M) + E`` (each expert wastes at most one partial block), so the grid is that
-  bound and the programs past the real blocks return at once;
+  bound and the programs past the real blocks return at once. Up to ``LAYOUT_MAX_SLOTS`` slots (a
+  decode's or a verify's) this layout is one program of one kernel; torch's sort, counts, scans and
+  searches were about fifteen launches a layer, which at batch 1 cost more than the experts' products
+  (the fifth GPU run's profile of Qwen3-30B-A3B, docs/benchmarks-history.md);
 - kernel 1, per (block, tile of the inner dimension): the block's tokens' rows of ``x`` gathered
   straight from ``x`` (no copy), times the expert's gate and up rows, the bias, the activation
   (SiLU, tanh-GELU or gpt-oss's clamped SwiGLU) fused; the result [T * k, I] in sorted order;
@@ -139,6 +145,117 @@ def _combine_kernel(out_ptr, slot_ptr, w_ptr, H, K: tl.constexpr, BLOCK: tl.cons
     tl.store(out_ptr + t * H + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _route_kernel(
+    ids_ptr, w_ptr, logits_ptr, stride_l, E,
+    K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORM: tl.constexpr, AFTER: tl.constexpr,
+):  # fmt: skip
+    """One token's routing (``moe.moe_route``): its k experts, largest first (a tie: the lower index)."""
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, E_PAD)
+    ok = e < E
+    x = tl.load(logits_ptr + t * stride_l + e, mask=ok, other=float("-inf")).to(tl.float32)
+    if AFTER:  # gpt-oss: the k largest logits, then their softmax
+        score = x
+    else:  # the softmax over every expert, then its k largest
+        p = tl.exp(x - tl.max(x, axis=0))
+        score = tl.where(ok, p / tl.sum(p, axis=0), -1.0)
+    j = tl.arange(0, K_PAD)
+    top = tl.zeros([K_PAD], tl.float32)
+    for i in tl.static_range(K):
+        best = tl.max(score, axis=0)
+        pick = tl.min(tl.where(score == best, e, E_PAD), axis=0)
+        tl.store(ids_ptr + t * K + i, pick.to(tl.int64))
+        top = tl.where(j == i, best, top)
+        score = tl.where(e == pick, float("-inf"), score)
+    if AFTER:
+        p = tl.where(j < K, tl.exp(top - tl.max(tl.where(j < K, top, float("-inf")), axis=0)), 0.0)
+        top = p / tl.sum(p, axis=0)
+    elif RENORM:
+        top = top / tl.sum(top, axis=0)
+    tl.store(w_ptr + t * K + j, top, mask=j < K)
+
+
+@triton.jit
+def _layout_kernel(
+    order_ptr, block_expert_ptr, block_start_ptr, seg_end_ptr, ids_ptr, S, E, NB,
+    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """:func:`row_blocks` in one program, walking the slots in chunks: each expert's count, the scans,
+    and the stable sort by expert (a slot's place: its expert's first row plus the slots of that expert
+    before it), each a comparison of a chunk against the experts or against itself."""
+    e = tl.arange(0, E_PAD)
+    e_ok = e < E
+    c = tl.arange(0, CHUNK)
+    counts = tl.zeros([E_PAD], tl.int32)
+    for s0 in range(0, S, CHUNK):
+        idv = tl.load(ids_ptr + s0 + c, mask=s0 + c < S, other=-1)
+        counts += tl.sum((idv[None, :] == e[:, None]).to(tl.int32), axis=1)
+    seg_end = tl.cumsum(counts, axis=0)
+    seg_start = seg_end - counts
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    blocks_end = tl.cumsum(blocks, axis=0)
+    blocks_start = blocks_end - blocks
+    tl.store(seg_end_ptr + e, seg_end, mask=e_ok)
+    # A slot's place in the stable sort: its expert's first row, plus the earlier slots of that expert
+    # (those of the chunks before, counted in ``seen``, and those before it in its own chunk).
+    seen = tl.zeros([E_PAD], tl.int32)
+    for s0 in range(0, S, CHUNK):
+        s = s0 + c
+        idv = tl.load(ids_ptr + s, mask=s < S, other=-1)
+        hit = idv[:, None] == e[None, :]  # [CHUNK, E_PAD]
+        place = tl.sum(tl.where(hit, (seg_start + seen)[None, :], 0), axis=1)
+        earlier = (idv[None, :] == idv[:, None]) & (c[None, :] < c[:, None])  # [CHUNK, CHUNK]
+        place += tl.sum(earlier.to(tl.int32), axis=1)
+        tl.store(order_ptr + place, s.to(tl.int64), mask=s < S)
+        seen += tl.sum(hit.to(tl.int32), axis=0)
+    # Each row block's expert (the experts whose blocks end at or before it: E when past them all) and
+    # first sorted row.
+    for b0 in range(0, NB, CHUNK):
+        b = b0 + c
+        be = tl.sum(((blocks_end[None, :] <= b[:, None]) & e_ok[None, :]).to(tl.int32), axis=1)
+        mine = e[None, :] == tl.minimum(be, E - 1)[:, None]
+        first = tl.sum(tl.where(mine, seg_start[None, :], 0), axis=1)
+        skip = tl.sum(tl.where(mine, blocks_start[None, :], 0), axis=1)
+        tl.store(block_expert_ptr + b, be, mask=b < NB)
+        tl.store(block_start_ptr + b, first + (b - skip) * BLOCK_M, mask=b < NB)
+
+
+def triton_moe_route(logits: torch.Tensor, top_k: int, renormalize: bool, softmax_after_topk: bool):
+    """``augur::moe_route`` (engine/models/moe.py) in one kernel: a program a token."""
+    T, E = logits.shape
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    if T:
+        logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+        _route_kernel[(T,)](
+            ids, weights, logits, logits.stride(0), E, K=top_k, K_PAD=triton.next_power_of_2(top_k),
+            E_PAD=triton.next_power_of_2(E), RENORM=renormalize, AFTER=softmax_after_topk,
+            num_warps=1 if E <= 256 else 4,
+        )  # fmt: skip
+    return ids, weights
+
+
+LAYOUT_MAX_SLOTS = 1024  # most slots (tokens x k) row_blocks lays out in one program (more: torch's sort and scans)
+
+
+def device_row_blocks(ids: torch.Tensor, num_experts: int, block_m: int):
+    """:func:`row_blocks` as one kernel launch (in place of about fifteen small ones), for up to
+    ``LAYOUT_MAX_SLOTS`` slots: the same four tensors, the same values."""
+    flat = ids.reshape(-1)
+    S = flat.numel()
+    nb = triton.cdiv(S, block_m) + num_experts
+    order = torch.empty(S, dtype=torch.int64, device=ids.device)
+    block_expert = torch.empty(nb, dtype=torch.int32, device=ids.device)
+    block_start = torch.empty(nb, dtype=torch.int32, device=ids.device)
+    seg_end = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+    _layout_kernel[(1,)](
+        order, block_expert, block_start, seg_end, flat.contiguous(), S, num_experts, nb,
+        BLOCK_M=block_m, E_PAD=triton.next_power_of_2(num_experts), CHUNK=32, num_warps=4,
+    )  # fmt: skip
+    return order, block_expert, block_start, seg_end
+
+
 def row_blocks(ids: torch.Tensor, num_experts: int, block_m: int):
     """The slots sorted by expert and cut into row blocks, on the device at fixed shapes: (order [S],
     block_expert [NB] int32 (``num_experts``: no block), block_start [NB] int32 (its first sorted
@@ -170,7 +287,8 @@ def triton_moe_experts(
     # of 64 where the experts average that many rows (a prefill).
     block_m = 16 if ops == "invariant" or T * k < 64 * E else 64
     x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
-    order, block_expert, block_start, seg_end = row_blocks(ids, E, block_m)
+    lay_out = device_row_blocks if T * k <= LAYOUT_MAX_SLOTS else row_blocks
+    order, block_expert, block_start, seg_end = lay_out(ids, E, block_m)
     nb = block_expert.shape[0]
     upcast = triton_interpreted() and x.dtype != torch.float32
     block_k = 64 if x.dtype != torch.float32 else 32
@@ -198,3 +316,4 @@ def triton_moe_experts(
 
 _lib = torch.library.Library("augur", "IMPL")
 _lib.impl("moe_experts", triton_moe_experts, "CUDA")
+_lib.impl("moe_route", triton_moe_route, "CUDA")
