@@ -66,6 +66,10 @@ SHAPES: dict[str, dict] = {
         cls="Qwen2ForCausalLM", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
         num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
     ),
+    "qwen3-8b": dict(  # q/k normalized per head (inside RoPE's kernel on the fused operators)
+        cls="Qwen3ForCausalLM", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+    ),
     "gemma-2-9b": dict(
         cls="Gemma2ForCausalLM", vocab_size=256000, hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
         num_attention_heads=16, num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
@@ -105,6 +109,7 @@ SHAPES: dict[str, dict] = {
 _CONFIGS = {
     "LlamaForCausalLM": transformers.LlamaConfig,
     "Qwen2ForCausalLM": transformers.Qwen2Config,
+    "Qwen3ForCausalLM": transformers.Qwen3Config,
     "Gemma2ForCausalLM": transformers.Gemma2Config,
     "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
     "GptOssForCausalLM": transformers.GptOssConfig,

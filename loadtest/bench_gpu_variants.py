@@ -6,6 +6,9 @@ weights, ``loadtest.bench_gpu.build``, CUDA graphs as served, ``--context`` toke
 sequence), the same forwards as each option serves them:
 
 * ``plain``: bfloat16 weights on the fused kernels (the default);
+* ``unfused``: the same weights with the small operators eager (``use_fused_ops(model, False)``): what
+  the fused kernels (engine/models/fused.py; a mixture's routing and row layout, engine/models/moe_triton.py)
+  save;
 * ``invariant``: ``--batch-invariant on`` (engine/models/invariant_cuda.py: one tile shape and a fixed
   split of K for every batch size), whose cost issue 57 asks for;
 * ``int4``: ``--quantization int4`` (4-bit weights in groups, engine/quant/int4.py);
@@ -18,7 +21,8 @@ sequence), the same forwards as each option serves them:
   them (sequence ``i`` under adapter ``i % 4``), and beside it the same runner's base rows alone
   (``decode_base_ms``);
 
-and each mixture shape (``--moe-shapes``, plain) against the bound set by the bytes its routed experts
+and each mixture shape (``--moe-shapes``, under each of ``--moe-variants``, plain by default) against
+the bound set by the bytes its routed experts
 read: at batch B with k of E experts a token, the expected number of distinct experts a layer reads is
 ``E (1 - (1 - k/E)^B)`` when routing is uniform, as it is for random router weights.
 
@@ -41,13 +45,14 @@ from torch import nn
 
 from engine.lora import LoraSlots
 from engine.models import model_class_for
+from engine.models.llama import use_fused_ops
 from engine.quant.fp8 import quantize_linears_fp8
 from engine.quant.int4 import quantize_linears_int4
 from engine.runner.model_runner import ForwardChunk
 from loadtest.bench_gpu import BLOCK, SHAPES, build, copy_bandwidth, device_name, model_config, sync, time_forward
 from loadtest.bench_gpu_scale import fill_pool, linear_flops, matmul_rate, tables
 
-VARIANTS = ("plain", "invariant", "int4", "fp8", "skinny", "fp8-skinny", "int4-skinny", "lora")
+VARIANTS = ("plain", "unfused", "invariant", "int4", "fp8", "skinny", "fp8-skinny", "int4-skinny", "lora")
 LORA_ADAPTERS, LORA_RANK = 4, 16
 
 
@@ -68,6 +73,7 @@ def _skinny(model: nn.Module) -> None:
 
 PREPARE = {
     "plain": None,
+    "unfused": lambda model: use_fused_ops(model, False),
     "invariant": None,
     "int4": quantize_linears_int4,
     "fp8": quantize_linears_fp8,
@@ -169,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", default="llama-3.1-8b", choices=SHAPES, help="the dense shape the options run on")
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--moe-shapes", nargs="*", default=["qwen3-30b-a3b", "gpt-oss-20b"], choices=SHAPES)
+    ap.add_argument("--moe-variants", nargs="+", default=["plain"], choices=VARIANTS, help="each mixture's options")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--context", type=int, default=1024, help="tokens already in each sequence's cache")
@@ -186,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                         results=[], errors=[])  # fmt: skip
     print(f"device: {report['device']}; copy {bandwidth / 1e9:.0f} GB/s; matmul {rate / 1e12:.1f} TFLOP/s; "
           f"{args.dtype}; context {args.context}", flush=True)  # fmt: skip
-    runs = [(args.shape, v) for v in args.variants] + [(s, "plain") for s in args.moe_shapes]
+    runs = [(args.shape, v) for v in args.variants] + [(s, v) for s in args.moe_shapes for v in args.moe_variants]
     for shape, variant in runs:
         try:
             report["results"].append(measure(shape, variant, args, device, dtype, bandwidth, rate))

@@ -4,7 +4,7 @@
 # GPU-marked test and the test files whose tensors live on CUDA when it exists (in parallel workers
 # where pytest-xdist came in ./.whl); on request, the step costs by batch size, a prefill, the
 # drafters and the controller's choice (loadtest.bench_gpu_scale, stage "scale"), the serving options that
-# change the kernels (batch-invariant, int4, FP8, LoRA) and the mixtures at their published shapes
+# change the kernels (fused or eager small operators, batch-invariant, int4, FP8, LoRA) and the mixtures at their published shapes
 # (loadtest.bench_gpu_variants, stage "variants"), the few-rows linear kernel against cuBLAS at each layer
 # shape (loadtest.bench_gpu_skinny, stage "skinny"; SKINNY_ARGS="--dtype fp8" or "--dtype int4" for the
 # quantized layers), where each
@@ -21,9 +21,11 @@
 # Each failing test's traceback goes to $OUT/failures.log as it fails (tests/conftest.py), so a run
 # cut short by its time limit still says why.
 # In a 15-minute lease (a start costs 1-2 minutes): one call with STAGES="skinny variants tests" (timeout_s
-# 560; VARIANTS_ARGS="--variants skinny fp8 fp8-skinny int4 int4-skinny --moe-shapes gpt-oss-20b"), then STAGES="scale"
-# or STAGES=served with what is left; carry .whl in every call. The C++ CPU kernels the
-# tests need build in the background while the benchmarks run.
+# 560; VARIANTS_TIMEOUT=240 VARIANTS_ARGS="--variants plain skinny fp8 fp8-skinny int4 int4-skinny --moe-shapes
+# qwen3-30b-a3b gpt-oss-20b --moe-variants plain unfused": the mixtures' routing and layout kernels against the
+# eager operators), then STAGES=variants with VARIANTS_ARGS="--shape qwen3-8b --variants plain unfused --moe-shapes"
+# (Qwen3's q/k norms inside RoPE's kernel), STAGES="scale" or STAGES=served with what is left; carry .whl in
+# every call. The C++ CPU kernels the tests need build in the background while the benchmarks run.
 set -u
 OUT=${OUT:-/tmp/augur-gpu-checks}
 mkdir -p "$OUT"

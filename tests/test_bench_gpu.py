@@ -39,13 +39,15 @@ def test_real_shapes_build_as_published():
     from engine.models import model_class_for
 
     counts = {}
-    for name in ("llama-3.1-8b", "qwen2.5-7b", "gemma-2-9b", "llama-3.2-1b", "qwen3-30b-a3b", "gpt-oss-20b"):
+    names = ("llama-3.1-8b", "qwen2.5-7b", "qwen3-8b", "gemma-2-9b", "llama-3.2-1b", "qwen3-30b-a3b", "gpt-oss-20b")
+    for name in names:
         config = bench_gpu.model_config(name, max_positions=64)
         with torch.device("meta"):
             model = model_class_for(config)(config, 64)
         counts[name] = sum(p.numel() for p in model.parameters()) / 1e9
     assert counts["llama-3.1-8b"] == pytest.approx(8.03, abs=0.01)
     assert counts["qwen2.5-7b"] == pytest.approx(7.62, abs=0.01)
+    assert counts["qwen3-8b"] == pytest.approx(8.19, abs=0.01)
     assert counts["gemma-2-9b"] == pytest.approx(9.24, abs=0.01)
     assert counts["llama-3.2-1b"] == pytest.approx(1.24, abs=0.01)
     assert counts["qwen3-30b-a3b"] == pytest.approx(30.53, abs=0.01)
@@ -60,12 +62,14 @@ def test_serving_options_are_measured_against_their_own_bytes(tmp_path):
 
     out = tmp_path / "variants.json"
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    argv = ["--shape", "tiny", "--moe-shapes", "tiny-moe", "--device", device, "--dtype", "float32", "--context", "40",
-            "--repeats", "2", "--prefill", "32", "--batch-sizes", "1", "3", "--output", str(out)]  # fmt: skip
+    argv = ["--shape", "tiny", "--moe-shapes", "tiny-moe", "--moe-variants", "plain", "unfused", "--device", device,
+            "--dtype", "float32", "--context", "40", "--repeats", "2", "--prefill", "32", "--batch-sizes", "1", "3",
+            "--output", str(out)]  # fmt: skip
     assert bench_gpu_variants.main(argv) == 0
     report = json.loads(out.read_text())
     got = {(r["shape"], r["variant"]): r for r in report["results"]}
-    assert set(got) == {("tiny", v) for v in bench_gpu_variants.VARIANTS} | {("tiny-moe", "plain")}
+    moe_runs = {("tiny-moe", v) for v in ("plain", "unfused")}
+    assert set(got) == {("tiny", v) for v in bench_gpu_variants.VARIANTS} | moe_runs
     for r in got.values():
         assert set(r["decode"]) == {"1", "3"} and r["verify4_ms"] > 0 and r["prefill"]["ms"] > 0
         assert all(0 < d["fraction_of_bound"] and d["ms"] > 0 for d in r["decode"].values())
