@@ -96,7 +96,10 @@ def _rope_kernel(
         full = tl.arange(0, D_PAD)
         xf = tl.load(src + full, mask=full < D, other=0.0).to(tl.float32)  # the whole head: the same sum
         r = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_dim + eps)  # (n_dim = D, a runtime value as there)
-        w_ptr = qn_ptr if h < H else kn_ptr
+        if h < H:
+            w_ptr = qn_ptr
+        else:
+            w_ptr = kn_ptr
         w1 = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
         w2 = tl.load(w_ptr + HALF + cols, mask=m, other=0.0).to(tl.float32)
         if NORM == 2:  # Gemma: y * (1 + w) in float32
