@@ -351,7 +351,7 @@ def test_the_layout_kernel_gives_row_blocks_values(E, k, T, block_m):
 def test_the_routing_kernel_routes_as_the_eager_router(after, renormalize, E, k):
     """augur::moe_route's kernel: the eager router's experts in its order, its weights within float32
     rounding, a token's routing alone equal to its row in a batch; at a tie (bfloat16 logits tie often
-    among 128 experts) the lower index first."""
+    among 128 experts) the lower index first, in the kernel and the eager router alike."""
     from engine.models.moe import moe_route
     from engine.models.moe_triton import triton_moe_route
 
@@ -367,6 +367,7 @@ def test_the_routing_kernel_routes_as_the_eager_router(after, renormalize, E, k)
     tied[0, [E - 1, E // 2, 0]] = 3.0  # three equal best logits
     tied_ids, tied_weights = triton_moe_route(tied, k, renormalize, after)
     assert tied_ids[0].tolist() == ([0, E // 2, E - 1] + [1, 2, 3, 4, 5])[:k]
+    assert torch.equal(moe_route(tied, k, renormalize, after)[0], tied_ids)  # the eager router's rule too
     if k > 1:
         assert tied_weights[0, 0] == tied_weights[0, 1]
 

@@ -122,15 +122,25 @@ def moe_route(
     """logits [T, E] the router's → (ids [T, k] int64, weights [T, k] float32): each token's experts,
     most probable first. The softmax over every expert in float32, its k largest (``renormalize``:
     divided by their sum: ``norm_topk_prob``); or (``softmax_after_topk``, gpt-oss) the k largest
-    logits and the softmax of those. On CUDA one Triton kernel (engine/models/moe_triton.py)."""
+    logits and the softmax of those. On CUDA one Triton kernel (engine/models/moe_triton.py).
+
+    Of equal values the lower-numbered expert comes first, here and in the kernel: bfloat16 router
+    logits tie often (two of 128 experts, or the k-th and the next of 8), and ``torch.topk`` leaves
+    the order of ties unspecified, which at the k-th place decides which expert a token reads."""
     if softmax_after_topk:
-        top, ids = torch.topk(logits, top_k, dim=-1)
+        top, ids = _largest(logits, top_k)
         return ids, torch.softmax(top.float(), dim=-1)
     probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
+    weights, ids = _largest(probs, top_k)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return ids, weights
+
+
+def _largest(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of each row's k largest, largest first, a tie taken by the lower index."""
+    top, ids = torch.sort(values, dim=-1, descending=True, stable=True)
+    return top[:, :k], ids[:, :k]
 
 
 def _fake_route(logits, top_k, *_):
