@@ -81,6 +81,37 @@ def test_rope_with_the_heads_norms_gives_the_two_kernels_bits(dtype, unit_offset
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norms", [False, True], ids=["llama", "qwen3"])
+def test_rope_writes_each_tokens_kv_where_the_attention_operator_would(dtype, norms):
+    """With a pool and the tokens' slots, the RoPE kernel also stores each token's rotated k and its v
+    in its slot of the layer's pool: the very rows write_rows stores, nothing else touched."""
+    from engine.attention.kv_dtype import write_rows
+
+    g = torch.Generator().manual_seed(7 + norms)
+    T, D, heads, kv_heads, layers, num_slots = 5, 64, 4, 2, 3, 12
+    width = (heads + 2 * kv_heads) * D
+    qkv = torch.randn(T, width, generator=g).to(dtype).to(DEVICE)
+    cos = torch.randn(T, 1, D, generator=g).to(dtype).to(DEVICE)
+    sin = torch.randn(T, 1, D, generator=g).to(dtype).to(DEVICE)
+    extra = ()
+    if norms:
+        extra = (torch.randn(D, generator=g).to(dtype).to(DEVICE), torch.randn(D, generator=g).to(dtype).to(DEVICE))
+        extra = (*extra, 1e-6, False)
+    else:
+        extra = (None, None, 0.0, False)
+    pool = torch.randn(layers, 2, num_slots, kv_heads, D, generator=g).to(dtype).to(DEVICE)
+    want = pool.clone()
+    slots = torch.tensor([9, 0, 4, 11, 3], device=DEVICE)  # out of order, as a paged batch's are
+    q, k = fused.fused_rope(qkv, cos, sin, heads, kv_heads, *extra, pool, 1, slots)
+    q_ref, k_ref = fused.fused_rope(qkv, cos, sin, heads, kv_heads, *extra)
+    assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
+    v = qkv[:, (heads + kv_heads) * D :].reshape(T, kv_heads, D)
+    write_rows(want[1, 0], slots, k_ref, None)
+    write_rows(want[1, 1], slots, v, None)
+    assert torch.equal(pool, want)  # the two rows of each token, and every other slot and layer as it was
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("unit_offset", [False, True], ids=["llama", "gemma"])
 def test_norms_round_as_eager_and_each_row_alone(dtype, unit_offset):
     g = torch.Generator().manual_seed(1)
@@ -165,6 +196,35 @@ def test_a_model_on_the_fused_kernels_matches_its_eager_forward(family_dirs, arc
     # The norms may differ from torch's in a last bit, and the difference travels: close, not equal.
     assert (got - eager).abs().max() <= 0.05 * eager.abs().max()
     assert (got.argmax(-1) == eager.argmax(-1)).float().mean() >= 0.9
+
+
+def test_a_model_writes_its_kv_in_ropes_kernel_with_the_bits_the_attention_operator_writes(model_dirs, monkeypatch):
+    """On the triton attention backend (Triton's interpreter here) a fused model writes the new K/V in
+    RoPE's kernel: the same logits and the same pool, bit for bit, as with the operator's two copies."""
+    from engine.attention.triton_paged import TritonMetadata
+
+    path = model_dirs["Qwen3ForCausalLM"]
+    config = load_config(path)
+    dtype = torch.bfloat16
+    model = load_model(path, config, dtype, torch.device(DEVICE), 64)
+    _set_fused(model, True)
+    prompt = [5, 9, 17, 33, 65, 120, 7, 8, 200, 11]
+    outs, pools, writes = [], [], []
+    real = TritonMetadata.kv_write_slots
+    for fold in (True, False):
+        def slots(meta, kv_pool, fold=fold):
+            got = real(meta, kv_pool) if fold else None
+            writes.append(got is not None)
+            return got
+
+        monkeypatch.setattr(TritonMetadata, "kv_write_slots", slots)
+        runner = ModelRunner(model, config, torch.device(DEVICE), dtype, 4, num_blocks=32, attention_backend="triton")
+        table = list(range(32))
+        runner.forward([ForwardChunk(prompt, 0, table, len(prompt))])
+        outs.append(runner.forward([ForwardChunk([42], len(prompt), table, 1)]).logits)
+        pools.append(runner.kv_cache.clone())
+    assert any(writes) and not all(writes)  # the first pass wrote in RoPE's kernel, the second did not
+    assert torch.equal(outs[0], outs[1]) and torch.equal(pools[0], pools[1])
 
 
 def _kept_eager(module) -> bool:

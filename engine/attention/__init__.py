@@ -43,8 +43,8 @@ class AttentionMetadata(Protocol):
     def attend(
         self,
         q: torch.Tensor,  # [T, H, D]
-        k: torch.Tensor,  # [T, Hkv, D]
-        v: torch.Tensor,  # [T, Hkv, D]
+        k: torch.Tensor | None,  # [T, Hkv, D]; None: already in the pool (kv_write_slots)
+        v: torch.Tensor | None,  # [T, Hkv, D]; None alike
         kv_pool: torch.Tensor,  # [layers, 2, num_slots, Hkv, D]
         layer: int,
         scale: float,
@@ -53,6 +53,12 @@ class AttentionMetadata(Protocol):
         sinks: torch.Tensor | None = None,  # [H] float32
         kv_scales: torch.Tensor | None = None,  # [2, Hkv] float32: an FP8 pool's K and V scales (kv_dtype.py)
     ) -> torch.Tensor: ...  # [T, H * D]
+
+    def kv_write_slots(self, kv_pool: torch.Tensor) -> torch.Tensor | None:
+        """[T] int64: the slot of each new token, where the caller may write the new K/V into
+        ``kv_pool`` itself (a fused kernel that has them in registers) and then call ``attend`` with
+        ``k`` and ``v`` None; None where this backend writes them (it must then be handed them)."""
+        ...
 
     def tie_shapes(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         """Declare (``torch._check``) which of the metadata's sizes always equal each other or the batch's
@@ -95,8 +101,8 @@ def metadata_builder(name: str) -> MetadataBuilder:
 
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
-    k: torch.Tensor,  # [T, Hkv, D]
-    v: torch.Tensor,  # [T, Hkv, D]
+    k: torch.Tensor | None,  # [T, Hkv, D]; None: the caller wrote it at meta.kv_write_slots
+    v: torch.Tensor | None,  # [T, Hkv, D]; None alike
     kv_pool: torch.Tensor,  # [layers, 2, num_slots, Hkv, D]
     layer: int,
     meta: AttentionMetadata,
@@ -106,7 +112,8 @@ def paged_attention(
     sinks: torch.Tensor | None = None,  # [H] float32
     kv_scales: torch.Tensor | None = None,  # [2, Hkv] float32
 ) -> torch.Tensor:  # [T, H * D]
-    """Write the new K/V into ``kv_pool[layer]``, then attend each sequence's queries to its context.
+    """Write the new K/V into ``kv_pool[layer]`` (unless the caller has: ``k`` and ``v`` None, at the
+    slots ``meta.kv_write_slots`` gave), then attend each sequence's queries to its context.
     ``sliding`` applies the model's sliding window; ``softcap`` > 0 soft-caps the scores at that value.
     ``sinks``: *attention sinks* (gpt-oss), one learned logit per query head that joins every query's
     softmax as a key with no value: the weights of the real keys sum to less than one, by as much as

@@ -54,6 +54,9 @@ class SdpaMetadata:
             for d in range(L)
         ]
 
+    def kv_write_slots(self, kv_pool: torch.Tensor) -> None:
+        return None  # the operator writes the new K/V itself
+
     def tie_shapes(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         T = input_ids.size(0)
         torch._check(positions.size(0) == T)

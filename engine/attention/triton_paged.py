@@ -64,6 +64,11 @@ class TritonMetadata:
     num_splits: int  # key ranges per program (0: chosen from the GPU's size and the batch's tokens)
     num_seqs: int
 
+    def kv_write_slots(self, kv_pool: torch.Tensor) -> torch.Tensor | None:
+        """The slot mapping, for a pool in the model's dtype (fused RoPE writes K/V there: one kernel where
+        ``attend`` would launch two copies); an FP8 pool's rows are quantized here."""
+        return None if is_fp8(kv_pool) else self.slot_mapping
+
     def tie_shapes(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         """Nothing declared: the GPU runs small batches as captured graphs, where no compiled wrapper is
         called per step, and a padded batch's sizes are not the unpadded ones."""
@@ -376,7 +381,7 @@ def _combine_splits_kernel(
 
 _lib = torch.library.Library("augur", "FRAGMENT")
 _lib.define(
-    "triton_paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_pool, int layer, Tensor slot_mapping, "
+    "triton_paged_attention(Tensor q, Tensor? k, Tensor? v, Tensor(a!) kv_pool, int layer, Tensor slot_mapping, "
     "Tensor block_tables, Tensor seq_info, Tensor programs, Tensor positions, Tensor masks, int block_size, "
     "int block_q, int window, float scale, float softcap, int max_kv_len, int num_splits, Tensor? sinks=None, "
     "Tensor? kv_scales=None) -> Tensor"
@@ -415,8 +420,9 @@ def _triton_paged_attention_impl(
     T, H, D = q.shape
     k_cache, v_cache = kv_pool[layer, 0], kv_pool[layer, 1]  # [num_slots, Hkv, D]
     k_scale, v_scale = (None, None) if kv_scales is None else kv_scales.unbind(0)
-    write_rows(k_cache, slot_mapping, k, k_scale)
-    write_rows(v_cache, slot_mapping, v, v_scale)
+    if k is not None:  # (None: the caller wrote the new K/V at slot_mapping already)
+        write_rows(k_cache, slot_mapping, k, k_scale)
+        write_rows(v_cache, slot_mapping, v, v_scale)
     out = q.new_empty(T, H * D)
     if T == 0:
         return out

@@ -14,7 +14,10 @@ sums and the MLP's activation and product. Here each is one kernel:
   bfloat16 and float16. A family that normalizes each head before RoPE (Qwen3 and Qwen3-MoE, Gemma 3)
   passes its norms' weights: the head's norm is taken in the same program, with the bits
   ``fused_rms_norm`` gives it (eagerly those norms and the rotation were about twelve kernels a layer:
-  the norms' copies out of the strided qkv view, and RoPE's six per q and k).
+  the norms' copies out of the strided qkv view, and RoPE's six per q and k). Given the layer's KV
+  pool and the tokens' slots (the triton attention backend's ``kv_write_slots``, for a pool in the
+  model's dtype), a key head's program also stores its rotated key and copies its value into the
+  token's slot: the attention operator then writes nothing, where it launched two copies a layer.
 - ``fused_rms_norm(x, weight, eps, unit_offset)`` and ``fused_add_rms_norm(x, delta, ...)``
   (``x + delta``, rounded as torch's sum is, then its norm: both returned): one program a row, the
   sum of squares in float32, then Llama's order (normalized, rounded to the dtype, times the weight)
@@ -39,7 +42,8 @@ import triton.language as tl
 _lib = torch.library.Library("augur", "FRAGMENT")
 _lib.define(
     "fused_rope(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor? q_norm=None, "
-    "Tensor? k_norm=None, float eps=0.0, bool unit_offset=False) -> (Tensor, Tensor)"
+    "Tensor? k_norm=None, float eps=0.0, bool unit_offset=False, Tensor(a!)? kv_pool=None, int layer=0, "
+    "Tensor? slots=None) -> (Tensor, Tensor)"
 )
 _lib.define("fused_rms_norm(Tensor x, Tensor weight, float eps, bool unit_offset=False) -> Tensor")
 _lib.define(
@@ -74,9 +78,10 @@ def _round(x, DT: tl.constexpr):
 
 @triton.jit
 def _rope_kernel(
-    q_ptr, k_ptr, qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, qkv_stride, cs_stride, H, HKV, n_dim, eps,
+    q_ptr, k_ptr, qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, kc_ptr, vc_ptr, slots_ptr,
+    qkv_stride, cs_stride, H, HKV, n_dim, eps, stride_cs, stride_ch,
     D: tl.constexpr, D_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, DT: tl.constexpr,
-    NORM: tl.constexpr,
+    NORM: tl.constexpr, CACHE: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)  # below H: a query head; from H on: a key head
@@ -115,6 +120,14 @@ def _rope_kernel(
         dst = k_ptr + (t * HKV + (h - H)) * D
     tl.store(dst + cols, o1, mask=m)
     tl.store(dst + HALF + cols, o2, mask=m)
+    if CACHE:  # a key head also writes its rotated key, and copies its value, to the token's pool slot
+        if h >= H:
+            row = tl.load(slots_ptr + t) * stride_cs + (h - H) * stride_ch
+            tl.store(kc_ptr + row + cols, o1, mask=m)
+            tl.store(kc_ptr + row + HALF + cols, o2, mask=m)
+            full = tl.arange(0, D_PAD)
+            value = tl.load(src + HKV * D + full, mask=full < D)  # v's head: HKV heads past the key's
+            tl.store(vc_ptr + row + full, value, mask=full < D)
 
 
 @triton.jit
@@ -174,11 +187,16 @@ def fused_rope(
     k_norm: torch.Tensor | None = None,
     eps: float = 0.0,
     unit_offset: bool = False,
+    kv_pool: torch.Tensor | None = None,
+    layer: int = 0,
+    slots: torch.Tensor | None = None,
 ):
     """qkv [T, (heads + 2 kv_heads) * D]; cos/sin [T, D] (or [T, 1, D]) in qkv's dtype → q [T, heads, D],
     k [T, kv_heads, D], rotated (rotate-half convention). ``q_norm`` / ``k_norm`` [D]: each head is
     RMS-normalized with them first (Qwen3's and Gemma 3's q/k norms; ``unit_offset``: Gemma's ``1 +
-    weight``), the bits :func:`fused_rms_norm` gives."""
+    weight``), the bits :func:`fused_rms_norm` gives. ``kv_pool`` [layers, 2, num_slots, kv_heads, D]
+    (in qkv's dtype) and ``slots`` [T]: each token's rotated k and its v are also written to its slot
+    of ``kv_pool[layer]``, as the attention operator would write them."""
     qkv = _rows(qkv)
     T = qkv.shape[0]
     D = qkv.shape[1] // (heads + 2 * kv_heads)
@@ -187,14 +205,21 @@ def fused_rope(
     k = qkv.new_empty(T, kv_heads, D)
     if (q_norm is None) != (k_norm is None):
         raise ValueError("fused_rope normalizes both q and k or neither")
+    if kv_pool is not None:
+        if slots is None or kv_pool.dtype != qkv.dtype or kv_pool.shape[3:] != (kv_heads, D):
+            raise ValueError("fused_rope writes K/V to a pool of qkv's dtype and heads, at the tokens' slots")
+        k_cache, v_cache = kv_pool[layer, 0], kv_pool[layer, 1]
     if T:
         half = D // 2
         norm = 0 if q_norm is None else 2 if unit_offset else 1
+        cache = kv_pool is not None
         _rope_kernel[(T, heads + kv_heads)](
             q, k, qkv, cos, sin, qkv if q_norm is None else q_norm, qkv if k_norm is None else k_norm,
+            k_cache if cache else qkv, v_cache if cache else qkv, slots if cache else qkv,
             qkv.stride(0), cos.stride(0), heads, kv_heads, D, eps,
+            k_cache.stride(0) if cache else 0, k_cache.stride(1) if cache else 0,
             D=D, D_PAD=triton.next_power_of_2(D), HALF=half, HALF_PAD=triton.next_power_of_2(half),
-            DT=_DTYPES[qkv.dtype], NORM=norm, num_warps=1 if D <= 128 else 2,
+            DT=_DTYPES[qkv.dtype], NORM=norm, CACHE=cache, num_warps=1 if D <= 128 else 2,
         )  # fmt: skip
     return q, k
 

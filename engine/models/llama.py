@@ -111,10 +111,15 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.fused:  # the q/k norms (where the family has them) and RoPE in one kernel
+        if self.fused:  # the q/k norms (where the family has them), RoPE and the K/V write in one kernel
             qn, kn = self.q_norm, self.k_norm
             norms = (None, None, 0.0, False) if qn is None else (qn.weight, kn.weight, qn.eps, qn.unit_offset)
-            q, k = torch.ops.augur.fused_rope(qkv, cos, sin, self.num_heads, self.num_kv_heads, *norms)
+            slots = meta.kv_write_slots(kv_pool)  # None: the attention operator writes the K/V
+            pool = None if slots is None else kv_pool
+            heads = (self.num_heads, self.num_kv_heads)
+            q, k = torch.ops.augur.fused_rope(qkv, cos, sin, *heads, *norms, pool, layer, slots)
+            if slots is not None:
+                k = v = None  # (in the pool already)
         else:
             q = q.view(T, self.num_heads, self.head_dim)
             k = k.view(T, self.num_kv_heads, self.head_dim)
