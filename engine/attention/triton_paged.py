@@ -66,7 +66,7 @@ class TritonMetadata:
 
     def kv_write_slots(self, kv_pool: torch.Tensor) -> torch.Tensor | None:
         """The slot mapping, for a pool in the model's dtype (fused RoPE writes K/V there: one kernel where
-        ``attend`` would launch two copies); an FP8 pool's rows are quantized here."""
+        ``attend`` would launch two copies); None for an FP8 pool, whose rows ``attend`` quantizes."""
         return None if is_fp8(kv_pool) else self.slot_mapping
 
     def tie_shapes(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:

@@ -140,7 +140,7 @@ def moe_route(
 def _largest(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, indices) of each row's k largest, largest first, a tie taken by the lower index."""
     top, ids = torch.sort(values, dim=-1, descending=True, stable=True)
-    return top[:, :k], ids[:, :k]
+    return top[..., :k], ids[..., :k]
 
 
 def _fake_route(logits, top_k, *_):

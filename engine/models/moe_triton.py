@@ -14,8 +14,9 @@ count alone:
   ``ceil(T * k / BLOCK_M) + E`` (each expert wastes at most one partial block), so the grid is that
   bound and the programs past the real blocks return at once. Up to ``LAYOUT_MAX_SLOTS`` slots (a
   decode's or a verify's) this layout is one program of one kernel; torch's sort, counts, scans and
-  searches were about fifteen launches a layer, which at batch 1 cost more than the experts' products
-  (the fifth GPU run's profile of Qwen3-30B-A3B, docs/benchmarks-history.md);
+  searches were about fifteen launches a layer (with the eager routing about 1.3 ms of Qwen3-30B-A3B's
+  8.7 ms batch-1 decode, beside 1.8 ms of the experts' products: the fifth GPU run's profile,
+  docs/benchmarks-history.md);
 - kernel 1, per (block, tile of the inner dimension): the block's tokens' rows of ``x`` gathered
   straight from ``x`` (no copy), times the expert's gate and up rows, the bias, the activation
   (SiLU, tanh-GELU or gpt-oss's clamped SwiGLU) fused; the result [T * k, I] in sorted order;
