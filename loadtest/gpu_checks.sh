@@ -7,25 +7,27 @@
 # change the kernels (fused or eager small operators, batch-invariant, int4, FP8, LoRA) and the mixtures at their published shapes
 # (loadtest.bench_gpu_variants, stage "variants"), the few-rows linear kernel against cuBLAS at each layer
 # shape (loadtest.bench_gpu_skinny, stage "skinny"; SKINNY_ARGS="--dtype fp8" or "--dtype int4" for the
-# quantized layers), where each
+# quantized layers), a mixture layer's routing (fused and eager) and experts over a sweep of tiles at
+# Qwen3-30B-A3B's and gpt-oss-20b's shapes (loadtest.bench_gpu_moe, stage "moe"), where each
 # method's steps wait for the device on the demo pair (loadtest.device_waits: reads, builds and the syncs
 # themselves, with their lines), the demo pair served (plain and the default, each with ordinary steps and
 # with --async-scheduling on; loadtest.peers), and the kernel profile of a decode against chain verifies
 # (loadtest.profile_gpu).
 #   OUT=DIR [STAGES="bench tests waits served profile"] bash loadtest/gpu_checks.sh [SHAPES...]
-# (default stages: bench tests; all of them: skinny scale variants bench tests waits served profile; default shape:
+# (default stages: bench tests; all of them: skinny moe scale variants bench tests waits served profile; default shape:
 # llama-3.1-8b; SCALE_ARGS, VARIANTS_ARGS: more arguments for bench_gpu_scale and bench_gpu_variants, e.g.
 # "--fused" to skip the former's fused on/off pair, "--variants int4 fp8 --moe-shapes" for two options alone). Missing Python packages (openai, pydantic,
 # FastAPI, uvicorn, pyzmq, msgspec and their needs: that machine's image has none of them) install from
 # ./.whl if present: `bash loadtest/gpu_wheels.sh` fills it here, and the device call carries it.
 # Each failing test's traceback goes to $OUT/failures.log as it fails (tests/conftest.py), so a run
 # cut short by its time limit still says why.
-# In a 15-minute lease (a start costs 1-2 minutes): one call with STAGES="skinny variants tests" (timeout_s
-# 560; VARIANTS_TIMEOUT=240 VARIANTS_ARGS="--variants plain skinny fp8 fp8-skinny int4 int4-skinny --moe-shapes
-# qwen3-30b-a3b gpt-oss-20b --moe-variants plain unfused": the mixtures' routing and layout kernels against the
-# eager operators), then STAGES=variants with VARIANTS_ARGS="--shape qwen3-8b --variants plain unfused --moe-shapes"
-# (Qwen3's q/k norms inside RoPE's kernel), STAGES="scale" or STAGES=served with what is left; carry .whl in
-# every call. The C++ CPU kernels the tests need build in the background while the benchmarks run.
+# In a 15-minute lease (a start costs 1-2 minutes), carrying .whl in every call: first
+#   STAGES="moe variants tests" MOE_TIMEOUT=120 VARIANTS_TIMEOUT=220 VARIANTS_ARGS="--variants plain unfused
+#   skinny --moe-shapes qwen3-30b-a3b gpt-oss-20b --moe-variants plain unfused" (timeout_s 560): the mixtures'
+#   routing, layout and tile sweep, the fused kernels' gain at the 8B and mixture shapes, the few-rows kernel
+#   in a whole decode, and the battery; then, with what is left, STAGES=skinny (each layer against cuBLAS),
+#   STAGES=scale, or VARIANTS_ARGS="--shape qwen3-8b --variants plain unfused --moe-shapes" (Qwen3's q/k norms
+#   inside RoPE's kernel). The C++ CPU kernels the tests need build in the background while the benchmarks run.
 set -u
 OUT=${OUT:-/tmp/augur-gpu-checks}
 mkdir -p "$OUT"
@@ -50,6 +52,8 @@ load_small_linear; print('C++ CPU kernels built:', load_cpu_kernel(), load_small
 fi
 [[ $stages == *" skinny "* ]] && timeout "${SKINNY_TIMEOUT:-120}" python3 -m loadtest.bench_gpu_skinny --shape "${shapes[0]}" \
     --output "$OUT/skinny.json" ${SKINNY_ARGS:-} 2>&1 | tee "$OUT/skinny.log"
+[[ $stages == *" moe "* ]] && timeout "${MOE_TIMEOUT:-150}" python3 -m loadtest.bench_gpu_moe \
+    --output "$OUT/moe.json" ${MOE_ARGS:-} 2>&1 | tee "$OUT/moe.log"
 [[ $stages == *" scale "* ]] && timeout "${SCALE_TIMEOUT:-150}" python3 -m loadtest.bench_gpu_scale --shape "${shapes[0]}" \
     --output "$OUT/scale.json" ${SCALE_ARGS:-} 2>&1 | tee "$OUT/scale.log"
 [[ $stages == *" variants "* ]] && timeout "${VARIANTS_TIMEOUT:-170}" python3 -m loadtest.bench_gpu_variants \

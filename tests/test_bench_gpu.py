@@ -85,6 +85,27 @@ def test_serving_options_are_measured_against_their_own_bytes(tmp_path):
         assert moe["decode"][B]["memory_bound_ms"] == pytest.approx(read / report["copy_bandwidth_gb_s"] / 1e6)
 
 
+def test_the_mixture_kernels_are_timed_at_every_tile_of_the_sweep(tmp_path):
+    """``loadtest.bench_gpu_moe`` on the toy mixture (Triton's interpreter on CPU): the routing both
+    ways, the experts at their own tiles and at each tile of the sweep, each tile's output beside the
+    default's, and the best."""
+    from loadtest import bench_gpu_moe
+
+    out = tmp_path / "moe.json"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    argv = ["--shapes", "tiny-moe", "--device", device, "--tokens", "1", "5", "--block-n", "16", "32", "--block-k",
+            "32", "64", "--stages", "3", "--l2-bytes", "1", "--repeats", "1", "--output", str(out)]  # fmt: skip
+    assert bench_gpu_moe.main(argv) == 0
+    report = json.loads(out.read_text())
+    moe = report["shapes"]["tiny-moe"]
+    assert (moe["experts"], moe["k"]) == (8, 2) and set(moe["tokens"]) == {"1", "5"}
+    for row in moe["tokens"].values():
+        assert row["routing_eager_us"] > 0 and row["routing_fused_us"] > 0 and row["default"]["us"] > 0
+        assert 1 <= row["distinct_experts"] <= 8
+        assert len(row["sweep"]) == 4 and all(r["max_diff"] < 1e-4 for r in row["sweep"])
+        assert row["best"]["us"] == min(r["us"] for r in row["sweep"])
+
+
 @pytest.mark.gpu
 def test_kernel_profile_by_width(tmp_path, capsys):
     """``loadtest.profile_gpu`` (CUDA only): every width gets kernel times, the attention kernel among

@@ -38,6 +38,8 @@ mixture-of-experts model on CUDA).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -275,37 +277,57 @@ def row_blocks(ids: torch.Tensor, num_experts: int, block_m: int):
     return order, block_expert.to(torch.int32), block_start.to(torch.int32), seg_end.to(torch.int32)
 
 
+@dataclass(frozen=True)
+class ExpertTiles:
+    """How the experts' two kernels cut their work: rows a block (``block_m``, also the layout's), output
+    columns a program (``block_n``), the inner step (``block_k``), and each launch's warps and software
+    pipeline stages. ``loadtest.bench_gpu_moe`` times a sweep of them at the published shapes."""
+
+    block_m: int
+    block_n: int = 64
+    block_k: int = 64
+    warps: int = 4
+    stages: int = 3
+
+
+def expert_tiles(tokens: int, top_k: int, num_experts: int, dtype: torch.dtype, ops: str) -> ExpertTiles:
+    """The tiles a call runs at: row blocks of 16 under the batch-invariant mode (one size whatever the
+    batch) and in decodes, of 64 where the experts average that many rows (a prefill); the inner step
+    one size for every batch (a row's sums run over it in order)."""
+    block_m = 16 if ops == "invariant" or tokens * top_k < 64 * num_experts else 64
+    return ExpertTiles(block_m, block_k=64 if dtype != torch.float32 else 32)
+
+
 def triton_moe_experts(
-    x, ids, weights, gate_up, down, gate_up_bias, down_bias, act: str, ops: str, alpha: float = 1.0, limit: float = 0.0
-) -> torch.Tensor:
-    """``augur::moe_experts`` (engine/models/moe.py) on the kernels above."""
+    x, ids, weights, gate_up, down, gate_up_bias, down_bias, act: str, ops: str, alpha: float = 1.0, limit: float = 0.0,
+    tiles: ExpertTiles | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """``augur::moe_experts`` (engine/models/moe.py) on the kernels above; ``tiles``: other than
+    :func:`expert_tiles`' (the benchmark's sweep)."""
     if act not in ACTS:
         raise ValueError(f"the GPU mixture-of-experts kernel has no activation {act!r} (it has {sorted(ACTS)})")
     T, k = ids.shape
     E, two_i, H = gate_up.shape
     I = two_i // 2  # noqa: E741
-    # Row blocks of 16 under the batch-invariant mode (one size whatever the batch) and in decodes;
-    # of 64 where the experts average that many rows (a prefill).
-    block_m = 16 if ops == "invariant" or T * k < 64 * E else 64
+    t = tiles or expert_tiles(T, k, E, x.dtype, ops)
     x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
     lay_out = device_row_blocks if T * k <= LAYOUT_MAX_SLOTS else row_blocks
-    order, block_expert, block_start, seg_end = lay_out(ids, E, block_m)
+    order, block_expert, block_start, seg_end = lay_out(ids, E, t.block_m)
     nb = block_expert.shape[0]
     upcast = triton_interpreted() and x.dtype != torch.float32
-    block_k = 64 if x.dtype != torch.float32 else 32
     h = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
     dummy = x  # (a bias pointer the kernel never reads)
-    _gate_up_kernel[(nb, triton.cdiv(I, 64))](
+    launch = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.warps, num_stages=t.stages)
+    _gate_up_kernel[(nb, triton.cdiv(I, t.block_n))](
         h, x, gate_up, gate_up_bias if gate_up_bias is not None else dummy, order, block_expert, block_start,
         seg_end, E, k, H, I, x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), alpha, limit,
-        ACT=ACTS[act], HAS_BIAS=gate_up_bias is not None, UPCAST=upcast,
-        BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k,
+        ACT=ACTS[act], HAS_BIAS=gate_up_bias is not None, UPCAST=upcast, **launch,
     )  # fmt: skip
     by_slot = torch.empty(T * k, H, dtype=x.dtype, device=x.device)  # written in (token, choice) order
-    _down_kernel[(nb, triton.cdiv(H, 64))](
+    _down_kernel[(nb, triton.cdiv(H, t.block_n))](
         by_slot, h, down, down_bias if down_bias is not None else dummy, order, block_expert, block_start,
         seg_end, E, H, I, h.stride(0), down.stride(0), down.stride(1), by_slot.stride(0),
-        HAS_BIAS=down_bias is not None, UPCAST=upcast, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k,
+        HAS_BIAS=down_bias is not None, UPCAST=upcast, **launch,
     )  # fmt: skip
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     if T == 0:
