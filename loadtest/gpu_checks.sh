@@ -72,6 +72,7 @@ workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-4} -
 [[ $stages == *" tests "* ]] && timeout "${TESTS_TIMEOUT:-330}" python3 -m pytest -q -p no:cacheprovider -o addopts="" -rfE $workers $(python3 -c "import pytest_timeout" 2>/dev/null && echo --timeout 120) \
     tests/test_fused.py tests/test_skinny_linear.py tests/test_batch_invariance_gpu.py tests/test_staging.py tests/test_sampler.py::test_cuda_matches_cpu_and_seeds_reproduce \
     tests/test_moe.py::test_the_gpu_kernels_on_a_gpu_keep_a_rows_bits_and_serve_graphs \
+    tests/test_moe.py::test_the_layout_kernel_gives_row_blocks_values tests/test_moe.py::test_the_routing_kernel_routes_as_the_eager_router \
     "tests/test_engine.py::test_logits_match_transformers_cuda" tests/test_loading.py::test_cuda_greedy_matches_cpu \
     tests/test_int4.py tests/test_bench_gpu.py tests/test_cuda_graphs.py tests/test_gpu_speculation.py \
     tests/test_attention_backends.py tests/test_run_ahead.py::test_run_ahead_through_graphs_on_gpu \

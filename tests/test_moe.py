@@ -311,6 +311,7 @@ def test_an_unknown_mixture_is_a_clear_error(tmp_path, moe_dirs):
 
 
 # -- the GPU kernels (Triton's interpreter on CPU tensors) ------------------------------------------------
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the tests that follow it run on either
 def test_row_blocks_cover_each_experts_rows_once():
     from engine.models.moe_triton import row_blocks
 
@@ -341,6 +342,7 @@ def test_the_layout_kernel_gives_row_blocks_values(E, k, T, block_m):
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     if (E, T) == (5, 5):  # expert 0 gets exactly two blocks of 2, expert 4 none
         ids = torch.tensor([[0, 1], [0, 2], [3, 0], [1, 3], [0, 2]])
+    ids = ids.to(KERNEL_DEVICE)  # (compiled on a GPU, in the GPU battery; interpreted on a CPU)
     for want, got in zip(row_blocks(ids, E, block_m), device_row_blocks(ids, E, block_m), strict=True):
         assert got.dtype == want.dtype and torch.equal(got, want)
 
@@ -356,14 +358,14 @@ def test_the_routing_kernel_routes_as_the_eager_router(after, renormalize, E, k)
     from engine.models.moe_triton import triton_moe_route
 
     g = torch.Generator().manual_seed(E + k)
-    logits = torch.randn(9, E, generator=g) * 2
+    logits = (torch.randn(9, E, generator=g) * 2).to(KERNEL_DEVICE)
     ids, weights = triton_moe_route(logits, k, renormalize, after)
     want_ids, want_weights = moe_route(logits, k, renormalize, after)
     assert torch.equal(ids, want_ids)
-    torch.testing.assert_close(weights, want_weights, rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-7)  # (a GPU's exp: a few ulps)
     alone_ids, alone_weights = triton_moe_route(logits[4:5], k, renormalize, after)
     assert torch.equal(alone_ids, ids[4:5]) and torch.equal(alone_weights, weights[4:5])
-    tied = torch.full((1, E), -1.0).to(torch.bfloat16)
+    tied = torch.full((1, E), -1.0).to(torch.bfloat16).to(KERNEL_DEVICE)
     tied[0, [E - 1, E // 2, 0]] = 3.0  # three equal best logits
     tied_ids, tied_weights = triton_moe_route(tied, k, renormalize, after)
     assert tied_ids[0].tolist() == ([0, E // 2, E - 1] + [1, 2, 3, 4, 5])[:k]
