@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import traceback
 
 import torch
 
@@ -41,7 +39,7 @@ from engine.models.moe_triton import (
     triton_moe_route,
 )
 from loadtest.bench_gpu import SHAPES, copy_bandwidth, device_name, model_config
-from loadtest.bench_gpu_skinny import timed
+from loadtest.bench_gpu_skinny import record_each, timed
 
 
 def layer_of(shape: str) -> dict:
@@ -140,17 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {device_name(device)}; copy {bandwidth / 1e9:.0f} GB/s", flush=True)
     report: dict = dict(device=device_name(device), torch=torch.__version__, copy_bandwidth_gb_s=bandwidth / 1e9,
                         shapes={}, errors=[])  # fmt: skip
-    for shape in args.shapes:
-        try:
-            report["shapes"][shape] = measure_shape(shape, args, device, bandwidth)
-        except Exception as exc:  # one shape's failure must not lose the other's figures
-            traceback.print_exc()
-            report["errors"].append(f"{shape}: {type(exc).__name__}: {exc}")
-        if args.output:
-            with open(args.output, "w") as f:
-                json.dump(report, f, indent=1)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    runs = [(shape, lambda shape=shape: measure_shape(shape, args, device, bandwidth)) for shape in args.shapes]
+    record_each(report, "shapes", runs, args.output, device)
     if report["errors"]:
         print("errors: " + "; ".join(report["errors"]))
     return 1 if report["errors"] else 0

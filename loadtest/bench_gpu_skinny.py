@@ -189,15 +189,24 @@ def run(args) -> dict:
     print(f"device: {device_name(device)}; copy {bandwidth / 1e9:.0f} GB/s; {args.shape}; {args.dtype}", flush=True)
     report: dict = dict(device=device_name(device), shape=args.shape, dtype=args.dtype, torch=torch.__version__,
                         copy_bandwidth_gb_s=bandwidth / 1e9, layers={}, errors=[])  # fmt: skip
-    for name, (n, k) in layer_shapes(args.shape).items():
+    layers = layer_shapes(args.shape).items()
+    runs = [(name, lambda n=n, k=k: measure_layer(n, k, args, device, bandwidth)) for name, (n, k) in layers]
+    return record_each(report, "layers", runs, args.output, device)
+
+
+def record_each(report: dict, key: str, runs, output: str | None, device: torch.device) -> dict:
+    """``report[key][name] = measure()`` for each ``(name, measure)`` of ``runs``, in turn: one failing
+    must not lose the others' figures (it is noted in ``report["errors"]``), and ``output`` is rewritten
+    after each, so a run cut short by its time limit keeps what it measured."""
+    for name, measure in runs:
         print(f"{name}:", flush=True)
         try:
-            report["layers"][name] = measure_layer(n, k, args, device, bandwidth)
-        except Exception as exc:  # one layer's failure must not lose the others' figures
+            report[key][name] = measure()
+        except Exception as exc:
             traceback.print_exc()
             report["errors"].append(f"{name}: {type(exc).__name__}: {exc}")
-        if args.output:
-            with open(args.output, "w") as f:
+        if output:
+            with open(output, "w") as f:
                 json.dump(report, f, indent=1)
         if device.type == "cuda":
             torch.cuda.empty_cache()
