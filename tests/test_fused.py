@@ -93,12 +93,8 @@ def test_rope_writes_each_tokens_kv_where_the_attention_operator_would(dtype, no
     qkv = torch.randn(T, width, generator=g).to(dtype).to(DEVICE)
     cos = torch.randn(T, 1, D, generator=g).to(dtype).to(DEVICE)
     sin = torch.randn(T, 1, D, generator=g).to(dtype).to(DEVICE)
-    extra = ()
-    if norms:
-        extra = (torch.randn(D, generator=g).to(dtype).to(DEVICE), torch.randn(D, generator=g).to(dtype).to(DEVICE))
-        extra = (*extra, 1e-6, False)
-    else:
-        extra = (None, None, 0.0, False)
+    weight = lambda: torch.randn(D, generator=g).to(dtype).to(DEVICE)  # noqa: E731
+    extra = (weight(), weight(), 1e-6, False) if norms else (None, None, 0.0, False)  # q/k norms, eps, offset
     pool = torch.randn(layers, 2, num_slots, kv_heads, D, generator=g).to(dtype).to(DEVICE)
     want = pool.clone()
     slots = torch.tensor([9, 0, 4, 11, 3], device=DEVICE)  # out of order, as a paged batch's are
