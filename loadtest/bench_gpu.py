@@ -34,6 +34,7 @@ import platform
 import random
 import statistics
 import time
+import traceback
 from dataclasses import asdict, dataclass
 
 import torch
@@ -217,6 +218,56 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def timed(calls: list, device: torch.device, repeats: int) -> float:
+    """Median seconds of one call, ``calls`` run in turn (on CUDA: captured once, replayed)."""
+    if device.type == "cuda":
+        for call in calls:  # (compiles a kernel before the capture)
+            call()
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for call in calls:
+                call()
+        graph.replay()
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3 / len(calls))
+        return statistics.median(times)
+    times = []
+    for _ in range(max(1, repeats)):
+        sync(device)
+        t0 = time.perf_counter()
+        for call in calls:
+            call()
+        sync(device)
+        times.append((time.perf_counter() - t0) / len(calls))
+    return statistics.median(times)
+
+
+def record_each(report: dict, key: str, runs, output: str | None, device: torch.device) -> dict:
+    """``report[key][name] = measure()`` for each ``(name, measure)`` of ``runs``, in turn: one failing
+    must not lose the others' figures (it is noted in ``report["errors"]``), and ``output`` is rewritten
+    after each, so a run cut short by its time limit keeps what it measured."""
+    for name, measure in runs:
+        print(f"{name}:", flush=True)
+        try:
+            report[key][name] = measure()
+        except Exception as exc:
+            traceback.print_exc()
+            report["errors"].append(f"{name}: {type(exc).__name__}: {exc}")
+        if output:
+            with open(output, "w") as f:
+                json.dump(report, f, indent=1)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return report
 
 
 def time_forward(runner: ModelRunner, chunks: list[ForwardChunk], repeats: int) -> float:

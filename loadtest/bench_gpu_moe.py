@@ -38,8 +38,7 @@ from engine.models.moe_triton import (
     triton_moe_experts,
     triton_moe_route,
 )
-from loadtest.bench_gpu import SHAPES, copy_bandwidth, device_name, model_config
-from loadtest.bench_gpu_skinny import record_each, timed
+from loadtest.bench_gpu import SHAPES, copy_bandwidth, device_name, model_config, record_each, timed
 
 
 def layer_of(shape: str) -> dict:

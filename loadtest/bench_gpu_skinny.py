@@ -25,15 +25,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import statistics
-import time
-import traceback
 
 import torch
 import torch.nn.functional as F
 
-from loadtest.bench_gpu import SHAPES, copy_bandwidth, device_name, model_config, sync
+from loadtest.bench_gpu import SHAPES, copy_bandwidth, device_name, model_config, record_each, timed
 
 
 def layer_shapes(name: str) -> dict[str, tuple[int, int]]:
@@ -48,37 +44,6 @@ def layer_shapes(name: str) -> dict[str, tuple[int, int]]:
         "down": (c.hidden_size, c.intermediate_size),
         "lm_head": (c.vocab_size, c.hidden_size),
     }
-
-
-def timed(calls: list, device: torch.device, repeats: int) -> float:
-    """Median seconds of one call, ``calls`` run in turn (on CUDA: captured once, replayed)."""
-    if device.type == "cuda":
-        for call in calls:  # (compiles a kernel before the capture)
-            call()
-        torch.cuda.synchronize(device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for call in calls:
-                call()
-        graph.replay()
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3 / len(calls))
-        return statistics.median(times)
-    times = []
-    for _ in range(max(1, repeats)):
-        sync(device)
-        t0 = time.perf_counter()
-        for call in calls:
-            call()
-        sync(device)
-        times.append((time.perf_counter() - t0) / len(calls))
-    return statistics.median(times)
 
 
 def operands(n: int, k: int, m: int, args, device: torch.device, g: torch.Generator, copies: int):
@@ -192,25 +157,6 @@ def run(args) -> dict:
     layers = layer_shapes(args.shape).items()
     runs = [(name, lambda n=n, k=k: measure_layer(n, k, args, device, bandwidth)) for name, (n, k) in layers]
     return record_each(report, "layers", runs, args.output, device)
-
-
-def record_each(report: dict, key: str, runs, output: str | None, device: torch.device) -> dict:
-    """``report[key][name] = measure()`` for each ``(name, measure)`` of ``runs``, in turn: one failing
-    must not lose the others' figures (it is noted in ``report["errors"]``), and ``output`` is rewritten
-    after each, so a run cut short by its time limit keeps what it measured."""
-    for name, measure in runs:
-        print(f"{name}:", flush=True)
-        try:
-            report[key][name] = measure()
-        except Exception as exc:
-            traceback.print_exc()
-            report["errors"].append(f"{name}: {type(exc).__name__}: {exc}")
-        if output:
-            with open(output, "w") as f:
-                json.dump(report, f, indent=1)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return report
 
 
 def main(argv: list[str] | None = None) -> int:
