@@ -268,6 +268,37 @@ def test_the_batch_variant_kernels_fail_these_checks(ids):
     assert batched != alone or chunked != alone
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_linear_kernel_gives_a_row_its_bits_in_any_batch(dtype):
+    """``augur::invariant_linear`` on the CPU, in each dtype's own path (bfloat16 takes the
+    AVX512-BF16 units where the CPU has them): the product, and every row's bits the same in a call of
+    one row, of a few, across the kernel's 6-row tiles and 48-row blocks, and on one or two threads,
+    with K and N that leave partial vectors and feature groups."""
+    from engine.models.invariant import load_invariant_kernels
+
+    assert load_invariant_kernels()
+    op = torch.ops.augur.invariant_linear
+    g = torch.Generator().manual_seed(5)
+    tol = 1e-5 if dtype == torch.float32 else 0.02
+    for m, k, n in [(100, 320, 70), (61, 45, 9), (13, 1, 3), (50, 864, 6)]:
+        x = torch.randn(m, k, generator=g).to(dtype)
+        w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+        b = torch.randn(n, generator=g).to(dtype)
+        for bias in (None, b):
+            full = op(x, w, bias)
+            ref = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
+            assert full.dtype == dtype and (full.double() - ref).abs().max() <= tol * ref.abs().max(), (m, k, n)
+            for lo, hi in [(0, 1), (m - 1, m), (3, 5), (2, 9), (1, m), (7, min(m, 55))]:
+                assert torch.equal(op(x[lo:hi], w, bias), full[lo:hi]), (m, k, n, lo, hi)
+            threads = torch.get_num_threads()
+            try:
+                torch.set_num_threads(2)
+                assert torch.equal(op(x, w, bias), full), (m, k, n)
+            finally:
+                torch.set_num_threads(threads)
+        assert op(x[:0], w, b).shape == (0, n)
+
+
 # -- the mode's GPU kernels, as far as a CPU can check them (their promise itself: test_batch_invariance_gpu.py)
 def test_the_gpu_attention_takes_one_program_size_and_no_key_split_in_the_mode():
     """Under the mode the triton backend's metadata gives every batch the same program size and no key
