@@ -273,7 +273,10 @@ def test_the_cpu_linear_kernel_gives_a_row_its_bits_in_any_batch(dtype):
     """``augur::invariant_linear`` on the CPU, in each dtype's own path (bfloat16 takes the
     AVX512-BF16 units where the CPU has them): the product, and every row's bits the same in a call of
     one row, of a few, across the kernel's 6-row tiles and 48-row blocks, and on one or two threads,
-    with K and N that leave partial vectors and feature groups."""
+    with K and N that leave partial vectors and feature groups. The second inputs make every output
+    hang on its sum's order: two products of 2^20 that cancel, in different lanes of the sum, with the
+    rest of the sum added to them at a coarse float32 step (a tile that reduced its lanes in another
+    order would move most outputs by a bfloat16 step)."""
     from engine.models.invariant import load_invariant_kernels
 
     assert load_invariant_kernels()
@@ -284,16 +287,22 @@ def test_the_cpu_linear_kernel_gives_a_row_its_bits_in_any_batch(dtype):
         x = torch.randn(m, k, generator=g).to(dtype)
         w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
         b = torch.randn(n, generator=g).to(dtype)
-        for bias in (None, b):
-            full = op(x, w, bias)
-            ref = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
-            assert full.dtype == dtype and (full.double() - ref).abs().max() <= tol * ref.abs().max(), (m, k, n)
+        ref = torch.nn.functional.linear(x.double(), w.double(), b.double())
+        out = op(x, w, b)
+        assert out.dtype == dtype and (out.double() - ref).abs().max() <= tol * ref.abs().max(), (m, k, n)
+        cancelling = x.clone()
+        if k >= 3:
+            cancelling[:, 0], cancelling[:, 2] = 2.0**20, -(2.0**20)
+            w = w.clone()
+            w[:, 2] = w[:, 0]
+        for xs, bias in [(x, None), (x, b), (cancelling, b)]:
+            full = op(xs, w, bias)
             for lo, hi in [(0, 1), (m - 1, m), (3, 5), (2, 9), (1, m), (7, min(m, 55))]:
-                assert torch.equal(op(x[lo:hi], w, bias), full[lo:hi]), (m, k, n, lo, hi)
+                assert torch.equal(op(xs[lo:hi], w, bias), full[lo:hi]), (m, k, n, lo, hi)
             threads = torch.get_num_threads()
             try:
                 torch.set_num_threads(2)
-                assert torch.equal(op(x, w, bias), full), (m, k, n)
+                assert torch.equal(op(xs, w, bias), full), (m, k, n)
             finally:
                 torch.set_num_threads(threads)
         assert op(x[:0], w, b).shape == (0, n)

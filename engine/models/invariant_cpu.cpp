@@ -191,44 +191,61 @@ void run(const T* x, const T* w, const T* bias, T* y, int64_t M, int64_t K, int6
 // ---- bfloat16 on AVX512-BF16 units ----------------------------------------------------------------
 
 // Rows a tile (kDpRows x kDpFeats sums, a weight vector each feature, an x vector: 29 of 32 registers),
-// and the features whose weight rows a lone row streams together.
+// four features a tile whatever its rows.
 constexpr int kDpRows = 6, kDpFeats = 4;
 
-inline __m512bh dp_load(const c10::BFloat16* p, int64_t left) {  // 32 values; past K, zeros
-  if (left >= 32) return (__m512bh)_mm512_loadu_si512(p);
-  return (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)((1ULL << left) - 1), p);
+inline __m512bh dp_load(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+inline __m512bh dp_load(const c10::BFloat16* p, __mmask32 mask) {  // the lanes past K read as zeros
+  return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
 }
 
-// Four accumulators' sums by one tree, each alike: within a 128-bit quarter (l0 + l2) + (l1 + l3),
-// then the quarters (q0 + q2) + (q1 + q3). A sum of fewer features passes zero vectors beside it.
-inline void sum4(const __m512 (&a)[4], float (&out)[4]) {
-  const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
-  const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+// Four sums by one tree, each alike: within a 128-bit quarter (l0 + l2) + (l1 + l3), then the quarters
+// (q0 + q2) + (q1 + q3). Fewer features pass zero vectors beside theirs. By value, inlined: an
+// accumulator whose address escaped would be kept in memory through the loop.
+inline __attribute__((always_inline)) __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
   const __m512 lo = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t1)));
   const __m512 hi = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t1)));
   const __m512 u = _mm512_add_ps(lo, hi);
   const __m256 v = _mm256_add_ps(_mm512_castps512_ps256(u), _mm512_extractf32x8_ps(u, 1));
-  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+}
+
+// One 32-wide step of k for every sum of a tile: the F weight vectors loaded once, each row's x once.
+template <int R, int F, typename... Mask>
+inline __attribute__((always_inline)) void dp_step(__m512 (&acc)[R][F], const c10::BFloat16* x, const c10::BFloat16* w,
+                                                   int64_t K, Mask... mask) {
+  __m512bh wv[F];
+  for (int f = 0; f < F; ++f) wv[f] = dp_load(w + f * K, mask...);
+  for (int r = 0; r < R; ++r) {
+    const __m512bh xv = dp_load(x + r * K, mask...);
+    for (int f = 0; f < F; ++f) acc[r][f] = _mm512_dpbf16_ps(acc[r][f], wv[f], xv);
+  }
 }
 
 // Rows [m0, m0 + R) against the F (1 or kDpFeats) features from n0.
 template <int R, int F>
 void dp_tile(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* y, int64_t K,
              int64_t N, int64_t m0, int64_t n0) {
-  __m512 acc[R][kDpFeats];
+  static_assert(F == 1 || F == kDpFeats, "sum4 reduces four features, or one");
+  __m512 acc[R][F];
   for (int r = 0; r < R; ++r)
-    for (int f = 0; f < kDpFeats; ++f) acc[r][f] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 32) {
-    __m512bh wv[F];
-    for (int f = 0; f < F; ++f) wv[f] = dp_load(w + (n0 + f) * K + k, K - k);
-    for (int r = 0; r < R; ++r) {
-      const __m512bh xv = dp_load(x + (m0 + r) * K + k, K - k);
-      for (int f = 0; f < F; ++f) acc[r][f] = _mm512_dpbf16_ps(acc[r][f], wv[f], xv);
-    }
-  }
+    for (int f = 0; f < F; ++f) acc[r][f] = _mm512_setzero_ps();
+  const c10::BFloat16* xr = x + m0 * K;
+  const c10::BFloat16* wf = w + n0 * K;
+  const int64_t body = K - K % 32;
+  for (int64_t k = 0; k < body; k += 32) dp_step<R, F>(acc, xr + k, wf + k, K);
+  if (body < K) dp_step<R, F>(acc, xr + body, wf + body, K, (__mmask32)((1ULL << (K - body)) - 1));
+  const __m512 zero = _mm512_setzero_ps();
   for (int r = 0; r < R; ++r) {
     float s[4];
-    sum4(acc[r], s);
+    if constexpr (F == 1) {
+      _mm_storeu_ps(s, sum4(acc[r][0], zero, zero, zero));
+    } else {
+      _mm_storeu_ps(s, sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+    }
     for (int f = 0; f < F; ++f) {
       const float b = bias ? static_cast<float>(bias[n0 + f]) : 0.f;
       y[(m0 + r) * N + n0 + f] = static_cast<c10::BFloat16>(s[f] + b);  // nearest even
@@ -236,6 +253,7 @@ void dp_tile(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16
   }
 }
 
+// Rows [m0, m0 + R) against features [n0, n1).
 template <int R>
 void dp_feature_run(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* y,
                     int64_t K, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
