@@ -238,17 +238,24 @@ void dp_tile(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16
   const int64_t body = K - K % 32;
   for (int64_t k = 0; k < body; k += 32) dp_step<R, F>(acc, xr + k, wf + k, K);
   if (body < K) dp_step<R, F>(acc, xr + body, wf + body, K, (__mmask32)((1ULL << (K - body)) - 1));
+  // The epilogue in vectors (at K ~ 300 a scalar one cost a third of the tile): each row's sums, plus
+  // the bias, rounded to bfloat16 by `vcvtneps2bf16` (nearest even; subnormal floats flush to zero).
   const __m512 zero = _mm512_setzero_ps();
+  __m128 b = _mm_setzero_ps();
+  if (bias) {
+    uint16_t bits[4] = {0, 0, 0, 0};
+    std::memcpy(bits, bias + n0, F * sizeof(uint16_t));
+    b = _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bits))), 16));
+  }
   for (int r = 0; r < R; ++r) {
-    float s[4];
+    c10::BFloat16* dst = y + (m0 + r) * N + n0;
     if constexpr (F == 1) {
-      _mm_storeu_ps(s, sum4(acc[r][0], zero, zero, zero));
+      const __m128i out = (__m128i)_mm_cvtneps_pbh(_mm_add_ps(sum4(acc[r][0], zero, zero, zero), b));
+      const uint16_t first = static_cast<uint16_t>(_mm_extract_epi16(out, 0));
+      std::memcpy(dst, &first, sizeof(first));
     } else {
-      _mm_storeu_ps(s, sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
-    }
-    for (int f = 0; f < F; ++f) {
-      const float b = bias ? static_cast<float>(bias[n0 + f]) : 0.f;
-      y[(m0 + r) * N + n0 + f] = static_cast<c10::BFloat16>(s[f] + b);  // nearest even
+      const __m128i out = (__m128i)_mm_cvtneps_pbh(_mm_add_ps(sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]), b));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), out);
     }
   }
 }
