@@ -308,6 +308,42 @@ def test_the_cpu_linear_kernel_gives_a_row_its_bits_in_any_batch(dtype):
         assert op(x[:0], w, b).shape == (0, n)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+def test_the_cpu_activation_kernel_gives_a_row_its_bits_in_any_batch(dtype, act):
+    """``augur::invariant_act_mul`` on the CPU (SiLU in vectors of sixteen where the CPU has AVX-512, a
+    scalar tail): eager's value within a few roundings, its NaNs and infinities where eager gives them
+    (infinite and saturated inputs), and a row's bits the same alone and in calls of any size, on one
+    or two threads."""
+    from engine.models.invariant import _act_mul, load_invariant_kernels
+
+    assert load_invariant_kernels()
+    op = torch.ops.augur.invariant_act_mul
+    g = torch.Generator().manual_seed(9)
+    gate_up = (torch.randn(37, 2 * 867, generator=g) * 6).to(dtype)
+    specials = torch.tensor([0.0, -0.0, 100.0, -100.0, 88.5, -88.5, 20.0, -20.0, float("inf"), float("-inf")])
+    gate_up[0, : len(specials)] = specials.to(dtype)
+    out = op(gate_up, act)
+    eager = _act_mul(gate_up, act)  # the expression the operator replaces, in the same dtype
+    assert out.dtype == dtype and torch.equal(out.isnan(), eager.isnan())
+    assert torch.equal(out.isinf(), eager.isinf()) and torch.equal(out[out.isinf()], eager[eager.isinf()])
+    finite = torch.isfinite(eager)
+    rtol = 1e-6 if dtype == torch.float32 else 1.6e-2
+    assert ((out - eager).double().abs()[finite] <= rtol * eager.double().abs()[finite] + 1e-5).all()
+
+    def same(a, b):
+        return bool(((a == b) & (a.signbit() == b.signbit()) | (a.isnan() & b.isnan())).all())
+
+    for lo, hi in [(0, 1), (36, 37), (3, 11), (1, 37)]:
+        assert same(op(gate_up[lo:hi], act), out[lo:hi]), (lo, hi)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert same(op(gate_up, act), out)
+    finally:
+        torch.set_num_threads(threads)
+
+
 # -- the mode's GPU kernels, as far as a CPU can check them (their promise itself: test_batch_invariance_gpu.py)
 def test_the_gpu_attention_takes_one_program_size_and_no_key_split_in_the_mode():
     """Under the mode the triton backend's metadata gives every batch the same program size and no key

@@ -383,13 +383,50 @@ inline float activate(Act act, float g) {
 
 // y[m, j] = act(gate[m, j]) * up[m, j] for gate_up = [gate | up] of [M, 2I]: the activation rounded to
 // the dtype, then the product rounded (eager's two operators).
+#if defined(__AVX512F__)
+// e^x for sixteen floats: x = n ln 2 + r (n nearest x / ln 2, ln 2 in two parts), e^r by Cephes' degree-7
+// polynomial in fused multiply-adds (about one ulp), times 2^n by `vscalefps` (overflow to infinity,
+// underflow to zero; NaN stays NaN).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(89.f)), _mm512_set1_ps(-104.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
 template <typename T>
 void act_mul(const T* gu, T* y, int64_t M, int64_t I, Act act) {
   for_rows(M, 2 * I, [&](int64_t m) {
     const T* gate = gu + m * 2 * I;
     const T* up = gate + I;
     T* out = y + m * I;
-    for (int64_t j = 0; j < I; ++j) out[j] = round_to<T>(widen(round_to<T>(activate(act, widen(gate[j])))) * widen(up[j]));
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    // SiLU sixteen features at a time (a feature takes this path or the scalar one by its index alone,
+    // whatever the rows): the activation in vectors, its two roundings as below.
+    if (act == Act::kSilu) {
+      for (; j + kWidth <= I; j += kWidth) {
+        vf g = load(gate + j);
+        __m512 gv;
+        std::memcpy(&gv, &g, sizeof(gv));
+        const __m512 a = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+        float av[kWidth];
+        _mm512_storeu_ps(av, a);
+        for (int t = 0; t < kWidth; ++t) out[j + t] = round_to<T>(widen(round_to<T>(av[t])) * widen(up[j + t]));
+      }
+    }
+#endif
+    for (; j < I; ++j) out[j] = round_to<T>(widen(round_to<T>(activate(act, widen(gate[j])))) * widen(up[j]));
   });
 }
 
