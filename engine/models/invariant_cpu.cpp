@@ -171,22 +171,29 @@ void last_rows(const T* x, const T* w, const T* bias, T* y, int64_t K, int64_t N
   }
 }
 
-template <typename T>
-void run(const T* x, const T* w, const T* bias, T* y, int64_t M, int64_t K, int64_t N) {
-  static_assert(kRows == 6, "last_rows covers 1 .. kRows - 1 rows");
+// The work items of an [M, N] output, kRowBlock rows by kFeatBlock features each, spread over threads:
+// fn(m0, m1, n0, n1) for each.
+template <typename Fn>
+void for_blocks(int64_t M, int64_t N, const Fn& fn) {
   const int64_t row_blocks = (M + kRowBlock - 1) / kRowBlock, feat_blocks = (N + kFeatBlock - 1) / kFeatBlock;
   at::parallel_for(0, row_blocks * feat_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t rb = item / feat_blocks, fb = item % feat_blocks;
-      const int64_t m1 = std::min(M, (rb + 1) * kRowBlock), n0 = fb * kFeatBlock, n1 = std::min(N, n0 + kFeatBlock);
-      int64_t m = rb * kRowBlock;
-      for (; m + kRows <= m1; m += kRows) feature_run<T, kRows, 1>(x, w, bias, y, K, N, m, n0, n1);
-      last_rows(x, w, bias, y, K, N, m, m1, n0, n1);
+      const int64_t rb = item / feat_blocks, fb = item % feat_blocks, n0 = fb * kFeatBlock;
+      fn(rb * kRowBlock, std::min(M, (rb + 1) * kRowBlock), n0, std::min(N, n0 + kFeatBlock));
     }
   });
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+template <typename T>
+void run(const T* x, const T* w, const T* bias, T* y, int64_t M, int64_t K, int64_t N) {
+  static_assert(kRows == 6, "last_rows covers 1 .. kRows - 1 rows");
+  for_blocks(M, N, [&](int64_t m, int64_t m1, int64_t n0, int64_t n1) {
+    for (; m + kRows <= m1; m += kRows) feature_run<T, kRows, 1>(x, w, bias, y, K, N, m, n0, n1);
+    last_rows(x, w, bias, y, K, N, m, m1, n0, n1);
+  });
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
 #define AUGUR_INVARIANT_DPBF16 1
 // ---- bfloat16 on AVX512-BF16 units ----------------------------------------------------------------
 
@@ -271,21 +278,16 @@ void dp_feature_run(const c10::BFloat16* x, const c10::BFloat16* w, const c10::B
 
 void dp_run(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* y, int64_t M,
             int64_t K, int64_t N) {
-  const int64_t row_blocks = (M + kRowBlock - 1) / kRowBlock, feat_blocks = (N + kFeatBlock - 1) / kFeatBlock;
-  at::parallel_for(0, row_blocks * feat_blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t rb = item / feat_blocks, fb = item % feat_blocks;
-      const int64_t m1 = std::min(M, (rb + 1) * kRowBlock), n0 = fb * kFeatBlock, n1 = std::min(N, n0 + kFeatBlock);
-      int64_t m = rb * kRowBlock;
-      for (; m + kDpRows <= m1; m += kDpRows) dp_feature_run<kDpRows>(x, w, bias, y, K, N, m, n0, n1);
-      switch (m1 - m) {
-        case 1: dp_feature_run<1>(x, w, bias, y, K, N, m, n0, n1); break;
-        case 2: dp_feature_run<2>(x, w, bias, y, K, N, m, n0, n1); break;
-        case 3: dp_feature_run<3>(x, w, bias, y, K, N, m, n0, n1); break;
-        case 4: dp_feature_run<4>(x, w, bias, y, K, N, m, n0, n1); break;
-        case 5: dp_feature_run<5>(x, w, bias, y, K, N, m, n0, n1); break;
-        default: break;
-      }
+  static_assert(kDpRows == 6, "the switch covers 1 .. kDpRows - 1 rows");
+  for_blocks(M, N, [&](int64_t m, int64_t m1, int64_t n0, int64_t n1) {
+    for (; m + kDpRows <= m1; m += kDpRows) dp_feature_run<kDpRows>(x, w, bias, y, K, N, m, n0, n1);
+    switch (m1 - m) {
+      case 1: dp_feature_run<1>(x, w, bias, y, K, N, m, n0, n1); break;
+      case 2: dp_feature_run<2>(x, w, bias, y, K, N, m, n0, n1); break;
+      case 3: dp_feature_run<3>(x, w, bias, y, K, N, m, n0, n1); break;
+      case 4: dp_feature_run<4>(x, w, bias, y, K, N, m, n0, n1); break;
+      case 5: dp_feature_run<5>(x, w, bias, y, K, N, m, n0, n1); break;
+      default: break;
     }
   });
 }
