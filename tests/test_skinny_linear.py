@@ -97,10 +97,14 @@ def test_more_rows_than_the_kernel_takes_are_refused_by_it_and_served_by_the_lay
     assert skinny.use_skinny_linear(layer, on=False) == 1 and type(layer) is torch.nn.Linear
 
 
-def test_a_model_switched_to_it_keeps_its_state_and_its_greedy_tokens(model_dirs):
+def test_a_model_switched_to_it_keeps_its_state_and_its_greedy_tokens(model_dirs, monkeypatch):
     """A bfloat16 Llama on the kernel for every linear layer (its LM head too): the same state dict, and
     a prefill's greedy tokens and logits as on F.linear, within the roundings the two orders of summing
-    give; float32 layers are not switched."""
+    give; float32 layers are not switched. The model loads with plain linear layers, as on a GPU (a CPU
+    with AVX512-BF16 would load its bfloat16 layers as small-rows layers, which the switch leaves)."""
+    import engine.runner.loader as loader
+
+    monkeypatch.setattr(loader, "small_rows_serve", lambda dtype, device: False)
     path = model_dirs["LlamaForCausalLM"]
     config = load_config(path)
     model = load_model(path, config, torch.bfloat16, torch.device(DEVICE), 64)
