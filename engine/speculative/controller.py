@@ -567,16 +567,16 @@ class SpecController:
             else:
                 free.append(i)
         depths = [fixed.get(i, 0) for i in range(len(seqs))]
+        if not free or cap == 0:  # a plain step by the guard: no idle probes either
+            return depths
         kinds = ("target", *self.proposer.cost_kinds())
-        bursting = cap > 0 and not bucket.on  # the guard's probe burst
-        if free and (bursting or not self.cost.ready(kinds)):
+        bursting = not bucket.on  # the guard's probe burst
+        if bursting or not self.cost.ready(kinds):
             # Before any timing exists, and in the guard's probe bursts: draft at full depth, so that
             # the costs, the acceptance estimates and the guard all learn what deep drafts achieve.
             for i in free:
                 depths[i] = min(self.max_depth, room[i], cap)
             self.bursting = bursting  # a burst is judged by the guard, trials or not
-            return depths
-        if not free or cap == 0:  # a plain step by the guard: no idle probes either
             return depths
         # The same batch with the same estimates gets the same plan for a few steps: the search over
         # depths costs a Python loop per request and depth, a real share of a small model's step.
