@@ -87,15 +87,21 @@ def openmp_defaults() -> dict[str, str]:
 
 
 def engine_process_threads() -> int:
-    """Torch's CPU threads in a separate engine process (``--engine-process on``): one CPU fewer than
-    the usable ones, at least one, so that the API process (HTTP, SSE, tokenizing, taking the outputs
-    in) has a core that the forward's OpenMP threads do not wait on; ``AUGUR_ENGINE_THREADS`` sets it.
-    On 2 cores the forward of a small model is bound by per-operator cost, not by threads: one thread
-    served as fast as two, and left the other core to the API (docs/benchmarks.md)."""
+    """Torch's CPU threads in a separate engine process (``--engine-process on``): every usable CPU on a
+    host of one or two, else one CPU fewer than the usable ones, so that the API process (HTTP, SSE,
+    tokenizing, taking the outputs in) has a core that the forward's OpenMP threads do not wait on;
+    ``AUGUR_ENGINE_THREADS`` sets it.
+
+    On 2 cores the API process's work is a small share of a core, and the forwards that speculation
+    runs (a verify of several rows, a batch) are bound by the batch-invariant kernels' arithmetic,
+    which splits over threads: with both cores the demo pair served 1.04-1.09x faster plain and
+    `auto` at 1.04-1.06x, and in-process speculation went from 0.92x to 1.08x plain decoding
+    (docs/benchmarks.md). Holding a core back for the API there left it idle most of the time."""
     env = os.environ.get("AUGUR_ENGINE_THREADS", "")
     if env.isdigit() and int(env) >= 1:
         return int(env)
-    return max(1, usable_cpus() - 1)
+    usable = usable_cpus()
+    return usable if usable <= 2 else usable - 1
 
 
 class CpuThreads:

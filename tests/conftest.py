@@ -18,6 +18,9 @@ from transformers import PreTrainedTokenizerFast
 if not torch.cuda.is_available():
     # Triton kernels (the triton attention backend) run in Triton's interpreter, on CPU tensors.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The suite runs in two pytest-xdist workers on 2 cores: an engine process of each on both cores
+# would only spin its OpenMP threads against the other worker's (see one_torch_thread).
+os.environ.setdefault("AUGUR_ENGINE_THREADS", "1")
 
 VOCAB = 384
 ARCHS = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"]

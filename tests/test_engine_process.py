@@ -252,11 +252,11 @@ def _zombie(pid: int) -> bool:
         return True
 
 
-def test_the_engine_process_leaves_a_cpu_to_the_api_process(monkeypatch):
+def test_the_engine_process_leaves_a_cpu_to_the_api_process_beyond_two(monkeypatch):
     import engine.platform as platform
 
     monkeypatch.delenv("AUGUR_ENGINE_THREADS", raising=False)
-    for usable, threads in ((1, 1), (2, 1), (8, 7)):
+    for usable, threads in ((1, 1), (2, 2), (3, 2), (8, 7)):
         monkeypatch.setattr(platform, "usable_cpus", lambda usable=usable: usable)
         assert platform.engine_process_threads() == threads
     monkeypatch.setenv("AUGUR_ENGINE_THREADS", "3")

@@ -19,9 +19,9 @@ speculative step stops exactly where plain decoding would and frees the blocks i
 outputs carry their text. ``arrival_time`` and every stats time are ``time.monotonic()``, one clock
 for both processes (CLOCK_MONOTONIC).
 
-On a CPU the engine process runs torch on one CPU fewer than the usable ones
-(:func:`engine.platform.engine_process_threads`): the API process's work then runs beside the forward
-instead of stalling one of its OpenMP threads.
+On a CPU of three or more usable cores the engine process runs torch on one CPU fewer than the usable
+ones (:func:`engine.platform.engine_process_threads`): the API process's work then runs beside the
+forward instead of stalling one of its OpenMP threads. On two, the engine takes both (measured faster).
 
 Failure paths: an engine that cannot be built answers ``failed`` (the server's load failure); a step
 that raises fails its requests, three in a row kill the engine (``dead``: every stream gets
