@@ -210,12 +210,17 @@ async def send_request(
             if not done:
                 record.fail("stream_error", "the stream ended before data: [DONE]")
                 return record
-        if not record.tokens_from_usage:
-            record.completion_tokens = record.num_chunks
-        record.status = "ok"
+        _completed(record)
     except asyncio.CancelledError:
-        record.status = "cancelled"
-        record.text = "".join(parts)
+        if record.status != "pending":  # failed already; the cut came while the connection closed
+            pass
+        elif record.e2e_s is not None:
+            # The whole stream had arrived ([DONE]; its end timed); the cut came while the connection
+            # closed. The request completed: recorded as cancelled it would carry a full latency.
+            _completed(record)
+        else:
+            record.status = "cancelled"
+            record.text = "".join(parts)
         raise
     except httpx.TimeoutException as e:
         record.fail("timeout", f"{type(e).__name__}: {e}")
@@ -224,3 +229,10 @@ async def send_request(
     except OSError as e:
         record.fail("connection", f"{type(e).__name__}: {e}")
     return record
+
+
+def _completed(record: RequestRecord) -> None:
+    """A stream that arrived whole, to its ``[DONE]``: counted from its chunks where no usage came."""
+    if not record.tokens_from_usage:
+        record.completion_tokens = record.num_chunks
+    record.status = "ok"

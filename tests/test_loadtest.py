@@ -447,6 +447,52 @@ def chat_delta(text: str | None = None, role: str | None = None, finish: str | N
     return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
 
 
+class _WaitsForTheCut(httpx.AsyncByteStream):
+    """A response body that arrives whole and whose connection then takes until the run's cut to close,
+    or (``more``) one whose rest never comes: the read waits for it until the cut."""
+
+    def __init__(self, events: list[str], more: bool) -> None:
+        self.events, self.more = events, more
+
+    async def __aiter__(self):
+        for e in self.events:
+            yield e.encode()
+        if self.more:
+            await asyncio.Event().wait()
+
+    async def aclose(self) -> None:
+        if not self.more:
+            await asyncio.Event().wait()
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_a_cut_while_the_connection_closes_keeps_a_whole_stream_ok(whole):
+    """A ``--duration`` cut that lands after a stream's ``[DONE]``, while its connection closes, leaves
+    a completed request: ok, with its latencies. One cut mid-stream is cancelled and has no end time."""
+    events = sse(chat_delta("a"), chat_delta("b"), done=whole)
+
+    async def go():
+        stream = _WaitsForTheCut(events, more=not whole)
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, stream=stream))
+        async with httpx.AsyncClient(base_url="http://127.0.0.1:9", transport=transport) as c:
+            record = RequestRecord(index=0, prompt_index=0)
+            task = asyncio.create_task(send_request(c, "chat", {}, record, asyncio.get_running_loop().time()))
+            for _ in range(1000):  # until the body is in and the request waits (closing, or reading on)
+                await asyncio.sleep(0)
+            assert not task.done() and record.num_chunks == 2
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return record
+
+    r = asyncio.run(go())
+    assert r.ttft_s is not None and r.text == "ab"
+    if whole:
+        assert r.status == "ok" and r.e2e_s is not None and r.completion_tokens == 2
+    else:
+        assert r.status == "cancelled" and r.e2e_s is None
+
+
 def test_stream_timing_and_usage():
     usage = {"prompt_tokens": 4, "completion_tokens": 3, "speculative": {"mean_acceptance_length": 1.5}}
     events = [
