@@ -212,13 +212,11 @@ async def send_request(
                 return record
         _completed(record)
     except asyncio.CancelledError:
-        if record.status != "pending":  # failed already; the cut came while the connection closed
-            pass
-        elif record.e2e_s is not None:
-            # The whole stream had arrived ([DONE]; its end timed); the cut came while the connection
-            # closed. The request completed: recorded as cancelled it would carry a full latency.
+        # A cut while the connection closes leaves a request that failed failed, and one whose whole
+        # stream had arrived ([DONE]; its end timed) completed: cancelled, it would carry a full latency.
+        if record.status == "pending" and record.e2e_s is not None:
             _completed(record)
-        else:
+        elif record.status == "pending":
             record.status = "cancelled"
             record.text = "".join(parts)
         raise
