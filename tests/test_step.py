@@ -490,6 +490,57 @@ def test_an_idle_plan_is_answered_without_a_search_and_probes_when_the_search_wo
     assert every == 80 and searches < 20
 
 
+def test_a_batch_the_guard_holds_plain_is_planned_as_the_guard_would_without_asking_it(target, tmp_path):
+    """While the guard's bucket is off, the same batch's next plans are answered without a plan
+    (``SpecController._held_plain``): over 300 plans (bursts that lose, a budget that holds the next
+    one back, requests leaving and joining, a request at its last token) the plans, each request's
+    reason and the guard's state step by step are those of a controller that plans every time, with a
+    fraction of the guard's answers asked."""
+    from test_spec import cheap_draft_costs
+
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    runs = {}
+    for fast in (True, False):
+        eng, ctl = _controlled_engine(target, tmp_path / str(fast))
+        for i in range(3):
+            eng.add_request(f"r{i}", [5, 6, 7, 8 + i], params)
+        while len(eng.scheduler.running) < 3 or any(s.num_output_tokens == 0 for s in eng.scheduler.running):
+            eng.step()
+        seqs = sorted(eng.scheduler.running, key=lambda s: s.seq_id)
+        ctl.cost = cheap_draft_costs()
+        ctl.guard = Guard(4, min_samples=4, probe_every=8, burst=3, max_interval=32)
+        ctl.budget = ExplorationBudget(fraction=0.2, decay=1.0)
+        for s in seqs:
+            ctl.estimate(s).alpha = [0.95] * 4  # the plan would draft: only the guard keeps it plain
+        if not fast:
+            ctl._held_plain = lambda batch, room: False  # the reference: every plan asks the guard
+        asked = []
+        ctl.guard.limit = lambda *a, f=ctl.guard.limit, n=asked, **k: n.append(1) or f(*a, **k)
+        trace = []
+        for t in range(300):
+            batch = seqs[:2] if t < 100 else seqs[1:2] if t < 200 else seqs
+            room = [0 if t % 70 == 69 and s is batch[0] else 5 for s in batch]
+            depths = ctl.plan(batch, 0, room)
+            b = ctl.guard.bucket(len(batch))
+            if t == 20:
+                b.on = False  # it lost: the guard's verdict
+            if any(depths):  # a burst, losing: 1 token a step in three plain steps' time
+                ctl.guard.observe(len(batch), len(batch), 0.03, True, members=frozenset(s.seq_id for s in batch))
+                ctl.budget.observe(0.03, 0.02)
+            else:
+                ctl.observe_ahead(batch, 0.01)
+            state = {k: (v.on, v.wait, v.interval, v.plans, v.burst_left) for k, v in ctl.guard.buckets.items()}
+            trace.append((depths, [s.spec_reason for s in batch], state, ctl.budget.allows()))
+        runs[fast] = trace, len(asked)
+    (trace, asked), (reference, every) = runs[True], runs[False]
+    assert trace == reference
+    late = sum(any(depths) for depths, *_ in trace[200:])  # bursts of a bucket that has been off since t = 20
+    held_back = sum(not allows and any(b[1] == 1 and not b[0] for b in state.values()) for *_, state, allows in trace)
+    assert late >= 3 and held_back >= 20  # bursts ran, and the budget held them back for a while
+    assert {r for _, reasons, *_ in trace for r in reasons} == {"cost", "load", None}
+    assert every == 300 and asked < 100
+
+
 def test_a_long_catch_up_does_not_price_later_drafts(target, tmp_path):
     """A request's first drafts feed the draft its whole prompt: that step's whole-step ratio and host
     time stay out of the cost model (else a few of them price every later draft at several times

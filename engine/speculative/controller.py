@@ -289,6 +289,20 @@ class Guard:
         b.spec.clear()  # the next burst is judged on its own steps
         b.judged = members
 
+    def holds_plain(self, b: _Bucket, may_probe: Callable[[], bool]) -> bool:
+        """A plan of ``b``'s batch, the same requests as at its last plan: where the guard's answer is
+        plain for certain (``b`` off between bursts, plain decoding's rate learned, and the next burst
+        not due or the exploration budget not allowing it: ``may_probe``, asked only then), counts it
+        down to the next burst as :meth:`limit` would and returns True; else False, changing nothing.
+        (The same requests: a verdict on them cannot have expired since their last plan.)"""
+        if b.on or b.burst_left or b.probing or len(b.plain) < self.min_samples:
+            return False
+        if b.wait <= 1 and may_probe():
+            return False  # a burst is due: limit starts it
+        b.plans += 1
+        b.wait = max(b.wait - 1, 1)
+        return True
+
     def _keeps_up(self, b: _Bucket) -> bool:
         return _rate(b.spec) >= self.margin * _rate(b.plain)
 
@@ -352,6 +366,14 @@ class _IdleRun:
 
 
 @dataclass
+class _PlainRun:
+    """A batch the guard held plain at its last plan (see :meth:`SpecController._held_plain`)."""
+
+    ids: list[int]  # its requests, in plan order
+    bucket: _Bucket
+
+
+@dataclass
 class SpecController:
     max_depth: int
     proposer: object  # engine.speculative.proposer.Proposer: its slots_needed and cost shape
@@ -385,6 +407,7 @@ class SpecController:
         self._memo: dict[tuple, float] = {}
         self._last_key, self._last_plan, self._reused = None, (), 0
         self._idle: _IdleRun | None = None  # the plan that drafted nothing, answered again without a search
+        self._plain: _PlainRun | None = None  # plans the guard holds plain, answered without a plan
         self._evidence = 0  # acceptance observations so far (update, asked): an idle plan stands while none come
         self._cap = self.max_depth  # the guard's limit for this step's plan
         self._route_slots: dict[tuple[str, bool], list[int]] = {}  # slots_for at each depth, per route
@@ -406,6 +429,7 @@ class SpecController:
         self.depth = {True: self.max_depth, False: self.max_depth}
         self._challenger, self._streak = {True: None, False: None}, {True: 0, False: 0}
         self._memo, self._last_key, self._last_plan, self._reused = {}, None, (), 0
+        self._plain = None
         if self._idle is not None:
             self._idle.catch_up()
             self._idle = None
@@ -446,6 +470,8 @@ class SpecController:
         - ``cost``: what drafting would return does not pay for what it takes (verify rows, drafting).
         """
         room = room if room is not None else [self.max_depth] * len(seqs)
+        if self._held_plain(seqs, room):
+            return [0] * len(seqs)
         self._memo = {}
         greedy = all(s.params.greedy for s in seqs)
         ids = tuple(s.seq_id for s in seqs)
@@ -471,6 +497,8 @@ class SpecController:
         depths = self._plan(seqs, other_tokens, room, cap, greedy)
         for seq, d, r in zip(seqs, depths, room):
             seq.spec_reason = None if d or r <= 0 else self._reason(seq, len(seqs))
+        if not cap and not any(depths) and min(room, default=0) > 0:  # (every request given its reason)
+            self._hold_plain(seqs, greedy)
         if cap and not any(depths) and not self.exploring and not self.bursting:
             # skip searching while nothing could change its answer: the plans an idle plan is reused
             # for anyway (``reuse_idle_plans``), and never past the step a request's idle probe is due
@@ -479,6 +507,28 @@ class SpecController:
             if left > 0:
                 self._idle = _IdleRun(state, list(seqs), left)
         return depths
+
+    def _hold_plain(self, seqs: list[Sequence], greedy: bool) -> None:
+        """After a plan the guard held plain: its batch's next plans may be answered alike."""
+        bucket = self.guard.bucket(len(seqs), greedy)
+        if not bucket.on:
+            self._plain = _PlainRun([s.seq_id for s in seqs], bucket)
+
+    def _held_plain(self, seqs: list[Sequence], room: list[int]) -> bool:
+        """Whether this plan is one the guard holds plain for certain (the batch of the last plan, which
+        found the guard off: ``Guard.holds_plain``). It is then answered as that plan was, all zeros,
+        each request keeping its reason, without the plan's work (a plain step of one request costs
+        about a millisecond on a CPU; a plan is a few percent of it). A request at its last token (no
+        room: it gets no reason) is planned the long way."""
+        run = self._plain
+        if run is None:
+            return False
+        if min(room, default=0) > 0 and [s.seq_id for s in seqs] == run.ids:
+            if self.guard.holds_plain(run.bucket, self.budget.allows):
+                self._memo = {}
+                return True
+        self._plain = None
+        return False
 
     def _reason(self, seq: Sequence, num_seqs: int) -> str:
         if seq.params.speculative is False or seq.params.num_draft_tokens == 0 or self.max_depth == 0:
@@ -770,7 +820,7 @@ class SpecController:
         of these steps; the cost model keeps learning from ordinary steps only (a forward ahead is not
         waited for, and its host work overlaps the device's)."""
         greedy = all(s.params.greedy for s in seqs)
-        self.guard.observe(len(seqs), len(seqs), seconds, False, greedy, frozenset(s.seq_id for s in seqs))
+        self.guard.observe(len(seqs), len(seqs), seconds, False, greedy)  # (a plain step's members: unused)
         self.budget.observe(seconds)
 
     def _plain_token_seconds(self, seqs: list[Sequence]) -> float:
