@@ -455,11 +455,15 @@ def test_controller_reuses_the_plan_of_an_unchanged_batch(target, tmp_path):
     assert ctl.plan([seq], 0) == [0] and len(searched) == 20
 
 
-def test_an_idle_plan_is_answered_without_a_search_and_probes_when_the_search_would(target, tmp_path):
+@pytest.mark.parametrize("pays", [True, False], ids=["probes-pay", "probes-cannot-pay"])
+def test_an_idle_plan_is_answered_without_a_search_and_probes_when_the_search_would(target, tmp_path, pays):
     """A batch whose plan drafts nothing gets that answer again without a search for as long as the
-    search would reuse it (``reuse_idle_plans``), and never past a request's idle probe: over 80 steps
-    its plans (idle probes at full depth among them) are those of a controller that searches every
-    step, with a fraction of the searches. A step with other requests searches at once."""
+    search would reuse it (``reuse_idle_plans``), serving its requests' trials and idle probes as the
+    search would: over 80 steps its plans (idle probes at full depth among them, where they could pay)
+    and its requests' idle counts are those of a controller that searches every step, with a fraction
+    of the searches. Where no probe could pay (every drafted token costs a step's worth), the probes
+    that fall due, and those the exploration budget holds back, do not end the run. A step with other
+    requests searches at once."""
     from test_spec import cheap_draft_costs
 
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
@@ -471,7 +475,7 @@ def test_an_idle_plan_is_answered_without_a_search_and_probes_when_the_search_wo
         while len(eng.scheduler.running) < 4 or any(s.num_output_tokens == 0 for s in eng.scheduler.running):
             eng.step()
         seqs = sorted(eng.scheduler.running, key=lambda s: s.seq_id)
-        ctl.cost = cheap_draft_costs()
+        ctl.cost = cheap_draft_costs() if pays else cheap_draft_costs(target_per_token=0.05)
         ctl.guard = Guard(4, min_samples=0, probe_every=10**9)
         for k, s in enumerate(seqs):
             ctl.estimate(s).alpha = [0.05] * 4  # too little to draft, but a probe could pay
@@ -480,14 +484,22 @@ def test_an_idle_plan_is_answered_without_a_search_and_probes_when_the_search_wo
             ctl.reuse_idle_plans = 0  # the reference: a search every step
         searched = []
         ctl._plan = lambda *a, f=ctl._plan, n=searched: n.append(1) or f(*a)
-        plans = [ctl.plan(seqs, 0) for _ in range(80)]
+        plans = []
+        for t in range(80):
+            if not pays:  # the budget holds every probe back for a while, then lets them in
+                ctl.budget.spent = 1.0 if 20 <= t < 50 else 0.0
+            plans.append((ctl.plan(seqs, 0), [s.spec_idle_steps for s in seqs]))
         runs[fast] = plans, len(searched)
         if fast:
             before = len(searched)
             assert ctl.plan(seqs[:3], 0) == [0, 0, 0] and len(searched) == before + 1  # another batch
     (plans, searches), (reference, every) = runs[True], runs[False]
-    assert plans == reference and sum(d > 0 for p in plans for d in p) >= 8  # the probes, at the same steps
-    assert every == 80 and searches < 20
+    assert plans == reference and every == 80
+    if pays:
+        assert sum(d > 0 for p, _ in plans for d in p) >= 8 and searches < 20  # the probes, at the same steps
+    else:
+        assert not any(d for p, _ in plans for d in p) and searches <= 4
+        assert any(max(idle) > ctl.idle_probe for _, idle in plans)  # probes held back by the budget
 
 
 def test_a_batch_the_guard_holds_plain_is_planned_as_the_guard_would_without_asking_it(target, tmp_path):

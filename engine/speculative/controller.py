@@ -351,17 +351,19 @@ class Guard:
 @dataclass
 class _IdleRun:
     """A plan that drafted nothing, answered again for the same batch without a search (see
-    :meth:`SpecController.plan`): ``left`` more times; ``skipped`` so far, each a step that the batch's
-    requests spent idle and that their routes aged, counted on them by :meth:`catch_up`."""
+    :meth:`SpecController.plan`): ``left`` more times; ``skipped`` so far, each a step whose routes aged,
+    counted on the requests by :meth:`catch_up`. The requests' idle steps are counted as the plans
+    go, and their trials and idle probes served (:meth:`SpecController._idle_plan`)."""
 
     key: tuple  # (the requests' ids, other tokens, room, the guard's cap, the cost model, the evidence count)
     seqs: list  # the batch's requests
     left: int
+    free: list[int]  # the requests whose depth the controller chooses (their indices)
+    trial: list[bool]  # (of each free one) whether its trials are still to come
     skipped: int = 0
 
     def catch_up(self) -> None:
         for s in self.seqs:
-            s.spec_idle_steps += self.skipped
             s.spec_route_age -= self.skipped
 
 
@@ -478,10 +480,9 @@ class SpecController:
         cap = self._cap = self.guard.limit(len(seqs), greedy, frozenset(ids), self.budget.allows())
         idle = self._idle
         state = (ids, other_tokens, tuple(min(r, self.max_depth) for r in room), cap, id(self.cost), self._evidence)
-        if idle is not None and idle.left > 0 and state == idle.key:
+        if idle is not None and idle.left > 0 and state == idle.key and self._idle_plan(idle, room, other_tokens, cap):
             # The batch of the last plan, which drafted nothing: the same answer, and no search. Each
-            # request's idle steps and route age are counted when the plans search again (``catch_up``),
-            # which they do before any request's idle probe is due.
+            # request's route age is counted when the plans search again (``catch_up``).
             idle.left -= 1
             idle.skipped += 1
             bucket = self.guard.bucket(len(seqs), greedy)
@@ -501,12 +502,44 @@ class SpecController:
             self._hold_plain(seqs, greedy)
         if cap and not any(depths) and not self.exploring and not self.bursting:
             # skip searching while nothing could change its answer: the plans an idle plan is reused
-            # for anyway (``reuse_idle_plans``), and never past the step a request's idle probe is due
-            due = min((self.idle_probe - s.spec_idle_steps for s in seqs), default=0) - 1
-            left = min(self.reuse_idle_plans - self._reused, due)
+            # for anyway (``reuse_idle_plans``), up to a trial or idle probe that could pay
+            left = self.reuse_idle_plans - self._reused
             if left > 0:
-                self._idle = _IdleRun(state, list(seqs), left)
+                free = [i for i, s in enumerate(seqs) if self._free(s)]
+                trial = [self.estimate(seqs[i]).updates < self.trial_steps for i in free]
+                self._idle = _IdleRun(state, list(seqs), left, free, trial)
         return depths
+
+    def _idle_plan(self, idle: _IdleRun, room: list[int], other_tokens: int, cap: int) -> bool:
+        """A plan of an idle run's batch, as :meth:`_explore` would make it after a search that drafts
+        nothing: each free request's idle steps counted, and a trial or idle probe that is due (with
+        room, and the exploration budget allowing) served. One that could pay ends the run (False,
+        nothing counted: the plan searches, and explores it); one that could not is asked again as
+        ``_explore`` asks it (an idle probe ``idle_probe`` steps later)."""
+        seqs = idle.seqs
+        due = []
+        for i, trial in zip(idle.free, idle.trial):
+            steps = seqs[i].spec_idle_steps + 1
+            if steps >= self.idle_probe or (steps == 1 and trial):
+                due.append(i)
+        if due and self.budget.allows():
+            zeros = [0] * len(seqs)
+            for i in due:
+                if room[i] > 0 and self._could_pay(i, min(self.max_depth, room[i], cap), zeros, seqs, other_tokens):
+                    return False
+        else:
+            due = []  # (asked again at the next plan, as the budget allows)
+        for i in idle.free:
+            seqs[i].spec_idle_steps += 1
+        for i in due:
+            if room[i] > 0 and seqs[i].spec_idle_steps >= self.idle_probe:
+                seqs[i].spec_idle_steps = 0
+        return True
+
+    def _free(self, seq: Sequence) -> bool:
+        """Whether the controller chooses ``seq``'s depth (it pinned none and may speculate)."""
+        p = seq.params
+        return p.speculative is not False and self.max_depth != 0 and p.num_draft_tokens is None
 
     def _hold_plain(self, seqs: list[Sequence], greedy: bool) -> None:
         """After a plan the guard held plain: its batch's next plans may be answered alike."""
