@@ -191,6 +191,21 @@ def test_incremental_decode_matches_full_decode(tokenizer: PreTrainedTokenizerFa
         assert decode_problems(IncrementalDetokenizer, tokenizer, [], ids, expected, chunk_rng) == []
 
 
+def test_windows_decode_through_the_backend_as_through_the_tokenizer(tokenizer: PreTrainedTokenizerFast, monkeypatch):
+    """A tokenizers-backed tokenizer's windows are decoded by its backend directly (the test above
+    then holds for that path); its text is the tokenizer's own decode of every window, special tokens
+    kept or skipped, and a tokenizer whose decode is not the stock one is asked itself."""
+    rng = random.Random(5)
+    for skip in (True, False):
+        detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=skip)
+        assert detok._backend is tokenizer.backend_tokenizer
+        for _ in range(100):
+            ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 12))]
+            assert detok._decode(ids) == decode(tokenizer, ids, skip)
+    monkeypatch.setattr(tokenizer, "decode", lambda ids, **kw: "own")
+    assert IncrementalDetokenizer(tokenizer, [])._decode([3, 4]) == "own"
+
+
 def test_checks_catch_naive_per_token_decoding(byte_level, metaspace):
     """The random texts must exercise the hard cases, and naive per-token decoding must fail them."""
     rng = random.Random(0)

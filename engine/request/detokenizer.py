@@ -33,6 +33,7 @@ import copy
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerBase
 
 # How many trailing prompt tokens serve as left context for the first output tokens.
@@ -42,6 +43,24 @@ _PROMPT_CONTEXT_TOKENS = 5
 # let the window (and the cost of each step) grow without bound.
 _MAX_PENDING_TOKENS = 16
 _REPLACEMENT_CHAR = "\ufffd"
+
+
+def _backend(tokenizer: PreTrainedTokenizerBase) -> Tokenizer | None:
+    """The ``tokenizers.Tokenizer`` that ``tokenizer.decode`` comes down to, where it does so with
+    nothing around it: a tokenizers-backed transformers tokenizer whose class changes neither
+    ``decode`` nor ``_decode``, which then return the backend's own decode once the cleanup of
+    spaces is off (as :meth:`IncrementalDetokenizer._decode` asks). Called directly it skips
+    transformers' argument conversion: 1.3 µs a window against 4.3 µs, two windows a token, for
+    every token of every request. Else None (the tokenizer's own ``decode``)."""
+    try:
+        from tokenizers import Tokenizer
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    cls, backend = type(tokenizer), getattr(tokenizer, "_tokenizer", None)
+    plain = cls.decode is PreTrainedTokenizerBase.decode and cls._decode is TokenizersBackend._decode
+    return backend if plain and isinstance(backend, Tokenizer) and "decode" not in vars(tokenizer) else None
 
 
 class IncrementalDetokenizer:
@@ -69,6 +88,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._backend = _backend(tokenizer)
         # Filtering special ids before they enter the window (and not only inside decode) keeps a
         # skipped token from becoming the first of a window, where a Metaspace decoder would strip
         # the space of the token after it.
@@ -132,6 +152,8 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         # No cleanup of tokenization spaces: it rewrites text across token boundaries (" ." -> ".")
         # and so cannot be applied to a window consistently with the whole text.
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self._skip_special_tokens)
         return self._tokenizer.decode(
             ids, skip_special_tokens=self._skip_special_tokens, clean_up_tokenization_spaces=False
         )
