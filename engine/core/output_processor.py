@@ -83,7 +83,7 @@ class OutputProcessor:
         # A beam search shows nothing until it ends: its beams are not its choices until then.
         for seq in group.seqs if group.beam is None or finished else ():
             text = seq.detok.emittable_text(seq.is_finished)
-            new_tokens = seq.output_ids[seq.num_emitted_tokens :]
+            new_tokens = seq.token_ids[seq.num_prompt_tokens + seq.num_emitted_tokens :]  # (not a copy of all)
             new_lps = seq.logprobs[seq.num_emitted_tokens :] if seq.params.logprobs is not None else None
             outputs.append(
                 CompletionOutput(
