@@ -455,6 +455,18 @@ def test_controller_reuses_the_plan_of_an_unchanged_batch(target, tmp_path):
     assert ctl.plan([seq], 0) == [0] and len(searched) == 20
 
 
+def _decoding_batch(target, path, n: int) -> tuple[LLMEngine, object, list]:
+    """A controlled engine (see ``_controlled_engine``) with ``n`` greedy requests all decoding, in
+    the order of their ids."""
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    eng, ctl = _controlled_engine(target, path)
+    for i in range(n):
+        eng.add_request(f"r{i}", [5, 6, 7, 8 + i], params)
+    while len(eng.scheduler.running) < n or any(s.num_output_tokens == 0 for s in eng.scheduler.running):
+        eng.step()
+    return eng, ctl, sorted(eng.scheduler.running, key=lambda s: s.seq_id)
+
+
 @pytest.mark.parametrize("pays", [True, False], ids=["probes-pay", "probes-cannot-pay"])
 def test_an_idle_plan_is_answered_without_a_search_and_probes_when_the_search_would(target, tmp_path, pays):
     """A batch whose plan drafts nothing gets that answer again without a search for as long as the
@@ -466,15 +478,9 @@ def test_an_idle_plan_is_answered_without_a_search_and_probes_when_the_search_wo
     requests searches at once."""
     from test_spec import cheap_draft_costs
 
-    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     runs = {}
     for fast in (True, False):
-        eng, ctl = _controlled_engine(target, tmp_path / str(fast))
-        for i in range(4):
-            eng.add_request(f"r{i}", [5, 6, 7, 8 + i], params)
-        while len(eng.scheduler.running) < 4 or any(s.num_output_tokens == 0 for s in eng.scheduler.running):
-            eng.step()
-        seqs = sorted(eng.scheduler.running, key=lambda s: s.seq_id)
+        _, ctl, seqs = _decoding_batch(target, tmp_path / str(fast), 4)
         ctl.cost = cheap_draft_costs() if pays else cheap_draft_costs(target_per_token=0.05)
         ctl.guard = Guard(4, min_samples=0, probe_every=10**9)
         for k, s in enumerate(seqs):
@@ -510,15 +516,9 @@ def test_a_batch_the_guard_holds_plain_is_planned_as_the_guard_would_without_ask
     fraction of the guard's answers asked."""
     from test_spec import cheap_draft_costs
 
-    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     runs = {}
     for fast in (True, False):
-        eng, ctl = _controlled_engine(target, tmp_path / str(fast))
-        for i in range(3):
-            eng.add_request(f"r{i}", [5, 6, 7, 8 + i], params)
-        while len(eng.scheduler.running) < 3 or any(s.num_output_tokens == 0 for s in eng.scheduler.running):
-            eng.step()
-        seqs = sorted(eng.scheduler.running, key=lambda s: s.seq_id)
+        _, ctl, seqs = _decoding_batch(target, tmp_path / str(fast), 3)
         ctl.cost = cheap_draft_costs()
         ctl.guard = Guard(4, min_samples=4, probe_every=8, burst=3, max_interval=32)
         ctl.budget = ExplorationBudget(fraction=0.2, decay=1.0)
