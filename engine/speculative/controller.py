@@ -372,6 +372,7 @@ class _PlainRun:
     """A batch the guard held plain at its last plan (see :meth:`SpecController._held_plain`)."""
 
     ids: list[int]  # its requests, in plan order
+    guard: Guard  # (the controller's guard then: a new one starts afresh)
     bucket: _Bucket
 
 
@@ -545,7 +546,7 @@ class SpecController:
         """After a plan the guard held plain: its batch's next plans may be answered alike."""
         bucket = self.guard.bucket(len(seqs), greedy)
         if not bucket.on:
-            self._plain = _PlainRun([s.seq_id for s in seqs], bucket)
+            self._plain = _PlainRun([s.seq_id for s in seqs], self.guard, bucket)
 
     def _held_plain(self, seqs: list[Sequence], room: list[int]) -> bool:
         """Whether this plan is one the guard holds plain for certain (the batch of the last plan, which
@@ -556,7 +557,7 @@ class SpecController:
         run = self._plain
         if run is None:
             return False
-        if min(room, default=0) > 0 and [s.seq_id for s in seqs] == run.ids:
+        if run.guard is self.guard and min(room, default=0) > 0 and [s.seq_id for s in seqs] == run.ids:
             if self.guard.holds_plain(run.bucket, self.budget.allows):
                 self._memo = {}
                 return True
