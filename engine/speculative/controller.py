@@ -644,12 +644,12 @@ class SpecController:
         free: list[int] = []
         for i, seq in enumerate(seqs):
             p = seq.params
-            if p.speculative is False or self.max_depth == 0:
-                fixed[i] = 0
-            elif p.num_draft_tokens is not None:
-                fixed[i] = min(p.num_draft_tokens, self.max_depth, room[i])
-            else:
+            if self._free(seq):
                 free.append(i)
+            elif p.speculative is False or self.max_depth == 0:
+                fixed[i] = 0
+            else:
+                fixed[i] = min(p.num_draft_tokens, self.max_depth, room[i])
         depths = [fixed.get(i, 0) for i in range(len(seqs))]
         if not free or cap == 0:  # a plain step by the guard: no idle probes either
             return depths
