@@ -423,3 +423,12 @@ def test_random_stop_strings_stream_safely(tokenizer: PreTrainedTokenizerFast, i
         assert detok.output_text == text[: end if include else begin]
         matched += 1
     assert matched == 60
+
+
+def test_text_added_before_min_tokens_is_never_searched_for_stop_strings(byte_level):
+    """A stop string that ended in text added with ``stops`` false (the output short of its
+    ``min_tokens``) stops nothing later, even beside a longer stop string; one ending after does."""
+    detok = IncrementalDetokenizer(byte_level, [], stop=["dog", "lazy dog!!"])
+    assert detok.append(encode(byte_level, "the dog"), stops=False) is None
+    assert detok.append(encode(byte_level, " sleeps")) is None and detok.stop_matched is None
+    assert detok.append(encode(byte_level, ", the dog")) == "dog" and detok.output_text == "the dog sleeps, the "

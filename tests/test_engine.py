@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import subprocess
 import sys
 
@@ -265,6 +266,26 @@ def test_stop_conditions(llama_dir):
     short = make_engine(llama_dir, max_model_len=len(p) + 5)
     c = short.generate([p], SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))[0].outputs[0]
     assert (c.finish_reason, c.num_tokens) == ("length", 5)
+
+
+def test_a_stop_string_before_min_tokens_does_not_stop_the_output(llama_dir):
+    """vLLM's rule: stop strings are not looked for until the output has its ``min_tokens``; one that
+    ended before does not stop it later, one that ends after does."""
+    engine = make_engine(llama_dir)
+    p = prompts(1, seed=11)[0]
+    free = engine.generate([p], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    text, ids = free.text, free.delta_token_ids
+    early = text[: len(engine.tokenizer.decode(ids[:2]))].strip()[:3]  # in the first two tokens' text
+    assert early and text.count(early) == 1
+    plain = engine.generate([p], SamplingParams(temperature=0.0, max_tokens=12, stop=[early], ignore_eos=True))
+    assert plain[0].outputs[0].finish_reason == "stop" and plain[0].outputs[0].num_tokens <= 2
+    late = SamplingParams(temperature=0.0, max_tokens=12, stop=[early], ignore_eos=True, min_tokens=4)
+    c = engine.generate([p], late)[0].outputs[0]
+    assert (c.finish_reason, c.stop_reason, c.text, c.delta_token_ids) == ("length", None, text, ids)
+    # A stop string that ends after min_tokens still stops the output there.
+    tail = next(text[i : i + 3] for i in range(len(text) // 2, len(text) - 2) if text[i : i + 3].strip())
+    c = engine.generate([p], dataclasses.replace(late, stop=[early, tail]))[0].outputs[0]
+    assert (c.finish_reason, c.stop_reason, c.text) == ("stop", tail, text[: text.index(tail)])
 
 
 def test_eos_stops_unless_ignored(llama_dir):

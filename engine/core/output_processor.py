@@ -60,7 +60,7 @@ class OutputProcessor:
             elif tok in p.stop_token_ids:
                 reason, seq.stop_reason = FinishReason.STOP, tok
             else:
-                matched = seq.detok.append([tok])
+                matched = seq.detok.append([tok], seq.num_output_tokens >= p.min_tokens)  # (vLLM's rule)
                 if matched is not None:
                     reason, seq.stop_reason = FinishReason.STOP, matched
             if reason is None and j == len(tokens) - 1 and seq.grammar is not None and seq.grammar.terminated:

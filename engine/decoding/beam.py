@@ -163,7 +163,7 @@ class BeamSearch:
             return
         if p.stop:
             c.detok = parent.detok.fork()
-            matched = c.detok.append([c.token])
+            matched = c.detok.append([c.token], parent.num_output_tokens + 1 >= p.min_tokens)
             if matched is not None:
                 c.finish, c.stop_reason = FinishReason.STOP, matched
                 return

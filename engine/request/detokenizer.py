@@ -94,7 +94,6 @@ class IncrementalDetokenizer:
         # the space of the token after it.
         self._skip_ids = frozenset(tokenizer.all_special_ids) if skip_special_tokens else frozenset()
         self._stop = [s for s in (stop or []) if s]
-        self._max_stop_len = max((len(s) for s in self._stop), default=0)
         self._include_stop = include_stop_str_in_output
 
         self.output_text = ""
@@ -104,11 +103,14 @@ class IncrementalDetokenizer:
         self._num_context = len(self._ids)
         self._context_text: str | None = None  # decode(context ids), computed when first needed
 
-    def append(self, new_token_ids: list[int]) -> str | None:
+    def append(self, new_token_ids: list[int], stops: bool = True) -> str | None:
         """Decode newly generated tokens (one or several at once — speculative decoding appends several).
 
         Returns the matched stop string if this append completed one (``output_text`` is then
-        already truncated), else None. After a match, further appends are ignored.
+        already truncated), else None. After a match, further appends are ignored. With ``stops``
+        false (the output is still short of its ``min_tokens``) the text is added unsearched: a stop
+        string it completes does not stop the output, now or later (only one that ends in text added
+        afterwards does), as vLLM ignores stop strings until ``min_tokens``.
         """
         if self.stop_matched is not None:
             return None
@@ -116,7 +118,7 @@ class IncrementalDetokenizer:
         if not kept:
             return None
         self._ids.extend(kept)
-        return self._add_text(self._decode_pending(force=False))
+        return self._add_text(self._decode_pending(force=False), stops)
 
     def fork(self) -> IncrementalDetokenizer:
         """An independent copy (a forked beam goes on from the same text)."""
@@ -218,20 +220,19 @@ class IncrementalDetokenizer:
 
     # ------------------------------------------------------------------ stop strings
 
-    def _add_text(self, new_text: str) -> str | None:
+    def _add_text(self, new_text: str, stops: bool = True) -> str | None:
         if not new_text:
             return None
         old_len = len(self.output_text)
         # Appending copies the string (CPython cannot extend an attribute's str in place): a memcpy,
         # the only part of a step that grows with the output.
         self.output_text += new_text
-        if not self._stop:
+        if not self._stop or not stops:
             return None
-        # No stop string occurred in the old text, so a match must end in the new text.
-        start = max(0, old_len - self._max_stop_len + 1)
+        # A match ends in the new text: none ended in the old one, or that one was before min_tokens.
         best: tuple[int, int, str] | None = None  # (end, start, stop string)
         for s in self._stop:
-            i = self.output_text.find(s, start)
+            i = self.output_text.find(s, max(0, old_len - len(s) + 1))
             if i >= 0 and (best is None or (i + len(s), i) < best[:2]):
                 best = (i + len(s), i, s)
         if best is None:
