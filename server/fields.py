@@ -62,7 +62,8 @@ REFUSED: dict[str, tuple[str, tuple]] = {
     "spaces_between_special_tokens": ("special tokens are decoded without spaces between them", (True,)),
     "truncate_prompt_tokens": ("prompts are not truncated: a prompt that does not fit is a 400", ()),
     "truncation_side": ("prompts are not truncated", ()),
-    "prompt_logprobs": ("prompt logprobs on chat are not supported; /v1/completions gives them with echo", ()),
+    # (0 still asks for something in vLLM: each prompt token's own logprob)
+    "prompt_logprobs": ("not supported: /v1/completions gives the prompt's logprobs with echo and logprobs", (None,)),
     "logprob_token_ids": ("logprobs of fixed token ids are not supported", ()),
     "allowed_token_ids": ("a token whitelist is not supported: use structured_outputs or logit_bias", ()),
     "bad_words": ("banned words are not supported: use logit_bias or structured_outputs", ()),

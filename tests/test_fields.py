@@ -109,6 +109,15 @@ def test_a_refused_field_asking_for_nothing_is_accepted(http, name, default):
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_prompt_logprobs_zero_asks_for_the_prompt_tokens_own_logprobs_and_is_refused(http, endpoint):
+    """vLLM answers ``prompt_logprobs: 0`` with each prompt token's own logprob: not nothing."""
+    r = http.post(PATHS[endpoint], json={**BASE[endpoint], "prompt_logprobs": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+    assert "chat" not in r.json()["error"]["message"]  # the same words on either endpoint
+    assert http.post(PATHS[endpoint], json={**BASE[endpoint], "prompt_logprobs": None}).status_code == 200
+
+
 def test_continuous_usage_counts_on_every_chunk(http):
     body = {**BASE["completions"], "max_tokens": 4, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
