@@ -17,7 +17,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from fastapi import Request
@@ -80,6 +80,7 @@ class Job:
     include_usage: bool
     created: int = field(default_factory=lambda: int(time.time()))
     continuous_usage: bool = False  # streamed: every chunk carries the usage so far (vLLM's continuous_usage_stats)
+    cap_max_tokens: bool = False  # params.max_tokens is a default, capped per prompt at the room it leaves
 
     @property
     def model(self) -> str:
@@ -103,6 +104,14 @@ class Job:
                 headers={"Retry-After": "1"},
             )
         return job
+
+    def params_for(self, prompt_ids: list[int]) -> SamplingParams:
+        """One prompt's engine request's parameters: the request's, its default max_tokens (when it
+        gave none: ``cap_max_tokens``) capped at the context the prompt leaves."""
+        p, room = self.params, self.eng.max_model_len - len(prompt_ids)
+        if self.cap_max_tokens and p.max_tokens is not None and p.max_tokens > room:
+            return replace(p, max_tokens=room)
+        return p
 
     def running_usage(self, completion_tokens: int) -> dict:
         """The token counts so far, as a stream's chunks carry them with ``continuous_usage_stats``."""
@@ -334,7 +343,7 @@ async def _run(job: Job, request_id: str, prompt_ids: list[int]) -> AsyncIterato
     m.request_started(len(prompt_ids))
     finished = False
     try:
-        async for out in job.eng.generate(request_id, prompt_ids, job.params):
+        async for out in job.eng.generate(request_id, prompt_ids, job.params_for(prompt_ids)):
             now = time.monotonic()
             new = sum(len(c.delta_token_ids) for c in out.outputs)
             if new:

@@ -338,6 +338,30 @@ def test_generation_config_defaults_are_applied_and_overridden(tmp_path, tokeniz
         assert r["usage"]["completion_tokens"] == 16  # OpenAI's default, not the model's 5
 
 
+def test_a_default_max_tokens_is_capped_at_the_room_each_prompt_leaves(tmp_path, tokenizer_dir):
+    """The model's default length (none given) past the context is capped per prompt, as vLLM caps it,
+    not refused for a max_tokens the client never sent; one the client sends is still refused."""
+    d = thinking_model(tmp_path / "g", tokenizer_dir, TEMPLATE, {"max_new_tokens": 40})
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    short, long = "Hello", " ".join(["word"] * 30)
+    limit = len(tok.encode(long)) + 12  # the long prompt leaves 12 tokens, the short one more than 40
+    with serve(create_app(ServerSettings(served_model_name=MODEL), engine_factory(d, max_model_len=limit))) as s:
+        with openai.OpenAI(base_url=s.base + "/v1", api_key="x", max_retries=0) as c:
+            r = c.completions.create(model=MODEL, prompt=[short, long], temperature=0, extra_body={"ignore_eos": True})
+            by = {ch.index: ch for ch in r.choices}
+            assert r.usage.completion_tokens == 40 + 12
+            assert by[0].finish_reason == by[1].finish_reason == "length"
+            assert len(tok.encode(by[1].text, add_special_tokens=False)) <= 12 < 40
+            chat = [{"role": "user", "content": " ".join(["word"] * 20)}]
+            text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+            room = limit - len(tok.encode(text, add_special_tokens=False))
+            assert 0 < room < 40
+            r = c.chat.completions.create(model=MODEL, messages=chat, temperature=0, extra_body={"ignore_eos": True})
+            assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (room, "length")
+            with pytest.raises(openai.BadRequestError, match="max_tokens"):
+                c.completions.create(model=MODEL, prompt=long, max_tokens=13)
+
+
 def test_chat_template_override(tmp_path, tokenizer_dir, llama_dir):
     d = tmp_path / "no-template"
     shutil.copytree(llama_dir, d)

@@ -127,8 +127,9 @@ async def chat_job(state: ServerState, request: Request, req, turn: ChatTurn, pr
     elif syntax is not None and separate:
         reader = syntax.reader(eng.tokenizer, frame, harmony_calls)
     max_tokens = req.completion_limit
-    if max_tokens is None:  # the model's default, else as long as the context allows
-        max_tokens = state.sampling_defaults.get("max_tokens") or max(1, eng.max_model_len - len(prompt_ids))
+    if max_tokens is None:  # the model's default capped at the room the prompt leaves (as vLLM caps it), else that room
+        room = max(1, eng.max_model_len - len(prompt_ids))
+        max_tokens = min(state.sampling_defaults.get("max_tokens") or room, room)
     params = sampling_params(state, req, max_tokens, turn.logprobs)
     structured = params.structured
     if req.forces_tool_call:  # required / a named function: the calls are the output, by grammar

@@ -31,8 +31,12 @@ def add_completion_routes(app: FastAPI, state: ServerState) -> None:
         params = sampling_params(state, req, max_tokens, lp, lp if req.echo and lp is not None else None)
         prompts = req.prompts()
         check_queue_bound(state, len(prompts))  # before tokenizing thousands of prompts for nothing
-        ids = await prepare(eng, prompts, params)
+        # A default (none given) is capped per prompt at the room it leaves, as vLLM caps it: the
+        # prompts are checked only for fitting the context, not against a length nobody asked for.
+        capped = not given and max_tokens is not None
+        ids = await prepare(eng, prompts, dataclasses.replace(params, max_tokens=None) if capped else params)
         job = Job.admit(state, eng, request, "cmpl", ids, params, req.n, req.stream, req.include_usage)
+        job.cap_max_tokens = capped
         job.continuous_usage = req.continuous_usage
         return await respond(job, CompletionFormat(req, prompts, state.token_texts))
 
