@@ -9,6 +9,7 @@ openai-agents' default model runs a tool in tests/test_agent_clients.py."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 
 import httpx
@@ -358,6 +359,22 @@ def test_unknown_ids_and_models_are_404(http):
     assert http.delete("/v1/responses/resp_nope").status_code == 404
     r = http.post("/v1/responses", json={"model": "other", "input": "Hi."})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_auto_keeps_the_first_call_alone_when_parallel_calls_are_off(client):
+    """As on chat: under auto the model writes two calls (a regex makes it); ``parallel_tool_calls``
+    false returns the first alone, streamed or not."""
+    two = ('<tool_call>\n{"name": "lookup", "arguments": {"query": "a", "limit": 1}}\n</tool_call>\n'
+           '<tool_call>\n{"name": "lookup", "arguments": {"query": "b", "limit": 2}}\n</tool_call>')  # fmt: skip
+    regex = {"structured_outputs": {"regex": re.escape(two)}}
+    kw = dict(input="Find it.", tools=TOOLS, tool_choice="auto", max_output_tokens=200, extra_body=regex)
+    both = respond(client, parallel_tool_calls=True, **kw)
+    assert check_calls(both.output, {"lookup"}) == [("lookup", {"query": "a", "limit": 1}),
+                                                    ("lookup", {"query": "b", "limit": 2})]  # fmt: skip
+    one = respond(client, parallel_tool_calls=False, **kw)
+    assert check_calls(one.output, {"lookup"}) == [("lookup", {"query": "a", "limit": 1})]
+    final = list(respond(client, parallel_tool_calls=False, stream=True, **kw))[-1].response
+    assert [(o.name, o.arguments) for o in final.output] == [(o.name, o.arguments) for o in one.output]
 
 
 # -- the builder, token by token ---------------------------------------------------------------------------

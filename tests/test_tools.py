@@ -154,6 +154,31 @@ def test_auto_parses_calls_out_of_the_text(client, stream):
     assert check_calls(msg.message, {"get_weather"}) == [("get_weather", {"city": "Paris", "unit": "c"})]
 
 
+TWO_CALLS = CALL_TEXT + "\n" + CALL_TEXT.replace("Paris", "Oslo")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_returns_the_first_call_alone_when_parallel_calls_are_off(client, stream):
+    """vLLM's rule: with ``parallel_tool_calls`` false, of the calls a turn writes only the first is
+    returned (the grammar makes one under required; under auto the model writes freely)."""
+    forced = {"structured_outputs": {"regex": json.dumps(TWO_CALLS)[1:-1].replace("{", "\\{").replace("}", "\\}")}}
+
+    def calls(parallel: bool) -> list:
+        kw = dict(model=MODEL, messages=ASK, max_tokens=200, temperature=0, tools=TOOLS, tool_choice="auto",
+                  parallel_tool_calls=parallel, extra_body=forced)  # fmt: skip
+        if not stream:
+            msg = client.chat.completions.create(**kw).choices[0]
+        else:
+            with client.chat.completions.stream(**kw) as s:
+                msg = s.get_final_completion().choices[0]
+        assert msg.finish_reason == "tool_calls" and not msg.message.content
+        return check_calls(msg.message, {"get_weather"})
+
+    paris, oslo = ("get_weather", {"city": "Paris", "unit": "c"}), ("get_weather", {"city": "Oslo", "unit": "c"})
+    assert calls(True) == [paris, oslo]
+    assert calls(False) == [paris]
+
+
 def test_auto_without_a_call_is_content_and_none_parses_nothing(client):
     r = create(client, tools=TOOLS, tool_choice="auto", max_tokens=8)
     assert not r.choices[0].message.tool_calls and r.choices[0].finish_reason in ("stop", "length")

@@ -29,7 +29,8 @@ from server.tools import HarmonyFormat, ToolFormat, argument_pieces
 
 class OutputBuilder:
     def __init__(self, tools: ToolFormat | HarmonyFormat | None, forced: bool,
-                 reasoning: ReasoningStream | HarmonyReasoningStream | None = None) -> None:  # fmt: skip
+                 reasoning: ReasoningStream | HarmonyReasoningStream | None = None, one_call: bool = False) -> None:  # fmt: skip
+        self.one_call = one_call  # parallel_tool_calls false: the output's first call alone (as vLLM keeps)
         self.reasoning = reasoning  # splits a reasoning model's thinking off (None: no reasoning parser)
         self.thinking: dict | None = None  # the open reasoning item
         self.tools = tools  # calls are read from the text (None: plain text)
@@ -80,6 +81,7 @@ class OutputBuilder:
             return events + (self._end_call(status) if self.call is not None else [])
         if self.tools is not None:
             content, calls = self.tools.parse(self.text, cut=reason == "length")
+            calls = calls[:1] if self.one_call else calls
             if calls:
                 start = self.tools.start_of_calls(self.text)
                 events += self._say(self.text[:start].rstrip()[self.sent :])

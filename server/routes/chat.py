@@ -178,7 +178,8 @@ def add_chat_routes(app: FastAPI, state: ServerState) -> None:
         )  # fmt: skip
         job, reader = await chat_job(state, request, req, turn, "chatcmpl")
         tools = state.tool_format if req.parses_tool_calls else None
-        fmt = ChatFormat(req.logprobs, state.token_texts, tools, req.forces_tool_call, reader, req.include_reasoning)
+        fmt = ChatFormat(req.logprobs, state.token_texts, tools, req.forces_tool_call, reader, req.include_reasoning,
+                         one_call=not req.parallel)  # fmt: skip
         return await respond(job, fmt)
 
 
@@ -205,6 +206,7 @@ class ChatFormat:
     forced: bool = False  # required / a named function: the answer is calls only, by grammar
     reader: ReasoningReader | HarmonyReader | None = None  # a reasoning model's thinking is split off
     include_reasoning: bool = True
+    one_call: bool = False  # parallel_tool_calls false: a turn's first call alone is returned (as vLLM does)
     choices: dict[int, ChoiceState] = field(default_factory=dict)
 
     chunk_object = "chat.completion.chunk"
@@ -301,6 +303,7 @@ class ChatFormat:
                 st.sent = safe
             return out, reason
         parsed, calls = self.tools.parse(text, cut=reason == "length")
+        calls = calls[:1] if self.one_call else calls
         rest = (text if not calls else (parsed or ""))[st.sent :]  # what went out is the start of either
         if rest:
             out.append({"content": rest})
@@ -319,6 +322,7 @@ class ChatFormat:
         message: dict = {"role": "assistant", "content": content}
         if self.tools is not None:
             parsed, calls = self.tools.parse(content, cut=reason == "length")
+            calls = calls[:1] if self.one_call else calls
             if self.forced:
                 parsed = None  # the answer is calls alone (a call cut short is dropped, not shown)
             if calls or self.forced:

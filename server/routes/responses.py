@@ -97,7 +97,8 @@ class ResponseRun:
         self.id = "resp_" + job.id.rsplit("-", 1)[-1]
         self.created = time.time()
         tools = state.tool_format if req.parses_tool_calls else None
-        self.builder = OutputBuilder(tools, req.forces_tool_call, reader.stream() if reader is not None else None)
+        self.builder = OutputBuilder(tools, req.forces_tool_call, reader.stream() if reader is not None else None,
+                                     one_call=not req.parallel)  # fmt: skip
         self.seq = 0
         self.tokens = 0
         self.token_ids: list[int] = []
