@@ -485,6 +485,7 @@ class ChatMessage(BaseModel):
     # assistant: its thinking, replayed (vLLM's reasoning_content, and its newer name reasoning)
     reasoning_content: str | None = None
     reasoning: str | None = None
+    function_call: Any = None  # the legacy calling's: refused unless null (check_messages)
 
     def text(self) -> str:
         if self.content is None:
@@ -498,7 +499,7 @@ class ChatMessage(BaseModel):
                     f"content parts of type {part.get('type')!r} are not supported (only text)", "messages"
                 )
             parts.append(part["text"])
-        return "".join(parts)
+        return "\n".join(parts)  # as vLLM joins them
 
 
 def check_messages(messages: list[ChatMessage]) -> None:
@@ -514,6 +515,12 @@ def check_messages(messages: list[ChatMessage]) -> None:
             raise ValueError(f"messages[{i}]: unknown role {m.role!r}")
         if m.tool_calls and m.role != "assistant":
             raise ValueError(f"messages[{i}]: only assistant messages carry tool_calls")
+        if m.function_call is not None:
+            raise UnsupportedError(
+                f"messages[{i}]: function_call (the legacy function calling) is not supported; replay the call "
+                "as tool_calls",
+                "messages",
+            )
 
 
 def check_continuation(req, last_role: str) -> None:
@@ -543,8 +550,8 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
             d["reasoning_content"] = thinking  # what reasoning models' templates read (Qwen3's)
         if m.role == "tool":
             d["tool_call_id"] = m.tool_call_id or ""
-            if m.name:
-                d["name"] = m.name
+        if m.name:  # a participant's name (OpenAI's, on any role), or the function a tool result answers
+            d["name"] = m.name
         out.append(d)
     return out
 

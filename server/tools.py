@@ -375,19 +375,19 @@ def fallback_messages(messages: list[dict], tools: list[dict] | None) -> list[di
     if tools:
         text = FALLBACK_SYSTEM.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
         if messages and messages[0]["role"] == "system":
-            out.append({"role": "system", "content": messages[0]["content"] + "\n\n" + text})
+            out.append({**messages[0], "content": messages[0]["content"] + "\n\n" + text})
             messages = messages[1:]
         else:
             out.append({"role": "system", "content": text})
-    for m in messages:
+    for m in messages:  # every other key (a name, replayed reasoning) stays for the template
         if m["role"] == "assistant" and m.get("tool_calls"):
             calls = [(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
             content = ((m.get("content") or "") + "\n" + fmt.render(calls)).strip()
-            out.append({"role": "assistant", "content": content})
-        elif m["role"] == "tool":
+            out.append({**{k: v for k, v in m.items() if k != "tool_calls"}, "content": content})
+        elif m["role"] == "tool":  # (its call id and function name are no user's)
             out.append({"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"})
         else:
-            out.append({"role": m["role"], "content": m.get("content") or ""})
+            out.append({**m, "content": m.get("content") or ""})
     return out
 
 

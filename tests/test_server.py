@@ -460,6 +460,34 @@ def chat(client, messages=CHAT, max_tokens: int = 6, **kw):
     )
 
 
+def test_a_message_name_reaches_the_template_on_every_role_and_a_legacy_call_is_refused(llama_dir, tok):
+    """OpenAI's ``name`` (a participant's) goes to the template on any role, as vLLM passes it; an
+    assistant message's legacy ``function_call`` is a 400 (null, as the SDK replays it, is fine)."""
+    template = ("{% for m in messages %}[{{ m['role'] }}{% if m.name %}:{{ m.name }}{% endif %}] {{ m['content'] }}\n"
+                "{% endfor %}[assistant] ")  # fmt: skip
+    messages = [{"role": "system", "content": "Be brief.", "name": "boss"},
+                {"role": "user", "content": "Hi", "name": "ann"},
+                {"role": "assistant", "content": "Hello", "name": "bot", "function_call": None, "refusal": None},
+                {"role": "user", "content": "Bye"}]  # fmt: skip
+    body = {"model": MODEL, "messages": messages, "max_tokens": 1}
+    settings = ServerSettings(served_model_name=MODEL, chat_template=template)
+    with serve(create_app(settings, engine_factory(llama_dir))) as s:
+        r = httpx.post(s.base + "/v1/chat/completions", json=body)
+        text = "[system:boss] Be brief.\n[user:ann] Hi\n[assistant:bot] Hello\n[user] Bye\n[assistant] "
+        assert r.status_code == 200
+        assert r.json()["usage"]["prompt_tokens"] == len(tok.encode(text, add_special_tokens=False))
+        calls = [{"role": "assistant", "content": None, "name": "bot",
+                  "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                 {"role": "tool", "tool_call_id": "c1", "name": "f", "content": "42"}]  # fmt: skip
+        for history in (messages, [*messages[:3], *calls, messages[3]]):  # /tokenize renders as chat does
+            counted = httpx.post(s.base + "/tokenize", json={"model": MODEL, "messages": history}).json()["count"]
+            r = httpx.post(s.base + "/v1/chat/completions", json={**body, "messages": history})
+            assert counted == r.json()["usage"]["prompt_tokens"], r.text
+        legacy = {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}
+        r = httpx.post(s.base + "/v1/chat/completions", json={**body, "messages": [*messages[:2], legacy, messages[3]]})
+        assert_error(r, 400, param="messages", contains="function_call")
+
+
 def test_chat_renders_the_template(client, tok):
     r = chat(client)
     assert r.object == "chat.completion" and r.model == MODEL
@@ -471,13 +499,15 @@ def test_chat_renders_the_template(client, tok):
     rendered = tok.decode(template_ids(tok, CHAT))
     assert choice.message.content == greedy(client, tok.encode(rendered), 6).choices[0].text
 
+    # Text parts are joined by newlines (as vLLM joins them), then rendered as one content.
     parts = [
         *CHAT[:3],
-        {"role": "user", "content": [{"type": "text", "text": "How "}, {"type": "text", "text": "are you?"}]},
+        {"role": "user", "content": [{"type": "text", "text": "How"}, {"type": "text", "text": "are you?"}]},
     ]
+    joined = [*CHAT[:3], {"role": "user", "content": "How\nare you?"}]
     r2 = chat(client, parts)
-    assert r2.usage.prompt_tokens == r.usage.prompt_tokens
-    assert r2.choices[0].message.content == choice.message.content
+    assert r2.usage.prompt_tokens == len(template_ids(tok, joined)) != r.usage.prompt_tokens
+    assert r2.choices[0].message.content == chat(client, joined).choices[0].message.content
 
     developer = [{"role": "developer", "content": "You are terse."}, *CHAT[1:]]
     assert chat(client, developer).choices[0].message.content == choice.message.content

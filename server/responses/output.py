@@ -29,7 +29,8 @@ from server.tools import HarmonyFormat, ToolFormat, argument_pieces
 
 class OutputBuilder:
     def __init__(self, tools: ToolFormat | HarmonyFormat | None, forced: bool,
-                 reasoning: ReasoningStream | HarmonyReasoningStream | None = None, one_call: bool = False) -> None:  # fmt: skip
+                 reasoning: ReasoningStream | HarmonyReasoningStream | None = None,
+                 one_call: bool = False) -> None:  # fmt: skip
         self.one_call = one_call  # parallel_tool_calls false: the output's first call alone (as vLLM keeps)
         self.reasoning = reasoning  # splits a reasoning model's thinking off (None: no reasoning parser)
         self.thinking: dict | None = None  # the open reasoning item

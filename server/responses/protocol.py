@@ -342,7 +342,7 @@ def _text(content: Any, where: str, field: str = "content") -> str:
         else:
             raise UnsupportedError(f"{where}.{field}[{j}]: content parts of type {kind!r} are not supported "
                                    "(only text)", "input")  # fmt: skip
-    return "".join(parts)
+    return "\n".join(parts)  # as chat joins them (vLLM's way)
 
 
 def _summary(summary: Any, where: str) -> str:

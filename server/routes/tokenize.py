@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from server.common import bad_request, check_model, off_loop, parse_request, ready_engine, request_body
 from server.protocol import DetokenizeRequest, TokenizeRequest, UnsupportedError, template_messages
 from server.state import ServerState
+from server.tools import fallback_messages
 
 # The tokenizer's own settings that /tokenizer_info passes on when it has them (besides the special
 # tokens): what a client needs to tokenize as the server does.
@@ -38,6 +39,8 @@ def add_tokenizer_routes(app: FastAPI, state: ServerState) -> None:
             raise bad_request("this model has no chat template: tokenize a prompt instead", "messages")
         try:
             messages = template_messages(req.messages) if req.messages is not None else None
+            if messages is not None and not eng.chat_template_takes_tools:  # as chat renders them
+                messages = fallback_messages(messages, None)
         except UnsupportedError as e:
             raise bad_request(str(e), e.param) from None
 
