@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import types
+import typing
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
@@ -204,6 +206,30 @@ def check_template_kwargs(kwargs: dict[str, Any] | None, param: str = "chat_temp
 Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 
+UNIONS = (typing.Union, types.UnionType)
+
+
+def nulls_as_defaults(body: Any, model: type[BaseModel]) -> Any:
+    """The body less the fields sent as ``null`` whose type has no null: OpenAI's API takes null for
+    "the default" on every optional field (``n``, ``stream``, ``presence_penalty`` ...), and clients
+    built on its spec send it. A field whose type does have null keeps it (its null means something:
+    ``max_tokens: null`` on completions runs to the context's end)."""
+    if not isinstance(body, dict):
+        return body
+    fields = {**model.model_fields, **{f.alias: f for f in model.model_fields.values() if f.alias}}
+    return {k: v for k, v in body.items() if v is not None or k not in fields or _takes_null(fields[k].annotation)}
+
+
+def _takes_null(annotation: Any) -> bool:
+    if annotation is Any or annotation is None or annotation is type(None):
+        return True
+    if typing.get_origin(annotation) is Annotated:
+        return _takes_null(typing.get_args(annotation)[0])
+    return (
+        any(_takes_null(a) for a in typing.get_args(annotation)) if typing.get_origin(annotation) in UNIONS else False
+    )
+
+
 class _Sampling(BaseModel):
     """Fields shared by both endpoints; Augur's extensions come through the SDK's ``extra_body``."""
 
@@ -316,7 +342,7 @@ class _Sampling(BaseModel):
         that asks for what is not built, or that nothing knows."""
         declared = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
         try:
-            return screen(body, declared, endpoint)
+            return nulls_as_defaults(screen(body, declared, endpoint), cls)
         except Refused as e:
             raise UnsupportedError(str(e), e.param) from None
 

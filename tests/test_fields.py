@@ -118,6 +118,33 @@ def test_prompt_logprobs_zero_asks_for_the_prompt_tokens_own_logprobs_and_is_ref
     assert http.post(PATHS[endpoint], json={**BASE[endpoint], "prompt_logprobs": None}).status_code == 200
 
 
+NULLABLE = ["n", "stream", "presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty",
+            "min_tokens", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
+            "use_beam_search"]  # fmt: skip
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions", "responses"])
+def test_null_is_the_default_for_every_optional_field(http, endpoint):
+    """OpenAI's spec takes null for each optional field, and clients built on it send it: the request
+    answers as if the field were left out."""
+    nulls = {k: None for k in NULLABLE}
+    if endpoint == "chat":
+        nulls["logprobs"] = nulls["add_generation_prompt"] = None
+    elif endpoint == "completions":
+        nulls["echo"] = None
+    if endpoint == "responses":
+        path, body = "/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 3, "temperature": 0}
+        nulls = {"stream": None, "store": None, "top_k": None, "parallel_tool_calls": None, "min_tokens": None}
+    else:
+        path, body = PATHS[endpoint], {**BASE[endpoint], "max_tokens": 3, "temperature": 0}
+    plain, null = http.post(path, json=body), http.post(path, json={**body, **nulls})
+    assert plain.status_code == null.status_code == 200, null.text
+    text = {"chat": lambda r: r["choices"][0]["message"], "completions": lambda r: r["choices"][0]["text"],
+            "responses": lambda r: [o.get("content") for o in r["output"]]}[endpoint]  # fmt: skip
+    counts = {k: v for k, v in plain.json()["usage"].items() if isinstance(v, int)}  # (the prefix cache differs)
+    assert text(null.json()) == text(plain.json()) and counts and counts.items() <= null.json()["usage"].items()
+
+
 def test_continuous_usage_counts_on_every_chunk(http):
     body = {**BASE["completions"], "max_tokens": 4, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip

@@ -24,6 +24,7 @@ from server.protocol import (
     UnsupportedError,
     _Sampling,
     check_template_kwargs,
+    nulls_as_defaults,
 )
 from server.tools import template_call
 
@@ -153,7 +154,7 @@ class ResponsesRequest(_Sampling, ToolChoiceRules):
                 raise UnsupportedError(f"{key} is not a parameter of the Responses API{hint}", key)
             elif key not in cls.model_fields:
                 raise UnsupportedError(f"Unknown parameter: '{key}'.", key)
-        return {k: v for k, v in body.items() if k not in UNBUILT}
+        return nulls_as_defaults({k: v for k, v in body.items() if k not in UNBUILT}, cls)
 
     @model_validator(mode="after")
     def _check(self):
