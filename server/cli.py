@@ -353,6 +353,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         body_timeout_s=args.body_timeout,
         typical_acceptance=tuple(args.typical_acceptance) if args.typical_acceptance else None,
         tool_call_parser=args.tool_call_parser,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         metrics_compat=args.metrics_compat,
         responses_store_max=args.responses_store_max,
         responses_store_bytes=int(args.responses_store_mb * 2**20),
@@ -667,6 +668,12 @@ def _serve_parser(sub, common: argparse.ArgumentParser) -> None:
         default="auto",
         help="how the model writes tool calls (auto: from its chat template; Hermes-style where it says nothing; "
         "harmony: gpt-oss's messages to functions.NAME)",
+    )
+    serve.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help="leave a request's tools out of the prompt under tool_choice none (by default the model sees them and "
+        "calls none, as vLLM serves it, and the prompt's prefix stays the one the conversation cached)",
     )
     serve.add_argument(
         "--chat-template",

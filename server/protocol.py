@@ -686,9 +686,9 @@ class ChatCompletionRequest(_Sampling, ToolChoiceRules):
 
     @property
     def tool_functions(self) -> list[dict]:
-        """The offered functions (OpenAI function objects), unless ``tool_choice`` is none; a named
-        choice offers that one."""
-        if not self.tools or self.tool_choice == "none":
+        """The offered functions (OpenAI function objects); a named choice offers that one. Under
+        ``tool_choice`` none they are shown and none is called (``parses_tool_calls``)."""
+        if not self.tools:
             return []
         fns = [t.function.model_dump(exclude_none=True) for t in self.tools]
         if isinstance(self.tool_choice, NamedToolChoice):

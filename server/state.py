@@ -29,6 +29,9 @@ class ServerSettings:
     metrics_compat: str = "vllm"  # also export vLLM's metric names ("none": only augur_*)
     # How the model writes tool calls: auto (from its chat template) | hermes | llama3_json | mistral | harmony.
     tool_call_parser: str = "auto"
+    # tool_choice none: the tools stay in the prompt (vLLM's default: the model sees them, calls none, and
+    # the prompt's prefix is the one its other turns cached), unless this leaves them out.
+    exclude_tools_when_tool_choice_none: bool = False
     # The Responses API's store (store: true): oldest out first past either bound.
     responses_store_max: int = 1024
     responses_store_bytes: int = 128 * 2**20

@@ -179,6 +179,21 @@ def test_auto_returns_the_first_call_alone_when_parallel_calls_are_off(client, s
     assert calls(False) == [paris]
 
 
+def test_none_shows_the_tools_as_vllm_does_unless_the_server_leaves_them_out(client, llama_dir):
+    """Under tool_choice none the prompt is auto's (the model sees the tools; the conversation's cached
+    prefix holds); ``--exclude-tools-when-tool-choice-none`` renders it without them."""
+
+    def prompt_tokens(c, **kw) -> int:
+        return c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1, **kw).usage.prompt_tokens
+
+    bare = prompt_tokens(client)
+    assert prompt_tokens(client, tools=TOOLS, tool_choice="none") == prompt_tokens(client, tools=TOOLS) > bare
+    settings = ServerSettings(served_model_name=MODEL, exclude_tools_when_tool_choice_none=True)
+    with serve(create_app(settings, engine_factory(llama_dir, max_model_len=2048))) as s:
+        with openai.OpenAI(base_url=s.base + "/v1", api_key="x", max_retries=0) as c:
+            assert prompt_tokens(c, tools=TOOLS, tool_choice="none") == bare < prompt_tokens(c, tools=TOOLS)
+
+
 def test_auto_without_a_call_is_content_and_none_parses_nothing(client):
     r = create(client, tools=TOOLS, tool_choice="auto", max_tokens=8)
     assert not r.choices[0].message.tool_calls and r.choices[0].finish_reason in ("stop", "length")

@@ -193,10 +193,8 @@ class ResponsesRequest(_Sampling, ToolChoiceRules):
     # -- what the chat path needs --------------------------------------------------------------------
     @property
     def tool_functions(self) -> list[dict]:
-        """The offered functions as chat's function objects (none under ``tool_choice`` none; a named
-        choice offers that one)."""
-        if self.tool_choice == "none":
-            return []
+        """The offered functions as chat's function objects (a named choice offers that one; under
+        ``tool_choice`` none they are shown and none is called)."""
         fns = [t.model_dump(exclude_none=True, exclude={"type"}) for t in self._function_tools]
         if isinstance(self.tool_choice, NamedFunctionChoice):
             fns = [f for f in fns if f["name"] == self.tool_choice.name]

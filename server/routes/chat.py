@@ -103,6 +103,8 @@ async def chat_job(state: ServerState, request: Request, req, turn: ChatTurn, pr
     harmony = syntax is HARMONY or isinstance(state.tool_format, HarmonyFormat)
     messages = turn.messages
     functions = req.tool_functions
+    if req.tool_choice == "none" and state.settings.exclude_tools_when_tool_choice_none:
+        functions = []
     tools = [{"type": "function", "function": f} for f in functions] or None
     if not eng.chat_template_takes_tools:  # described in a system message, history in the Hermes style
         messages, tools = fallback_messages(messages, functions), None
