@@ -126,6 +126,8 @@ class ResponseFormat(BaseModel):
     def _check(self):
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("response_format of type json_schema needs a json_schema object")
+        if self.type != "json_schema" and self.json_schema is not None:  # it would constrain nothing
+            raise ValueError(f"response_format of type {self.type} takes no json_schema (use type json_schema)")
         return self
 
     def structured(self) -> StructuredOutput | None:

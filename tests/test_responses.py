@@ -315,6 +315,8 @@ def test_text_format_json_schema_and_parse(client):
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "response_format"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
         ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+        ({"stream": True, "stream_options": {"include_speculation": True}}, "stream_options.include_speculation"),
+        ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage"),
     ],
 )
 def test_bad_requests_are_400_naming_the_field(http, body, param):

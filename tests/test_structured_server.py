@@ -134,6 +134,11 @@ def test_streamed_equals_non_streamed_and_speculation_changes_nothing(client):
         ),  # fmt: skip
         ({"regex": "a+", "ebnf": 'root ::= "a"'}, "ebnf", "give one of"),
         (
+            {"response_format": {"type": "json_object", "json_schema": {"name": "x", "schema": {"type": "integer"}}}},
+            "response_format",
+            "takes no json_schema",
+        ),  # fmt: skip
+        (
             {"structured_outputs": {"json": {"type": "object", "properties": {"a": {"$ref": "#/$defs/nowhere"}}}}},
             "structured_outputs",
             "",

@@ -166,6 +166,11 @@ class ResponsesRequest(_Sampling, ToolChoiceRules):
             raise FieldError(f"tool_choice names {self.tool_choice.name!r}, which is not among tools", "tool_choice")
         if self.tool_choice == "required" and not names:
             raise FieldError("tool_choice 'required' needs tools", "tool_choice")
+        opts = self.stream_options
+        for name in ("include_speculation", "continuous_usage_stats"):  # chat's and completions' chunks carry them
+            if opts is not None and getattr(opts, name):
+                raise UnsupportedError(f"stream_options.{name} is not built for the Responses API's events: chat "
+                                       "and completions streams carry it", f"stream_options.{name}")  # fmt: skip
         if self.text is not None and self.text.verbosity not in (None, "medium"):
             raise UnsupportedError("text.verbosity other than medium is not supported", "text.verbosity")
         if self.text is not None and self.text.format is not None and self.text.format.type != "text":
