@@ -208,7 +208,6 @@ def test_a_model_writes_its_kv_in_ropes_kernel_with_the_bits_the_attention_opera
     outs, pools, writes = [], [], []
     real = TritonMetadata.kv_write_slots
     for fold in (True, False):
-
         def slots(meta, kv_pool, fold=fold):
             got = real(meta, kv_pool) if fold else None
             writes.append(got is not None)

@@ -312,8 +312,6 @@ def test_an_unknown_mixture_is_a_clear_error(tmp_path, moe_dirs):
 
 # -- the GPU kernels (Triton's interpreter on CPU tensors) ------------------------------------------------
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the tests that follow it run on either
-
-
 def test_row_blocks_cover_each_experts_rows_once():
     from engine.models.moe_triton import row_blocks
 
