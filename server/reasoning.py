@@ -147,8 +147,9 @@ class HarmonySyntax:
         word = tokenizer.encode("commentary" if call else "final", add_special_tokens=False)[0]
         return dataclasses.replace(structured, prelude=Prelude(prelude_lark(call, frame.opened), (end, word)))
 
-    def reader(self, tokenizer, frame: ReasoningFrame, calls: bool, visible: bool = True) -> HarmonyReader:
-        return HarmonyReader(frame, HarmonyVocab.of(tokenizer), visible, calls)
+    def reader(self, tokenizer, frame: ReasoningFrame, calls: bool, visible: bool = True,
+               inline: bool = False) -> HarmonyReader:  # fmt: skip
+        return HarmonyReader(frame, HarmonyVocab.of(tokenizer), visible, calls, inline)
 
     def check(self, tokenizer) -> None:
         HarmonyVocab.of(tokenizer)
@@ -270,13 +271,14 @@ class HarmonyReasoningStream:
     the content, each message set apart from the one before by a blank line. With ``calls`` a call's
     message goes into the content as gpt-oss writes it (``<|channel|>commentary to=functions.NAME
     <|constrain|>json<|message|>ARGS``, then ``<|call|>`` where a marker ended it), for the harmony tool
-    parser to read; without, it is dropped, so no marker is ever content."""
+    parser to read; without, it is dropped, so no marker is ever content. With ``inline`` (SGLang's
+    ``separate_reasoning: false``) the analysis is content too, where it was written."""
 
-    def __init__(self, opening: str, visible: bool, calls: bool) -> None:
+    def __init__(self, opening: str, visible: bool, calls: bool, inline: bool = False) -> None:
         self.stream = HarmonyStream(opening)
-        self.visible, self.calls = visible, calls
+        self.visible, self.calls, self.inline = visible and not inline, calls, inline
         self.kind = self.stream.message.kind if self.stream.state == self.stream.BODY else None  # the open message's
-        self.thought = visible and self.kind == "reasoning"
+        self.thought = self.visible and self.kind == "reasoning"
         self.said = {"reasoning": False, "content": False}  # a message of each had text
         self.fresh = True  # the open message has had no text yet
 
@@ -301,10 +303,11 @@ class HarmonyReasoningStream:
             elif event[0] == "text":
                 if self.kind == "call" and self.calls:
                     out["content"] += event[1]
-                elif self.kind == "content" or (self.kind == "reasoning" and self.visible):
-                    apart = self.fresh and self.said[self.kind]
-                    out[self.kind] += ("\n\n" if apart else "") + event[1]
-                    self.said[self.kind], self.fresh = True, False
+                elif self.kind == "content" or (self.kind == "reasoning" and (self.visible or self.inline)):
+                    into = "content" if self.inline else self.kind
+                    apart = self.fresh and self.said[into]
+                    out[into] += ("\n\n" if apart else "") + event[1]
+                    self.said[into], self.fresh = True, False
             else:
                 if self.kind == "call" and self.calls:
                     out["content"] += CALL
@@ -360,9 +363,10 @@ class HarmonyReader:
     vocab: HarmonyVocab
     visible: bool
     calls: bool
+    inline: bool = False  # the analysis is content, where it was written (separate_reasoning false)
 
     def stream(self) -> HarmonyReasoningStream:
-        return HarmonyReasoningStream(self.frame.opening, self.visible, self.calls)
+        return HarmonyReasoningStream(self.frame.opening, self.visible, self.calls, self.inline)
 
     def split(self, text: str) -> tuple[str | None, str]:
         """(reasoning, content) of a whole output; reasoning None where it had no analysis (or it is not shown)."""

@@ -417,6 +417,28 @@ def test_analysis_is_reasoning_and_final_is_content(client, tok):
     no_markers(m.content, reasoning)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_separate_reasoning_false_keeps_the_analysis_in_the_content(client, tok, stream):
+    """SGLang's ``separate_reasoning: false``: the analysis stays in the content where it was written,
+    a blank line before the final message, with no marker; nothing is reasoning."""
+    reference_msg = thinking_request(client, tok, extra=YES_NO).choices[0].message
+    thought, answer = reference_msg.model_extra["reasoning_content"], reference_msg.content
+    extra = {**YES_NO, "separate_reasoning": False}
+    if not stream:
+        r = thinking_request(client, tok, extra=extra)
+        m = r.choices[0].message
+        content, reasoning = m.content, m.model_extra.get("reasoning_content")
+        assert not r.usage.completion_tokens_details or not r.usage.completion_tokens_details.reasoning_tokens
+    else:
+        content, reasoning = "", None
+        for chunk in thinking_request(client, tok, stream=True, extra=extra):
+            for ch in chunk.choices:
+                content += ch.delta.content or ""
+                reasoning = reasoning or (ch.delta.model_extra or {}).get("reasoning_content")
+    assert thought and reasoning is None and content == thought + "\n\n" + answer
+    no_markers(content, None)
+
+
 @pytest.mark.parametrize("spec", [SPEC_ON, SPEC_OFF], ids=["speculation", "plain"])
 def test_streamed_deltas_join_to_the_whole_message(client, tok, spec):
     whole = thinking_request(client, tok, extra={**YES_NO, **spec}).choices[0].message

@@ -123,9 +123,9 @@ async def chat_job(state: ServerState, request: Request, req, turn: ChatTurn, pr
     separate = getattr(req, "separate_reasoning", True)  # SGLang's false: the thinking stays in the content
     harmony_calls = req.parses_tool_calls and isinstance(state.tool_format, HarmonyFormat)  # calls are messages
     reader = None
-    if harmony:  # markers are never content: an analysis not shown as reasoning is left out
+    if harmony:  # markers are never content: an analysis not shown as reasoning (or inline) is left out
         visible = syntax is HARMONY and separate
-        reader = HARMONY.reader(eng.tokenizer, HARMONY.frame(opening), harmony_calls, visible)
+        reader = HARMONY.reader(eng.tokenizer, HARMONY.frame(opening), harmony_calls, visible, inline=not separate)
     elif syntax is not None and separate:
         reader = syntax.reader(eng.tokenizer, frame, harmony_calls)
     max_tokens = req.completion_limit
