@@ -79,10 +79,47 @@ class ToolFormat:
     def grammar(self, tools: list[dict], parallel: bool) -> str:
         """A Lark grammar (llguidance's dialect) for one call, or several with ``parallel``, of the
         given tools (``tools``: OpenAI function objects), with nothing before or after them."""
+        call = " ".join(x for x in (_lit(self.call_open), self._call_json(tools), _lit(self.call_close)) if x)
+        body = f"call ({_lit(self.sep)} call)*" if parallel else "call"
+        start = " ".join(x for x in (_lit(self.open), body, _lit(self.close)) if x)
+        return f"start: {start}\ncall: {call}\n"
+
+    def auto_grammar(self, tools: list[dict], parallel: bool, answer: str | None = None) -> str:
+        """Under ``tool_choice`` auto: the output is an answer, or calls (after any text, where the
+        format lets calls follow text), each call's name one of ``tools`` and its arguments held to
+        the tool's schema where the tool says ``strict`` (else any JSON object). ``answer``: a Lark
+        expression the answer must match (a response_format's ``%json``), else any text without the
+        calls' marker. llguidance's lazy lexeme ends the text at the first marker."""
+        more = f" ({_lit(self.sep)} call)*" if parallel else ""
+        call = " ".join(x for x in (_lit(self.call_open), "args", _lit(self.call_close)) if x)
+        marker = _regex_lit(self.marker)
+        if self.at_start_only:  # calls are the whole output, or there are none
+            calls = " ".join(x for x in (_lit(self.open), "call" + more, _lit(self.close)) if x)
+            rules = [f"start: {answer or 'TEXT'} | {calls}"]
+            if answer is None:
+                rules.append(f"TEXT: /(?s:.*)/ & ~/\\s*{marker}(?s:.*)/")
+        else:  # any text, up to the first marker: the calls go on from there
+            lead = self.open + self.call_open
+            after = lead[lead.index(self.marker) + len(self.marker) :]
+            first = " ".join(x for x in (_lit(after), "args", _lit(self.call_close)) if x)
+            calls = f"{first}{more} {_lit(self.close)}".rstrip()
+            if answer is not None:  # a structured answer, or calls with no text before them
+                rules = [f"start: {answer} | {_lit(self.marker)} {calls}"]
+            else:
+                rules = [f"start: TEXT | head {calls}", f"head[lazy]: /(?s:.*){marker}/",
+                         f"TEXT: /(?s:.*)/ & ~/(?s:.*){marker}(?s:.*)/"]  # fmt: skip
+        return "\n".join([*rules, f"call: {call}", f"args: {self._call_json(tools, strict_only=True)}"]) + "\n"
+
+    def _call_json(self, tools: list[dict], strict_only: bool = False) -> str:
+        """``%json`` of one call's object: ``{"name": <one of tools>, <args_key>: <its parameters>}``.
+        ``strict_only``: a tool that does not say ``strict`` takes any object as its arguments."""
         defs: dict[str, Any] = {}
         alternatives = []
         for i, fn in enumerate(tools):
-            params = _hoist_defs(fn.get("parameters") or {"type": "object"}, f"t{i}_", defs)
+            params = fn.get("parameters") or {"type": "object"}
+            if strict_only and not fn.get("strict"):
+                params = {"type": "object"}
+            params = _hoist_defs(params, f"t{i}_", defs)
             alternatives.append(
                 {
                     "type": "object",
@@ -95,10 +132,7 @@ class ToolFormat:
         schema = {**schema, "x-guidance": JSON_LAYOUT}
         if defs:
             schema["$defs"] = defs
-        call = " ".join(x for x in (_lit(self.call_open), "%json " + json.dumps(schema), _lit(self.call_close)) if x)
-        body = f"call ({_lit(self.sep)} call)*" if parallel else "call"
-        start = " ".join(x for x in (_lit(self.open), body, _lit(self.close)) if x)
-        return f"start: {start}\ncall: {call}\n"
+        return "%json " + json.dumps(schema)
 
     def render(self, calls: list[tuple[str, Any]]) -> str:
         """Calls (name, arguments object) as this format writes them (for history)."""
@@ -394,6 +428,19 @@ def fallback_messages(messages: list[dict], tools: list[dict] | None) -> list[di
 # -- helpers -----------------------------------------------------------------------------------------------
 def _lit(s: str) -> str:
     return json.dumps(s) if s else ""  # a Lark string literal (JSON escapes are Lark's)
+
+
+def _regex_lit(s: str) -> str:
+    """``s`` as itself inside a Lark ``/.../`` regex."""
+    return re.escape(s).replace("/", "\\/")
+
+
+def json_answer(schema: dict | bool, whitespace_pattern: str | None = None) -> str:
+    """A response_format's JSON schema as a Lark ``%json`` expression, laid out as its own grammar
+    would be (engine/structured/grammar.py)."""
+    schema = {} if schema is True else schema
+    layout = {"whitespace_pattern": whitespace_pattern} if whitespace_pattern else JSON_LAYOUT
+    return "%json " + json.dumps({**schema, "x-guidance": layout})
 
 
 def _skip_ws(text: str, pos: int) -> int:

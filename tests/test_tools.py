@@ -71,6 +71,11 @@ def srv(llama_dir) -> Iterator[Served]:
         yield s
 
 
+@pytest.fixture(scope="module")
+def tok(llama_dir):
+    return transformers.AutoTokenizer.from_pretrained(llama_dir)
+
+
 def check_calls(message, names: set[str]) -> list[tuple[str, dict]]:
     assert message.tool_calls, message
     out = []
@@ -192,6 +197,53 @@ def test_none_shows_the_tools_as_vllm_does_unless_the_server_leaves_them_out(cli
     with serve(create_app(settings, engine_factory(llama_dir, max_model_len=2048))) as s:
         with openai.OpenAI(base_url=s.base + "/v1", api_key="x", max_retries=0) as c:
             assert prompt_tokens(c, tools=TOOLS, tool_choice="none") == bare < prompt_tokens(c, tools=TOOLS)
+
+
+STRICT = [{"type": "function", "function": {**t["function"], "strict": True}} for t in TOOLS]
+
+
+class Verdict(BaseModel):
+    ok: bool
+    score: int = Field(ge=0, le=9)
+
+
+def test_auto_with_a_structured_answer_answers_to_the_schema_or_calls(client, tok):
+    """Under auto a response_format (openai-agents' output_type beside its tools) constrains the
+    answer, not the turn: the output is the schema's JSON, or calls whose arguments hold to their
+    strict tools' schemas. Pushed off the answer's first character, the random model calls."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": Verdict.model_json_schema()}}
+    kw = dict(model=MODEL, messages=ASK, max_tokens=200, temperature=0, tools=STRICT, tool_choice="auto",
+              response_format=fmt, extra_body=PINNED)  # fmt: skip
+    answer = client.chat.completions.create(**kw).choices[0]
+    assert not answer.message.tool_calls and answer.finish_reason == "stop"
+    Verdict.model_validate_json(answer.message.content)
+    angle = {str(i): 100 for i in range(tok.vocab_size) if tok.decode([i]).startswith("<")}
+    called = client.chat.completions.create(**{**kw, "logit_bias": angle}).choices[0]
+    assert called.finish_reason == "tool_calls" and not called.message.content
+    assert check_calls(called.message, set(MODELS))  # each call's arguments validate against its schema
+
+
+def test_strict_tools_under_auto_hold_the_arguments_to_their_schemas(tok):
+    """The grammar auto gets when a tool says strict, read with llguidance on the served tokenizer:
+    text, text then calls, and loose tools' any object pass; a strict tool's wrong arguments, an
+    unknown name, and a second call when parallel calls are off do not."""
+    llg = pytest.importorskip("llguidance")
+    import llguidance.hf
+
+    functions = [{**STRICT[0]["function"]}, {**TOOLS[1]["function"]}]
+    lexicon = llguidance.hf.from_tokenizer(tok)
+
+    def reads(text: str, parallel: bool = True) -> bool:
+        grammar = llg.LLMatcher.grammar_from_lark(FORMATS["hermes"].auto_grammar(functions, parallel))
+        m = llg.LLMatcher(lexicon, grammar, log_level=0)
+        return bool(m.consume_tokens(tok.encode(text, add_special_tokens=False))) and m.is_accepting()
+
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n</tool_call>'
+    assert reads("No call here.") and reads("Checking.\n" + call) and reads(call + "\n" + call)
+    assert reads('<tool_call>\n{"name": "lookup", "arguments": {"anything": [1]}}\n</tool_call>')  # not strict
+    assert not reads(call.replace('"unit": "c"', '"unit": "k"'))
+    assert not reads(call.replace("get_weather", "get_time"))
+    assert not reads(call + "\n" + call, parallel=False)
 
 
 def test_auto_without_a_call_is_content_and_none_parses_nothing(client):

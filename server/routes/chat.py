@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -35,6 +36,7 @@ from server.tools import (
     argument_pieces,
     call_id,
     fallback_messages,
+    json_answer,
 )
 
 
@@ -137,6 +139,8 @@ async def chat_job(state: ServerState, request: Request, req, turn: ChatTurn, pr
     if req.forces_tool_call:  # required / a named function: the calls are the output, by grammar
         calls = state.tool_format.grammar(functions, req.parallel)
         structured = StructuredOutput("grammar", calls, None, "tool_choice")
+    elif req.parses_tool_calls:  # auto: strict arguments, and a structured answer beside the calls
+        structured = auto_calls(state.tool_format, functions, req.parallel, structured)
     if syntax is not None:  # the grammar applies to the answer, after the thinking; a budget needs one
         structured = syntax.behind(structured, eng.tokenizer, frame, turn.thinking_budget, req.forces_tool_call)
     params = dataclasses.replace(params, structured=structured)
@@ -146,6 +150,24 @@ async def chat_job(state: ServerState, request: Request, req, turn: ChatTurn, pr
     job = Job.admit(state, eng, request, prefix, ids, params, req.n, req.stream, req.include_usage)
     job.continuous_usage = req.continuous_usage
     return job, reader
+
+
+def auto_calls(fmt, functions: list[dict], parallel: bool, structured: StructuredOutput | None
+               ) -> StructuredOutput | None:  # fmt: skip
+    """What constrains an output under ``tool_choice`` auto. Free text and calls as the model likes,
+    unless a tool says ``strict`` (its arguments then held to its schema) or the answer has a JSON
+    schema (response_format: the answer matches it, or the output is calls). A harmony model, a
+    regex / choice / grammar answer, and a JSON answer where calls are bare JSON too (Llama-3's) keep
+    the answer's own constraint: they are not composed with calls (docs/structured.md)."""
+    if not isinstance(fmt, ToolFormat):
+        return structured
+    if structured is None:
+        strict = any(f.get("strict") for f in functions)
+        return StructuredOutput("grammar", fmt.auto_grammar(functions, parallel), None, "tools") if strict else None
+    if structured.kind != "json" or fmt.at_start_only or structured.thinking is not None:
+        return structured
+    answer = json_answer(json.loads(structured.spec), structured.whitespace_pattern)
+    return StructuredOutput("grammar", fmt.auto_grammar(functions, parallel, answer), None, structured.param)
 
 
 def _opening(eng, messages: list[dict], tools, turn: ChatTurn, kwargs: dict, text: str) -> str:
