@@ -174,7 +174,8 @@ class ToolFormat:
         calls, end = self._calls(text, i)
         if not calls and not cut:
             return text, []
-        parts = [text[:i].strip()] + ([] if cut else [text[end:].strip()])
+        # The text before the calls as written (a stream sent it so), less the blank before the calls.
+        parts = [text[:i].rstrip()] + ([] if cut else [text[end:].strip()])
         content = "\n".join(x for x in parts if x)
         return content or None, calls
 

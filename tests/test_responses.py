@@ -379,6 +379,16 @@ def test_auto_keeps_the_first_call_alone_when_parallel_calls_are_off(client):
     assert [(o.name, o.arguments) for o in final.output] == [(o.name, o.arguments) for o in one.output]
 
 
+def test_text_after_the_calls_stays_in_the_message(client):
+    """As chat keeps it in the content: the message holds the text before and after the calls."""
+    text = 'Checking.\n<tool_call>\n{"name": "lookup", "arguments": {"query": "a", "limit": 1}}\n</tool_call>\nDone.'
+    kw = dict(input="Find it.", tools=TOOLS, tool_choice="auto", max_output_tokens=200,
+              extra_body={"structured_outputs": {"regex": re.escape(text)}})  # fmt: skip
+    for r in (respond(client, **kw), list(respond(client, stream=True, **kw))[-1].response):
+        assert [o.type for o in r.output] == ["message", "function_call"]
+        assert r.output[0].content[0].text == "Checking.\nDone."
+
+
 # -- the builder, token by token ---------------------------------------------------------------------------
 CALLS_TEXT = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ris}", "unit": "c"}}\n</tool_call>\n'
               '<tool_call>\n{"name": "lookup", "arguments": {"query": "[x]", "limit": 3}}\n</tool_call>')  # fmt: skip

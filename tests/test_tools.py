@@ -6,6 +6,7 @@ the three call syntaxes, and bad requests refused naming the field."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Iterator
 from typing import Literal
@@ -157,6 +158,21 @@ def test_auto_parses_calls_out_of_the_text(client, stream):
     assert msg.finish_reason == "tool_calls"
     assert msg.message.content == "Checking."
     assert check_calls(msg.message, {"get_weather"}) == [("get_weather", {"city": "Paris", "unit": "c"})]
+
+
+@pytest.mark.parametrize("lead", ["Let me check.", "\n  Let me check."])
+def test_text_around_a_call_streams_as_it_answers_whole(client, lead):
+    """The blank before a call is held back while streaming, so the joined content deltas equal the
+    whole answer's content: the text before the call as written, then the text after it."""
+    text = lead + "\n\n" + CALL_TEXT + "\nI called it."
+    forced = {"structured_outputs": {"regex": re.escape(text)}}
+    kw = dict(model=MODEL, messages=ASK, max_tokens=200, temperature=0, tools=TOOLS, tool_choice="auto",
+              extra_body=forced)  # fmt: skip
+    whole = client.chat.completions.create(**kw).choices[0].message
+    assert whole.content == lead + "\nI called it." and len(whole.tool_calls) == 1
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(stream=True, **kw)
+                       if ch.choices)  # fmt: skip
+    assert streamed == whole.content
 
 
 TWO_CALLS = CALL_TEXT + "\n" + CALL_TEXT.replace("Paris", "Oslo")

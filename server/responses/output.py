@@ -83,9 +83,8 @@ class OutputBuilder:
         if self.tools is not None:
             content, calls = self.tools.parse(self.text, cut=reason == "length")
             calls = calls[:1] if self.one_call else calls
-            if calls:
-                start = self.tools.start_of_calls(self.text)
-                events += self._say(self.text[:start].rstrip()[self.sent :])
+            if calls:  # the text before and after the calls is the message (as chat's content), then the calls
+                events += self._say((content or "")[self.sent :])
                 events += self._close_message("completed")
                 for call in calls:
                     events += self._open_call(call.name, call.id)

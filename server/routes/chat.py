@@ -320,8 +320,8 @@ class ChatFormat:
         id, type and name in one delta, then its arguments in pieces (every delta with its ``index``)."""
         text = st.content = st.content + content
         out = []
-        if reason is None:
-            safe = self.tools.content_end(text)
+        if reason is None:  # (a blank that may be all that stands before a call waits: the calls' content drops it)
+            safe = len(text[: self.tools.content_end(text)].rstrip())
             if safe > st.sent:
                 out.append({"content": text[st.sent : safe]})
                 st.sent = safe
