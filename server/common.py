@@ -41,7 +41,8 @@ def ready_engine(state: ServerState) -> EngineFront:
 def check_model(state: ServerState, name: str | None) -> None:
     """A 404 unless ``name`` is the served model, one of its LoRA adapters, or left out."""
     if name is not None and name != state.settings.served_model_name and name not in state.settings.lora_modules:
-        raise APIError(404, f"The model `{name}` does not exist.", "not_found_error", "model", "model_not_found")
+        # (OpenAI's type for it: the request names what is not there)
+        raise APIError(404, f"The model `{name}` does not exist.", "invalid_request_error", "model", "model_not_found")
 
 
 async def parse_request(request: Request, model):

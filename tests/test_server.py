@@ -245,7 +245,7 @@ def test_seed_reproducibility_and_n(client):
     assert multi.usage.completion_tokens == 36
 
 
-def test_stop_strings_across_token_boundaries(client, word_tokens):
+def test_stop_strings_across_token_boundaries(client, tok, word_tokens):
     # Bias the model towards whole ASCII word pieces so that token boundaries are known characters.
     bias = {str(t): 50 for t in word_tokens}
     ref = greedy(client, "Hello", 10, logit_bias=bias, logprobs=0).choices[0]
@@ -270,6 +270,15 @@ def test_stop_strings_across_token_boundaries(client, word_tokens):
             reasons.append(c.finish_reason)
     assert "".join(pieces) == expected
     assert reasons[-1] == "stop" and all(x is None for x in reasons[:-1])
+
+    # Logprobs streamed while the tease holds text back (and with the prompt echoed) carry the
+    # whole answer's text offsets.
+    for echo in (False, True):
+        kw = dict(logit_bias=bias, stop=[tease], logprobs=0, echo=echo)
+        whole = greedy(client, "Hello", 10, **kw).choices[0].logprobs
+        streamed = [o for ch in greedy(client, "Hello", 10, stream=True, **kw) for c in ch.choices if c.logprobs
+                    for o in c.logprobs.text_offset]  # fmt: skip
+        assert streamed == whole.text_offset and len(streamed) == 10 + (len(tok.encode("Hello")) if echo else 0)
 
 
 def test_penalties_accepted_and_applied(client, tok, word_tokens):
@@ -762,8 +771,13 @@ def test_unknown_model_and_route_are_404(client, http):
         ("/v1/chat/completions", {"model": "no-such-model", "messages": CHAT}),
     ):
         err = assert_error(http.post(path, json=body), 404, param="model", contains="no-such-model")
-        assert (err["type"], err["code"]) == ("not_found_error", "model_not_found")
+        assert (err["type"], err["code"]) == ("invalid_request_error", "model_not_found")
     assert_error(http.get("/v1/nowhere"), 404)
+    # The SDK's models.retrieve: the served model's card, as /v1/models lists it; another is a 404.
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.model_dump() == client.models.list().data[0].model_dump()
+    err = assert_error(http.get("/v1/models/no-such-model"), 404, param="model")
+    assert err["code"] == "model_not_found"
 
 
 # -- auth ------------------------------------------------------------------------------------------------

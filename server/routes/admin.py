@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
+from server.common import check_model
 from server.state import ServerState
 
 
@@ -43,8 +44,7 @@ def add_admin_routes(app: FastAPI, state: ServerState, version: str) -> None:
     async def metrics():
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models")
-    async def models():
+    def cards() -> list[dict]:
         name = state.settings.served_model_name
         card = {"id": name, "object": "model", "created": state.created, "owned_by": "augur", "root": name}
         if state.engine is not None:
@@ -53,4 +53,14 @@ def add_admin_routes(app: FastAPI, state: ServerState, version: str) -> None:
         adapters = [
             {**card, "id": lora, "root": path, "parent": name} for lora, path in state.settings.lora_modules.items()
         ]
-        return {"object": "list", "data": [card, *adapters]}
+        return [card, *adapters]
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": cards()}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        """One model's card (the SDK's ``models.retrieve``): the served model or an adapter, else a 404."""
+        check_model(state, model)
+        return next(c for c in cards() if c["id"] == model)

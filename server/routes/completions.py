@@ -48,6 +48,7 @@ class CompletionFormat:
     texts: TokenTexts
     echoed: set[int] = dataclasses.field(default_factory=set)  # streamed choices whose prompt was sent
     prompt_lps: dict[int, dict] = dataclasses.field(default_factory=dict)  # prompt i's echoed logprobs, built once
+    offsets: dict[int, int] = dataclasses.field(default_factory=dict)  # streamed: a choice's next text_offset
 
     chunk_object = "text_completion"
     object = "text_completion"
@@ -69,8 +70,10 @@ class CompletionFormat:
 
     def stream_choices(self, i: int, idx: int, out: RequestOutput, c: CompletionOutput) -> list[dict]:
         text, lp = c.delta_text, None
-        if self.req.logprobs is not None:
-            lp = self._logprobs(c.delta_logprobs or [], len(c.text) - len(c.delta_text))
+        if self.req.logprobs is not None:  # offsets as the whole answer has them: the tokens' texts so far
+            start = self.offsets.get(idx, len(self._prompt_text(i)) if self.req.echo else 0)
+            lp = self._logprobs(c.delta_logprobs or [], start)
+            self.offsets[idx] = start + sum(len(t) for t in lp["tokens"])
         if out.prompt_logprobs is not None and i not in self.prompt_lps:  # they come once, for all n choices
             self.prompt_lps[i] = self._prompt_logprobs(out)
         # A prompt prefilled over several steps has outputs before its logprobs: it is echoed with them.
@@ -80,7 +83,7 @@ class CompletionFormat:
             prompt = self._prompt_text(i)
             text = prompt + text
             if lp is not None:
-                lp = _joined(self.prompt_lps.get(i), len(prompt), lp)
+                lp = _joined(self.prompt_lps.get(i), 0, lp)  # (its offsets are past the prompt already)
         if not text and not c.finished and not c.delta_token_ids:
             return []
         return [{"index": idx, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}]
