@@ -125,7 +125,10 @@ class Job:
         drafted = sum(o.stats.num_draft_tokens for o in outputs)
         forced = sum(o.stats.num_forced_tokens for o in outputs)
         lossy = self.params.typical_acceptance is not None
-        by: dict[str, list[int]] = {}  # proposer → [drafted, accepted], over the request's choices
+        # proposer → [drafted, accepted], over the request's choices. Every proposer the server holds is
+        # there, zeros where it did not draft: every usage has the same keys (langchain adds usages up
+        # key by key, and refuses a key one of them lacks).
+        by: dict[str, list[int]] = {name: [0, 0] for name in self.eng.limits.spec_methods}
         reasons: dict[str, int] = {}
         for o in outputs:
             for name, (d, a) in o.stats.drafted_by.items():
@@ -137,7 +140,7 @@ class Job:
             reason = "disabled"
         else:  # the reason it was most often not drafted (none if it was drafted every step)
             reason = max(reasons, key=lambda w: (reasons[w], w)) if reasons else None
-        names = sorted(by, key=lambda n: -by[n][0])
+        names = sorted((n for n in by if by[n][0]), key=lambda n: -by[n][0])
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
