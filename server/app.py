@@ -154,13 +154,13 @@ def add_error_handlers(app: FastAPI, state: ServerState) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_req, exc: StarletteHTTPException):
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), type_), exc.status_code)
+        return JSONResponse(error_body(str(exc.detail), type_), exc.status_code, headers=exc.headers)  # (a 405's Allow)
 
     @app.exception_handler(Exception)
     async def _internal(_req, exc: Exception):
         logger.exception("unhandled error")
         state.metrics.request_failure.labels(**state.metrics.labels, reason="internal").inc()
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "internal_error"), 500)
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"), 500)
 
 
 def publish_request_schemas(app: FastAPI, models: list) -> None:

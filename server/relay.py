@@ -206,7 +206,7 @@ def _chunk(job: Job, fmt: Format, choices: list[dict], **extra) -> str:
 
 
 def _engine_failure(out: RequestOutput) -> APIError:
-    return APIError(500, f"the request failed inside the engine: {out.error}", "internal_error")
+    return APIError(500, f"the request failed inside the engine: {out.error}", "server_error")
 
 
 async def _stream(job: Job, fmt: Format) -> AsyncIterator[str]:
@@ -243,7 +243,7 @@ async def _stream(job: Job, fmt: Format) -> AsyncIterator[str]:
             if job.include_usage:
                 yield _chunk(job, fmt, [], usage=fmt.usage(job.usage(tokens, list(finals.values()))))
     except EngineDeadError as e:
-        yield sse(error_body(str(e), "internal_error"))
+        yield sse(error_body(str(e), "server_error"))
     yield "data: [DONE]\n\n"
 
 

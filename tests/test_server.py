@@ -778,6 +778,9 @@ def test_unknown_model_and_route_are_404(client, http):
     assert card.id == MODEL and card.model_dump() == client.models.list().data[0].model_dump()
     err = assert_error(http.get("/v1/models/no-such-model"), 404, param="model")
     assert err["code"] == "model_not_found"
+    wrong = http.get("/v1/completions")  # a method the route does not take: 405, saying which it does
+    assert_error(wrong, 405)
+    assert wrong.headers["allow"] == "POST"
 
 
 # -- auth ------------------------------------------------------------------------------------------------
@@ -939,7 +942,7 @@ def test_engine_failure_is_confined_to_its_request(srv, client, http, monkeypatc
 
     failed, failed_stream, *others = asyncio.run(run())
     err = assert_error(failed, 500, contains="injected fault")
-    assert err["type"] == "internal_error"
+    assert err["type"] == "server_error"  # OpenAI's type for a failure of its own
     assert failed_stream.status_code == 200  # the headers went out before the failure
     events = sse_events(failed_stream.text)
     assert "error" in events[-1] and "injected fault" in events[-1]["error"]["message"]

@@ -171,7 +171,7 @@ class ResponseRun:
             async for _ in self._events():
                 pass
         except _EngineFailure as e:
-            raise APIError(500, f"the request failed inside the engine: {e}", "internal_error") from None
+            raise APIError(500, f"the request failed inside the engine: {e}", "server_error") from None
         return self._final()
 
     async def stream(self) -> AsyncIterator[str]:
