@@ -64,6 +64,34 @@ async def prepare(eng: AsyncEngine, prompts: list[str | list[int]], params: Samp
         raise bad_request(str(e), e.param or "prompt") from None
 
 
+def fit_default(params: SamplingParams, prompt_ids: list[int], max_model_len: int) -> SamplingParams:
+    """``params`` with a default max_tokens (the request gave none) capped at the room the prompt
+    leaves in the context, as vLLM caps it; InvalidRequestError where the request's own min_tokens
+    does not fit that room."""
+    room = max_model_len - len(prompt_ids)
+    if params.max_tokens is None or params.max_tokens <= room or room < 1:  # (a prompt that fills it is refused)
+        return params
+    if params.min_tokens > room:
+        raise InvalidRequestError(f"min_tokens ({params.min_tokens}) exceeds the {room} tokens the prompt leaves "
+                                  f"in the context of {max_model_len}", "min_tokens")  # fmt: skip
+    return replace(params, max_tokens=room)
+
+
+async def prepare_capped(eng: AsyncEngine, prompts: list[str | list[int]], params: SamplingParams) -> list[list[int]]:
+    """:func:`prepare` for a request whose max_tokens is a default: each prompt is checked at the
+    length it will run to (:func:`fit_default`), not refused for a length nobody asked for."""
+    ids = await prepare(eng, prompts, replace(params, max_tokens=1, min_tokens=0))  # each prompt fits at all
+    def check() -> None:
+        for p in ids:
+            eng.limits.check(p, fit_default(params, p, eng.max_model_len))
+
+    try:
+        await off_loop(check, sum(len(p) for p in ids))
+    except InvalidRequestError as e:
+        raise bad_request(str(e), e.param or "prompt") from None
+    return ids
+
+
 ENDPOINTS = {"cmpl": "completions", "chatcmpl": "chat_completions", "resp": "responses"}  # by id prefix
 
 
@@ -108,10 +136,7 @@ class Job:
     def params_for(self, prompt_ids: list[int]) -> SamplingParams:
         """One prompt's engine request's parameters: the request's, its default max_tokens (when it
         gave none: ``cap_max_tokens``) capped at the context the prompt leaves."""
-        p, room = self.params, self.eng.max_model_len - len(prompt_ids)
-        if self.cap_max_tokens and p.max_tokens is not None and p.max_tokens > room:
-            return replace(p, max_tokens=room)
-        return p
+        return fit_default(self.params, prompt_ids, self.eng.max_model_len) if self.cap_max_tokens else self.params
 
     def running_usage(self, completion_tokens: int) -> dict:
         """The token counts so far, as a stream's chunks carry them with ``continuous_usage_stats``."""

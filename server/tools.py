@@ -90,25 +90,28 @@ class ToolFormat:
         the tool's schema where the tool says ``strict`` (else any JSON object). ``answer``: a Lark
         expression the answer must match (a response_format's ``%json``), else any text without the
         calls' marker. llguidance's lazy lexeme ends the text at the first marker."""
-        more = f" ({_lit(self.sep)} call)*" if parallel else ""
-        call = " ".join(x for x in (_lit(self.call_open), "args", _lit(self.call_close)) if x)
+        args = f"args: {self._call_json(tools, strict_only=True)}"
         marker = _regex_lit(self.marker)
-        if self.at_start_only:  # calls are the whole output, or there are none
+        if self.at_start_only:  # calls are the whole output (after a blank), or there are none
+            call = " ".join(x for x in (_lit(self.call_open), "args", _lit(self.call_close)) if x)
+            more = f" ({_lit(self.sep)} call)*" if parallel else ""
             calls = " ".join(x for x in (_lit(self.open), "call" + more, _lit(self.close)) if x)
-            rules = [f"start: {answer or 'TEXT'} | {calls}"]
-            if answer is None:
-                rules.append(f"TEXT: /(?s:.*)/ & ~/\\s*{marker}(?s:.*)/")
-        else:  # any text, up to the first marker: the calls go on from there
-            lead = self.open + self.call_open
-            after = lead[lead.index(self.marker) + len(self.marker) :]
-            first = " ".join(x for x in (_lit(after), "args", _lit(self.call_close)) if x)
-            calls = f"{first}{more} {_lit(self.close)}".rstrip()
-            if answer is not None:  # a structured answer, or calls with no text before them
-                rules = [f"start: {answer} | {_lit(self.marker)} {calls}"]
-            else:
-                rules = [f"start: TEXT | head {calls}", f"head[lazy]: /(?s:.*){marker}/",
-                         f"TEXT: /(?s:.*)/ & ~/(?s:.*){marker}(?s:.*)/"]  # fmt: skip
-        return "\n".join([*rules, f"call: {call}", f"args: {self._call_json(tools, strict_only=True)}"]) + "\n"
+            if answer is not None:
+                return "\n".join([f"start: {answer} | {calls}", f"call: {call}", args]) + "\n"
+            rules = [f"start: TEXT | BLANK? {calls}", "BLANK: /\\s+/", f"TEXT: /(?s:.*)/ & ~/\\s*{marker}(?s:.*)/",
+                     f"call: {call}"]  # fmt: skip
+            return "\n".join([*rules, args]) + "\n"
+        # Any text up to the first marker, then the calls; each further call's separator and opening are
+        # one literal, which the lexer follows beside the text after the calls (text without a marker).
+        lead = self.open + self.call_open
+        after = lead[lead.index(self.marker) + len(self.marker) :]
+        first = " ".join(x for x in (_lit(after), "args", _lit(self.call_close)) if x)
+        again = " ".join(x for x in (_lit(self.sep + self.call_open), "args", _lit(self.call_close)) if x)
+        calls = " ".join(x for x in (first, f"({again})*" if parallel else "", _lit(self.close)) if x)
+        text = f"TEXT: /(?s:.*)/ & ~/(?s:.*){marker}(?s:.*)/"
+        if answer is not None:  # a structured answer, or calls with no text before or after them
+            return "\n".join([f"start: {answer} | {_lit(self.marker)} {calls}", args]) + "\n"
+        return "\n".join([f"start: TEXT | head {calls} TEXT", f"head[lazy]: /(?s:.*){marker}/", text, args]) + "\n"
 
     def _call_json(self, tools: list[dict], strict_only: bool = False) -> str:
         """``%json`` of one call's object: ``{"name": <one of tools>, <args_key>: <its parameters>}``.
@@ -436,10 +439,9 @@ def _regex_lit(s: str) -> str:
     return re.escape(s).replace("/", "\\/")
 
 
-def json_answer(schema: dict | bool, whitespace_pattern: str | None = None) -> str:
+def json_answer(schema: dict, whitespace_pattern: str | None = None) -> str:
     """A response_format's JSON schema as a Lark ``%json`` expression, laid out as its own grammar
     would be (engine/structured/grammar.py)."""
-    schema = {} if schema is True else schema
     layout = {"whitespace_pattern": whitespace_pattern} if whitespace_pattern else JSON_LAYOUT
     return "%json " + json.dumps({**schema, "x-guidance": layout})
 

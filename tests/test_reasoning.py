@@ -360,6 +360,18 @@ def test_a_default_max_tokens_is_capped_at_the_room_each_prompt_leaves(tmp_path,
             assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (room, "length")
             with pytest.raises(openai.BadRequestError, match="max_tokens"):
                 c.completions.create(model=MODEL, prompt=long, max_tokens=13)
+            # A min_tokens past the room the default was capped at: a 400 naming it, on either endpoint.
+            for call in (lambda: c.completions.create(model=MODEL, prompt=[short, long], extra_body={"min_tokens": 20}),
+                         lambda: c.chat.completions.create(model=MODEL, messages=chat, extra_body={"min_tokens": 39})):
+                with pytest.raises(openai.BadRequestError) as e:
+                    call()
+                assert e.value.body["param"] == "min_tokens"
+    # Contrastive search sizes its KV at the length a request runs to: the capped default, not the room.
+    tight = engine_factory(d, max_model_len=64, num_kv_blocks=16)  # 64 slots of KV: the context, no more
+    with serve(create_app(ServerSettings(served_model_name=MODEL), tight)) as s:
+        r = httpx.post(s.base + "/v1/completions", json={"model": MODEL, "prompt": short, "temperature": 0,
+                                                         "penalty_alpha": 0.5, "top_k": 4, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 40, r.text
 
 
 def test_chat_template_override(tmp_path, tokenizer_dir, llama_dir):

@@ -256,10 +256,26 @@ def test_strict_tools_under_auto_hold_the_arguments_to_their_schemas(tok):
 
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n</tool_call>'
     assert reads("No call here.") and reads("Checking.\n" + call) and reads(call + "\n" + call)
+    assert reads(call + "\n") and reads("a " + call + "\n" + call + "\nDone.")  # text after the calls: content
+    assert not reads(call + "\nThen " + call)  # (a call after that text would be no call: parse() reads a run)
     assert reads('<tool_call>\n{"name": "lookup", "arguments": {"anything": [1]}}\n</tool_call>')  # not strict
     assert not reads(call.replace('"unit": "c"', '"unit": "k"'))
     assert not reads(call.replace("get_weather", "get_time"))
     assert not reads(call + "\n" + call, parallel=False)
+
+
+def test_strict_tools_under_auto_leave_a_text_answer_to_max_tokens(client, tok):
+    """Text or calls has no structure for max_tokens to close: a text answer cut by the limit ends
+    as it would without the grammar (length), not forced to an early end."""
+    kw = dict(model=MODEL, messages=ASK, max_tokens=6, temperature=0, tool_choice="auto",
+              logit_bias={str(tok.eos_token_id): -100}, extra_body=PINNED)  # fmt: skip
+    loose, strict = (client.chat.completions.create(tools=t, **kw) for t in (TOOLS, STRICT))
+    assert strict.choices[0].finish_reason == loose.choices[0].finish_reason == "length"
+    assert strict.usage.completion_tokens == loose.usage.completion_tokens == 6 and strict.choices[0].message.content
+    # (the texts may differ: a grammar's text is whole UTF-8 characters, where the random model writes stray bytes)
+    bad = {"type": "json_schema", "json_schema": {"name": "never", "schema": False}}  # admits nothing: a 400
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(tools=STRICT, response_format=bad, **kw)
 
 
 def test_auto_without_a_call_is_content_and_none_parses_nothing(client):

@@ -25,7 +25,7 @@ from server.reasoning import (
     effort_switch,
     reads_effort,
 )
-from server.relay import Job, prepare, respond, sampling_params
+from server.relay import Job, fit_default, prepare, respond, sampling_params
 from server.state import ServerState
 from server.tokens import TokenTexts
 from server.tools import (
@@ -131,16 +131,25 @@ async def chat_job(state: ServerState, request: Request, req, turn: ChatTurn, pr
     elif syntax is not None and separate:
         reader = syntax.reader(eng.tokenizer, frame, harmony_calls)
     max_tokens = req.completion_limit
-    if max_tokens is None:  # the model's default capped at the room the prompt leaves (as vLLM caps it), else that room
-        room = max(1, eng.max_model_len - len(prompt_ids))
-        max_tokens = min(state.sampling_defaults.get("max_tokens") or room, room)
+    capped = max_tokens is None  # the model's default, capped at the room the prompt leaves (fit_default)
+    if capped:
+        max_tokens = state.sampling_defaults.get("max_tokens") or max(1, eng.max_model_len - len(prompt_ids))
     params = sampling_params(state, req, max_tokens, turn.logprobs)
+    if capped:
+        try:
+            params = fit_default(params, prompt_ids, eng.max_model_len)
+        except InvalidRequestError as e:
+            raise bad_request(str(e), e.param) from None
     structured = params.structured
     if req.forces_tool_call:  # required / a named function: the calls are the output, by grammar
         calls = state.tool_format.grammar(functions, req.parallel)
         structured = StructuredOutput("grammar", calls, None, "tool_choice")
     elif req.parses_tool_calls:  # auto: strict arguments, and a structured answer beside the calls
-        structured = auto_calls(state.tool_format, functions, req.parallel, structured)
+        composed = auto_calls(state.tool_format, functions, req.parallel, structured)
+        if structured is None and composed is not None and "close_at_max_tokens" not in req.model_fields_set:
+            # Text or calls: no structure for max_tokens to close (a call it cuts is dropped, as without strict).
+            params = dataclasses.replace(params, close_at_max_tokens=False)
+        structured = composed
     if syntax is not None:  # the grammar applies to the answer, after the thinking; a budget needs one
         structured = syntax.behind(structured, eng.tokenizer, frame, turn.thinking_budget, req.forces_tool_call)
     params = dataclasses.replace(params, structured=structured)
@@ -164,9 +173,11 @@ def auto_calls(fmt, functions: list[dict], parallel: bool, structured: Structure
     if structured is None:
         strict = any(f.get("strict") for f in functions)
         return StructuredOutput("grammar", fmt.auto_grammar(functions, parallel), None, "tools") if strict else None
-    if structured.kind != "json" or fmt.at_start_only or structured.thinking is not None:
-        return structured
-    answer = json_answer(json.loads(structured.spec), structured.whitespace_pattern)
+    schema = json.loads(structured.spec) if structured.kind == "json" else None
+    schema = {} if schema is True else schema
+    if not isinstance(schema, dict) or fmt.at_start_only or structured.thinking is not None:
+        return structured  # (a schema of false admits nothing: its own grammar says so)
+    answer = json_answer(schema, structured.whitespace_pattern)
     return StructuredOutput("grammar", fmt.auto_grammar(functions, parallel, answer), None, structured.param)
 
 

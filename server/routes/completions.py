@@ -11,7 +11,7 @@ from engine.request.outputs import CompletionOutput, RequestOutput
 from engine.request.sequence import TokenLogprob
 from server.common import check_model, parse_request, ready_engine, request_body
 from server.protocol import CompletionRequest
-from server.relay import Job, check_queue_bound, prepare, respond, sampling_params
+from server.relay import Job, check_queue_bound, prepare, prepare_capped, respond, sampling_params
 from server.state import ServerState
 from server.tokens import TokenTexts
 
@@ -34,7 +34,7 @@ def add_completion_routes(app: FastAPI, state: ServerState) -> None:
         # A default (none given) is capped per prompt at the room it leaves, as vLLM caps it: the
         # prompts are checked only for fitting the context, not against a length nobody asked for.
         capped = not given and max_tokens is not None
-        ids = await prepare(eng, prompts, dataclasses.replace(params, max_tokens=None) if capped else params)
+        ids = await (prepare_capped if capped else prepare)(eng, prompts, params)
         job = Job.admit(state, eng, request, "cmpl", ids, params, req.n, req.stream, req.include_usage)
         job.cap_max_tokens = capped
         job.continuous_usage = req.continuous_usage
