@@ -81,6 +81,7 @@ async def prepare_capped(eng: AsyncEngine, prompts: list[str | list[int]], param
     """:func:`prepare` for a request whose max_tokens is a default: each prompt is checked at the
     length it will run to (:func:`fit_default`), not refused for a length nobody asked for."""
     ids = await prepare(eng, prompts, replace(params, max_tokens=1, min_tokens=0))  # each prompt fits at all
+
     def check() -> None:
         for p in ids:
             eng.limits.check(p, fit_default(params, p, eng.max_model_len))

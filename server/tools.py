@@ -20,9 +20,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from engine.structured.grammar import JSON_LAYOUT, json_layout
 from server.harmony import CALL, CHANNEL, HarmonyStream, call_header, call_lark
 
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ARGUMENT_PIECE = 16  # characters of a parsed call's arguments per streamed delta
 
 
@@ -441,9 +441,8 @@ def _regex_lit(s: str) -> str:
 
 def json_answer(schema: dict, whitespace_pattern: str | None = None) -> str:
     """A response_format's JSON schema as a Lark ``%json`` expression, laid out as its own grammar
-    would be (engine/structured/grammar.py)."""
-    layout = {"whitespace_pattern": whitespace_pattern} if whitespace_pattern else JSON_LAYOUT
-    return "%json " + json.dumps({**schema, "x-guidance": layout})
+    would be."""
+    return "%json " + json.dumps({**schema, "x-guidance": json_layout(whitespace_pattern)})
 
 
 def _skip_ws(text: str, pos: int) -> int:

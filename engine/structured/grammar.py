@@ -37,6 +37,13 @@ MAX_CHOICES = 4096
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+def json_layout(whitespace_pattern: str | None = None) -> dict:
+    """llguidance's JSON options for an answer: by default exactly Python's json.dumps separators
+    (", " and ": "), no free whitespace (a model left free to write newlines can write them forever);
+    a request's own ``whitespace_pattern`` where it gives one."""
+    return {"whitespace_pattern": whitespace_pattern} if whitespace_pattern else JSON_LAYOUT
+
+
 class GrammarError(InvalidRequestError):
     """A structured-output spec that cannot be compiled (the request is refused with a 400 naming
     ``param``, the field it came from)."""
@@ -63,11 +70,8 @@ def _answer_grammar(so: StructuredOutput) -> str:
     if len(so.spec) > MAX_SPEC_CHARS:
         raise GrammarError(f"the {so.kind} is {len(so.spec)} characters long; at most {MAX_SPEC_CHARS}", so.param)
     if so.kind == "json":
-        # Whitespace between JSON tokens: by default exactly Python's json.dumps separators (", " and
-        # ": "), no free whitespace: a model left free to write newlines can write them forever.
-        options = {"whitespace_pattern": so.whitespace_pattern} if so.whitespace_pattern else JSON_LAYOUT
         try:
-            return llg.LLMatcher.grammar_from_json_schema(so.spec, defaults=options)
+            return llg.LLMatcher.grammar_from_json_schema(so.spec, defaults=json_layout(so.whitespace_pattern))
         except ValueError as e:
             raise GrammarError(f"invalid JSON schema: {e}", so.param) from None
     if so.kind == "regex":

@@ -71,7 +71,9 @@ class CompletionFormat:
     def stream_choices(self, i: int, idx: int, out: RequestOutput, c: CompletionOutput) -> list[dict]:
         text, lp = c.delta_text, None
         if self.req.logprobs is not None:  # offsets as the whole answer has them: the tokens' texts so far
-            start = self.offsets.get(idx, len(self._prompt_text(i)) if self.req.echo else 0)
+            start = self.offsets.get(idx)
+            if start is None:  # (the prompt's text, once: an echoed prompt comes before the first token)
+                start = len(self._prompt_text(i)) if self.req.echo else 0
             lp = self._logprobs(c.delta_logprobs or [], start)
             self.offsets[idx] = start + sum(len(t) for t in lp["tokens"])
         if out.prompt_logprobs is not None and i not in self.prompt_lps:  # they come once, for all n choices
