@@ -667,6 +667,7 @@ def _serve_parser(sub, common: argparse.ArgumentParser) -> None:
         choices=["auto", "hermes", "llama3_json", "mistral", "harmony"],
         default="auto",
         help="how the model writes tool calls (auto: from its chat template; Hermes-style where it says nothing; "
+        "mistral: [TOOL_CALLS]NAME[ARGS]{...} or the JSON list after [TOOL_CALLS], as the template writes them; "
         "harmony: gpt-oss's messages to functions.NAME)",
     )
     serve.add_argument(

@@ -2,8 +2,12 @@
 parser that reads them back.
 
 A :class:`ToolFormat` is one family's call syntax (Hermes-style ``<tool_call>{json}</tool_call>``,
-Llama-3's bare JSON, Mistral's ``[TOOL_CALLS][...]``); :class:`HarmonyFormat` is gpt-oss's, where a
-call is a message addressed ``to=functions.NAME`` (server/harmony.py). With ``tool_choice`` ``required`` or a named
+Llama-3's bare JSON, Mistral's ``[TOOL_CALLS][...]`` and its v11 tokenizers' ``[TOOL_CALLS]NAME[ARGS]{...}``);
+:class:`HarmonyFormat` is gpt-oss's, where a call is a message addressed ``to=functions.NAME``
+(server/harmony.py). Where a piece of the syntax is one special token of the served model's vocabulary
+(Mistral's ``[TOOL_CALLS]``), :meth:`ToolFormat.bind` records it: the grammars then name that token,
+and the request keeps it in its text (:attr:`ToolFormat.special_ids`), where a special token is
+otherwise left out. With ``tool_choice`` ``required`` or a named
 function the output is constrained by :meth:`ToolFormat.grammar` (a Lark grammar whose calls are
 JSON-schema-checked by llguidance), so the arguments always parse and match the schema; with
 ``auto`` the model writes what it likes and :meth:`ToolFormat.parse` finds calls in it. Models whose
@@ -14,8 +18,11 @@ the Hermes style (:func:`fallback_messages`); docs/structured.md has the text.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import hashlib
 import json
 import re
+import string
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +62,35 @@ def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+_ALNUM = string.ascii_letters + string.digits
+_SHORT_ID = re.compile(r"[A-Za-z0-9]{9}")
+
+
+def _base62(n: int, width: int) -> str:
+    return "".join(_ALNUM[(n // 62**k) % 62] for k in range(width))
+
+
+def short_id(previous: str | None = None) -> str:
+    """A call id of 9 letters and digits, the only ids Mistral's chat templates take: a new one, or the
+    one that stands for ``previous`` (itself if it is such an id, else 9 characters of its digest, the
+    same wherever it occurs: in a call and in the result that answers it)."""
+    if previous is None:
+        return _base62(uuid.uuid4().int, 9)
+    if _SHORT_ID.fullmatch(previous):
+        return previous
+    return _base62(int.from_bytes(hashlib.sha256(previous.encode()).digest()[:8], "big"), 9)
+
+
+def special_token_id(tokenizer, text: str) -> int | None:
+    """The id of ``text`` where it is one special token of ``tokenizer`` (one a grammar cannot spell
+    with text, and that decoding leaves out unless asked to keep it), else None."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) != 1:
+        return None
+    added = tokenizer.added_tokens_decoder.get(ids[0])
+    return ids[0] if (added is not None and added.special) or ids[0] in tokenizer.all_special_ids else None
+
+
 @dataclass(frozen=True)
 class ToolFormat:
     name: str
@@ -65,23 +101,62 @@ class ToolFormat:
     close: str  # after the last call
     args_key: str  # the key the arguments object goes under
     at_start_only: bool = False  # calls only as the whole output (Llama-3's bare JSON)
+    # Between a call's name and its arguments where the name stands outside them (Mistral v11+'s
+    # ``[TOOL_CALLS]NAME[ARGS]{...}``); "": the call is one JSON object, ``{"name": ..., <args_key>: ...}``.
+    name_sep: str = ""
+    # Before the id a model writes between the name and ``name_sep`` (Mistral Small 3.2's ``[CALL_ID]``).
+    id_sep: str = ""
+    short_ids: bool = False  # call ids of 9 letters and digits (Mistral's templates refuse any other)
+    markup: tuple[str, ...] = ()  # pieces of the syntax that may be one special token of a vocabulary
+    specials: tuple[tuple[str, int], ...] = ()  # those that are in the served model's, with their ids (bind)
 
     @property
     def marker(self) -> str:
-        """The text that starts the calls: a stream holds text back while it may be starting."""
-        return (self.open + self.call_open).strip() or "{"
+        """The text that starts the calls: a stream holds text back while it may be starting. Where the
+        calls open with a piece of markup (Mistral's ``[TOOL_CALLS]``), that piece."""
+        lead = (self.open + self.call_open).strip()
+        return next((p for p in self.markup if lead.startswith(p)), lead) or "{"
 
     def scanner(self) -> CallScanner:
         """A reader of forced calls as they are written."""
         return CallScanner(self)
 
+    def bind(self, tokenizer) -> ToolFormat:
+        """This format for a model whose vocabulary is ``tokenizer``'s: the pieces of its markup that are
+        special tokens there, which its grammars name by id and its requests keep in their text."""
+        found = ((piece, special_token_id(tokenizer, piece)) for piece in self.markup)
+        return dataclasses.replace(self, specials=tuple((p, i) for p, i in found if i is not None))
+
+    @property
+    def special_ids(self) -> tuple[int, ...]:
+        """The special tokens a request that reads or writes calls keeps in its text (its parser reads them)."""
+        return tuple(i for _, i in self.specials)
+
+    def new_id(self) -> str:
+        """A new call's id."""
+        return short_id() if self.short_ids else call_id()
+
+    def history(self, messages: list[dict]) -> list[dict]:
+        """``messages`` with call ids this format's templates take (:func:`short_id` where it needs them)."""
+        if not self.short_ids:
+            return messages
+        out = []
+        for m in messages:
+            if m.get("tool_calls"):
+                m = {**m, "tool_calls": [{**c, "id": short_id(c.get("id") or "")} for c in m["tool_calls"]]}
+            if m.get("role") == "tool":
+                m = {**m, "tool_call_id": short_id(m.get("tool_call_id") or "")}
+            out.append(m)
+        return out
+
     # -- writing --------------------------------------------------------------------------------------
     def grammar(self, tools: list[dict], parallel: bool) -> str:
         """A Lark grammar (llguidance's dialect) for one call, or several with ``parallel``, of the
         given tools (``tools``: OpenAI function objects), with nothing before or after them."""
-        call = " ".join(x for x in (_lit(self.call_open), self._call_json(tools), _lit(self.call_close)) if x)
-        body = f"call ({_lit(self.sep)} call)*" if parallel else "call"
-        start = " ".join(x for x in (_lit(self.open), body, _lit(self.close)) if x)
+        lit = self._lit
+        call = " ".join(x for x in (lit(self.call_open), self._call_body(tools), lit(self.call_close)) if x)
+        body = f"call ({lit(self.sep)} call)*" if parallel and self.sep else "call+" if parallel else "call"
+        start = " ".join(x for x in (lit(self.open), body, lit(self.close)) if x)
         return f"start: {start}\ncall: {call}\n"
 
     def auto_grammar(self, tools: list[dict], parallel: bool, answer: str | None = None) -> str:
@@ -89,13 +164,15 @@ class ToolFormat:
         format lets calls follow text), each call's name one of ``tools`` and its arguments held to
         the tool's schema where the tool says ``strict`` (else any JSON object). ``answer``: a Lark
         expression the answer must match (a response_format's ``%json``), else any text without the
-        calls' marker. llguidance's lazy lexeme ends the text at the first marker."""
-        args = f"args: {self._call_json(tools, strict_only=True)}"
+        calls' marker. llguidance's lazy lexeme ends the text at the first marker (where the marker is
+        a special token, no text holds it: the text ends where it comes)."""
+        lit = self._lit
+        args = f"args: {self._call_body(tools, strict_only=True)}"
         marker = _regex_lit(self.marker)
         if self.at_start_only:  # calls are the whole output (after a blank), or there are none
-            call = " ".join(x for x in (_lit(self.call_open), "args", _lit(self.call_close)) if x)
-            more = f" ({_lit(self.sep)} call)*" if parallel else ""
-            calls = " ".join(x for x in (_lit(self.open), "call" + more, _lit(self.close)) if x)
+            call = " ".join(x for x in (lit(self.call_open), "args", lit(self.call_close)) if x)
+            more = f" ({lit(self.sep)} call)*" if parallel else ""
+            calls = " ".join(x for x in (lit(self.open), "call" + more, lit(self.close)) if x)
             if answer is not None:
                 return "\n".join([f"start: {answer} | {calls}", f"call: {call}", args]) + "\n"
             rules = [f"start: TEXT | BLANK? {calls}", "BLANK: /\\s+/", f"TEXT: /(?s:.*)/ & ~/\\s*{marker}(?s:.*)/",
@@ -105,13 +182,45 @@ class ToolFormat:
         # one literal, which the lexer follows beside the text after the calls (text without a marker).
         lead = self.open + self.call_open
         after = lead[lead.index(self.marker) + len(self.marker) :]
-        first = " ".join(x for x in (_lit(after), "args", _lit(self.call_close)) if x)
-        again = " ".join(x for x in (_lit(self.sep + self.call_open), "args", _lit(self.call_close)) if x)
-        calls = " ".join(x for x in (first, f"({again})*" if parallel else "", _lit(self.close)) if x)
-        text = f"TEXT: /(?s:.*)/ & ~/(?s:.*){marker}(?s:.*)/"
+        first = " ".join(x for x in (lit(after), "args", lit(self.call_close)) if x)
+        again = " ".join(x for x in (lit(self.sep + self.call_open), "args", lit(self.call_close)) if x)
+        calls = " ".join(x for x in (first, f"({again})*" if parallel else "", lit(self.close)) if x)
         if answer is not None:  # a structured answer, or calls with no text before or after them
-            return "\n".join([f"start: {answer} | {_lit(self.marker)} {calls}", args]) + "\n"
+            return "\n".join([f"start: {answer} | {lit(self.marker)} {calls}", args]) + "\n"
+        if self.marker in dict(self.specials):  # text cannot hold a special token: it ends where the marker comes
+            return "\n".join([f"start: TEXT | TEXT {lit(self.marker)} {calls} TEXT", "TEXT: /(?s:.*)/", args]) + "\n"
+        text = f"TEXT: /(?s:.*)/ & ~/(?s:.*){marker}(?s:.*)/"
         return "\n".join([f"start: TEXT | head {calls} TEXT", f"head[lazy]: /(?s:.*){marker}/", text, args]) + "\n"
+
+    def _call_body(self, tools: list[dict], strict_only: bool = False) -> str:
+        """One call of one of ``tools``, between its opening and closing (a Lark expression): its JSON
+        object (:meth:`_call_json`), or where the name stands outside the arguments, the name, the
+        model's own id where the format has one, ``name_sep`` and the arguments."""
+        if not self.name_sep:
+            return self._call_json(tools, strict_only)
+        alternatives = []
+        for fn in tools:
+            params = fn.get("parameters") or {"type": "object"}
+            if strict_only and not fn.get("strict"):
+                params = {"type": "object"}
+            schema = {**params, "x-guidance": JSON_LAYOUT} if isinstance(params, dict) else params
+            own_id = f"{self._lit(self.id_sep)} /[A-Za-z0-9]{{9}}/" if self.id_sep else ""
+            parts = (_lit(fn["name"]), own_id, self._lit(self.name_sep), "%json " + json.dumps(schema))
+            alternatives.append(" ".join(x for x in parts if x))
+        return "(" + " | ".join(alternatives) + ")"
+
+    def _lit(self, text: str) -> str:
+        """``text`` as a Lark expression: its special tokens (:meth:`bind`) by id, the rest as strings."""
+        parts: list[str] = []
+        while text:
+            hits = [(text.find(piece), piece, i) for piece, i in self.specials if piece in text]
+            if not hits:
+                parts.append(_lit(text))
+                break
+            at, piece, i = min(hits)
+            parts += [_lit(text[:at]), f"<[{i}]>"]
+            text = text[at + len(piece) :]
+        return " ".join(x for x in parts if x)
 
     def _call_json(self, tools: list[dict], strict_only: bool = False) -> str:
         """``%json`` of one call's object: ``{"name": <one of tools>, <args_key>: <its parameters>}``.
@@ -139,10 +248,13 @@ class ToolFormat:
 
     def render(self, calls: list[tuple[str, Any]]) -> str:
         """Calls (name, arguments object) as this format writes them (for history)."""
-        parts = [
-            self.call_open + json.dumps({"name": n, self.args_key: a}, ensure_ascii=False) + self.call_close
-            for n, a in calls
-        ]
+
+        def body(name: str, args: Any) -> str:
+            if self.name_sep:
+                return name + self.name_sep + json.dumps(args, ensure_ascii=False)
+            return json.dumps({"name": name, self.args_key: args}, ensure_ascii=False)
+
+        parts = [self.call_open + body(n, a) + self.call_close for n, a in calls]
         return self.open + self.sep.join(parts) + self.close
 
     # -- reading --------------------------------------------------------------------------------------
@@ -186,6 +298,7 @@ class ToolFormat:
         """The whole calls of the run from ``pos`` (where the calls begin) and where they end (past
         the closing text, where it came)."""
         dec = json.JSONDecoder()
+        head = self.name_head()
         out: list[ToolCall] = []
         at = _expect(text, pos, self.open)
         end = pos
@@ -193,31 +306,76 @@ class ToolFormat:
             q = _expect(text, at, self.call_open) if not out else _expect(text, at, self.sep)
             if out and q is not None:
                 q = _expect(text, q, self.call_open)
+            name = None
+            if q is not None and head is not None:  # the name before the arguments
+                m = head.match(text, _skip_ws(text, q))
+                name, q = (m.group(1), m.end()) if m else (None, None)
             if q is None or not text.startswith("{", _skip_ws(text, q)):
                 break
             try:
                 obj, q = dec.raw_decode(text, _skip_ws(text, q))
             except (json.JSONDecodeError, RecursionError):
                 break
+            if head is not None:
+                obj = {"name": name, self.args_key: obj}
             if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
                 break
             args = obj.get(self.args_key, obj.get("arguments", obj.get("parameters")))
             q = _expect(text, q, self.call_close)
             if q is None or not isinstance(args, dict):
                 break
-            out.append(ToolCall(obj["name"], json.dumps(args, ensure_ascii=False), call_id()))
+            out.append(ToolCall(obj["name"], json.dumps(args, ensure_ascii=False), self.new_id()))
             at = end = q
         if out:
             close = _expect(text, end, self.close)
             end = close if close is not None else end
         return out, end
 
+    def name_head(self) -> re.Pattern | None:
+        """Where the name stands outside the arguments: what comes before them (the name in group 1, a
+        model's own id, ``name_sep``), after the call's opening. None for the JSON-object layout."""
+        if not self.name_sep:
+            return None
+        own_id = rf"(?:{re.escape(self.id_sep.strip())}\s*[A-Za-z0-9]*\s*)?" if self.id_sep else ""
+        return re.compile(rf"([^\s\[\]{{}}]+)\s*{own_id}{re.escape(self.name_sep.strip())}\s*")
+
 
 FORMATS = {
-    "hermes": ToolFormat("hermes", "", "<tool_call>\n", "\n</tool_call>", "\n", "", "arguments"),
+    "hermes": ToolFormat(
+        "hermes", "", "<tool_call>\n", "\n</tool_call>", "\n", "", "arguments", markup=("<tool_call>", "</tool_call>")
+    ),  # fmt: skip
     "llama3_json": ToolFormat("llama3_json", "", "", "", "; ", "", "parameters", at_start_only=True),
-    "mistral": ToolFormat("mistral", "[TOOL_CALLS][", "", "", ", ", "]", "arguments"),
+    # Mistral's tokenizers before v11 (Mistral 7B v0.3, Nemo): one JSON list of calls.
+    "mistral": ToolFormat(
+        "mistral", "[TOOL_CALLS][", "", "", ", ", "]", "arguments", short_ids=True, markup=("[TOOL_CALLS]",)
+    ),  # fmt: skip
+    # v11 and later (Mistral Small 3.1+, Magistral, Devstral, Ministral 3): each call its own, its name
+    # outside its arguments.
+    "mistral_v11": ToolFormat(
+        "mistral_v11",
+        "",
+        "[TOOL_CALLS]",
+        "",
+        "",
+        "",
+        "arguments",
+        name_sep="[ARGS]",
+        short_ids=True,
+        markup=("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
+    ),  # fmt: skip
 }
+
+
+def mistral_format(chat_template: str | None) -> ToolFormat:
+    """The Mistral call syntax a chat template writes: v11's ``[TOOL_CALLS]NAME[ARGS]{...}`` (with the
+    model's own ``[CALL_ID]`` where the template writes one, as Mistral Small 3.2's does), or the
+    JSON list, after a blank where the template writes one (Mistral 7B v0.3's ``[TOOL_CALLS] [``)."""
+    t = chat_template or ""
+    if "[ARGS]" in t:
+        return dataclasses.replace(FORMATS["mistral_v11"], id_sep="[CALL_ID]" if "[CALL_ID]" in t else "")
+    return (
+        dataclasses.replace(FORMATS["mistral"], open="[TOOL_CALLS] [") if "[TOOL_CALLS] [" in t else FORMATS["mistral"]
+    )
 
 
 class HarmonyFormat:
@@ -228,6 +386,7 @@ class HarmonyFormat:
 
     name = "harmony"
     marker = CHANNEL
+    special_ids: tuple[int, ...] = ()  # (a harmony request keeps every marker: server/routes/chat.py)
     # Arguments as gpt-oss writes them (compact JSON).
     layout = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
@@ -240,6 +399,15 @@ class HarmonyFormat:
 
     def scanner(self) -> HarmonyCallScanner:
         return HarmonyCallScanner()
+
+    def bind(self, tokenizer) -> HarmonyFormat:
+        return self
+
+    def new_id(self) -> str:
+        return call_id()
+
+    def history(self, messages: list[dict]) -> list[dict]:
+        return messages
 
     def start_of_calls(self, text: str) -> int:
         return text.find(CHANNEL)
@@ -315,7 +483,7 @@ def detect_format(chat_template: str | None) -> ToolFormat | HarmonyFormat:
     if CHANNEL in t:  # harmony (gpt-oss): messages on channels
         return TOOL_PARSERS["harmony"]
     if "[TOOL_CALLS]" in t:
-        return FORMATS["mistral"]
+        return mistral_format(t)
     if "<tool_call>" in t:
         return FORMATS["hermes"]
     if "<|python_tag|>" in t or "ipython" in t:
@@ -332,6 +500,10 @@ class CallScanner:
     def __init__(self, fmt: ToolFormat) -> None:
         key = re.escape(fmt.args_key)
         self.header = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"' + key + r'"\s*:\s*(?=\S)')
+        self.quoted = True  # the name is a JSON string's text
+        if fmt.name_sep:  # the opening, the name, (the model's id,) name_sep: then the arguments
+            self.header = re.compile(re.escape(fmt.call_open.strip()) + r"\s*" + fmt.name_head().pattern + r"(?=\S)")
+            self.quoted = False
         self.text = ""
         self.pos = 0  # where the next call's header is looked for
         self.open = False  # inside a call's arguments
@@ -347,7 +519,7 @@ class CallScanner:
                 m = self.header.search(self.text, self.pos)
                 if m is None:
                     return events
-                events.append(("call", json.loads(f'"{m.group(1)}"')))
+                events.append(("call", json.loads(f'"{m.group(1)}"') if self.quoted else m.group(1)))
                 self.open, self.scanned, self.sent = True, m.end(), m.end()
                 self.depth, self.in_string, self.escaped, self.started = 0, False, False, False
             end = self._scan()
@@ -452,12 +624,13 @@ def _skip_ws(text: str, pos: int) -> int:
 
 
 def _expect(text: str, pos: int, lit: str) -> int | None:
-    """Past ``lit`` at ``pos`` (whitespace around it is free), or None if it is not there."""
-    if not lit.strip():
-        return pos
-    pos = _skip_ws(text, pos)
-    want = lit.strip()
-    return pos + len(want) if text.startswith(want, pos) else None
+    """Past ``lit`` at ``pos`` (whitespace around it and within it is free), or None if it is not there."""
+    for want in lit.split():
+        pos = _skip_ws(text, pos)
+        if not text.startswith(want, pos):
+            return None
+        pos += len(want)
+    return pos
 
 
 _REF = re.compile(r"^#/(\$defs|definitions)/(.+)$")

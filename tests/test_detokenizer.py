@@ -271,6 +271,26 @@ def test_special_tokens(tokenizer: PreTrainedTokenizerFast):
     assert IncrementalDetokenizer(tokenizer, [], skip_special_tokens=True).emittable_text(True) == ""
 
 
+def test_kept_special_tokens_are_decoded_and_every_other_special_token_skipped(tokenizer: PreTrainedTokenizerFast):
+    """Markup a server parser reads (Mistral's [TOOL_CALLS], an added token marked special, as its
+    tokenizers have it) is kept in the text under skip_special_tokens; the named special tokens and
+    the other special added tokens are left out as before."""
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tokenizer.backend_tokenizer.to_str()),
+                                  eos_token=EOS)  # fmt: skip
+    tok.add_tokens(["[TOOL_CALLS]", "[ARGS]", "[INST]"], special_tokens=True)
+    calls, args, inst = tok.convert_tokens_to_ids(["[TOOL_CALLS]", "[ARGS]", "[INST]"])
+    assert calls not in tok.all_special_ids  # (only the added token's flag says it is special)
+    eos = tok.convert_tokens_to_ids(EOS)
+    ids = encode(tok, "Hello") + [inst, calls] + encode(tok, " f") + [args, eos] + encode(tok, ' {"a": 1}')
+    detok = IncrementalDetokenizer(tok, [], kept_special_ids=(calls, args))
+    for t in ids:
+        detok.append([t])
+    assert detok.emittable_text(True) == 'Hello[TOOL_CALLS] f[ARGS] {"a": 1}'
+    plain = IncrementalDetokenizer(tok, [])
+    plain.append(ids)
+    assert plain.emittable_text(True) == decode(tok, ids, skip=True) == 'Hello f {"a": 1}'
+
+
 def test_skipped_special_token_keeps_following_space(metaspace):
     eos = metaspace.convert_tokens_to_ids(EOS)
     hello, world = encode(metaspace, "Hello"), encode(metaspace, "Hello world")[1:]

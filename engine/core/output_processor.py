@@ -36,6 +36,7 @@ class OutputProcessor:
             self.tokenizer,
             seq.prompt_ids,
             skip_special_tokens=p.skip_special_tokens,
+            kept_special_ids=p.kept_special_ids,
             stop=p.stop,
             include_stop_str_in_output=p.include_stop_str_in_output,
         )

@@ -30,6 +30,7 @@ are bounded by the window, not by the output length.
 from __future__ import annotations
 
 import copy
+import weakref
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -63,6 +64,19 @@ def _backend(tokenizer: PreTrainedTokenizerBase) -> Tokenizer | None:
     return backend if plain and isinstance(backend, Tokenizer) and "decode" not in vars(tokenizer) else None
 
 
+_SPECIAL_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _special_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """Every token ``tokenizer.decode`` leaves out under ``skip_special_tokens``: its named special
+    tokens and its added tokens marked special (Mistral's control tokens are only the latter)."""
+    ids = _SPECIAL_IDS.get(tokenizer)
+    if ids is None:
+        added = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+        ids = _SPECIAL_IDS[tokenizer] = frozenset(tokenizer.all_special_ids) | frozenset(added)
+    return ids
+
+
 class IncrementalDetokenizer:
     """Turns one sequence's generated token ids into text, step by step, and watches for stop strings.
 
@@ -83,6 +97,7 @@ class IncrementalDetokenizer:
         prompt_ids: list[int],
         *,
         skip_special_tokens: bool = True,
+        kept_special_ids: tuple[int, ...] = (),
         stop: list[str] | None = None,
         include_stop_str_in_output: bool = False,
     ) -> None:
@@ -93,6 +108,10 @@ class IncrementalDetokenizer:
         # skipped token from becoming the first of a window, where a Metaspace decoder would strip
         # the space of the token after it.
         self._skip_ids = frozenset(tokenizer.all_special_ids) if skip_special_tokens else frozenset()
+        if skip_special_tokens and kept_special_ids:
+            # Every other special token is filtered here, so decoding may keep what is left: the kept ones.
+            self._skip_ids = _special_ids(tokenizer) - frozenset(kept_special_ids)
+            self._skip_special_tokens = False
         self._stop = [s for s in (stop or []) if s]
         self._include_stop = include_stop_str_in_output
 

@@ -40,6 +40,9 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives to return with each sampled token
     prompt_logprobs: int | None = None  # logprobs (with top alternatives) of the prompt's own tokens
     skip_special_tokens: bool = True
+    # Special tokens decoded into the text even where skip_special_tokens leaves the others out: markup a
+    # server parser reads (Mistral's [TOOL_CALLS] and [ARGS], which its tokenizers make special tokens).
+    kept_special_ids: tuple[int, ...] = ()
     lora: str | None = None  # the LoRA adapter it runs under, by name (EngineConfig.lora_modules); None: the base model
     # Whose requests may lend it drafting data (the server sets its API key's digest): proposers that
     # learn from other requests' text (suffix decoding's store, lookahead's shared pools) keep one

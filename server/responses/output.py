@@ -170,7 +170,7 @@ class OutputBuilder:
         events: list[dict] = []
         for kind, *value in found:
             if kind == "call":
-                events += self._open_call(value[0], new_id("call"))
+                events += self._open_call(value[0], self.tools.new_id())
             elif kind == "args":
                 events += self._args(value[0])
             else:

@@ -34,7 +34,6 @@ from server.tools import (
     HarmonyFormat,
     ToolFormat,
     argument_pieces,
-    call_id,
     fallback_messages,
     json_answer,
 )
@@ -110,6 +109,8 @@ async def chat_job(state: ServerState, request: Request, req, turn: ChatTurn, pr
     tools = [{"type": "function", "function": f} for f in functions] or None
     if not eng.chat_template_takes_tools:  # described in a system message, history in the Hermes style
         messages, tools = fallback_messages(messages, functions), None
+    else:  # call ids its template takes (Mistral's refuse all but their own shape)
+        messages = state.tool_format.history(messages)
     kwargs = template_kwargs(state, eng.chat_template, turn)
 
     def render() -> tuple[list[int], str]:
@@ -155,6 +156,9 @@ async def chat_job(state: ServerState, request: Request, req, turn: ChatTurn, pr
     params = dataclasses.replace(params, structured=structured)
     if harmony:  # the markers are read (and taken out) by the reader
         params = dataclasses.replace(params, skip_special_tokens=False)
+    elif (req.forces_tool_call or req.parses_tool_calls) and state.tool_format.special_ids:
+        # The calls' markup is special tokens (Mistral's [TOOL_CALLS]): the parser reads them in the text.
+        params = dataclasses.replace(params, kept_special_ids=state.tool_format.special_ids)
     ids = await prepare(eng, [prompt_ids], params)
     job = Job.admit(state, eng, request, prefix, ids, params, req.n, req.stream, req.include_usage)
     job.continuous_usage = req.continuous_usage
@@ -318,7 +322,7 @@ class ChatFormat:
         deltas = []
         for kind, *value in st.scanner.feed(content):
             if kind == "call":
-                head = {"index": st.calls, "id": call_id(), "type": "function",
+                head = {"index": st.calls, "id": self.tools.new_id(), "type": "function",
                         "function": {"name": value[0], "arguments": ""}}  # fmt: skip
                 deltas.append({"tool_calls": [head]})
                 st.calls += 1

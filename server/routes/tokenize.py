@@ -41,6 +41,8 @@ def add_tokenizer_routes(app: FastAPI, state: ServerState) -> None:
             messages = template_messages(req.messages) if req.messages is not None else None
             if messages is not None and not eng.chat_template_takes_tools:  # as chat renders them
                 messages = fallback_messages(messages, None)
+            elif messages is not None:  # (call ids as the template takes them)
+                messages = state.tool_format.history(messages)
         except UnsupportedError as e:
             raise bad_request(str(e), e.param) from None
 
