@@ -695,7 +695,8 @@ def _serve_parser(sub, common: argparse.ArgumentParser) -> None:
         choices=list(REASONING_SYNTAXES),
         default=None,
         help="split a reasoning model's thinking into reasoning_content (qwen3: Qwen3/QwQ <think>; deepseek_r1: "
-        "DeepSeek-R1, which thinks first; harmony: gpt-oss's analysis channel); enables reasoning_effort and "
+        "DeepSeek-R1, which thinks first; mistral: Magistral's and Ministral 3's [THINK]; harmony: gpt-oss's "
+        "analysis channel); enables reasoning_effort and "
         "thinking_token_budget (not with harmony)",
     )
     serve.add_argument(

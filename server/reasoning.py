@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from engine.request.structured import Prelude, StructuredOutput, Thinking
 from server.harmony import CALL, END, HarmonyStream, HarmonyVocab, call_header, prelude_lark
+from server.tokens import special_token_id
 
 # Chat template variables that turn a hybrid model's thinking on or off, by the families that read
 # them: Qwen3 and GLM-4.5 ``enable_thinking``, DeepSeek-V3.1 ``thinking``.
@@ -99,6 +100,11 @@ class ReasoningSyntax:
         """ValueError where this is not the tokenizer of a model of this convention."""
         self.token_ids(tokenizer)
 
+    def kept_ids(self, tokenizer) -> tuple[int, ...]:
+        """Its markers where they are special tokens (Mistral's ``[THINK]``): an output keeps them in its
+        text, where the reader finds them."""
+        return tuple(i for i in (special_token_id(tokenizer, m) for m in (self.start, self.end)) if i is not None)
+
     def thinking(self, tokenizer, frame: ReasoningFrame, budget: int | None) -> Thinking | None:
         """The engine's frame for a grammar behind the thinking (None: thinking is off)."""
         if frame.opened is None:
@@ -151,6 +157,9 @@ class HarmonySyntax:
                inline: bool = False) -> HarmonyReader:  # fmt: skip
         return HarmonyReader(frame, HarmonyVocab.of(tokenizer), visible, calls, inline)
 
+    def kept_ids(self, tokenizer) -> tuple[int, ...]:
+        return ()  # (a harmony output keeps every special token: its reader takes the markers out)
+
     def check(self, tokenizer) -> None:
         HarmonyVocab.of(tokenizer)
 
@@ -159,6 +168,8 @@ HARMONY = HarmonySyntax()
 SYNTAXES = {
     "qwen3": ReasoningSyntax("qwen3"),
     "deepseek_r1": ReasoningSyntax("deepseek_r1", thinks_first=True),
+    # Magistral (2507 on) and Ministral 3's reasoning models: special tokens, kept in the text for the reader.
+    "mistral": ReasoningSyntax("mistral", "[THINK]", "[/THINK]"),
     "harmony": HARMONY,
 }
 

@@ -39,3 +39,13 @@ class TokenTexts:
         if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece byte fallback
             return [int(piece[3:5], 16)]
         return list(self.text(token_id).encode("utf-8"))
+
+
+def special_token_id(tokenizer, text: str) -> int | None:
+    """The id of ``text`` where it is one special token of ``tokenizer`` (one a grammar cannot spell
+    with text, and that decoding leaves out unless asked to keep it), else None."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) != 1:
+        return None
+    added = tokenizer.added_tokens_decoder.get(ids[0])
+    return ids[0] if (added is not None and added.special) or ids[0] in tokenizer.all_special_ids else None

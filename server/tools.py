@@ -29,6 +29,7 @@ from typing import Any
 
 from engine.structured.grammar import JSON_LAYOUT, json_layout
 from server.harmony import CALL, CHANNEL, HarmonyStream, call_header, call_lark
+from server.tokens import special_token_id
 
 ARGUMENT_PIECE = 16  # characters of a parsed call's arguments per streamed delta
 
@@ -79,16 +80,6 @@ def short_id(previous: str | None = None) -> str:
     if _SHORT_ID.fullmatch(previous):
         return previous
     return _base62(int.from_bytes(hashlib.sha256(previous.encode()).digest()[:8], "big"), 9)
-
-
-def special_token_id(tokenizer, text: str) -> int | None:
-    """The id of ``text`` where it is one special token of ``tokenizer`` (one a grammar cannot spell
-    with text, and that decoding leaves out unless asked to keep it), else None."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    if len(ids) != 1:
-        return None
-    added = tokenizer.added_tokens_decoder.get(ids[0])
-    return ids[0] if (added is not None and added.special) or ids[0] in tokenizer.all_special_ids else None
 
 
 @dataclass(frozen=True)

@@ -280,6 +280,40 @@ def test_a_template_that_opens_the_thinking(tmp_path, tokenizer_dir):
         assert cut.usage.completion_tokens_details.reasoning_tokens == 5
 
 
+# Magistral's and Ministral 3's: markers that are special tokens of the tokenizer, the model opening the thinking.
+MISTRAL_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}[INST]{{ m['content'] }}[/INST]"
+    "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def test_mistral_markers_are_special_tokens_kept_for_the_reader(tmp_path, tokenizer_dir):
+    """[THINK] and [/THINK] are special tokens (flagged special, as Mistral's tokenizers have them):
+    decoding would leave them out, so the output keeps them for the reader, which takes them out."""
+    d = build_model_dir(tmp_path / "m", tokenizer_dir, "LlamaForCausalLM")
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    tok.add_tokens(["[THINK]", "[/THINK]"], special_tokens=True)
+    tok.chat_template = MISTRAL_TEMPLATE
+    tok.save_pretrained(d)
+    assert tok.convert_tokens_to_ids(["[THINK]", "[/THINK]"]) == [376, 377]  # (OPEN's bias opens the thinking)
+    assert SYNTAXES["mistral"].kept_ids(tok) == (376, 377)
+    st = ServerSettings(served_model_name=MODEL, reasoning_parser="mistral")
+    with serve(create_app(st, engine_factory(d))) as s, openai.OpenAI(base_url=s.base + "/v1", api_key="x") as c:
+        for stream in (False, True):
+            r = chat(c, budget=3, extra=OPEN, stream=stream)
+            if stream:
+                chunks = [ch for chunk in r for ch in chunk.choices]
+                reasoning = "".join((ch.delta.model_extra or {}).get("reasoning_content") or "" for ch in chunks)
+                content = "".join(ch.delta.content or "" for ch in chunks)
+            else:
+                m = r.choices[0].message
+                reasoning, content = m.model_extra["reasoning_content"], m.content or ""
+                assert_budget(r.usage, 3, opened_by_model=True)
+            assert reasoning and "[THINK]" not in reasoning + content and "[/THINK]" not in reasoning + content
+        plain = c.completions.create(model=MODEL, prompt="x", max_tokens=3, logit_bias={"376": 100}, temperature=0)
+        assert plain.choices[0].text == ""  # without a parser to read it, a special token is left out as always
+
+
 # -- the Responses API ------------------------------------------------------------------------------------------
 def test_responses_reasoning_items_streamed_and_not(client):
     yes_no = {"structured_outputs": {"choice": ["yes", "no"]}}  # the answer ends: the response completes
@@ -361,16 +395,27 @@ def test_a_default_max_tokens_is_capped_at_the_room_each_prompt_leaves(tmp_path,
             with pytest.raises(openai.BadRequestError, match="max_tokens"):
                 c.completions.create(model=MODEL, prompt=long, max_tokens=13)
             # A min_tokens past the room the default was capped at: a 400 naming it, on either endpoint.
-            for call in (lambda: c.completions.create(model=MODEL, prompt=[short, long], extra_body={"min_tokens": 20}),
-                         lambda: c.chat.completions.create(model=MODEL, messages=chat, extra_body={"min_tokens": 39})):
+            for call in (
+                lambda: c.completions.create(model=MODEL, prompt=[short, long], extra_body={"min_tokens": 20}),
+                lambda: c.chat.completions.create(model=MODEL, messages=chat, extra_body={"min_tokens": 39}),
+            ):
                 with pytest.raises(openai.BadRequestError) as e:
                     call()
                 assert e.value.body["param"] == "min_tokens"
     # Contrastive search sizes its KV at the length a request runs to: the capped default, not the room.
     tight = engine_factory(d, max_model_len=64, num_kv_blocks=16)  # 64 slots of KV: the context, no more
     with serve(create_app(ServerSettings(served_model_name=MODEL), tight)) as s:
-        r = httpx.post(s.base + "/v1/completions", json={"model": MODEL, "prompt": short, "temperature": 0,
-                                                         "penalty_alpha": 0.5, "top_k": 4, "ignore_eos": True})
+        r = httpx.post(
+            s.base + "/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": short,
+                "temperature": 0,
+                "penalty_alpha": 0.5,
+                "top_k": 4,
+                "ignore_eos": True,
+            },
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 40, r.text
 
 

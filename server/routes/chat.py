@@ -156,9 +156,11 @@ async def chat_job(state: ServerState, request: Request, req, turn: ChatTurn, pr
     params = dataclasses.replace(params, structured=structured)
     if harmony:  # the markers are read (and taken out) by the reader
         params = dataclasses.replace(params, skip_special_tokens=False)
-    elif (req.forces_tool_call or req.parses_tool_calls) and state.tool_format.special_ids:
-        # The calls' markup is special tokens (Mistral's [TOOL_CALLS]): the parser reads them in the text.
-        params = dataclasses.replace(params, kept_special_ids=state.tool_format.special_ids)
+    else:  # markup that is special tokens (Mistral's [TOOL_CALLS], [THINK]): the parsers read it in the text
+        kept = state.tool_format.special_ids if req.parses_tool_calls else ()
+        kept += syntax.kept_ids(eng.tokenizer) if syntax is not None else ()
+        if kept:
+            params = dataclasses.replace(params, kept_special_ids=kept)
     ids = await prepare(eng, [prompt_ids], params)
     job = Job.admit(state, eng, request, prefix, ids, params, req.n, req.stream, req.include_usage)
     job.continuous_usage = req.continuous_usage
