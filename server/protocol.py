@@ -710,6 +710,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolDef] | None = Field(default=None, max_length=128)  # rendered as chat renders them
     # Default: true for a prompt (BOS as completions add it), false for messages (the template has it).
     add_special_tokens: StrictBool | None = None
     add_generation_prompt: StrictBool = True
@@ -717,10 +718,22 @@ class TokenizeRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: StrictBool = False
 
+    @model_validator(mode="before")
+    @classmethod
+    def _screen(cls, body):
+        """A field it does not declare is refused or dropped as chat's are (server/fields.py), never ignored."""
+        declared = set(cls.model_fields)
+        try:
+            return screen(body, declared, "tokenize")
+        except Refused as e:
+            raise FieldError(str(e), e.param) from None
+
     @model_validator(mode="after")
     def _check(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give either prompt (a string) or messages, not both")
+        if self.tools is not None and self.messages is None:
+            raise FieldError("tools are rendered with messages, not with a prompt", "tools")
         if self.messages is not None:
             check_messages(self.messages)
         both = self.continue_final_message and self.add_generation_prompt

@@ -321,6 +321,20 @@ def test_history_with_tool_calls_and_results(client, llama_dir):
     assert r.choices[0].finish_reason == plain.choices[0].finish_reason
 
 
+def test_tokenize_renders_the_tools_as_chat_does(client, http):
+    """vLLM's /tokenize takes the tools beside the messages: the count is the prompt chat would run."""
+    r = create(client, tools=TOOLS, max_tokens=1)
+    counted = http.post("/tokenize", json={"model": MODEL, "messages": ASK, "tools": TOOLS}).json()["count"]
+    assert counted == r.usage.prompt_tokens > http.post("/tokenize", json={"messages": ASK}).json()["count"]
+    for body, param in (
+        ({"prompt": "a", "tools": TOOLS}, "tools"),  # tools go with messages
+        ({"messages": ASK, "chat_template": "{{ 1 }}"}, "chat_template"),  # refused by name, as on chat
+        ({"messages": ASK, "tool_spec": []}, "tool_spec"),  # no field is ignored in silence
+    ):
+        bad = http.post("/tokenize", json=body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+
+
 @pytest.mark.parametrize(
     "body,param",
     [

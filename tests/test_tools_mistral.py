@@ -190,6 +190,8 @@ def test_history_takes_call_ids_of_any_shape(client, http, tok, syntax):
         ]  # fmt: skip
         r = create(client, messages=history, tools=TOOLS, max_tokens=4)
         assert r.choices[0].finish_reason in ("stop", "length")
+        counted = http.post("/tokenize", json={"model": MODEL, "messages": history, "tools": TOOLS}).json()["count"]
+        assert counted == r.usage.prompt_tokens  # (the template takes the tools: /tokenize renders them too)
         rendered = tok.decode(http.post("/tokenize", json={"model": MODEL, "messages": history}).json()["tokens"])
         assert f"[TOOL_RESULTS]{short_id(given)}:21 C" in rendered
         if syntax != "v11":

@@ -37,16 +37,20 @@ def add_tokenizer_routes(app: FastAPI, state: ServerState) -> None:
         tok = eng.tokenizer
         if req.messages is not None and not getattr(tok, "chat_template", None):
             raise bad_request("this model has no chat template: tokenize a prompt instead", "messages")
+        functions = [t.function.model_dump(exclude_none=True) for t in req.tools or []]
+        tools = [{"type": "function", "function": f} for f in functions] or None
         try:
             messages = template_messages(req.messages) if req.messages is not None else None
             if messages is not None and not eng.chat_template_takes_tools:  # as chat renders them
-                messages = fallback_messages(messages, None)
+                messages, tools = fallback_messages(messages, functions), None
             elif messages is not None:  # (call ids as the template takes them)
                 messages = state.tool_format.history(messages)
         except UnsupportedError as e:
             raise bad_request(str(e), e.param) from None
 
         kwargs = {**(state.settings.default_chat_template_kwargs or {}), **(req.chat_template_kwargs or {})}
+        if tools:
+            kwargs["tools"] = tools
 
         def work() -> list[int]:
             text = req.prompt
