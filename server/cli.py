@@ -664,10 +664,11 @@ def _serve_parser(sub, common: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--tool-call-parser",
-        choices=["auto", "hermes", "llama3_json", "mistral", "harmony"],
+        choices=["auto", "hermes", "llama3_json", "mistral", "qwen3_coder", "harmony"],
         default="auto",
         help="how the model writes tool calls (auto: from its chat template; Hermes-style where it says nothing; "
         "mistral: [TOOL_CALLS]NAME[ARGS]{...} or the JSON list after [TOOL_CALLS], as the template writes them; "
+        "qwen3_coder: Qwen3-Coder's and Qwen3.5's <function=NAME><parameter=KEY> XML; "
         "harmony: gpt-oss's messages to functions.NAME)",
     )
     serve.add_argument(

@@ -11,7 +11,7 @@ from server.metrics import Metrics
 from server.reasoning import SYNTAXES, HarmonySyntax, ReasoningSyntax
 from server.responses.store import ResponseStore
 from server.tokens import TokenTexts
-from server.tools import TOOL_PARSERS, HarmonyFormat, ToolFormat, detect_format, mistral_format
+from server.tool_formats import CallSyntax, tool_format
 
 
 @dataclass
@@ -68,7 +68,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     responses: ResponseStore = field(init=False)
     reasoning: ReasoningSyntax | HarmonySyntax | None = None  # set by attach when --reasoning-parser names one
-    _tool_format: tuple[str | None, ToolFormat | HarmonyFormat] | None = field(default=None, init=False, repr=False)
+    _tool_format: tuple[str | None, CallSyntax] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.settings.served_model_name, self.settings.metrics_compat)
@@ -76,15 +76,11 @@ class ServerState:
         self.metrics.bind_store(self.responses)
 
     @property
-    def tool_format(self) -> ToolFormat | HarmonyFormat:
+    def tool_format(self) -> CallSyntax:
         """How the served model writes tool calls, bound to its vocabulary (built once per chat template)."""
         template = self.engine.chat_template
         if self._tool_format is None or self._tool_format[0] != template:
-            name = self.settings.tool_call_parser
-            fmt = detect_format(template) if name == "auto" else TOOL_PARSERS[name]
-            if name == "mistral":  # which of Mistral's syntaxes, its template says
-                fmt = mistral_format(template)
-            self._tool_format = (template, fmt.bind(self.engine.tokenizer))
+            self._tool_format = (template, tool_format(self.settings.tool_call_parser, template, self.engine.tokenizer))
         return self._tool_format[1]
 
     @property

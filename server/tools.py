@@ -123,6 +123,10 @@ class ToolFormat:
         """The special tokens a request that reads or writes calls keeps in its text (its parser reads them)."""
         return tuple(i for _, i in self.specials)
 
+    def for_tools(self, functions: list[dict]) -> ToolFormat:
+        """This syntax for a request offering ``functions`` (its calls carry their own types: the same)."""
+        return self
+
     def new_id(self) -> str:
         """A new call's id."""
         return short_id() if self.short_ids else call_id()
@@ -357,18 +361,6 @@ FORMATS = {
 }
 
 
-def mistral_format(chat_template: str | None) -> ToolFormat:
-    """The Mistral call syntax a chat template writes: v11's ``[TOOL_CALLS]NAME[ARGS]{...}`` (with the
-    model's own ``[CALL_ID]`` where the template writes one, as Mistral Small 3.2's does), or the
-    JSON list, after a blank where the template writes one (Mistral 7B v0.3's ``[TOOL_CALLS] [``)."""
-    t = chat_template or ""
-    if "[ARGS]" in t:
-        return dataclasses.replace(FORMATS["mistral_v11"], id_sep="[CALL_ID]" if "[CALL_ID]" in t else "")
-    return (
-        dataclasses.replace(FORMATS["mistral"], open="[TOOL_CALLS] [") if "[TOOL_CALLS] [" in t else FORMATS["mistral"]
-    )
-
-
 class HarmonyFormat:
     """gpt-oss's calls: a message on the commentary channel addressed ``to=functions.NAME``, its body the
     arguments, ended by ``<|call|>`` (an end of generation: one call per output). It reads the content
@@ -392,6 +384,9 @@ class HarmonyFormat:
         return HarmonyCallScanner()
 
     def bind(self, tokenizer) -> HarmonyFormat:
+        return self
+
+    def for_tools(self, functions: list[dict]) -> HarmonyFormat:
         return self
 
     def new_id(self) -> str:
@@ -462,24 +457,6 @@ class HarmonyCallScanner:
                 events.append(("end",))
                 self.open = False
         return events
-
-
-TOOL_PARSERS: dict[str, ToolFormat | HarmonyFormat] = {**FORMATS, "harmony": HarmonyFormat()}
-
-
-def detect_format(chat_template: str | None) -> ToolFormat | HarmonyFormat:
-    """The call syntax a chat template teaches its model; Hermes-style where it says nothing (the
-    fallback template writes that style)."""
-    t = chat_template or ""
-    if CHANNEL in t:  # harmony (gpt-oss): messages on channels
-        return TOOL_PARSERS["harmony"]
-    if "[TOOL_CALLS]" in t:
-        return mistral_format(t)
-    if "<tool_call>" in t:
-        return FORMATS["hermes"]
-    if "<|python_tag|>" in t or "ipython" in t:
-        return FORMATS["llama3_json"]
-    return FORMATS["hermes"]
 
 
 class CallScanner:

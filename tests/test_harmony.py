@@ -30,7 +30,7 @@ from engine.request.structured import Prelude, StructuredOutput
 from server.app import ServerSettings, create_app
 from server.harmony import MARKERS, HarmonyStream, HarmonyVocab, prelude_lark
 from server.reasoning import HARMONY, effort_switch, reads_effort
-from server.tools import TOOL_PARSERS, detect_format
+from server.tool_formats import TOOL_PARSERS, detect_format
 from servers import Served, engine_factory, serve, wait_until
 
 MODEL = "tiny-gpt-oss"

@@ -18,7 +18,8 @@ from pydantic import BaseModel, Field
 
 from conftest import build_model_dir
 from server.app import ServerSettings, create_app
-from server.tools import FALLBACK_SYSTEM, FORMATS, detect_format, fallback_messages
+from server.tool_formats import detect_format
+from server.tools import FALLBACK_SYSTEM, FORMATS, fallback_messages
 from servers import Served, engine_factory, serve
 
 MODEL = "tiny-llama"

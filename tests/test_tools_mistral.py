@@ -23,7 +23,8 @@ from test_tools import MODELS, TOOLS, check_calls
 
 from conftest import VOCAB, build_model_dir
 from server.app import ServerSettings, create_app
-from server.tools import detect_format, short_id
+from server.tool_formats import detect_format
+from server.tools import short_id
 from servers import Served, engine_factory, serve
 
 MODEL = "tiny-mistral"

@@ -24,11 +24,12 @@ import json
 
 from server.reasoning import HarmonyReasoningStream, ReasoningStream
 from server.responses.protocol import new_id
-from server.tools import HarmonyFormat, ToolFormat, argument_pieces
+from server.tool_formats import CallSyntax
+from server.tools import argument_pieces
 
 
 class OutputBuilder:
-    def __init__(self, tools: ToolFormat | HarmonyFormat | None, forced: bool,
+    def __init__(self, tools: CallSyntax | None, forced: bool,
                  reasoning: ReasoningStream | HarmonyReasoningStream | None = None,
                  one_call: bool = False) -> None:  # fmt: skip
         self.one_call = one_call  # parallel_tool_calls false: the output's first call alone (as vLLM keeps)

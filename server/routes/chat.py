@@ -28,6 +28,8 @@ from server.reasoning import (
 from server.relay import Job, fit_default, prepare, respond, sampling_params
 from server.state import ServerState
 from server.tokens import TokenTexts
+from server.tool_formats import CallSyntax
+from server.tool_xml import XmlCallFormat
 from server.tools import (
     CallScanner,
     HarmonyCallScanner,
@@ -174,7 +176,7 @@ def auto_calls(fmt, functions: list[dict], parallel: bool, structured: Structure
     schema (response_format: the answer matches it, or the output is calls). A harmony model, a
     regex / choice / grammar answer, and a JSON answer where calls are bare JSON too (Llama-3's) keep
     the answer's own constraint: they are not composed with calls (docs/structured.md)."""
-    if not isinstance(fmt, ToolFormat):
+    if not isinstance(fmt, (ToolFormat, XmlCallFormat)):
         return structured
     if structured is None:
         strict = any(f.get("strict") for f in functions)
@@ -218,7 +220,7 @@ def add_chat_routes(app: FastAPI, state: ServerState) -> None:
             effort=req.reasoning_effort, thinking_budget=req.thinking_token_budget,
         )  # fmt: skip
         job, reader = await chat_job(state, request, req, turn, "chatcmpl")
-        tools = state.tool_format if req.parses_tool_calls else None
+        tools = state.tool_format.for_tools(req.tool_functions) if req.parses_tool_calls else None
         fmt = ChatFormat(req.logprobs, state.token_texts, tools, req.forces_tool_call, reader, req.include_reasoning,
                          one_call=not req.parallel)  # fmt: skip
         return await respond(job, fmt)
@@ -243,7 +245,7 @@ class ChoiceState:
 class ChatFormat:
     logprobs: bool
     texts: TokenTexts
-    tools: ToolFormat | HarmonyFormat | None = None  # tool calls are parsed out of the text (tool_choice not none)
+    tools: CallSyntax | None = None  # tool calls are parsed out of the text (tool_choice not none)
     forced: bool = False  # required / a named function: the answer is calls only, by grammar
     reader: ReasoningReader | HarmonyReader | None = None  # a reasoning model's thinking is split off
     include_reasoning: bool = True

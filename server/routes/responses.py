@@ -96,7 +96,7 @@ class ResponseRun:
         self.history, self.owner, self.reader = history, owner, reader
         self.id = "resp_" + job.id.rsplit("-", 1)[-1]
         self.created = time.time()
-        tools = state.tool_format if req.parses_tool_calls else None
+        tools = state.tool_format.for_tools(req.tool_functions) if req.parses_tool_calls else None
         self.builder = OutputBuilder(tools, req.forces_tool_call, reader.stream() if reader is not None else None,
                                      one_call=not req.parallel)  # fmt: skip
         self.seq = 0

@@ -1,0 +1,51 @@
+"""Which call syntax a served model writes: named by ``--tool-call-parser``, or read from its chat template
+(``auto``). The syntaxes themselves are in server/tools.py (the JSON ones and gpt-oss's harmony) and
+server/tool_xml.py (Qwen3-Coder's and Qwen3.5's XML)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from server.harmony import CHANNEL
+from server.tool_xml import XmlCallFormat
+from server.tools import FORMATS, HarmonyFormat, ToolFormat
+
+CallSyntax = ToolFormat | HarmonyFormat | XmlCallFormat
+TOOL_PARSERS: dict[str, CallSyntax] = {**FORMATS, "qwen3_coder": XmlCallFormat(), "harmony": HarmonyFormat()}
+
+
+def mistral_format(chat_template: str | None) -> ToolFormat:
+    """The Mistral call syntax a chat template writes: v11's ``[TOOL_CALLS]NAME[ARGS]{...}`` (with the
+    model's own ``[CALL_ID]`` where the template writes one, as Mistral Small 3.2's does), or the
+    JSON list, after a blank where the template writes one (Mistral 7B v0.3's ``[TOOL_CALLS] [``)."""
+    t = chat_template or ""
+    if "[ARGS]" in t:
+        return dataclasses.replace(FORMATS["mistral_v11"], id_sep="[CALL_ID]" if "[CALL_ID]" in t else "")
+    return (
+        dataclasses.replace(FORMATS["mistral"], open="[TOOL_CALLS] [") if "[TOOL_CALLS] [" in t else FORMATS["mistral"]
+    )
+
+
+def detect_format(chat_template: str | None) -> CallSyntax:
+    """The call syntax a chat template teaches its model; Hermes-style where it says nothing (the
+    fallback template writes that style)."""
+    t = chat_template or ""
+    if CHANNEL in t:  # harmony (gpt-oss): messages on channels
+        return TOOL_PARSERS["harmony"]
+    if "[TOOL_CALLS]" in t:
+        return mistral_format(t)
+    if "<function=" in t and "<parameter=" in t:  # Qwen3-Coder's and Qwen3.5's XML
+        return TOOL_PARSERS["qwen3_coder"]
+    if "<tool_call>" in t:
+        return FORMATS["hermes"]
+    if "<|python_tag|>" in t or "ipython" in t:
+        return FORMATS["llama3_json"]
+    return FORMATS["hermes"]
+
+
+def tool_format(name: str, chat_template: str | None, tokenizer) -> CallSyntax:
+    """The syntax ``--tool-call-parser name`` gives a model with this template and vocabulary."""
+    fmt = detect_format(chat_template) if name == "auto" else TOOL_PARSERS[name]
+    if name == "mistral":  # which of Mistral's syntaxes, its template says
+        fmt = mistral_format(chat_template)
+    return fmt.bind(tokenizer)

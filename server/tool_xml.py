@@ -1,0 +1,297 @@
+"""Qwen3-Coder's and Qwen3.5's tool calls: XML, one element per argument, its value as written.
+
+::
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    <parameter=days>
+    3
+    </parameter>
+    </function>
+    </tool_call>
+
+A string argument is its text as it is (newlines and quotes included); any other value is its JSON (the
+templates write objects and lists with ``tojson``, other values as their text). So a call's arguments
+can only be read back with the tool's schema beside them: ``"3"`` is a string where the parameter is
+one and the number 3 where it is a number. :class:`XmlCallFormat` is the syntax; :meth:`~XmlCallFormat.for_tools`
+gives it a request's tools, whose schemas its parser then reads values by and its grammars write them
+by (a string as text without the closing tag, within its ``minLength`` / ``maxLength`` or as one of
+its ``enum``; any other value as JSON held to its schema). vLLM names this parser ``qwen3_coder``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from engine.structured.grammar import JSON_LAYOUT
+from server.tokens import special_token_id
+from server.tools import ToolCall, _lit, _regex_lit, _skip_ws, call_id
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_FUNCTION = re.compile(r"<function=([^>\n]+)>\n?")
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?")
+_PARAMETER_END = "</parameter>"
+_FUNCTION_END = "</function>"
+
+
+@dataclass(frozen=True)
+class XmlCallFormat:
+    name: str = "qwen3_coder"
+    marker: str = OPEN
+    at_start_only: bool = False  # (calls may follow text)
+    schemas: tuple[tuple[str, dict], ...] = ()  # the request's tools: name -> parameters schema (for_tools)
+    specials: tuple[tuple[str, int], ...] = ()  # markup that is one special token of the vocabulary (bind)
+
+    # -- the request ------------------------------------------------------------------------------------
+    def for_tools(self, functions: list[dict]) -> XmlCallFormat:
+        """This syntax reading and writing the given tools' arguments (OpenAI function objects)."""
+        return dataclasses.replace(self, schemas=tuple((f["name"], f.get("parameters") or {}) for f in functions))
+
+    def bind(self, tokenizer) -> XmlCallFormat:
+        found = ((piece, special_token_id(tokenizer, piece)) for piece in (OPEN, CLOSE))
+        return dataclasses.replace(self, specials=tuple((p, i) for p, i in found if i is not None))
+
+    @property
+    def special_ids(self) -> tuple[int, ...]:
+        return tuple(i for _, i in self.specials)
+
+    def new_id(self) -> str:
+        return call_id()
+
+    def history(self, messages: list[dict]) -> list[dict]:
+        return messages
+
+    def scanner(self) -> XmlCallScanner:
+        return XmlCallScanner(self)
+
+    # -- writing ----------------------------------------------------------------------------------------
+    def render(self, calls: list[tuple[str, Any]]) -> str:
+        """Calls (name, arguments object) as the templates write them."""
+        out = []
+        for name, args in calls:
+            params = "".join(f"<parameter={k}>\n{_written(v)}\n{_PARAMETER_END}\n" for k, v in args.items())
+            out.append(f"{OPEN}\n<function={name}>\n{params}{_FUNCTION_END}\n{CLOSE}")
+        return "\n".join(out)
+
+    def grammar(self, tools: list[dict], parallel: bool) -> str:
+        """A Lark grammar for one call (several with ``parallel``) of ``tools``, each argument held to its
+        schema, with nothing before or after them."""
+        calls = 'call ("\\n" call)*' if parallel else "call"
+        return "\n".join([f"start: {calls}", *self._call_rules(tools, strict_only=False)]) + "\n"
+
+    def auto_grammar(self, tools: list[dict], parallel: bool, answer: str | None = None) -> str:
+        """Under ``tool_choice`` auto, as :meth:`~server.tools.ToolFormat.auto_grammar`: an answer, or
+        text then calls; a call's name is one of ``tools``, a strict tool's arguments hold to its
+        schema and another's are any parameters. The text ends, lazily, where a call opens."""
+        rules = self._call_rules(tools, strict_only=True)
+        # The next call's separator and opening are one literal, which the lexer follows beside the text
+        # after the calls (as ToolFormat.auto_grammar does).
+        more = f" ({_lit(chr(10) + OPEN)} body)*" if parallel else ""
+        if answer is not None:
+            return "\n".join([f"start: {answer} | call{more}", *rules]) + "\n"
+        marker = _regex_lit(OPEN)
+        lines = [f"start: TEXT | head body{more} TEXT", f"head[lazy]: /(?s:.*){marker}/",
+                 f"TEXT: /(?s:.*)/ & ~/(?s:.*){marker}(?s:.*)/"]  # fmt: skip
+        return "\n".join([*lines, *rules]) + "\n"
+
+    def _call_rules(self, tools: list[dict], strict_only: bool) -> list[str]:
+        """``call`` (one call of any of ``tools``), ``body`` (a call past its opening tag) and the rules
+        they use; ``strict_only``: a tool that does not say ``strict`` takes any parameters."""
+        alternatives, rules = [], []
+        for i, fn in enumerate(tools):
+            schema = fn.get("parameters") or {}
+            free = strict_only and not fn.get("strict")
+            params = "any_param*" if free else self._params(schema, f"t{i}", rules)
+            parts = (_lit(f"\n<function={fn['name']}>\n"), params, _lit(f"{_FUNCTION_END}\n{CLOSE}"))
+            alternatives.append(" ".join(x for x in parts if x))
+        return [f"call: {_lit(OPEN)} body", "body: " + " | ".join(alternatives), *rules,
+                'any_param: ANY_NAME "\\n" any_value', "ANY_NAME: /<parameter=[^>\\n]+>/",
+                "any_value[lazy]: /(?s:.*)\\n<\\/parameter>\\n/"]  # fmt: skip
+
+    def _params(self, schema: dict, tag: str, rules: list[str]) -> str:
+        """The parameters of one tool, in its schema's order (those not required may be left out)."""
+        required = set(schema.get("required") or ())
+        defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}  # what its $refs point to
+        parts = []
+        for j, (key, sub) in enumerate((schema.get("properties") or {}).items()):
+            value = _value(sub if isinstance(sub, dict) else {}, defs, f"{tag}_p{j}", rules)
+            part = f"{_lit(f'<parameter={key}>' + chr(10))} {value}"
+            parts.append(part if key in required else f"({part})?")
+        return " ".join(parts)
+
+    # -- reading ----------------------------------------------------------------------------------------
+    def start_of_calls(self, text: str) -> int:
+        return text.find(OPEN)
+
+    def content_end(self, text: str) -> int:
+        start = text.find(OPEN)
+        if start >= 0:
+            return start
+        for k in range(min(len(OPEN) - 1, len(text)), 0, -1):
+            if OPEN.startswith(text[-k:]):
+                return len(text) - k
+        return len(text)
+
+    def parse(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a whole output, as :meth:`~server.tools.ToolFormat.parse` reads its syntax:
+        the run of whole calls from the first opening are calls, text after them content, and with
+        ``cut`` a call the limit cut is dropped."""
+        i = text.find(OPEN)
+        if i < 0:
+            return text, []
+        calls, end = [], i
+        while True:
+            at = _skip_ws(text, end)
+            if not text.startswith(OPEN, at):
+                break
+            close = text.find(CLOSE, at)
+            if close < 0:
+                break
+            call = self._call(text[at + len(OPEN) : close])
+            if call is None:
+                break
+            calls.append(call)
+            end = close + len(CLOSE)
+        if not calls and not cut:
+            return text, []
+        parts = [text[:i].rstrip()] + ([] if cut else [text[end:].strip()])
+        content = "\n".join(x for x in parts if x)
+        return content or None, calls
+
+    def _call(self, body: str) -> ToolCall | None:
+        """One call from the text between its tags (None: not a call)."""
+        m = _FUNCTION.search(body)
+        if m is None or _FUNCTION_END not in body[m.end() :]:
+            return None
+        name = m.group(1).strip()
+        args = self.arguments(name, body[m.end() : body.rindex(_FUNCTION_END)])
+        return ToolCall(name, json.dumps(args, ensure_ascii=False), self.new_id())
+
+    def arguments(self, name: str, body: str) -> dict:
+        """A function's parameters, from the text between its ``<function=...>`` and ``</function>``."""
+        schema = dict(self.schemas).get(name) or {}
+        props = schema.get("properties") or {}
+        defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
+        args: dict[str, Any] = {}
+        pos = 0
+        while (m := _PARAMETER.search(body, pos)) is not None:
+            end = body.find(_PARAMETER_END, m.end())
+            if end < 0:
+                break
+            raw = body[m.end() : end]
+            raw = raw[:-1] if raw.endswith("\n") else raw
+            key = m.group(1).strip()
+            sub = props.get(key)
+            args[key] = _read(raw, _resolve(sub, defs) if isinstance(sub, dict) else None)
+            pos = end + len(_PARAMETER_END)
+        return args
+
+
+class XmlCallScanner:
+    """Forced calls read as they are written, with :class:`~server.tools.CallScanner`'s events:
+    ``("call", name)`` once ``<function=NAME>`` is complete, then the arguments as their JSON in one
+    ``("args", text)`` when the function closes (a value is known only when its element closes), and
+    ``("end",)``."""
+
+    def __init__(self, fmt: XmlCallFormat) -> None:
+        self.fmt = fmt
+        self.text = ""
+        self.pos = 0  # where the next call's function line is looked for
+        self.name: str | None = None  # the open call's
+
+    def feed(self, delta: str) -> list[tuple]:
+        self.text += delta
+        events: list[tuple] = []
+        while True:
+            if self.name is None:
+                m = _FUNCTION.search(self.text, self.pos)
+                if m is None or not m.group(0).endswith("\n"):
+                    return events
+                self.name, self.pos = m.group(1).strip(), m.end()
+                events.append(("call", self.name))
+            end = self.text.find(_FUNCTION_END, self.pos)
+            if end < 0:
+                return events
+            args = self.fmt.arguments(self.name, self.text[self.pos : end])
+            events += [("args", json.dumps(args, ensure_ascii=False)), ("end",)]
+            self.name, self.pos = None, end + len(_FUNCTION_END)
+
+
+# -- values ------------------------------------------------------------------------------------------------
+def _written(value: Any) -> str:
+    """An argument's value as the templates write it: a string as itself, anything else as JSON."""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def _read(raw: str, schema: dict | None) -> Any:
+    """A value as written, read by its parameter's schema: text where it is a string, else its JSON
+    (Python's ``True`` / ``False`` / ``None`` too, as a template's ``| string`` writes them); text
+    that does not parse stays text."""
+    types = _types(schema)
+    if "string" in types and not types - {"string", "null"}:
+        return None if raw == "null" and "null" in types else raw
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, RecursionError):
+        pass
+    python = {"True": True, "False": False, "None": None}
+    return python[raw.strip()] if raw.strip() in python else raw
+
+
+def _types(schema: dict | None) -> set[str]:
+    """The JSON types a schema admits, where it says them plainly (a ``type``, a string ``enum``, or
+    ``anyOf`` / ``oneOf`` branches that do: pydantic's ``Optional[str]``); empty where it does not."""
+    if not schema:
+        return set()
+    t = schema.get("type")
+    if isinstance(t, str):
+        return {t}
+    if isinstance(t, list):
+        return {x for x in t if isinstance(x, str)}
+    if "enum" in schema and all(isinstance(v, str) for v in schema["enum"]):
+        return {"string"}
+    branches = schema.get("anyOf") or schema.get("oneOf")
+    if isinstance(branches, list) and branches:
+        found = [_types(b) if isinstance(b, dict) else set() for b in branches]
+        return set().union(*found) if all(found) else set()
+    return set()
+
+
+def _resolve(schema: dict, defs: dict) -> dict:
+    """``schema`` with a local ``$ref`` to the tool's own definitions replaced by what it points to."""
+    ref = schema.get("$ref")
+    m = re.fullmatch(r"#/(\$defs|definitions)/(.+)", ref) if isinstance(ref, str) else None
+    target = (defs.get(m.group(1)) or {}).get(m.group(2)) if m else None
+    if not isinstance(target, dict):
+        return schema
+    return {**target, **{k: v for k, v in schema.items() if k != "$ref"}}
+
+
+def _value(schema: dict, defs: dict, tag: str, rules: list[str]) -> str:
+    """A Lark expression for one parameter's value and the line that closes its element (``defs``: the
+    tool's own, which a ``$ref`` in it points into)."""
+    close = _lit(f"\n{_PARAMETER_END}\n")
+    schema = _resolve(schema, defs)
+    types = _types(schema)
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum and all(isinstance(v, str) and "\n" not in v for v in enum):
+        return "(" + " | ".join(_lit(v) for v in enum) + f") {close}"
+    if types == {"boolean"}:  # JSON's, or Python's as a template's ``| string`` writes it
+        return f'("true" | "false" | "True" | "False") {close}'
+    name = "v_" + tag  # (a rule: llguidance takes [lazy] on rules)
+    if types in ({"string"}, {"string", "null"}):  # text without the closing line, within its length bounds
+        least, most = int(schema.get("minLength", 0)), schema.get("maxLength")
+        bounds = f"{{{least},{int(most)}}}" if most is not None else f"{{{least},}}"
+        rules.append(f"{name}[lazy]: /(?s:.{bounds})\\n<\\/parameter>\\n/")
+        return name
+    if "string" in types or not (types or any(k in schema for k in ("anyOf", "oneOf", "allOf", "$ref", "const"))):
+        rules.append(f"{name}[lazy]: /(?s:.*)\\n<\\/parameter>\\n/")  # text or another type, or no type: any text
+        return name
+    return f"%json {json.dumps({**schema, **defs, 'x-guidance': JSON_LAYOUT})} {close}"

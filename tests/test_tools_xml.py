@@ -1,0 +1,202 @@
+"""Qwen3-Coder's and Qwen3.5's XML tool calls (``<function=NAME>`` with one ``<parameter=KEY>`` element
+per argument), through a real server and the official openai SDK: the template picks the syntax, forced
+calls hold every argument to its schema, calls written under auto are read back with the tools' types
+(a string parameter's "123" stays a string), streamed calls assemble to the whole ones, and the
+history renders as the template writes it. The syntax's reading and writing are checked against each
+other and against the grammar."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Literal
+
+import llguidance
+import llguidance.hf
+import pytest
+import transformers
+from pydantic import BaseModel, Field
+from test_tools import MODELS, TOOLS, check_calls
+
+from conftest import VOCAB, build_model_dir
+from server.app import ServerSettings, create_app
+from server.tool_formats import detect_format
+from server.tool_xml import XmlCallFormat
+from servers import Served, engine_factory, serve
+
+MODEL = "tiny-qwen-coder"
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# Qwen3.5's conventions in a small template of our own: the tools listed in a system turn, each call an
+# XML element, a string argument as its text and any other as JSON.
+TEMPLATE = (
+    "{% if tools %}<|bos|>system\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>\n"
+    "Call as <tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>\n"
+    "{% endif %}{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] or '' }}"
+    "{% for c in m.get('tool_calls') or [] %}\n<tool_call>\n<function={{ c['function']['name'] }}>\n"
+    "{% for k, v in c['function']['arguments'].items() %}<parameter={{ k }}>\n"
+    "{{ v | tojson if v is mapping or (v is sequence and v is not string) else v | string }}\n</parameter>\n"
+    "{% endfor %}</function>\n</tool_call>{% endfor %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}"
+)
+
+
+class Search(BaseModel):
+    query: str = Field(max_length=12)
+    zip: str = Field(max_length=5)
+    exact: bool
+    tags: list[str] = Field(max_length=2)
+    mode: Literal["fast", "deep"] = "fast"
+
+
+FUNCTIONS = [t["function"] for t in TOOLS] + [{"name": "search", "parameters": Search.model_json_schema()}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer_dir):
+    d = build_model_dir(tmp_path_factory.mktemp("xml") / "m", tokenizer_dir, "LlamaForCausalLM",
+                        max_position_embeddings=2048)  # fmt: skip
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def srv(model_dir) -> Iterator[Served]:
+    factory = engine_factory(model_dir, draft_model=str(model_dir), num_speculative_tokens=4, max_model_len=2048)
+    with serve(create_app(ServerSettings(served_model_name=MODEL), factory)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    return transformers.AutoTokenizer.from_pretrained(model_dir)
+
+
+def create(client, **kw):
+    kw.setdefault("temperature", 0)
+    kw.setdefault("max_tokens", 300)
+    kw.setdefault("messages", ASK)
+    return client.chat.completions.create(model=MODEL, **kw)
+
+
+# -- the syntax ----------------------------------------------------------------------------------------------
+CALLS = [
+    ("search", {"query": 'a "b"\nc', "zip": "01234", "exact": True, "tags": ["x"], "mode": "deep"}),
+    ("get_weather", {"city": "Oslo", "unit": "c"}),
+]
+
+
+def test_it_reads_what_it_writes_by_the_tools_types():
+    fmt = XmlCallFormat().for_tools(FUNCTIONS)
+    text = fmt.render(CALLS)
+    assert "<parameter=zip>\n01234\n</parameter>" in text and "<parameter=exact>\ntrue\n</parameter>" in text
+    content, calls = fmt.parse("Let me look.\n\n" + text + "\nDone.")
+    assert content == "Let me look.\nDone." and [(c.name, json.loads(c.arguments)) for c in calls] == CALLS
+    # The schema decides: "01234" is a string here (json would make it 1234, or refuse the leading zero),
+    # a template's Python-style True is true, and a parameter no schema names is read as JSON where it parses.
+    body = (
+        "<parameter=zip>\n01234\n</parameter>\n<parameter=exact>\nTrue\n</parameter>\n<parameter=n>\n7\n</parameter>\n"
+    )
+    assert fmt.arguments("search", body) == {"zip": "01234", "exact": True, "n": 7}
+    assert fmt.arguments("search", "<parameter=query>\n123\n</parameter>\n") == {"query": "123"}
+    assert XmlCallFormat().arguments("search", "<parameter=query>\n123\n</parameter>\n") == {"query": 123}
+    # Cut inside the second call: the first is a call, the cut one neither call nor content.
+    content, calls = fmt.parse(text[:-20], cut=True)
+    assert content is None and [c.name for c in calls] == ["search"]
+    assert fmt.parse("no calls here") == ("no calls here", [])
+    # Forced calls stream as they are written: each call's name, then its arguments when it closes.
+    scanner, events = fmt.scanner(), []
+    for k in range(0, len(text), 7):
+        events += scanner.feed(text[k : k + 7])
+    assert [e for e in events if e[0] != "args"] == [("call", "search"), ("end",), ("call", "get_weather"), ("end",)]
+    assert [json.loads(e[1]) for e in events if e[0] == "args"] == [a for _, a in CALLS]
+
+
+def test_the_grammars_hold_each_argument_to_its_schema(tok):
+    fmt = XmlCallFormat().for_tools(FUNCTIONS)
+    llt = llguidance.hf.from_tokenizer(tok, n_vocab=VOCAB, eos_token=[1])
+
+    def accepts(grammar: str, text: str) -> bool:
+        m = llguidance.LLMatcher(llt, grammar, log_level=0)
+        return bool(m.consume_tokens(tok.encode(text, add_special_tokens=False))) and m.is_accepting()
+
+    forced, auto = fmt.grammar(FUNCTIONS, True), fmt.auto_grammar(FUNCTIONS, True)
+    text = fmt.render(CALLS)
+    assert accepts(forced, text) and accepts(auto, text) and accepts(auto, "Sure.\n\n" + text)
+    assert accepts(auto, "No call: just words.") and not accepts(forced, "No call.")
+    assert not accepts(forced, fmt.render([("search", {**CALLS[0][1], "zip": "0123456"})]))  # maxLength 5
+    assert not accepts(forced, fmt.render([("get_weather", {"city": "Oslo", "unit": "k"})]))  # not in its enum
+    assert not accepts(forced, fmt.render([("lookup", {"query": "x", "limit": 12})]))  # maximum 9
+    assert not accepts(fmt.grammar(FUNCTIONS, False), text)  # one call only
+    assert accepts(forced, text.replace("\ntrue\n", "\nTrue\n"))  # a boolean as the templates write it too
+
+
+def test_the_template_picks_it():
+    assert detect_format(TEMPLATE).name == "qwen3_coder"
+    assert detect_format("<tool_call>{{ c | tojson }}</tool_call>").name == "hermes"
+
+
+# -- served --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_calls_hold_to_their_schemas(client, stream):
+    kw = dict(tools=TOOLS, tool_choice="required")
+    if not stream:
+        choice = create(client, **kw).choices[0]
+    else:
+        with client.chat.completions.stream(model=MODEL, messages=ASK, max_tokens=300, temperature=0, **kw) as s:
+            choice = s.get_final_completion().choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    check_calls(choice.message, set(MODELS))
+    named = create(client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "lookup"}})
+    assert [n for n, _ in check_calls(named.choices[0].message, {"lookup"})] == ["lookup"]
+
+
+def test_streamed_forced_calls_assemble_to_the_whole_ones(client):
+    kw = dict(tools=TOOLS, tool_choice="required")
+    whole = create(client, **kw).choices[0].message
+    raw = create(client, stream=True, **kw)
+    calls: dict[int, list[str]] = {}
+    for chunk in raw:
+        for d in (d for ch in chunk.choices for d in ch.delta.tool_calls or []):
+            calls.setdefault(d.index, ["", ""])
+            calls[d.index][0] += d.function.name or ""
+            calls[d.index][1] += d.function.arguments or ""
+    assert [tuple(v) for v in calls.values()] == [(c.function.name, c.function.arguments) for c in whole.tool_calls]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_reads_a_call_by_the_tools_types(client, stream):
+    """Under auto the model writes freely; here a grammar makes it write text, then a call whose string
+    argument looks like a number. The parser reads it by the tool's schema: still a string."""
+    args = {"query": "123", "zip": "00501", "exact": False, "tags": ["a", "b"]}
+    text = "Checking.\n\n" + XmlCallFormat().render([("search", args)])
+    tools = [{"type": "function", "function": f} for f in FUNCTIONS]
+    kw = dict(model=MODEL, messages=ASK, max_tokens=300, temperature=0, tools=tools, tool_choice="auto",
+              extra_body={"structured_outputs": {"grammar": f"start: {json.dumps(text)}"}})  # fmt: skip
+    if not stream:
+        choice = client.chat.completions.create(**kw).choices[0]
+    else:
+        with client.chat.completions.stream(**kw) as s:
+            choice = s.get_final_completion().choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+    [call] = choice.message.tool_calls
+    assert call.function.name == "search" and json.loads(call.function.arguments) == args
+    Search.model_validate_json(call.function.arguments)
+
+
+def test_history_renders_as_the_template_writes_calls(client, http, tok):
+    args = {"query": "x", "zip": "12345", "exact": True, "tags": []}
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "search", "arguments": json.dumps(args)}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "none found"},
+    ]  # fmt: skip
+    tools = [{"type": "function", "function": f} for f in FUNCTIONS]
+    r = create(client, messages=history, tools=tools, max_tokens=2)
+    ids = http.post("/tokenize", json={"model": MODEL, "messages": history, "tools": tools}).json()["tokens"]
+    assert len(ids) == r.usage.prompt_tokens
+    assert XmlCallFormat().render([("search", args)]).replace("true", "True") in tok.decode(ids)
