@@ -11,7 +11,12 @@ from server.tool_xml import XmlCallFormat
 from server.tools import FORMATS, HarmonyFormat, ToolFormat
 
 CallSyntax = ToolFormat | HarmonyFormat | XmlCallFormat
-TOOL_PARSERS: dict[str, CallSyntax] = {**FORMATS, "qwen3_coder": XmlCallFormat(), "harmony": HarmonyFormat()}
+# (Mistral's v11 syntax is "mistral" too: the template says which.)
+TOOL_PARSERS: dict[str, CallSyntax] = {
+    **{k: v for k, v in FORMATS.items() if k != "mistral_v11"},
+    "qwen3_coder": XmlCallFormat(),
+    "harmony": HarmonyFormat(),
+}
 
 
 def mistral_format(chat_template: str | None) -> ToolFormat:
@@ -34,7 +39,7 @@ def detect_format(chat_template: str | None) -> CallSyntax:
         return TOOL_PARSERS["harmony"]
     if "[TOOL_CALLS]" in t:
         return mistral_format(t)
-    if "<function=" in t and "<parameter=" in t:  # Qwen3-Coder's and Qwen3.5's XML
+    if "<tool_call>" in t and "<function=" in t and "<parameter=" in t:  # Qwen3-Coder's and Qwen3.5's XML
         return TOOL_PARSERS["qwen3_coder"]
     if "<tool_call>" in t:
         return FORMATS["hermes"]

@@ -32,13 +32,16 @@ from typing import Any
 
 from engine.structured.grammar import JSON_LAYOUT
 from server.tokens import special_token_id
-from server.tools import ToolCall, _lit, _regex_lit, _skip_ws, call_id
+from server.tools import ToolCall, _lit, _regex_lit, _skip_ws, call_id, special_lit
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_FUNCTION = re.compile(r"<function=([^>\n]+)>\n?")
-_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?")
+_FUNCTION = re.compile(r"<function=([^>\n]+)>\r?\n?")
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\r?\n?")
 _PARAMETER_END = "</parameter>"
 _FUNCTION_END = "</function>"
+# A value as text, with the line that closes its element: its characters (``bounds`` of them), then the
+# first "\n</parameter>\n" (a lazy rule ends there; the negation keeps a minLength from reaching past it).
+_STRING_VALUE = "/(?s:.{bounds})\\n<\\/parameter>\\n/ & ~/(?s:.*)\\n<\\/parameter>\\n(?s:.+)/"
 
 
 @dataclass(frozen=True)
@@ -89,17 +92,23 @@ class XmlCallFormat:
     def auto_grammar(self, tools: list[dict], parallel: bool, answer: str | None = None) -> str:
         """Under ``tool_choice`` auto, as :meth:`~server.tools.ToolFormat.auto_grammar`: an answer, or
         text then calls; a call's name is one of ``tools``, a strict tool's arguments hold to its
-        schema and another's are any parameters. The text ends, lazily, where a call opens."""
+        schema and another's are any parameters. The text ends, lazily, where a call opens (where the
+        opening tag is a special token, no text holds it: the text ends where it comes)."""
         rules = self._call_rules(tools, strict_only=True)
         # The next call's separator and opening are one literal, which the lexer follows beside the text
         # after the calls (as ToolFormat.auto_grammar does).
-        more = f" ({_lit(chr(10) + OPEN)} body)*" if parallel else ""
+        more = f" ({self._lit(chr(10) + OPEN)} body)*" if parallel else ""
         if answer is not None:
             return "\n".join([f"start: {answer} | call{more}", *rules]) + "\n"
+        if OPEN in dict(self.specials):
+            return "\n".join([f"start: TEXT | TEXT call{more} TEXT", "TEXT: /(?s:.*)/", *rules]) + "\n"
         marker = _regex_lit(OPEN)
         lines = [f"start: TEXT | head body{more} TEXT", f"head[lazy]: /(?s:.*){marker}/",
                  f"TEXT: /(?s:.*)/ & ~/(?s:.*){marker}(?s:.*)/"]  # fmt: skip
         return "\n".join([*lines, *rules]) + "\n"
+
+    def _lit(self, text: str) -> str:
+        return special_lit(text, self.specials)
 
     def _call_rules(self, tools: list[dict], strict_only: bool) -> list[str]:
         """``call`` (one call of any of ``tools``), ``body`` (a call past its opening tag) and the rules
@@ -109,14 +118,16 @@ class XmlCallFormat:
             schema = fn.get("parameters") or {}
             free = strict_only and not fn.get("strict")
             params = "any_param*" if free else self._params(schema, f"t{i}", rules)
-            parts = (_lit(f"\n<function={fn['name']}>\n"), params, _lit(f"{_FUNCTION_END}\n{CLOSE}"))
+            parts = (_lit(f"\n<function={fn['name']}>\n"), params, self._lit(f"{_FUNCTION_END}\n{CLOSE}"))
             alternatives.append(" ".join(x for x in parts if x))
-        return [f"call: {_lit(OPEN)} body", "body: " + " | ".join(alternatives), *rules,
+        return [f"call: {self._lit(OPEN)} body", "body: " + " | ".join(alternatives), *rules,
                 'any_param: ANY_NAME "\\n" any_value', "ANY_NAME: /<parameter=[^>\\n]+>/",
-                "any_value[lazy]: /(?s:.*)\\n<\\/parameter>\\n/"]  # fmt: skip
+                f"any_value[lazy]: {_STRING_VALUE.format(bounds='*')}"]  # fmt: skip
 
     def _params(self, schema: dict, tag: str, rules: list[str]) -> str:
-        """The parameters of one tool, in its schema's order (those not required may be left out)."""
+        """The parameters of one tool, in its schema's order (those not required may be left out), then
+        any others unless its schema says ``additionalProperties: false`` (a tool with no properties
+        takes any)."""
         required = set(schema.get("required") or ())
         defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}  # what its $refs point to
         parts = []
@@ -124,6 +135,8 @@ class XmlCallFormat:
             value = _value(sub if isinstance(sub, dict) else {}, defs, f"{tag}_p{j}", rules)
             part = f"{_lit(f'<parameter={key}>' + chr(10))} {value}"
             parts.append(part if key in required else f"({part})?")
+        if schema.get("additionalProperties") is not False:
+            parts.append("any_param*")
         return " ".join(parts)
 
     # -- reading ----------------------------------------------------------------------------------------
@@ -142,22 +155,22 @@ class XmlCallFormat:
     def parse(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a whole output, as :meth:`~server.tools.ToolFormat.parse` reads its syntax:
         the run of whole calls from the first opening are calls, text after them content, and with
-        ``cut`` a call the limit cut is dropped."""
+        ``cut`` a call the limit cut is dropped. A call is read element by element, so a value may hold
+        ``</function>`` or ``</tool_call>`` (code about this very syntax)."""
         i = text.find(OPEN)
         if i < 0:
             return text, []
         calls, end = [], i
-        while True:
-            at = _skip_ws(text, end)
-            if not text.startswith(OPEN, at):
+        while text.startswith(OPEN, at := _skip_ws(text, end)):
+            m = _FUNCTION.match(text, _skip_ws(text, at + len(OPEN)))
+            if m is None:
                 break
-            close = text.find(CLOSE, at)
-            if close < 0:
+            pairs, done = _elements(text, m.end())
+            close = _skip_ws(text, done) if done is not None else -1
+            if done is None or not text.startswith(CLOSE, close):
                 break
-            call = self._call(text[at + len(OPEN) : close])
-            if call is None:
-                break
-            calls.append(call)
+            name = m.group(1).strip()
+            calls.append(ToolCall(name, json.dumps(self.arguments(name, pairs), ensure_ascii=False), self.new_id()))
             end = close + len(CLOSE)
         if not calls and not cut:
             return text, []
@@ -165,33 +178,42 @@ class XmlCallFormat:
         content = "\n".join(x for x in parts if x)
         return content or None, calls
 
-    def _call(self, body: str) -> ToolCall | None:
-        """One call from the text between its tags (None: not a call)."""
-        m = _FUNCTION.search(body)
-        if m is None or _FUNCTION_END not in body[m.end() :]:
-            return None
-        name = m.group(1).strip()
-        args = self.arguments(name, body[m.end() : body.rindex(_FUNCTION_END)])
-        return ToolCall(name, json.dumps(args, ensure_ascii=False), self.new_id())
-
-    def arguments(self, name: str, body: str) -> dict:
-        """A function's parameters, from the text between its ``<function=...>`` and ``</function>``."""
+    def arguments(self, name: str, pairs: list[tuple[str, str]] | str) -> dict:
+        """A function's arguments from its parameter elements ((key, text) pairs, or the text between its
+        ``<function=...>`` line and ``</function>``), each value read by the tool's schema."""
+        if isinstance(pairs, str):
+            pairs = _elements(pairs + _FUNCTION_END, 0)[0]
         schema = dict(self.schemas).get(name) or {}
         props = schema.get("properties") or {}
         defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
         args: dict[str, Any] = {}
-        pos = 0
-        while (m := _PARAMETER.search(body, pos)) is not None:
-            end = body.find(_PARAMETER_END, m.end())
-            if end < 0:
-                break
-            raw = body[m.end() : end]
-            raw = raw[:-1] if raw.endswith("\n") else raw
-            key = m.group(1).strip()
+        for key, raw in pairs:
             sub = props.get(key)
             args[key] = _read(raw, _resolve(sub, defs) if isinstance(sub, dict) else None)
-            pos = end + len(_PARAMETER_END)
         return args
+
+
+def _elements(text: str, pos: int) -> tuple[list[tuple[str, str]], int | None]:
+    """The parameter elements of a function from ``pos`` (past its ``<function=NAME>`` line): (key, value
+    text) pairs, and where its ``</function>`` ends (None: the text ends before it, or is no call). A
+    value ends at the first ``\n</parameter>`` (the templates write that line after it; a model that
+    writes ``</parameter>`` on the value's line ends it there when no such line follows)."""
+    pairs = []
+    while True:
+        at = _skip_ws(text, pos)
+        if text.startswith(_FUNCTION_END, at):
+            return pairs, at + len(_FUNCTION_END)
+        m = _PARAMETER.match(text, at)
+        if m is None:
+            return pairs, None
+        end = text.find("\n" + _PARAMETER_END, m.end() - 1)
+        if end < 0:
+            end = text.find(_PARAMETER_END, m.end())
+            if end < 0:
+                return pairs, None
+        raw = text[m.end() : end] if end >= m.end() else ""
+        pairs.append((m.group(1).strip(), raw.removesuffix("\r")))
+        pos = text.index(_PARAMETER_END, end) + len(_PARAMETER_END)
 
 
 class XmlCallScanner:
@@ -216,12 +238,12 @@ class XmlCallScanner:
                     return events
                 self.name, self.pos = m.group(1).strip(), m.end()
                 events.append(("call", self.name))
-            end = self.text.find(_FUNCTION_END, self.pos)
-            if end < 0:
+            pairs, end = _elements(self.text, self.pos)
+            if end is None:
                 return events
-            args = self.fmt.arguments(self.name, self.text[self.pos : end])
+            args = self.fmt.arguments(self.name, pairs)
             events += [("args", json.dumps(args, ensure_ascii=False)), ("end",)]
-            self.name, self.pos = None, end + len(_FUNCTION_END)
+            self.name, self.pos = None, end
 
 
 # -- values ------------------------------------------------------------------------------------------------
@@ -289,9 +311,9 @@ def _value(schema: dict, defs: dict, tag: str, rules: list[str]) -> str:
     if types in ({"string"}, {"string", "null"}):  # text without the closing line, within its length bounds
         least, most = int(schema.get("minLength", 0)), schema.get("maxLength")
         bounds = f"{{{least},{int(most)}}}" if most is not None else f"{{{least},}}"
-        rules.append(f"{name}[lazy]: /(?s:.{bounds})\\n<\\/parameter>\\n/")
+        rules.append(f"{name}[lazy]: {_STRING_VALUE.format(bounds=bounds)}")
         return name
     if "string" in types or not (types or any(k in schema for k in ("anyOf", "oneOf", "allOf", "$ref", "const"))):
-        rules.append(f"{name}[lazy]: /(?s:.*)\\n<\\/parameter>\\n/")  # text or another type, or no type: any text
+        rules.append(f"{name}[lazy]: {_STRING_VALUE.format(bounds='*')}")  # text or another type, or none: any text
         return name
     return f"%json {json.dumps({**schema, **defs, 'x-guidance': JSON_LAYOUT})} {close}"

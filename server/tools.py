@@ -205,17 +205,7 @@ class ToolFormat:
         return "(" + " | ".join(alternatives) + ")"
 
     def _lit(self, text: str) -> str:
-        """``text`` as a Lark expression: its special tokens (:meth:`bind`) by id, the rest as strings."""
-        parts: list[str] = []
-        while text:
-            hits = [(text.find(piece), piece, i) for piece, i in self.specials if piece in text]
-            if not hits:
-                parts.append(_lit(text))
-                break
-            at, piece, i = min(hits)
-            parts += [_lit(text[:at]), f"<[{i}]>"]
-            text = text[at + len(piece) :]
-        return " ".join(x for x in parts if x)
+        return special_lit(text, self.specials)
 
     def _call_json(self, tools: list[dict], strict_only: bool = False) -> str:
         """``%json`` of one call's object: ``{"name": <one of tools>, <args_key>: <its parameters>}``.
@@ -295,12 +285,12 @@ class ToolFormat:
         dec = json.JSONDecoder()
         head = self.name_head()
         out: list[ToolCall] = []
-        at = _expect(text, pos, self.open)
+        at = _expect(text, pos, self.open, self.markup)
         end = pos
         while at is not None:
-            q = _expect(text, at, self.call_open) if not out else _expect(text, at, self.sep)
+            q = _expect(text, at, self.call_open, self.markup) if not out else _expect(text, at, self.sep)
             if out and q is not None:
-                q = _expect(text, q, self.call_open)
+                q = _expect(text, q, self.call_open, self.markup)
             name = None
             if q is not None and head is not None:  # the name before the arguments
                 m = head.match(text, _skip_ws(text, q))
@@ -316,13 +306,13 @@ class ToolFormat:
             if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
                 break
             args = obj.get(self.args_key, obj.get("arguments", obj.get("parameters")))
-            q = _expect(text, q, self.call_close)
+            q = _expect(text, q, self.call_close, self.markup)
             if q is None or not isinstance(args, dict):
                 break
             out.append(ToolCall(obj["name"], json.dumps(args, ensure_ascii=False), self.new_id()))
             at = end = q
         if out:
-            close = _expect(text, end, self.close)
+            close = _expect(text, end, self.close, self.markup)
             end = close if close is not None else end
         return out, end
 
@@ -344,7 +334,7 @@ FORMATS = {
     "mistral": ToolFormat(
         "mistral", "[TOOL_CALLS][", "", "", ", ", "]", "arguments", short_ids=True, markup=("[TOOL_CALLS]",)
     ),  # fmt: skip
-    # v11 and later (Mistral Small 3.1+, Magistral, Devstral, Ministral 3): each call its own, its name
+    # v11 and later (Mistral Small 3.2, Magistral, Devstral, Ministral 3): each call its own, its name
     # outside its arguments.
     "mistral_v11": ToolFormat(
         "mistral_v11",
@@ -574,6 +564,21 @@ def _lit(s: str) -> str:
     return json.dumps(s) if s else ""  # a Lark string literal (JSON escapes are Lark's)
 
 
+def special_lit(text: str, specials: tuple[tuple[str, int], ...]) -> str:
+    """``text`` as a Lark expression: the pieces of it that are special tokens (``specials``: text, id) by
+    id, the rest as strings."""
+    parts: list[str] = []
+    while text:
+        hits = [(text.find(piece), piece, i) for piece, i in specials if piece in text]
+        if not hits:
+            parts.append(_lit(text))
+            break
+        at, piece, i = min(hits)
+        parts += [_lit(text[:at]), f"<[{i}]>"]
+        text = text[at + len(piece) :]
+    return " ".join(x for x in parts if x)
+
+
 def _regex_lit(s: str) -> str:
     """``s`` as itself inside a Lark ``/.../`` regex."""
     return re.escape(s).replace("/", "\\/")
@@ -591,8 +596,12 @@ def _skip_ws(text: str, pos: int) -> int:
     return pos
 
 
-def _expect(text: str, pos: int, lit: str) -> int | None:
-    """Past ``lit`` at ``pos`` (whitespace around it and within it is free), or None if it is not there."""
+def _expect(text: str, pos: int, lit: str, markup: tuple[str, ...] = ()) -> int | None:
+    """Past ``lit`` at ``pos`` (whitespace around it and within it is free, and beside a piece of
+    ``markup`` in it: a SentencePiece model writes "[TOOL_CALLS] [" where a template wrote "[TOOL_CALLS]["),
+    or None if it is not there."""
+    for piece in markup:
+        lit = lit.replace(piece, f" {piece} ")
     for want in lit.split():
         pos = _skip_ws(text, pos)
         if not text.startswith(want, pos):

@@ -135,6 +135,19 @@ def test_the_template_picks_the_syntax_and_the_grammars_name_the_special_tokens(
     assert not m.consume_tokens(spelled)
 
 
+def test_a_blank_beside_the_markup_is_read_whichever_way_the_template_writes_it(tok):
+    """A SentencePiece model writes "[TOOL_CALLS] [" where Nemo's template wrote "[TOOL_CALLS][", and
+    the other way round: both read as the calls."""
+    for template in (TEMPLATES["list"], TEMPLATES["list"].replace("[TOOL_CALLS][", "[TOOL_CALLS] [")):
+        fmt = detect_format(template).bind(tok)
+        for written in (
+            '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]',
+            '[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}]',
+        ):
+            content, calls = fmt.parse(written)
+            assert content is None and [(c.name, c.arguments) for c in calls] == [("f", '{"a": 1}')]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_forced_calls_are_written_with_the_markers_and_read_back(client, stream):
     kw = dict(tools=TOOLS, tool_choice="required")

@@ -21,7 +21,7 @@ from test_tools import MODELS, TOOLS, check_calls
 from conftest import VOCAB, build_model_dir
 from server.app import ServerSettings, create_app
 from server.tool_formats import detect_format
-from server.tool_xml import XmlCallFormat
+from server.tool_xml import CLOSE, OPEN, XmlCallFormat
 from servers import Served, engine_factory, serve
 
 MODEL = "tiny-qwen-coder"
@@ -52,6 +52,12 @@ class Search(BaseModel):
 
 
 FUNCTIONS = [t["function"] for t in TOOLS] + [{"name": "search", "parameters": Search.model_json_schema()}]
+# The tools closed to other parameters (as strict tools are): a random model would otherwise write
+# parameters of its own, of any length.
+CLOSED = [
+    {"type": "function", "function": {**f, "parameters": {**f["parameters"], "additionalProperties": False}}}
+    for f in (t["function"] for t in TOOLS)
+]
 
 
 @pytest.fixture(scope="module")
@@ -135,15 +141,48 @@ def test_the_grammars_hold_each_argument_to_its_schema(tok):
     assert accepts(forced, text.replace("\ntrue\n", "\nTrue\n"))  # a boolean as the templates write it too
 
 
+def test_a_value_may_hold_the_closing_tags_and_other_parameters_come_where_the_schema_allows(tok):
+    """Code about this syntax holds its tags: a call is read element by element, streamed or whole. A
+    tool whose schema does not close its properties takes others beside them (MCP tools often have none)."""
+    tools = [{"name": "run", "parameters": {"type": "object", "properties": {"code": {"type": "string"}}}},
+             {"name": "closed", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                               "additionalProperties": False}}]  # fmt: skip
+    fmt = XmlCallFormat().for_tools(tools)
+    calls = [("run", {"code": "print('</tool_call>')\nx = '</function>'", "cwd": "/tmp", "n": 2})]
+    text = fmt.render(calls)
+    assert [(c.name, json.loads(c.arguments)) for c in fmt.parse(text)[1]] == calls
+    scanner = fmt.scanner()
+    events = [e for k in range(0, len(text), 5) for e in scanner.feed(text[k : k + 5])]
+    assert [json.loads(e[1]) for e in events if e[0] == "args"] == [calls[0][1]]
+    llt = llguidance.hf.from_tokenizer(tok, n_vocab=VOCAB, eos_token=[1])
+    forced = fmt.grammar(tools, False)
+    for call, ok in ((calls[0], True), (("closed", {"a": 1}), True), (("closed", {"a": 1, "b": 2}), False)):
+        m = llguidance.LLMatcher(llt, forced, log_level=0)
+        assert (m.consume_tokens(tok.encode(fmt.render([call]), add_special_tokens=False)) and m.is_accepting()) is ok
+
+
+def test_the_grammars_name_the_tags_where_they_are_special_tokens(tok):
+    special = transformers.AutoTokenizer.from_pretrained(tok.name_or_path)
+    special.add_tokens([OPEN, CLOSE], special_tokens=True)
+    fmt = XmlCallFormat().bind(special).for_tools(FUNCTIONS)
+    assert [p for p, _ in fmt.specials] == [OPEN, CLOSE]
+    llt = llguidance.hf.from_tokenizer(special, n_vocab=VOCAB, eos_token=[1])
+    text = "Sure.\n\n" + fmt.render(CALLS)
+    for grammar, written in ((fmt.grammar(FUNCTIONS, True), text[7:]), (fmt.auto_grammar(FUNCTIONS, True), text)):
+        m = llguidance.LLMatcher(llt, grammar, log_level=0)
+        assert m.consume_tokens(special.encode(written, add_special_tokens=False)) and m.is_accepting(), m.get_error()
+
+
 def test_the_template_picks_it():
     assert detect_format(TEMPLATE).name == "qwen3_coder"
     assert detect_format("<tool_call>{{ c | tojson }}</tool_call>").name == "hermes"
+    assert detect_format("<seed:tool_call><function=f><parameter=k>").name == "hermes"  # (another family's XML)
 
 
 # -- served --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("stream", [False, True])
 def test_forced_calls_hold_to_their_schemas(client, stream):
-    kw = dict(tools=TOOLS, tool_choice="required")
+    kw = dict(tools=CLOSED, tool_choice="required")
     if not stream:
         choice = create(client, **kw).choices[0]
     else:
@@ -151,12 +190,12 @@ def test_forced_calls_hold_to_their_schemas(client, stream):
             choice = s.get_final_completion().choices[0]
     assert choice.finish_reason == "tool_calls" and not choice.message.content
     check_calls(choice.message, set(MODELS))
-    named = create(client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "lookup"}})
+    named = create(client, tools=CLOSED, tool_choice={"type": "function", "function": {"name": "lookup"}})
     assert [n for n, _ in check_calls(named.choices[0].message, {"lookup"})] == ["lookup"]
 
 
 def test_streamed_forced_calls_assemble_to_the_whole_ones(client):
-    kw = dict(tools=TOOLS, tool_choice="required")
+    kw = dict(tools=CLOSED, tool_choice="required")
     whole = create(client, **kw).choices[0].message
     raw = create(client, stream=True, **kw)
     calls: dict[int, list[str]] = {}

@@ -29,7 +29,7 @@ from server.relay import Job, fit_default, prepare, respond, sampling_params
 from server.state import ServerState
 from server.tokens import TokenTexts
 from server.tool_formats import CallSyntax
-from server.tool_xml import XmlCallFormat
+from server.tool_xml import XmlCallFormat, XmlCallScanner
 from server.tools import (
     CallScanner,
     HarmonyCallScanner,
@@ -236,7 +236,9 @@ class ChoiceState:
     thought: bool = False  # its output had a thinking part
     content: str = ""  # streamed with tools: the content so far, and how much of it went out
     sent: int = 0
-    scanner: CallScanner | HarmonyCallScanner | None = None  # streamed forced calls: read as they are written
+    scanner: CallScanner | HarmonyCallScanner | XmlCallScanner | None = (
+        None  # streamed forced calls: read as they are written
+    )
     calls: int = 0  # streamed forced calls opened so far
     logprobs: list = field(default_factory=list)  # streamed: logprobs not yet sent with a chunk
 
