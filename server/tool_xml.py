@@ -154,13 +154,29 @@ class XmlCallFormat:
 
     def parse(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a whole output, as :meth:`~server.tools.ToolFormat.parse` reads its syntax:
-        the run of whole calls from the first opening are calls, text after them content, and with
-        ``cut`` a call the limit cut is dropped. A call is read element by element, so a value may hold
-        ``</function>`` or ``</tool_call>`` (code about this very syntax)."""
+        every whole call in a run of calls is a call (the first run's, and a later one's after more
+        text), the text around the runs content, and with ``cut`` a call the limit cut is dropped. A
+        call is read element by element, so a value may hold ``</function>`` or ``</tool_call>`` (code
+        about this very syntax)."""
         i = text.find(OPEN)
         if i < 0:
             return text, []
-        calls, end = [], i
+        calls, end = self._run(text, i)
+        if not calls and not cut:
+            return text, []
+        parts = [text[:i].rstrip()]
+        while calls and (j := text.find(OPEN, end)) >= 0:
+            more, after = self._run(text, j)
+            if not more:
+                break
+            parts.append(text[end:j].strip())
+            calls, end = calls + more, after
+        content = "\n".join(x for x in parts + ([] if cut else [text[end:].strip()]) if x)
+        return content or None, calls
+
+    def _run(self, text: str, end: int) -> tuple[list[ToolCall], int]:
+        """The whole calls of the run from ``end`` (where a call opens) and where the run ends."""
+        calls = []
         while text.startswith(OPEN, at := _skip_ws(text, end)):
             m = _FUNCTION.match(text, _skip_ws(text, at + len(OPEN)))
             if m is None:
@@ -172,11 +188,7 @@ class XmlCallFormat:
             name = m.group(1).strip()
             calls.append(ToolCall(name, json.dumps(self.arguments(name, pairs), ensure_ascii=False), self.new_id()))
             end = close + len(CLOSE)
-        if not calls and not cut:
-            return text, []
-        parts = [text[:i].rstrip()] + ([] if cut else [text[end:].strip()])
-        content = "\n".join(x for x in parts if x)
-        return content or None, calls
+        return calls, end
 
     def arguments(self, name: str, pairs: list[tuple[str, str]] | str) -> dict:
         """A function's arguments from its parameter elements ((key, text) pairs, or the text between its

@@ -263,7 +263,8 @@ class ToolFormat:
 
     def parse(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a whole output. Every whole call in the run of calls that begins where
-        the calls begin is a call, never content, however the output ended; text after the run is
+        the calls begin is a call, never content, however the output ended, and so is every whole call
+        of a later run after more text (vLLM reads every call in an output); the text after a run is
         content. ``cut``: the output was cut short (``max_tokens``), so what follows the whole calls
         is a call it was writing, dropped: neither call nor content (its markup is no answer). An
         output that ended by itself with no whole call is content (a model that only talks about
@@ -275,8 +276,14 @@ class ToolFormat:
         if not calls and not cut:
             return text, []
         # The text before the calls as written (a stream sent it so), less the blank before the calls.
-        parts = [text[:i].rstrip()] + ([] if cut else [text[end:].strip()])
-        content = "\n".join(x for x in parts if x)
+        parts = [text[:i].rstrip()]
+        while calls and not self.at_start_only and (j := text.find(self.marker, end)) >= 0:
+            more, after = self._calls(text, j)
+            if not more:
+                break
+            parts.append(text[end:j].strip())
+            calls, end = calls + more, after
+        content = "\n".join(x for x in parts + ([] if cut else [text[end:].strip()]) if x)
         return content or None, calls
 
     def _calls(self, text: str, pos: int) -> tuple[list[ToolCall], int]:

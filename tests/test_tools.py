@@ -396,6 +396,9 @@ def test_each_syntax_reads_what_it_writes_and_its_grammar_compiles(name, srv):
     # Whole calls followed by words the model wrote: the calls, and the words as content.
     content, parsed = fmt.parse(fmt.render(calls) + " Done.")
     assert content == "Done." and len(parsed) == 2
+    if not fmt.at_start_only:  # calls after more text are calls too (vLLM reads every call in an output)
+        content, parsed = fmt.parse("First. " + fmt.render(calls[:1]) + " Then. " + fmt.render(calls[1:]) + " End.")
+        assert content == "First.\nThen.\nEnd." and [(c.name, json.loads(c.arguments)) for c in parsed] == calls
     from engine.request.structured import StructuredOutput
 
     grammar = fmt.grammar([t["function"] for t in TOOLS], parallel=True)

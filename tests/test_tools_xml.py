@@ -114,6 +114,8 @@ def test_it_reads_what_it_writes_by_the_tools_types():
     content, calls = fmt.parse(text[:-20], cut=True)
     assert content is None and [c.name for c in calls] == ["search"]
     assert fmt.parse("no calls here") == ("no calls here", [])
+    content, calls = fmt.parse("First.\n" + fmt.render(CALLS[:1]) + "\nThen.\n" + fmt.render(CALLS[1:]))
+    assert content == "First.\nThen." and [(c.name, json.loads(c.arguments)) for c in calls] == CALLS
     # Forced calls stream as they are written: each call's name, then its arguments when it closes.
     scanner, events = fmt.scanner(), []
     for k in range(0, len(text), 7):
