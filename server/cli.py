@@ -664,11 +664,13 @@ def _serve_parser(sub, common: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--tool-call-parser",
-        choices=["auto", "hermes", "llama3_json", "mistral", "qwen3_coder", "harmony"],
+        choices=["auto", "hermes", "llama3_json", "mistral", "qwen3_coder", "pythonic", "phi4_mini_json", "harmony"],
         default="auto",
         help="how the model writes tool calls (auto: from its chat template; Hermes-style where it says nothing; "
         "mistral: [TOOL_CALLS]NAME[ARGS]{...} or the JSON list after [TOOL_CALLS], as the template writes them; "
         "qwen3_coder: Qwen3-Coder's and Qwen3.5's <function=NAME><parameter=KEY> XML; "
+        "pythonic: a Python list of calls, [f(a=1), g(b='x')] (Llama 3.2/4's, Gemma 3's with vLLM's templates); "
+        "phi4_mini_json: Phi-4-mini's functools[{...}, ...]; "
         "harmony: gpt-oss's messages to functions.NAME)",
     )
     serve.add_argument(

@@ -1,20 +1,23 @@
 """Which call syntax a served model writes: named by ``--tool-call-parser``, or read from its chat template
 (``auto``). The syntaxes themselves are in server/tools.py (the JSON ones and gpt-oss's harmony) and
-server/tool_xml.py (Qwen3-Coder's and Qwen3.5's XML)."""
+server/tool_xml.py (Qwen3-Coder's and Qwen3.5's XML) and server/tool_pythonic.py (a Python list of calls:
+Llama 3.2's, Llama 4's, Gemma 3's)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from server.harmony import CHANNEL
+from server.tool_pythonic import PythonicCallFormat
 from server.tool_xml import XmlCallFormat
 from server.tools import FORMATS, HarmonyFormat, ToolFormat
 
-CallSyntax = ToolFormat | HarmonyFormat | XmlCallFormat
+CallSyntax = ToolFormat | HarmonyFormat | XmlCallFormat | PythonicCallFormat
 # (Mistral's v11 syntax is "mistral" too: the template says which.)
 TOOL_PARSERS: dict[str, CallSyntax] = {
     **{k: v for k, v in FORMATS.items() if k != "mistral_v11"},
     "qwen3_coder": XmlCallFormat(),
+    "pythonic": PythonicCallFormat(),
     "harmony": HarmonyFormat(),
 }
 
@@ -43,6 +46,10 @@ def detect_format(chat_template: str | None) -> CallSyntax:
         return TOOL_PARSERS["qwen3_coder"]
     if "<tool_call>" in t:
         return FORMATS["hermes"]
+    if "func_name1(" in t:  # the pythonic templates' own example: [func_name1(params_name1=params_value1, ...)]
+        return TOOL_PARSERS["pythonic"]
+    if "functools[" in t:  # Phi-4-mini's
+        return FORMATS["phi4_mini_json"]
     if "<|python_tag|>" in t or "ipython" in t:
         return FORMATS["llama3_json"]
     return FORMATS["hermes"]

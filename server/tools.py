@@ -2,7 +2,8 @@
 parser that reads them back.
 
 A :class:`ToolFormat` is one family's call syntax (Hermes-style ``<tool_call>{json}</tool_call>``,
-Llama-3's bare JSON, Mistral's ``[TOOL_CALLS][...]`` and its v11 tokenizers' ``[TOOL_CALLS]NAME[ARGS]{...}``);
+Llama-3's bare JSON, Mistral's ``[TOOL_CALLS][...]`` and its v11 tokenizers' ``[TOOL_CALLS]NAME[ARGS]{...}``,
+Phi-4-mini's ``functools[...]``);
 :class:`HarmonyFormat` is gpt-oss's, where a call is a message addressed ``to=functions.NAME``
 (server/harmony.py). Where a piece of the syntax is one special token of the served model's vocabulary
 (Mistral's ``[TOOL_CALLS]``), :meth:`ToolFormat.bind` records it: the grammars then name that token,
@@ -341,6 +342,9 @@ FORMATS = {
     "mistral": ToolFormat(
         "mistral", "[TOOL_CALLS][", "", "", ", ", "]", "arguments", short_ids=True, markup=("[TOOL_CALLS]",)
     ),  # fmt: skip
+    # Phi-4-mini's: one JSON list after ``functools`` (vLLM's ``phi4_mini_json``; the arguments may come
+    # under "parameters" too, as the parser reads them).
+    "phi4_mini_json": ToolFormat("phi4_mini_json", "functools[", "", "", ", ", "]", "arguments"),
     # v11 and later (Mistral Small 3.2, Magistral, Devstral, Ministral 3): each call its own, its name
     # outside its arguments.
     "mistral_v11": ToolFormat(

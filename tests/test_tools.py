@@ -11,6 +11,7 @@ import shutil
 from collections.abc import Iterator
 from typing import Literal
 
+import httpx
 import openai
 import pytest
 import transformers
@@ -258,7 +259,7 @@ def test_strict_tools_under_auto_hold_the_arguments_to_their_schemas(tok):
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n</tool_call>'
     assert reads("No call here.") and reads("Checking.\n" + call) and reads(call + "\n" + call)
     assert reads(call + "\n") and reads("a " + call + "\n" + call + "\nDone.")  # text after the calls: content
-    assert not reads(call + "\nThen " + call)  # (a call after that text would be no call: parse() reads a run)
+    assert not reads(call + "\nThen " + call)  # (text may follow the calls; strict calls do not follow that text)
     assert reads('<tool_call>\n{"name": "lookup", "arguments": {"anything": [1]}}\n</tool_call>')  # not strict
     assert not reads(call.replace('"unit": "c"', '"unit": "k"'))
     assert not reads(call.replace("get_weather", "get_time"))
@@ -381,6 +382,49 @@ def test_a_template_that_takes_tools_renders_them(tmp_path, llama_dir):
             with pytest.raises(openai.BadRequestError) as e:  # the template's own check: a 400, not a 500
                 create(c, messages=[{"role": "tool", "tool_call_id": "x", "content": "1"}], tools=TOOLS)
             assert "a tool result needs a call before it" in e.value.response.json()["error"]["message"]
+
+
+# Phi-4-mini's tool syntax, as a template that takes tools writes it (the tools between <|tool|> markers in
+# the system turn, an assistant's calls as one functools[...] list).
+PHI4_TEMPLATE = (
+    "{% if tools %}<|system|>Use the tools.<|tool|>{{ tools | tojson }}<|/tool|><|end|>{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] or '' }}{% if m.get('tool_calls') %}functools["
+    "{% for c in m['tool_calls'] %}{% set f = c['function'] %}"
+    "{{ {'name': f['name'], 'arguments': f['arguments']} | tojson }}"
+    "{% if not loop.last %}, {% endif %}{% endfor %}]{% endif %}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_phi4_mini_calls_are_written_and_read_in_its_syntax(tmp_path, llama_dir):
+    d = tmp_path / "phi4-model"
+    shutil.copytree(llama_dir, d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = PHI4_TEMPLATE
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    for f in d.glob("chat_template.*"):
+        f.unlink()
+    assert detect_format(PHI4_TEMPLATE).name == "phi4_mini_json"
+    with serve(create_app(ServerSettings(served_model_name=MODEL), engine_factory(d, max_model_len=2048))) as s:
+        with openai.OpenAI(base_url=s.base + "/v1", api_key="unused", max_retries=0) as c:
+            r = create(c, tools=TOOLS, tool_choice="required", logprobs=True)
+            calls = check_calls(r.choices[0].message, {"get_weather", "lookup"})
+            text = "".join(t.token for t in r.choices[0].logprobs.content)
+            assert text.startswith("functools[{") and r.choices[0].finish_reason == "tool_calls", text
+            # Under auto the model's own functools[...] list is read as its calls (a regex makes it write one).
+            written = FORMATS["phi4_mini_json"].render(calls)
+            forced = {"structured_outputs": {"regex": "OK " + re.escape(written)}}
+            auto = c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=200, temperature=0, tools=TOOLS,
+                                             extra_body={**PINNED, **forced})  # fmt: skip
+            assert auto.choices[0].message.content == "OK"
+            assert check_calls(auto.choices[0].message, set(MODELS)) == calls
+        # The history's calls go back to the model in that syntax.
+        call = r.choices[0].message.tool_calls[0]
+        history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                   {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]  # fmt: skip
+        got = httpx.post(s.base + "/tokenize", json={"model": MODEL, "messages": history, "tools": TOOLS}).json()
+        prompt = transformers.AutoTokenizer.from_pretrained(d).decode(got["tokens"])
+        assert f'functools[{{"name": "{call.function.name}", "arguments": {call.function.arguments}}}]' in prompt
 
 
 @pytest.mark.parametrize("name", list(FORMATS))

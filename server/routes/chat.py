@@ -29,6 +29,7 @@ from server.relay import Job, fit_default, prepare, respond, sampling_params
 from server.state import ServerState
 from server.tokens import TokenTexts
 from server.tool_formats import CallSyntax
+from server.tool_pythonic import PythonicCallFormat, PythonicCallScanner
 from server.tool_xml import XmlCallFormat, XmlCallScanner
 from server.tools import (
     CallScanner,
@@ -174,9 +175,10 @@ def auto_calls(fmt, functions: list[dict], parallel: bool, structured: Structure
     """What constrains an output under ``tool_choice`` auto. Free text and calls as the model likes,
     unless a tool says ``strict`` (its arguments then held to its schema) or the answer has a JSON
     schema (response_format: the answer matches it, or the output is calls). A harmony model, a
-    regex / choice / grammar answer, and a JSON answer where calls are bare JSON too (Llama-3's) keep
-    the answer's own constraint: they are not composed with calls (docs/structured.md)."""
-    if not isinstance(fmt, (ToolFormat, XmlCallFormat)):
+    regex / choice / grammar answer, and a JSON answer where the calls are the whole output too (Llama-3's
+    bare JSON, the pythonic list) keep the answer's own constraint: they are not composed with calls
+    (docs/structured.md)."""
+    if not isinstance(fmt, (ToolFormat, XmlCallFormat, PythonicCallFormat)):
         return structured
     if structured is None:
         strict = any(f.get("strict") for f in functions)
@@ -236,7 +238,7 @@ class ChoiceState:
     thought: bool = False  # its output had a thinking part
     content: str = ""  # streamed with tools: the content so far, and how much of it went out
     sent: int = 0
-    scanner: CallScanner | HarmonyCallScanner | XmlCallScanner | None = (
+    scanner: CallScanner | HarmonyCallScanner | XmlCallScanner | PythonicCallScanner | None = (
         None  # streamed forced calls: read as they are written
     )
     calls: int = 0  # streamed forced calls opened so far
