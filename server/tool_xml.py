@@ -32,7 +32,7 @@ from typing import Any
 
 from engine.structured.grammar import JSON_LAYOUT
 from server.tokens import special_token_id
-from server.tools import ToolCall, _lit, _regex_lit, _skip_ws, call_id, special_lit
+from server.tools import ToolCall, _lit, _regex_lit, _skip_ws, before_marker, call_id, read_runs, special_lit
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _FUNCTION = re.compile(r"<function=([^>\n]+)>\r?\n?")
@@ -144,13 +144,7 @@ class XmlCallFormat:
         return text.find(OPEN)
 
     def content_end(self, text: str) -> int:
-        start = text.find(OPEN)
-        if start >= 0:
-            return start
-        for k in range(min(len(OPEN) - 1, len(text)), 0, -1):
-            if OPEN.startswith(text[-k:]):
-                return len(text) - k
-        return len(text)
+        return before_marker(text, OPEN)
 
     def parse(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a whole output, as :meth:`~server.tools.ToolFormat.parse` reads its syntax:
@@ -159,20 +153,7 @@ class XmlCallFormat:
         call is read element by element, so a value may hold ``</function>`` or ``</tool_call>`` (code
         about this very syntax)."""
         i = text.find(OPEN)
-        if i < 0:
-            return text, []
-        calls, end = self._run(text, i)
-        if not calls and not cut:
-            return text, []
-        parts = [text[:i].rstrip()]
-        while calls and (j := text.find(OPEN, end)) >= 0:
-            more, after = self._run(text, j)
-            if not more:
-                break
-            parts.append(text[end:j].strip())
-            calls, end = calls + more, after
-        content = "\n".join(x for x in parts + ([] if cut else [text[end:].strip()]) if x)
-        return content or None, calls
+        return read_runs(text, i, OPEN, self._run, cut) if i >= 0 else (text, [])
 
     def _run(self, text: str, end: int) -> tuple[list[ToolCall], int]:
         """The whole calls of the run from ``end`` (where a call opens) and where the run ends."""

@@ -248,12 +248,7 @@ class ToolFormat:
         """How much of a growing ``text`` is surely content: up to where calls begin, or may begin
         (its tail might be the start of :attr:`marker`)."""
         start = self.start_of_calls(text)
-        if start >= 0:
-            return start
-        for k in range(min(len(self.marker) - 1, len(text)), 0, -1):
-            if self.marker.startswith(text[-k:]):
-                return len(text) - k
-        return len(text)
+        return start if start >= 0 else before_tail(text, self.marker)
 
     def start_of_calls(self, text: str) -> int:
         """Where the calls begin in ``text`` (-1: none)."""
@@ -273,19 +268,7 @@ class ToolFormat:
         i = self.start_of_calls(text)
         if i < 0:
             return text, []
-        calls, end = self._calls(text, i)
-        if not calls and not cut:
-            return text, []
-        # The text before the calls as written (a stream sent it so), less the blank before the calls.
-        parts = [text[:i].rstrip()]
-        while calls and not self.at_start_only and (j := text.find(self.marker, end)) >= 0:
-            more, after = self._calls(text, j)
-            if not more:
-                break
-            parts.append(text[end:j].strip())
-            calls, end = calls + more, after
-        content = "\n".join(x for x in parts + ([] if cut else [text[end:].strip()]) if x)
-        return content or None, calls
+        return read_runs(text, i, self.marker, self._calls, cut, later=not self.at_start_only)
 
     def _calls(self, text: str, pos: int) -> tuple[list[ToolCall], int]:
         """The whole calls of the run from ``pos`` (where the calls begin) and where they end (past
@@ -400,13 +383,7 @@ class HarmonyFormat:
         return text.find(CHANNEL)
 
     def content_end(self, text: str) -> int:
-        start = text.find(CHANNEL)
-        if start >= 0:
-            return start
-        for k in range(min(len(CHANNEL) - 1, len(text)), 0, -1):
-            if CHANNEL.startswith(text[-k:]):
-                return len(text) - k
-        return len(text)
+        return before_marker(text, CHANNEL)
 
     def parse(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
         """(content, calls), as :meth:`ToolFormat.parse`: a call whose message a marker ended is whole, and
@@ -571,6 +548,41 @@ def fallback_messages(messages: list[dict], tools: list[dict] | None) -> list[di
 
 
 # -- helpers -----------------------------------------------------------------------------------------------
+def read_runs(text: str, i: int, marker: str, run, cut: bool, later: bool = True) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of an output whose calls begin at ``i``, as the syntaxes' ``parse`` reads them:
+    ``run(text, pos)`` gives the whole calls of the run of calls at ``pos`` and where it ends. The text
+    before the calls as written (a stream sent it so) less the blank before them, the text between runs
+    (``later``: calls after more text, where ``marker`` comes again) and after the last are content;
+    ``cut``: what follows the whole calls is a call the limit cut, neither call nor content."""
+    calls, end = run(text, i)
+    if not calls and not cut:
+        return text, []
+    parts = [text[:i].rstrip()]
+    while later and calls and (j := text.find(marker, end)) >= 0:
+        more, after = run(text, j)
+        if not more:
+            break
+        parts.append(text[end:j].strip())
+        calls, end = calls + more, after
+    content = "\n".join(x for x in parts + ([] if cut else [text[end:].strip()]) if x)
+    return content or None, calls
+
+
+def before_marker(text: str, marker: str) -> int:
+    """How much of a growing ``text`` is surely not ``marker``: up to where it first comes, or up to a
+    tail that may be its start."""
+    start = text.find(marker)
+    return start if start >= 0 else before_tail(text, marker)
+
+
+def before_tail(text: str, marker: str) -> int:
+    """``text``'s length, less a tail that may be the start of ``marker``."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-k:]):
+            return len(text) - k
+    return len(text)
+
+
 def _lit(s: str) -> str:
     return json.dumps(s) if s else ""  # a Lark string literal (JSON escapes are Lark's)
 

@@ -9,6 +9,7 @@ import json
 import re
 import shutil
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Literal
 
 import httpx
@@ -69,14 +70,51 @@ def llama_dir(tmp_path_factory, tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def srv(llama_dir) -> Iterator[Served]:
-    factory = engine_factory(llama_dir, draft_model=str(llama_dir), num_speculative_tokens=4, max_model_len=2048)
-    with serve(create_app(ServerSettings(served_model_name=MODEL), factory)) as s:
+    with drafted_server(llama_dir, MODEL) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def tok(llama_dir):
     return transformers.AutoTokenizer.from_pretrained(llama_dir)
+
+
+def template_model(root, tokenizer_dir, template: str, tokenizer=None):
+    """A tiny Llama with room for tool descriptions in its prompt (2,048 positions) under ``root``, its
+    tokenizer (``tokenizer(model_dir)`` where the test adds tokens, else the tests' own) carrying
+    ``template``."""
+    d = build_model_dir(root / "m", tokenizer_dir, "LlamaForCausalLM", max_position_embeddings=2048)
+    tok = tokenizer(d) if tokenizer is not None else transformers.AutoTokenizer.from_pretrained(d)
+    tok.chat_template = template
+    tok.save_pretrained(d)
+    return d
+
+
+@contextmanager
+def drafted_server(model_dir, name: str) -> Iterator[Served]:
+    """A real server for ``model_dir`` named ``name``, drafting with the model itself (4 tokens)."""
+    factory = engine_factory(model_dir, draft_model=str(model_dir), num_speculative_tokens=4, max_model_len=2048)
+    with serve(create_app(ServerSettings(served_model_name=name), factory)) as s:
+        yield s
+
+
+def assembled_calls(chunks) -> list[tuple[str, str]]:
+    """The (name, arguments) of each call a stream's tool-call deltas make, joined by their index."""
+    calls: dict[int, list[str]] = {}
+    for d in (d for chunk in chunks for ch in chunk.choices for d in ch.delta.tool_calls or []):
+        calls.setdefault(d.index, ["", ""])
+        calls[d.index][0] += d.function.name or ""
+        calls[d.index][1] += d.function.arguments or ""
+    return [(name, args) for name, args in calls.values()]
+
+
+def choice_of(client, stream: bool, **kw):
+    """A chat request's first choice (``kw``: the whole request), whole or assembled by the SDK's stream
+    helper."""
+    if not stream:
+        return client.chat.completions.create(**kw).choices[0]
+    with client.chat.completions.stream(**kw) as s:
+        return s.get_final_completion().choices[0]
 
 
 def check_calls(message, names: set[str]) -> list[tuple[str, dict]]:
@@ -152,11 +190,7 @@ def test_auto_parses_calls_out_of_the_text(client, stream):
     kw = dict(
         model=MODEL, messages=ASK, max_tokens=200, temperature=0, tools=TOOLS, tool_choice="auto", extra_body=forced
     )
-    if not stream:
-        msg = client.chat.completions.create(**kw).choices[0]
-    else:
-        with client.chat.completions.stream(**kw) as s:
-            msg = s.get_final_completion().choices[0]
+    msg = choice_of(client, stream, **kw)
     assert msg.finish_reason == "tool_calls"
     assert msg.message.content == "Checking."
     assert check_calls(msg.message, {"get_weather"}) == [("get_weather", {"city": "Paris", "unit": "c"})]
@@ -189,11 +223,7 @@ def test_auto_returns_the_first_call_alone_when_parallel_calls_are_off(client, s
     def calls(parallel: bool) -> list:
         kw = dict(model=MODEL, messages=ASK, max_tokens=200, temperature=0, tools=TOOLS, tool_choice="auto",
                   parallel_tool_calls=parallel, extra_body=forced)  # fmt: skip
-        if not stream:
-            msg = client.chat.completions.create(**kw).choices[0]
-        else:
-            with client.chat.completions.stream(**kw) as s:
-                msg = s.get_final_completion().choices[0]
+        msg = choice_of(client, stream, **kw)
         assert msg.finish_reason == "tool_calls" and not msg.message.content
         return check_calls(msg.message, {"get_weather"})
 
@@ -363,14 +393,20 @@ def test_bad_tool_requests_are_400(http, body, param):
     assert param in (err["param"] or "") or param in err["message"], err
 
 
-def test_a_template_that_takes_tools_renders_them(tmp_path, llama_dir):
+def with_template(tmp_path, llama_dir, template: str):
+    """A copy of the model at ``llama_dir`` whose tokenizer's chat template is ``template``."""
     d = tmp_path / "tool-model"
     shutil.copytree(llama_dir, d)
     cfg = json.loads((d / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = TOOL_TEMPLATE
+    cfg["chat_template"] = template
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
     for f in d.glob("chat_template.*"):
         f.unlink()
+    return d
+
+
+def test_a_template_that_takes_tools_renders_them(tmp_path, llama_dir):
+    d = with_template(tmp_path, llama_dir, TOOL_TEMPLATE)
     with serve(create_app(ServerSettings(served_model_name=MODEL), engine_factory(d, max_model_len=2048))) as s:
         eng = s.async_engine
         assert eng.chat_template_takes_tools and detect_format(eng.chat_template).name == "hermes"
@@ -397,13 +433,7 @@ PHI4_TEMPLATE = (
 
 
 def test_phi4_mini_calls_are_written_and_read_in_its_syntax(tmp_path, llama_dir):
-    d = tmp_path / "phi4-model"
-    shutil.copytree(llama_dir, d)
-    cfg = json.loads((d / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = PHI4_TEMPLATE
-    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
-    for f in d.glob("chat_template.*"):
-        f.unlink()
+    d = with_template(tmp_path, llama_dir, PHI4_TEMPLATE)
     assert detect_format(PHI4_TEMPLATE).name == "phi4_mini_json"
     with serve(create_app(ServerSettings(served_model_name=MODEL), engine_factory(d, max_model_len=2048))) as s:
         with openai.OpenAI(base_url=s.base + "/v1", api_key="unused", max_retries=0) as c:

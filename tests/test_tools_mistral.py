@@ -19,13 +19,12 @@ import llguidance
 import llguidance.hf
 import pytest
 import transformers
-from test_tools import MODELS, TOOLS, check_calls
+from test_tools import MODELS, TOOLS, check_calls, choice_of, drafted_server, template_model
 
-from conftest import VOCAB, build_model_dir
-from server.app import ServerSettings, create_app
+from conftest import VOCAB
 from server.tool_formats import detect_format
 from server.tools import short_id
-from servers import Served, engine_factory, serve
+from servers import Served
 
 MODEL = "tiny-mistral"
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
@@ -60,10 +59,10 @@ CALL = ("get_weather", {"city": "Paris", "unit": "c"})
 ID = re.compile(r"[A-Za-z0-9]{9}")
 
 
-def mistral_tokenizer(model_dir, template: str) -> transformers.PreTrainedTokenizerFast:
+def mistral_tokenizer(model_dir) -> transformers.PreTrainedTokenizerFast:
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     tok.add_tokens(MARKERS, special_tokens=True)
-    tok.chat_template = template
+    assert len(tok) <= VOCAB and tok.convert_tokens_to_ids("[TOOL_CALLS]") not in tok.all_special_ids
     return tok
 
 
@@ -74,18 +73,12 @@ def syntax(request) -> str:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, tokenizer_dir, syntax):
-    d = build_model_dir(tmp_path_factory.mktemp(syntax) / "m", tokenizer_dir, "LlamaForCausalLM",
-                        max_position_embeddings=2048)  # fmt: skip
-    tok = mistral_tokenizer(d, TEMPLATES[syntax])
-    assert len(tok) <= VOCAB and tok.convert_tokens_to_ids("[TOOL_CALLS]") not in tok.all_special_ids
-    tok.save_pretrained(d)
-    return d
+    return template_model(tmp_path_factory.mktemp(syntax), tokenizer_dir, TEMPLATES[syntax], mistral_tokenizer)
 
 
 @pytest.fixture(scope="module")
 def srv(model_dir) -> Iterator[Served]:
-    factory = engine_factory(model_dir, draft_model=str(model_dir), num_speculative_tokens=4, max_model_len=2048)
-    with serve(create_app(ServerSettings(served_model_name=MODEL), factory)) as s:
+    with drafted_server(model_dir, MODEL) as s:
         yield s
 
 
@@ -150,12 +143,8 @@ def test_a_blank_beside_the_markup_is_read_whichever_way_the_template_writes_it(
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_forced_calls_are_written_with_the_markers_and_read_back(client, stream):
-    kw = dict(tools=TOOLS, tool_choice="required")
-    if not stream:
-        choice = create(client, **kw).choices[0]
-    else:
-        with client.chat.completions.stream(model=MODEL, messages=ASK, max_tokens=200, temperature=0, **kw) as s:
-            choice = s.get_final_completion().choices[0]
+    kw = dict(model=MODEL, messages=ASK, max_tokens=200, temperature=0, tools=TOOLS, tool_choice="required")
+    choice = choice_of(client, stream, **kw)
     assert choice.finish_reason == "tool_calls" and not choice.message.content
     check_calls(choice.message, set(MODELS))
     assert all(ID.fullmatch(c.id) for c in choice.message.tool_calls)  # Mistral's templates take no other
@@ -178,11 +167,7 @@ def test_auto_reads_a_call_the_model_writes_with_special_tokens(client, tok, syn
     grammar = f'start: "Checking." {written(tok, syntax, *CALL)}'
     kw = dict(model=MODEL, messages=ASK, max_tokens=200, temperature=0, tools=TOOLS, tool_choice="auto",
               extra_body={"structured_outputs": {"grammar": grammar}})  # fmt: skip
-    if not stream:
-        choice = client.chat.completions.create(**kw).choices[0]
-    else:
-        with client.chat.completions.stream(**kw) as s:
-            choice = s.get_final_completion().choices[0]
+    choice = choice_of(client, stream, **kw)
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content == "Checking."
     assert check_calls(choice.message, {"get_weather"}) == [CALL]

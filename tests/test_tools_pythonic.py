@@ -15,13 +15,12 @@ import llguidance.hf
 import pytest
 import transformers
 from pydantic import BaseModel, Field
-from test_tools import MODELS, TOOLS, check_calls
+from test_tools import MODELS, TOOLS, assembled_calls, check_calls, choice_of, drafted_server, template_model
 
-from conftest import VOCAB, build_model_dir
-from server.app import ServerSettings, create_app
+from conftest import VOCAB
 from server.tool_formats import detect_format
 from server.tool_pythonic import PythonicCallFormat
-from servers import Served, engine_factory, serve
+from servers import Served
 
 MODEL = "tiny-pythonic"
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
@@ -59,18 +58,12 @@ CALLS = [
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, tokenizer_dir):
-    d = build_model_dir(tmp_path_factory.mktemp("pythonic") / "m", tokenizer_dir, "LlamaForCausalLM",
-                        max_position_embeddings=2048)  # fmt: skip
-    tok = transformers.AutoTokenizer.from_pretrained(d)
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(d)
-    return d
+    return template_model(tmp_path_factory.mktemp("pythonic"), tokenizer_dir, TEMPLATE)
 
 
 @pytest.fixture(scope="module")
 def srv(model_dir) -> Iterator[Served]:
-    factory = engine_factory(model_dir, draft_model=str(model_dir), num_speculative_tokens=4, max_model_len=2048)
-    with serve(create_app(ServerSettings(served_model_name=MODEL), factory)) as s:
+    with drafted_server(model_dir, MODEL) as s:
         yield s
 
 
@@ -200,13 +193,10 @@ def test_the_template_picks_it():
 # -- served --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("stream", [False, True])
 def test_forced_calls_hold_to_their_schemas(client, stream):
-    kw = dict(tools=TOOLS, tool_choice="required", logprobs=not stream)
+    kw = dict(model=MODEL, messages=ASK, max_tokens=300, temperature=0, tools=TOOLS, tool_choice="required")
+    choice = choice_of(client, stream, logprobs=not stream, **kw)
     if not stream:
-        choice = create(client, **kw).choices[0]
         assert "".join(t.token for t in choice.logprobs.content).startswith("[")
-    else:
-        with client.chat.completions.stream(model=MODEL, messages=ASK, max_tokens=300, temperature=0, **kw) as s:
-            choice = s.get_final_completion().choices[0]
     assert choice.finish_reason == "tool_calls" and not choice.message.content
     check_calls(choice.message, set(MODELS))
     named = create(client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "lookup"}})
@@ -216,13 +206,8 @@ def test_forced_calls_hold_to_their_schemas(client, stream):
 def test_streamed_forced_calls_assemble_to_the_whole_ones(client):
     kw = dict(tools=TOOLS, tool_choice="required")
     whole = create(client, **kw).choices[0].message
-    calls: dict[int, list[str]] = {}
-    for chunk in create(client, stream=True, **kw):
-        for d in (d for ch in chunk.choices for d in ch.delta.tool_calls or []):
-            calls.setdefault(d.index, ["", ""])
-            calls[d.index][0] += d.function.name or ""
-            calls[d.index][1] += d.function.arguments or ""
-    assert [tuple(v) for v in calls.values()] == [(c.function.name, c.function.arguments) for c in whole.tool_calls]
+    streamed = assembled_calls(create(client, stream=True, **kw))
+    assert streamed == [(c.function.name, c.function.arguments) for c in whole.tool_calls]
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -233,11 +218,7 @@ def test_auto_reads_the_list_the_model_writes(client, stream):
     tools = [{"type": "function", "function": f} for f in FUNCTIONS]
     kw = dict(model=MODEL, messages=ASK, max_tokens=300, temperature=0, tools=tools, tool_choice="auto",
               extra_body={"structured_outputs": {"grammar": f"start: {json.dumps(text)}"}})  # fmt: skip
-    if not stream:
-        choice = client.chat.completions.create(**kw).choices[0]
-    else:
-        with client.chat.completions.stream(**kw) as s:
-            choice = s.get_final_completion().choices[0]
+    choice = choice_of(client, stream, **kw)
     assert choice.finish_reason == "tool_calls" and not choice.message.content
     assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
         ("search", {"query": "x", "exact": False, "tags": ["a"], "near": {"k": 2}}),

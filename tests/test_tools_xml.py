@@ -16,13 +16,12 @@ import llguidance.hf
 import pytest
 import transformers
 from pydantic import BaseModel, Field
-from test_tools import MODELS, TOOLS, check_calls
+from test_tools import MODELS, TOOLS, assembled_calls, check_calls, choice_of, drafted_server, template_model
 
-from conftest import VOCAB, build_model_dir
-from server.app import ServerSettings, create_app
+from conftest import VOCAB
 from server.tool_formats import detect_format
 from server.tool_xml import CLOSE, OPEN, XmlCallFormat
-from servers import Served, engine_factory, serve
+from servers import Served
 
 MODEL = "tiny-qwen-coder"
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
@@ -62,18 +61,12 @@ CLOSED = [
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, tokenizer_dir):
-    d = build_model_dir(tmp_path_factory.mktemp("xml") / "m", tokenizer_dir, "LlamaForCausalLM",
-                        max_position_embeddings=2048)  # fmt: skip
-    tok = transformers.AutoTokenizer.from_pretrained(d)
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(d)
-    return d
+    return template_model(tmp_path_factory.mktemp("xml"), tokenizer_dir, TEMPLATE)
 
 
 @pytest.fixture(scope="module")
 def srv(model_dir) -> Iterator[Served]:
-    factory = engine_factory(model_dir, draft_model=str(model_dir), num_speculative_tokens=4, max_model_len=2048)
-    with serve(create_app(ServerSettings(served_model_name=MODEL), factory)) as s:
+    with drafted_server(model_dir, MODEL) as s:
         yield s
 
 
@@ -184,12 +177,8 @@ def test_the_template_picks_it():
 # -- served --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("stream", [False, True])
 def test_forced_calls_hold_to_their_schemas(client, stream):
-    kw = dict(tools=CLOSED, tool_choice="required")
-    if not stream:
-        choice = create(client, **kw).choices[0]
-    else:
-        with client.chat.completions.stream(model=MODEL, messages=ASK, max_tokens=300, temperature=0, **kw) as s:
-            choice = s.get_final_completion().choices[0]
+    kw = dict(model=MODEL, messages=ASK, max_tokens=300, temperature=0, tools=CLOSED, tool_choice="required")
+    choice = choice_of(client, stream, **kw)
     assert choice.finish_reason == "tool_calls" and not choice.message.content
     check_calls(choice.message, set(MODELS))
     named = create(client, tools=CLOSED, tool_choice={"type": "function", "function": {"name": "lookup"}})
@@ -199,14 +188,8 @@ def test_forced_calls_hold_to_their_schemas(client, stream):
 def test_streamed_forced_calls_assemble_to_the_whole_ones(client):
     kw = dict(tools=CLOSED, tool_choice="required")
     whole = create(client, **kw).choices[0].message
-    raw = create(client, stream=True, **kw)
-    calls: dict[int, list[str]] = {}
-    for chunk in raw:
-        for d in (d for ch in chunk.choices for d in ch.delta.tool_calls or []):
-            calls.setdefault(d.index, ["", ""])
-            calls[d.index][0] += d.function.name or ""
-            calls[d.index][1] += d.function.arguments or ""
-    assert [tuple(v) for v in calls.values()] == [(c.function.name, c.function.arguments) for c in whole.tool_calls]
+    streamed = assembled_calls(create(client, stream=True, **kw))
+    assert streamed == [(c.function.name, c.function.arguments) for c in whole.tool_calls]
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -218,11 +201,7 @@ def test_auto_reads_a_call_by_the_tools_types(client, stream):
     tools = [{"type": "function", "function": f} for f in FUNCTIONS]
     kw = dict(model=MODEL, messages=ASK, max_tokens=300, temperature=0, tools=tools, tool_choice="auto",
               extra_body={"structured_outputs": {"grammar": f"start: {json.dumps(text)}"}})  # fmt: skip
-    if not stream:
-        choice = client.chat.completions.create(**kw).choices[0]
-    else:
-        with client.chat.completions.stream(**kw) as s:
-            choice = s.get_final_completion().choices[0]
+    choice = choice_of(client, stream, **kw)
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
     [call] = choice.message.tool_calls
     assert call.function.name == "search" and json.loads(call.function.arguments) == args
