@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 
 class TokenTexts:
     """The served tokenizer's token texts, for logprobs: ``text`` (cached: the same few thousand tokens
@@ -41,9 +43,22 @@ class TokenTexts:
         return list(self.text(token_id).encode("utf-8"))
 
 
+# What special_token_id found, per tokenizer and its size (a token added since is looked up again): a
+# request with a Mistral reasoning or tool syntax asks for its markers each time.
+_SPECIAL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def special_token_id(tokenizer, text: str) -> int | None:
     """The id of ``text`` where it is one special token of ``tokenizer`` (one a grammar cannot spell
     with text, and that decoding leaves out unless asked to keep it), else None."""
+    known = _SPECIAL.setdefault(tokenizer, {})
+    key = (text, len(tokenizer))
+    if key not in known:
+        known[key] = _special_token_id(tokenizer, text)
+    return known[key]
+
+
+def _special_token_id(tokenizer, text: str) -> int | None:
     ids = tokenizer.encode(text, add_special_tokens=False)
     if len(ids) != 1:
         return None
