@@ -73,13 +73,23 @@ TokenId = Annotated[StrictInt, Field(ge=0, lt=2**31)]
 Seed = Annotated[StrictInt, Field(ge=-(2**63), lt=2**64)]
 
 
-class TypicalAcceptance(BaseModel):
+class Nested(BaseModel):
+    """An object inside a request: ``null`` on one of its fields is the field's default, as on the body's
+    own fields (:func:`nulls_as_defaults`: ``stream_options: {"include_usage": null}`` is no usage)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        return nulls_as_defaults(data, cls)
+
+
+class TypicalAcceptance(Nested):
     model_config = ConfigDict(extra="forbid")
     epsilon: float = Field(default=0.09, gt=0.0, le=1.0)
     delta: float = Field(default=0.3, gt=0.0)
 
 
-class SpeculativeOptions(BaseModel):
+class SpeculativeOptions(Nested):
     model_config = ConfigDict(extra="forbid")
     enabled: StrictBool = True
     num_draft_tokens: StrictInt | None = Field(default=None, ge=0, le=64)
@@ -90,7 +100,7 @@ class SpeculativeOptions(BaseModel):
     typical_acceptance: StrictBool | TypicalAcceptance | None = None
 
 
-class Contrastive(BaseModel):
+class Contrastive(Nested):
     """Contrastive decoding: the target as expert, the served draft model as amateur."""
 
     model_config = ConfigDict(extra="forbid")
@@ -98,7 +108,7 @@ class Contrastive(BaseModel):
     beta: float = Field(default=0.5, ge=0.0, le=10.0)  # strength: (1 + beta) * expert - beta * amateur
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(Nested):
     model_config = ConfigDict(extra="forbid")
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False  # vLLM's (guidellm sends it): usage so far on every chunk
@@ -107,7 +117,7 @@ class StreamOptions(BaseModel):
     include_speculation: StrictBool = False
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(Nested):
     """``response_format.json_schema``: OpenAI's shape (what ``chat.completions.parse`` sends)."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
@@ -490,12 +500,12 @@ class CompletionRequest(_Sampling):
         return list(p)
 
 
-class ToolCallFunction(BaseModel):
+class ToolCallFunction(Nested):
     name: str
     arguments: str = "{}"  # JSON text, as OpenAI sends it back
 
 
-class MessageToolCall(BaseModel):
+class MessageToolCall(Nested):
     """An assistant message's ``tool_calls`` entry, replayed in the history."""
 
     id: str = ""

@@ -145,6 +145,36 @@ def test_null_is_the_default_for_every_optional_field(http, endpoint):
     assert text(null.json()) == text(plain.json()) and counts and counts.items() <= null.json()["usage"].items()
 
 
+def test_null_is_the_default_inside_request_objects_too(http):
+    """A field of an object in the body (stream_options, a history's call, Augur's speculative options)
+    sent as null is its default as well: the answer is the one without it."""
+    body = {**BASE["chat"], "max_tokens": 3, "temperature": 0}
+    call = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "", "content": "ok"}]  # fmt: skip
+    nulled = [history[0], {**history[1], "tool_calls": [{**call, "id": None}]}, history[2]]
+    usage = {"include_usage": True}
+
+    def chunks(r) -> list[dict]:
+        return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+
+    for plain, null in (
+        ({"stream_options": usage}, {"stream_options": {**usage, "include_obfuscation": None}}),
+        ({"messages": history}, {"messages": nulled}),
+        ({"speculative": {"num_draft_tokens": 2}}, {"speculative": {"num_draft_tokens": 2, "enabled": None}}),
+    ):
+        stream = "stream_options" in plain
+        got = [http.post(PATHS["chat"], json={**body, **b, "stream": stream}) for b in (plain, null)]
+        assert [r.status_code for r in got] == [200, 200], got[1].text
+        if stream:  # the text, and a usage chunk, alike
+            texts = ["".join(ch["delta"].get("content") or "" for c in chunks(r) for ch in c["choices"]) for r in got]
+            assert texts[0] == texts[1] and all(chunks(r)[-1]["usage"] for r in got)
+        else:
+            assert got[0].json()["choices"][0]["message"] == got[1].json()["choices"][0]["message"]
+    r = http.post(PATHS["chat"], json={**body, "stream": True, "stream_options": {"include_usage": None}})
+    assert r.status_code == 200 and not any(c.get("usage") for c in chunks(r)), r.text
+
+
 def test_continuous_usage_counts_on_every_chunk(http):
     body = {**BASE["completions"], "max_tokens": 4, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
