@@ -35,21 +35,21 @@ from server.tools import ToolCall, _lit, _skip_ws, call_id
 OPEN = "["
 # A call's name and the parenthesis that opens its arguments: any function name (``get-weather`` too), read
 # as written; a keyword likewise (the parser reads the value after it as a literal).
-_CALL_HEAD = re.compile(r"([A-Za-z0-9_][A-Za-z0-9_.-]*)\s*\(")
-_KEYWORD = re.compile(r"\s*([^\s=()\[\]{}'\",]+)\s*=(?!=)")
+_CALL_HEAD = re.compile(r"([A-Za-z0-9_.-]+)\s*\(")
+_KEYWORD = re.compile(r"\s*([^=()\[\]{}'\",]+?)\s*=(?!=)")  # (a name with blanks inside too)
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _QUOTES = "'\""
 _DEPTH = 8  # levels of nested schema a grammar follows
-# An escape in a string literal: Python's one-character ones, \xHH and \uHHHH outside the surrogates (which
-# JSON would pair and Python does not).
-_ESCAPE = "\\\\([^xuUN\\n]|x[0-9a-fA-F]{2}|u([0-9a-cA-CefEF][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2}))"
+# An escape in a string literal: Python's own (one character, octal), \xHH and \uHHHH outside the surrogates
+# (which JSON would pair and Python does not).
+_ESCAPE = "\\\\([\\\\'\"abfnrtv]|[0-7]{1,3}|x[0-9a-fA-F]{2}|u([0-9a-cA-CefEF][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2}))"
 # Any Python literal, where a schema does not say which (strings in either quote, numbers, True / False
 # / None, lists, dicts with string keys).
 _ANY_RULES = [
     'py_any: PY_STR | PY_NUM | "True" | "False" | "None" | "[" (py_any (", " py_any)*)? "]" '
     '| "{" (PY_STR ": " py_any (", " PY_STR ": " py_any)*)? "}"',
-    'PY_STR: /"([^"\\\\\\n]|' + _ESCAPE + ")*\"/ | /'([^'\\\\\\n]|" + _ESCAPE + ")*'/",
-    "PY_NUM: /-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][+-]?[0-9]+)?/",
+    'PY_STR: /"([^"\\\\\\n\\r\\x00]|' + _ESCAPE + ")*\"/ | /'([^'\\\\\\n\\r\\x00]|" + _ESCAPE + ")*'/",
+    "PY_NUM: /-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][+-]?[0-9]{1,2})?/",  # (a finite float: 1e999 is no JSON)
 ]
 
 

@@ -110,6 +110,7 @@ def test_it_reads_what_it_writes_and_python_literals():
     content, calls = fmt.parse('[get-weather(from="x", user-id=2,), g(s="\\ud83d\\ude00"),]')
     assert content is None and read(calls) == [("get-weather", {"from": "x", "user-id": 2}), ("g", {"s": "\U0001f600"})]
     assert fmt.parse('[g(s="\\ud83d")]') == ('[g(s="\\ud83d")]', [])  # a lone surrogate has no JSON
+    assert read(fmt.parse("[.f(my key=1, b = 'x\\ty')]")[1]) == [(".f", {"my key": 1, "b": "x\ty"})]
     # Forced calls stream as they are written: each call's name, then its arguments when it closes.
     scanner, events = fmt.scanner(), []
     for k in range(0, len(text), 5):
@@ -153,6 +154,10 @@ def test_the_grammars_hold_each_argument_to_its_schema(tok):
     loose = fmt.auto_grammar(strict, True)
     assert accepts(loose, "[lookup(anything=[1, 'two', None])]")
     assert not accepts(loose, "[get_weather(city='Oslo', unit='k')]") and not accepts(loose, "[x()]")
+    # Any literal is one Python reads as JSON: no infinite float, no raw carriage return, no unknown escape.
+    assert accepts(loose, "[lookup(a=1e99, b='x\\ty')]")
+    for bad in ("[lookup(a=1e999)]", "[lookup(a='x\ry')]", "[lookup(a='\\q')]"):
+        assert not accepts(loose, bad), bad
 
 
 class Node(BaseModel):
