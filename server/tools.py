@@ -552,9 +552,13 @@ def read_runs(text: str, i: int, marker: str, run, cut: bool, later: bool = True
     """(content, calls) of an output whose calls begin at ``i``, as the syntaxes' ``parse`` reads them:
     ``run(text, pos)`` gives the whole calls of the run of calls at ``pos`` and where it ends. The text
     before the calls as written (a stream sent it so) less the blank before them, the text between runs
-    (``later``: calls after more text, where ``marker`` comes again) and after the last are content;
+    (``later``: calls after more text, where ``marker`` comes again, and calls after a marker that
+    opened none, as in prose about the syntax) and after the last are content;
     ``cut``: what follows the whole calls is a call the limit cut, neither call nor content."""
     calls, end = run(text, i)
+    while later and not calls and (j := text.find(marker, i + len(marker))) >= 0:  # (prose that names the marker)
+        i = j
+        calls, end = run(text, i)
     if not calls and not cut:
         return text, []
     parts = [text[:i].rstrip()]

@@ -473,6 +473,10 @@ def test_each_syntax_reads_what_it_writes_and_its_grammar_compiles(name, srv):
     if not fmt.at_start_only:  # calls after more text are calls too (vLLM reads every call in an output)
         content, parsed = fmt.parse("First. " + fmt.render(calls[:1]) + " Then. " + fmt.render(calls[1:]) + " End.")
         assert content == "First.\nThen.\nEnd." and [(c.name, json.loads(c.arguments)) for c in parsed] == calls
+        # A marker in prose opens no call; the calls after it are still read (vLLM finds every call).
+        prose = f"Calls open with {fmt.marker} here."
+        content, parsed = fmt.parse(prose + " " + fmt.render(calls))
+        assert content == prose and [(c.name, json.loads(c.arguments)) for c in parsed] == calls
     from engine.request.structured import StructuredOutput
 
     grammar = fmt.grammar([t["function"] for t in TOOLS], parallel=True)

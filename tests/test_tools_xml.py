@@ -109,6 +109,8 @@ def test_it_reads_what_it_writes_by_the_tools_types():
     assert fmt.parse("no calls here") == ("no calls here", [])
     content, calls = fmt.parse("First.\n" + fmt.render(CALLS[:1]) + "\nThen.\n" + fmt.render(CALLS[1:]))
     assert content == "First.\nThen." and [(c.name, json.loads(c.arguments)) for c in calls] == CALLS
+    content, calls = fmt.parse("Calls open with <tool_call> here.\n" + fmt.render(CALLS))
+    assert content == "Calls open with <tool_call> here." and [c.name for c in calls] == [n for n, _ in CALLS]
     # Forced calls stream as they are written: each call's name, then its arguments when it closes.
     scanner, events = fmt.scanner(), []
     for k in range(0, len(text), 7):
