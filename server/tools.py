@@ -561,13 +561,15 @@ def read_runs(text: str, i: int, marker: str, run, cut: bool, later: bool = True
         calls, end = run(text, i)
     if not calls and not cut:
         return text, []
-    parts = [text[:i].rstrip()]
-    while later and calls and (j := text.find(marker, end)) >= 0:
+    parts, pos = [text[:i].rstrip()], end
+    while later and calls and (j := text.find(marker, pos)) >= 0:
         more, after = run(text, j)
-        if not more:
-            break
+        if not more:  # (a marker in the text between: it stays text)
+            pos = j + len(marker)
+            continue
         parts.append(text[end:j].strip())
         calls, end = calls + more, after
+        pos = end
     content = "\n".join(x for x in parts + ([] if cut else [text[end:].strip()]) if x)
     return content or None, calls
 

@@ -477,6 +477,8 @@ def test_each_syntax_reads_what_it_writes_and_its_grammar_compiles(name, srv):
         prose = f"Calls open with {fmt.marker} here."
         content, parsed = fmt.parse(prose + " " + fmt.render(calls))
         assert content == prose and [(c.name, json.loads(c.arguments)) for c in parsed] == calls
+        content, parsed = fmt.parse(fmt.render(calls[:1]) + " " + prose + " " + fmt.render(calls[1:]))
+        assert content == prose and [(c.name, json.loads(c.arguments)) for c in parsed] == calls
     from engine.request.structured import StructuredOutput
 
     grammar = fmt.grammar([t["function"] for t in TOOLS], parallel=True)
