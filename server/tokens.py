@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import weakref
 
+from engine.request.detokenizer import special_ids
+
 
 class TokenTexts:
     """The served tokenizer's token texts, for logprobs: ``text`` (cached: the same few thousand tokens
@@ -44,23 +46,16 @@ class TokenTexts:
 
 
 # What special_token_id found, per tokenizer and its size (a token added since is looked up again): a
-# request with a Mistral reasoning or tool syntax asks for its markers each time.
-_SPECIAL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# request with a Mistral reasoning or tool syntax asks for its markers each time, and encoding is slow.
+_FOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def special_token_id(tokenizer, text: str) -> int | None:
     """The id of ``text`` where it is one special token of ``tokenizer`` (one a grammar cannot spell
-    with text, and that decoding leaves out unless asked to keep it), else None."""
-    known = _SPECIAL.setdefault(tokenizer, {})
+    with text, and that decoding leaves out unless asked to keep it: ``special_ids``), else None."""
+    known = _FOUND.setdefault(tokenizer, {})
     key = (text, len(tokenizer))
     if key not in known:
-        known[key] = _special_token_id(tokenizer, text)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        known[key] = ids[0] if len(ids) == 1 and ids[0] in special_ids(tokenizer) else None
     return known[key]
-
-
-def _special_token_id(tokenizer, text: str) -> int | None:
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    if len(ids) != 1:
-        return None
-    added = tokenizer.added_tokens_decoder.get(ids[0])
-    return ids[0] if (added is not None and added.special) or ids[0] in tokenizer.all_special_ids else None

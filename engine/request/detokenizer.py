@@ -64,17 +64,21 @@ def _backend(tokenizer: PreTrainedTokenizerBase) -> Tokenizer | None:
     return backend if plain and isinstance(backend, Tokenizer) and "decode" not in vars(tokenizer) else None
 
 
+# special_ids' sets, per tokenizer, with the vocabulary size they were read at (a token added since
+# reads them again).
 _SPECIAL_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _special_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+def special_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     """Every token ``tokenizer.decode`` leaves out under ``skip_special_tokens``: its named special
-    tokens and its added tokens marked special (Mistral's control tokens are only the latter)."""
-    ids = _SPECIAL_IDS.get(tokenizer)
-    if ids is None:
+    tokens and its added tokens marked special (Mistral's control tokens are only the latter). The one
+    definition of a special token: the server's tool and reasoning syntaxes ask it too."""
+    size = len(tokenizer)
+    known = _SPECIAL_IDS.get(tokenizer)
+    if known is None or known[0] != size:
         added = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
-        ids = _SPECIAL_IDS[tokenizer] = frozenset(tokenizer.all_special_ids) | frozenset(added)
-    return ids
+        known = _SPECIAL_IDS[tokenizer] = (size, frozenset(tokenizer.all_special_ids) | frozenset(added))
+    return known[1]
 
 
 class IncrementalDetokenizer:
@@ -110,7 +114,7 @@ class IncrementalDetokenizer:
         self._skip_ids = frozenset(tokenizer.all_special_ids) if skip_special_tokens else frozenset()
         if skip_special_tokens and kept_special_ids:
             # Every other special token is filtered here, so decoding may keep what is left: the kept ones.
-            self._skip_ids = _special_ids(tokenizer) - frozenset(kept_special_ids)
+            self._skip_ids = special_ids(tokenizer) - frozenset(kept_special_ids)
             self._skip_special_tokens = False
         self._stop = [s for s in (stop or []) if s]
         self._include_stop = include_stop_str_in_output

@@ -29,13 +29,12 @@ from server.relay import Job, fit_default, prepare, respond, sampling_params
 from server.state import ServerState
 from server.tokens import TokenTexts
 from server.tool_formats import CallSyntax
-from server.tool_pythonic import PythonicCallFormat, PythonicCallScanner
-from server.tool_xml import XmlCallFormat, XmlCallScanner
+from server.tool_pythonic import PythonicCallScanner
+from server.tool_xml import XmlCallScanner
 from server.tools import (
     CallScanner,
     HarmonyCallScanner,
     HarmonyFormat,
-    ToolFormat,
     argument_pieces,
     fallback_messages,
     json_answer,
@@ -170,7 +169,7 @@ async def chat_job(state: ServerState, request: Request, req, turn: ChatTurn, pr
     return job, reader
 
 
-def auto_calls(fmt, functions: list[dict], parallel: bool, structured: StructuredOutput | None
+def auto_calls(fmt: CallSyntax, functions: list[dict], parallel: bool, structured: StructuredOutput | None
                ) -> StructuredOutput | None:  # fmt: skip
     """What constrains an output under ``tool_choice`` auto. Free text and calls as the model likes,
     unless a tool says ``strict`` (its arguments then held to its schema) or the answer has a JSON
@@ -178,7 +177,7 @@ def auto_calls(fmt, functions: list[dict], parallel: bool, structured: Structure
     regex / choice / grammar answer, and a JSON answer where the calls are the whole output too (Llama-3's
     bare JSON, the pythonic list) keep the answer's own constraint: they are not composed with calls
     (docs/structured.md)."""
-    if not isinstance(fmt, (ToolFormat, XmlCallFormat, PythonicCallFormat)):
+    if isinstance(fmt, HarmonyFormat):  # (its channels are its own grammar's)
         return structured
     if structured is None:
         strict = any(f.get("strict") for f in functions)
