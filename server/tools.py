@@ -261,14 +261,14 @@ class ToolFormat:
         """(content, calls) of a whole output. Every whole call in the run of calls that begins where
         the calls begin is a call, never content, however the output ended, and so is every whole call
         of a later run after more text (vLLM reads every call in an output); the text after a run is
-        content. ``cut``: the output was cut short (``max_tokens``), so what follows the whole calls
-        is a call it was writing, dropped: neither call nor content (its markup is no answer). An
+        content. ``cut``: the output was cut short (``max_tokens``); a call it was writing is dropped,
+        neither call nor content (its markup is no answer), and words it cut are content. An
         output that ended by itself with no whole call is content (a model that only talks about
         calling)."""
         i = self.start_of_calls(text)
         if i < 0:
             return text, []
-        return read_runs(text, i, self.marker, self._calls, cut, later=not self.at_start_only)
+        return read_runs(text, i, self.marker, self._calls, cut, not self.at_start_only, self.close)
 
     def _calls(self, text: str, pos: int) -> tuple[list[ToolCall], int]:
         """The whole calls of the run from ``pos`` (where the calls begin) and where they end (past
@@ -548,13 +548,18 @@ def fallback_messages(messages: list[dict], tools: list[dict] | None) -> list[di
 
 
 # -- helpers -----------------------------------------------------------------------------------------------
-def read_runs(text: str, i: int, marker: str, run, cut: bool, later: bool = True) -> tuple[str | None, list[ToolCall]]:
+def read_runs(
+    text: str, i: int, marker: str, run, cut: bool, later: bool = True, close: str = ""
+) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of an output whose calls begin at ``i``, as the syntaxes' ``parse`` reads them:
     ``run(text, pos)`` gives the whole calls of the run of calls at ``pos`` and where it ends. The text
     before the calls as written (a stream sent it so) less the blank before them, the text between runs
     (``later``: calls after more text, where ``marker`` comes again, and calls after a marker that
     opened none, as in prose about the syntax) and after the last are content;
-    ``cut``: what follows the whole calls is a call the limit cut, neither call nor content."""
+    ``cut``: the output ends in a call the limit cut, neither call nor content. It begins at the first
+    marker after the whole calls; with none, inside the last run where that run is still open (``close``
+    ends a run, as a list's ``]``), else the text the limit cut is content (with ``later``: a syntax
+    whose calls are the whole output ends in calls)."""
     calls, end = run(text, i)
     while later and not calls and (j := text.find(marker, i + len(marker))) >= 0:  # (prose that names the marker)
         i = j
@@ -570,7 +575,12 @@ def read_runs(text: str, i: int, marker: str, run, cut: bool, later: bool = True
         parts.append(text[end:j].strip())
         calls, end = calls + more, after
         pos = end
-    content = "\n".join(x for x in parts + ([] if cut else [text[end:].strip()]) if x)
+    tail = text[end:]
+    if cut:
+        k = text.find(marker, end)
+        open_run = bool(close) and not text[:end].endswith(close)
+        tail = "" if not calls or not later or open_run else text[end:k] if k >= 0 else tail
+    content = "\n".join(x for x in [*parts, tail.strip()] if x)
     return content or None, calls
 
 

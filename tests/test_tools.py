@@ -162,6 +162,7 @@ def test_streamed_calls_assemble_to_the_non_streamed_ones(client):
         final = s.get_final_completion()
     streamed = final.choices[0].message
     assert final.choices[0].finish_reason == "tool_calls"
+    assert whole.content is None and streamed.content is None  # (the role delta's content is null, as OpenAI's)
     assert [(c.function.name, c.function.arguments) for c in streamed.tool_calls] == [
         (c.function.name, c.function.arguments) for c in whole.tool_calls
     ]
@@ -479,6 +480,13 @@ def test_each_syntax_reads_what_it_writes_and_its_grammar_compiles(name, srv):
         assert content == prose and [(c.name, json.loads(c.arguments)) for c in parsed] == calls
         content, parsed = fmt.parse(fmt.render(calls[:1]) + " " + prose + " " + fmt.render(calls[1:]))
         assert content == prose and [(c.name, json.loads(c.arguments)) for c in parsed] == calls
+        # Cut in a later run, or in words after the calls: the words written before the cut are content.
+        content, parsed = fmt.parse(
+            "First. " + fmt.render(calls[:1]) + " Then. " + fmt.render(calls[1:])[:-3], cut=True
+        )
+        assert content == "First.\nThen." and [(c.name, json.loads(c.arguments)) for c in parsed] == calls[:1]
+        content, parsed = fmt.parse(fmt.render(calls) + " Now I will", cut=True)
+        assert content == "Now I will" and len(parsed) == 2
     from engine.request.structured import StructuredOutput
 
     grammar = fmt.grammar([t["function"] for t in TOOLS], parallel=True)

@@ -106,6 +106,8 @@ def test_it_reads_what_it_writes_by_the_tools_types():
     # Cut inside the second call: the first is a call, the cut one neither call nor content.
     content, calls = fmt.parse(text[:-20], cut=True)
     assert content is None and [c.name for c in calls] == ["search"]
+    content, calls = fmt.parse(fmt.render(CALLS[:1]) + "\nThen.\n" + fmt.render(CALLS[1:])[:-20], cut=True)
+    assert content == "Then." and [c.name for c in calls] == ["search"]  # (the words before the cut call)
     assert fmt.parse("no calls here") == ("no calls here", [])
     content, calls = fmt.parse("First.\n" + fmt.render(CALLS[:1]) + "\nThen.\n" + fmt.render(CALLS[1:]))
     assert content == "First.\nThen." and [(c.name, json.loads(c.arguments)) for c in calls] == CALLS

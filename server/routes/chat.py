@@ -282,7 +282,9 @@ class ChatFormat:
         choices = []
         if not st.started:  # the role comes first, alone, once per choice
             st.started = True
-            role = {"role": "assistant", "content": ""}
+            # (content null where the answer is calls alone, as OpenAI's forced calls stream: assembled, it
+            # reads as the whole answer's null)
+            role = {"role": "assistant", "content": None if self.forced else ""}
             choices.append({"index": idx, "delta": role, "logprobs": None, "finish_reason": None})
         if not c.delta_text and not c.finished and not c.delta_token_ids:
             return choices
