@@ -39,6 +39,8 @@ _CALL_HEAD = re.compile(r"([A-Za-z0-9_.-]+)\s*\(")
 _KEYWORD = re.compile(r"\s*([^=()\[\]{}'\",]+?)\s*=(?!=)")  # (a name with blanks inside too)
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _QUOTES = "'\""
+_STRING = re.compile(r'"(?:[^"\\\n]|\\.)*"|\'(?:[^\'\\\n]|\\.)*\'')  # a string literal in either quote
+_ESCAPED = re.compile(r"\\.")  # one escape in a string literal
 _DEPTH = 8  # levels of nested schema a grammar follows
 # An escape in a string literal: Python's own (one character, octal), \xHH and \uHHHH outside the surrogates
 # (which JSON would pair and Python does not).
@@ -230,11 +232,22 @@ def call_arguments(text: str, paren: int) -> dict | None:
         if m is None:
             return None
         try:
-            node = ast.parse(part[m.end() :].strip(), mode="eval").body
+            node = ast.parse(_json_slashes(part[m.end() :].strip()), mode="eval").body
             args[m.group(1)] = _jsonable(ast.literal_eval(_JsonNames().visit(node)))
         except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
             return None
     return args
+
+
+def _json_slashes(source: str) -> str:
+    """``source`` with JSON's ``\\/`` read as ``/`` in its double-quoted strings: the grammars write a
+    schema's strings as JSON, which may escape a slash so, and Python would keep the backslash (every other
+    escape both have reads alike)."""
+    return _STRING.sub(lambda m: _ESCAPED.sub(_slash, m.group()) if m.group()[0] == '"' else m.group(), source)
+
+
+def _slash(escape: re.Match) -> str:
+    return "/" if escape.group() == "\\/" else escape.group()
 
 
 class _JsonNames(ast.NodeTransformer):

@@ -111,6 +111,10 @@ def test_it_reads_what_it_writes_and_python_literals():
     assert content is None and read(calls) == [("get-weather", {"from": "x", "user-id": 2}), ("g", {"s": "\U0001f600"})]
     assert fmt.parse('[g(s="\\ud83d")]') == ('[g(s="\\ud83d")]', [])  # a lone surrogate has no JSON
     assert read(fmt.parse("[.f(my key=1, b = 'x\\ty')]")[1]) == [(".f", {"my key": 1, "b": "x\ty"})]
+    # A schema's strings are written as JSON, which may escape a slash: read as JSON reads it (an escaped
+    # backslash before a slash, and a Python string's own escapes, stay as they are).
+    got = read(fmt.parse('[f(u="https:\\/\\/x.org", b="a\\\\/b", c={"k": ["\\/"]}, d=\'\\\\/\')]')[1])
+    assert got == [("f", {"u": "https://x.org", "b": "a\\/b", "c": {"k": ["/"]}, "d": "\\/"})]
     # Forced calls stream as they are written: each call's name, then its arguments when it closes.
     scanner, events = fmt.scanner(), []
     for k in range(0, len(text), 5):
