@@ -218,11 +218,17 @@ METHODS = ["draft", "draft-trees", "ouroboros", "ngram", "suffix", "lookahead", 
 METHODS += ["medusa", "eagle", "mtp", "dflash"]
 
 
+@pytest.fixture(scope="module")
+def plain_bf16(ids) -> dict[str, list[list[int]]]:
+    """Plain decoding's output of the first prompts, each alone in a fresh engine, in bfloat16 (the default
+    wherever the CPU has bfloat16 units; float32 runs the same kernels): what every method must give."""
+    return {name: [run(make("bfloat16"), [i], p)[0] for i in ids[:6]] for name, p in PARAMS.items()}
+
+
 @pytest.mark.parametrize("method", METHODS)
-def test_every_speculative_method_gives_plain_decodings_tokens(ids, tmp_path, method):
-    dtype = "bfloat16"  # the default wherever the CPU has bfloat16 units; float32 runs the same kernels
-    reference = {name: [run(make(dtype), [i], p)[0] for i in ids[:6]] for name, p in PARAMS.items()}
-    eng = make(dtype, num_speculative_tokens=4, **spec_configs(tmp_path)[method])
+def test_every_speculative_method_gives_plain_decodings_tokens(ids, plain_bf16, tmp_path, method):
+    reference = plain_bf16
+    eng = make("bfloat16", num_speculative_tokens=4, **spec_configs(tmp_path)[method])
     for name, params in PARAMS.items():
         pinned = dataclasses.replace(params, num_draft_tokens=3)
         assert run(eng, ids[:6], pinned) == reference[name], name
