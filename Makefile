@@ -42,10 +42,11 @@ endif
 	@$(PY) -m pip install -q -e ".$(if $(strip $(EXTRAS)),[$(EXTRAS)])"
 
 # The suite runs in $(PYTEST_WORKERS) pytest-xdist workers, each taking a whole file at a time (a module's
-# server and fixtures stay in one process); PYTEST_WORKERS=0 runs it in this process alone.
+# server and fixtures stay in one process), slowest files first (tests/conftest.py: SLOWEST_FIRST, not
+# xdist's order by number of tests); PYTEST_WORKERS=0 runs it in this process alone.
 PYTEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
 serve: install
 	$(BIN)augur serve $(ARGS)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sysconfig
 from collections.abc import Iterator
@@ -21,6 +22,9 @@ if not torch.cuda.is_available():
 # The suite runs in two pytest-xdist workers on 2 cores: an engine process of each on both cores
 # would only spin its OpenMP threads against the other worker's (see one_torch_thread).
 os.environ.setdefault("AUGUR_ENGINE_THREADS", "1")
+# Inductor's pool of compile processes only contends with the other worker on 2 cores (each compiling
+# process started one, 2-3 s of CPU); servers and engine processes the tests start inherit this.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 VOCAB = 384
 ARCHS = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"]
@@ -35,6 +39,24 @@ def _corpus() -> list[str]:
             texts.append(p.read_text(encoding="utf-8"))
     texts.append("The future of artificial intelligence is bright. Ünïcödé ✓ 你好 🙂")
     return texts
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _a_share_of_the_cpus():
+    """Each pytest-xdist worker's torch threads fit its share of the cores (2 workers on 2 cores: one
+    each; a second thread only spins against the other worker's), and the objects alive after collection
+    (some 750k in a worker) are frozen out of the garbage collector's passes: a sampling test's many small
+    steps spent a quarter of their time re-scanning them."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    before = torch.get_num_threads()
+    if workers * before > cpus:
+        torch.set_num_threads(max(1, cpus // workers))
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -206,7 +228,20 @@ def pytest_runtest_logreport(report):
             f.write(f"==== {report.nodeid} ({report.when}, {report.duration:.1f} s)\n{report.longreprtext}\n\n")
 
 
+# The slowest files, slowest first (from a full run's junit XML on 2 cores, 2026-12-01): the workers take
+# them first, so the run does not end with one worker on a long file and the other idle (pytest-xdist
+# would order the files by their number of tests; the Makefile asks it not to).
+SLOWEST_FIRST = (
+    "test_tensor_parallel", "test_batch_invariance", "test_dflash", "test_spec", "test_eagle",
+    "test_attention_backends", "test_compile", "test_first_run", "test_engine_process", "test_cuda_graphs",
+    "test_structured", "test_moe", "test_fused", "test_peers", "test_ouroboros", "test_lora", "test_bench_suite",
+    "test_auto", "test_mtp", "test_early_stop", "test_bench_quant", "test_medusa", "test_bench_gpu",
+)  # fmt: skip
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: k for k, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # (stable: a file's own order holds)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import httpx
 import openai
-import peft
 import pytest
 import torch
 import transformers
@@ -48,6 +47,8 @@ SPECS = {
 def make_adapter(base: Path, out: Path, seed: int, **spec) -> Path:
     """A PEFT LoRA adapter of ``base`` with random A and B (``init_lora_weights=False``: B is not zero,
     so the adapter changes the model), saved by PEFT."""
+    import peft  # (here, not at the top: importing it takes seconds, and every worker collects this file)
+
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     torch.manual_seed(seed)
     adapted = peft.get_peft_model(model, peft.LoraConfig(init_lora_weights=False, **spec))
@@ -60,6 +61,8 @@ def make_adapter(base: Path, out: Path, seed: int, **spec) -> Path:
 
 
 def peft_model(base: Path, adapter: Path):
+    import peft
+
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
     return peft.PeftModel.from_pretrained(model, adapter).eval()
 
