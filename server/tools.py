@@ -557,9 +557,9 @@ def read_runs(
     (``later``: calls after more text, where ``marker`` comes again, and calls after a marker that
     opened none, as in prose about the syntax) and after the last are content;
     ``cut``: the output ends in a call the limit cut, neither call nor content. It begins at the first
-    marker after the whole calls; with none, inside the last run where that run is still open (``close``
-    ends a run, as a list's ``]``), else the text the limit cut is content (with ``later``: a syntax
-    whose calls are the whole output ends in calls)."""
+    marker after the whole calls (or at a start of one that the limit cut); with none, inside the last run
+    where that run is still open (``close`` ends a run, as a list's ``]``), else the words the limit cut
+    are content. Without ``later`` (the calls are the whole output) all after the whole calls is dropped."""
     calls, end = run(text, i)
     while later and not calls and (j := text.find(marker, i + len(marker))) >= 0:  # (prose that names the marker)
         i = j
@@ -578,8 +578,9 @@ def read_runs(
     tail = text[end:]
     if cut:
         k = text.find(marker, end)
+        k = k if k >= 0 else max(end, before_tail(text, marker))
         open_run = bool(close) and not text[:end].endswith(close)
-        tail = "" if not calls or not later or open_run else text[end:k] if k >= 0 else tail
+        tail = "" if not calls or not later or open_run else text[end:k]
     content = "\n".join(x for x in [*parts, tail.strip()] if x)
     return content or None, calls
 

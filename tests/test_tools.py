@@ -487,6 +487,8 @@ def test_each_syntax_reads_what_it_writes_and_its_grammar_compiles(name, srv):
         assert content == "First.\nThen." and [(c.name, json.loads(c.arguments)) for c in parsed] == calls[:1]
         content, parsed = fmt.parse(fmt.render(calls) + " Now I will", cut=True)
         assert content == "Now I will" and len(parsed) == 2
+        content, parsed = fmt.parse(fmt.render(calls) + " Now " + fmt.marker[:-1], cut=True)
+        assert content == "Now" and len(parsed) == 2  # (the limit cut the marker: no markup as content)
     from engine.request.structured import StructuredOutput
 
     grammar = fmt.grammar([t["function"] for t in TOOLS], parallel=True)
