@@ -39,8 +39,15 @@ _CALL_HEAD = re.compile(r"([A-Za-z0-9_.-]+)\s*\(")
 _KEYWORD = re.compile(r"\s*([^=()\[\]{}'\",]+?)\s*=(?!=)")  # (a name with blanks inside too)
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _QUOTES = "'\""
-_STRING = re.compile(r'"(?:[^"\\\n]|\\.)*"|\'(?:[^\'\\\n]|\\.)*\'')  # a string literal in either quote
-_ESCAPED = re.compile(r"\\.")  # one escape in a string literal
+# A string literal as Python reads it: its prefix (r, b, f...), then triple- or single-quoted, in either quote.
+_STRING = re.compile(
+    r"(?<![A-Za-z0-9_])([rRbBuUfF]{0,2})("
+    r'"""(?:[^"\\]|\\[\s\S]|"(?!""))*"""'
+    r"|'''(?:[^'\\]|\\[\s\S]|'(?!''))*'''"
+    r'|"(?:[^"\\\n]|\\[\s\S])*"'
+    r"|'(?:[^'\\\n]|\\[\s\S])*')"
+)
+_ESCAPED = re.compile(r"\\[\s\S]")  # one escape in a string literal
 _DEPTH = 8  # levels of nested schema a grammar follows
 # An escape in a string literal: Python's own (one character, octal), \xHH and \uHHHH outside the surrogates
 # (which JSON would pair and Python does not).
@@ -243,7 +250,13 @@ def _json_slashes(source: str) -> str:
     """``source`` with JSON's ``\\/`` read as ``/`` in its double-quoted strings: the grammars write a
     schema's strings as JSON, which may escape a slash so, and Python would keep the backslash (every other
     escape both have reads alike)."""
-    return _STRING.sub(lambda m: _ESCAPED.sub(_slash, m.group()) if m.group()[0] == '"' else m.group(), source)
+    return _STRING.sub(_json_string, source)
+
+
+def _json_string(literal: re.Match) -> str:
+    prefix, body = literal.group(1), literal.group(2)
+    json_like = not prefix and body.startswith('"') and not body.startswith('"""')  # (a raw string keeps its \/)
+    return prefix + (_ESCAPED.sub(_slash, body) if json_like else body)
 
 
 def _slash(escape: re.Match) -> str:

@@ -115,6 +115,10 @@ def test_it_reads_what_it_writes_and_python_literals():
     # backslash before a slash, and a Python string's own escapes, stay as they are).
     got = read(fmt.parse('[f(u="https:\\/\\/x.org", b="a\\\\/b", c={"k": ["\\/"]}, d=\'\\\\/\')]')[1])
     assert got == [("f", {"u": "https://x.org", "b": "a\\/b", "c": {"k": ["/"]}, "d": "\\/"})]
+    # Only a plain double-quoted string is read so: a raw string keeps its backslash, and strings are found as
+    # Python finds them (an escaped line end inside one does not end it).
+    got = read(fmt.parse('[f(a=r"x\\/y", b="m\\\nn", c=\'p\\/q"\')]')[1])
+    assert got == [("f", {"a": "x\\/y", "b": "mn", "c": 'p\\/q"'})]
     # Forced calls stream as they are written: each call's name, then its arguments when it closes.
     scanner, events = fmt.scanner(), []
     for k in range(0, len(text), 5):
