@@ -268,7 +268,7 @@ class ToolFormat:
         i = self.start_of_calls(text)
         if i < 0:
             return text, []
-        return read_runs(text, i, self.marker, self._calls, cut, not self.at_start_only, self.close)
+        return read_runs(text, i, self.marker, self._calls, cut, not self.at_start_only, self.close, self._unfinished)
 
     def _calls(self, text: str, pos: int) -> tuple[list[ToolCall], int]:
         """The whole calls of the run from ``pos`` (where the calls begin) and where they end (past
@@ -306,6 +306,26 @@ class ToolFormat:
             close = _expect(text, end, self.close, self.markup)
             end = close if close is not None else end
         return out, end
+
+    def _unfinished(self, text: str, j: int) -> bool:
+        """Whether the run of calls that opens at ``j`` (its marker) runs on to the end of ``text``: the
+        text ends inside its opening, its name or its arguments' JSON (a marker in prose is followed by
+        words)."""
+        lead = self.open + self.call_open
+        q = _expect(text, j, lead, self.markup)
+        if q is None:  # (the text may end inside the opening)
+            return "".join(lead.split()).startswith("".join(text[j:].split()))
+        head = self.name_head()
+        if head is not None:
+            m = head.match(text, _skip_ws(text, q))
+            if m is None:
+                return "{" not in text[q:]  # (the text ends inside the name or before its arguments)
+            q = m.end()
+        q = _skip_ws(text, q)
+        if q == len(text) or text[q] != "{":
+            return q == len(text)
+        end = json_end(text, q)  # (whole arguments: the text may end inside the call's closing piece)
+        return end is None or "".join((self.call_close + self.close).split()).startswith("".join(text[end:].split()))
 
     def name_head(self) -> re.Pattern | None:
         """Where the name stands outside the arguments: what comes before them (the name in group 1, a
@@ -549,7 +569,7 @@ def fallback_messages(messages: list[dict], tools: list[dict] | None) -> list[di
 
 # -- helpers -----------------------------------------------------------------------------------------------
 def read_runs(
-    text: str, i: int, marker: str, run, cut: bool, later: bool = True, close: str = ""
+    text: str, i: int, marker: str, run, cut: bool, later: bool = True, close: str = "", unfinished=None
 ) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of an output whose calls begin at ``i``, as the syntaxes' ``parse`` reads them:
     ``run(text, pos)`` gives the whole calls of the run of calls at ``pos`` and where it ends. The text
@@ -559,9 +579,16 @@ def read_runs(
     ``cut``: the output ends in a call the limit cut, neither call nor content. It begins at the first
     marker after the whole calls (or at a start of one that the limit cut); with none, inside the last run
     where that run is still open (``close`` ends a run, as a list's ``]``), else the words the limit cut
-    are content. Without ``later`` (the calls are the whole output) all after the whole calls is dropped."""
+    are content. Without ``later`` (the calls are the whole output) all after the whole calls is dropped.
+    ``unfinished(text, j)``, where the syntax can tell: the call at marker ``j`` runs on to the end of the
+    text (the one the limit cut: the first such marker is where it begins, a marker before it is prose,
+    and a call written inside its arguments is none)."""
+
+    def held(j: int) -> bool:  # the call the limit cut opens at j
+        return cut and unfinished is not None and unfinished(text, j)
+
     calls, end = run(text, i)
-    while later and not calls and (j := text.find(marker, i + len(marker))) >= 0:  # (prose that names the marker)
+    while later and not calls and not held(i) and (j := text.find(marker, i + len(marker))) >= 0:  # (prose)
         i = j
         calls, end = run(text, i)
     if not calls and not cut:
@@ -569,6 +596,8 @@ def read_runs(
     parts, pos = [text[:i].rstrip()], end
     while later and calls and (j := text.find(marker, pos)) >= 0:
         more, after = run(text, j)
+        if not more and held(j):
+            break
         if not more:  # (a marker in the text between: it stays text)
             pos = j + len(marker)
             continue
@@ -578,11 +607,31 @@ def read_runs(
     tail = text[end:]
     if cut:
         k = text.find(marker, end)
+        while k >= 0 and unfinished is not None and not held(k):
+            k = text.find(marker, k + len(marker))
         k = k if k >= 0 else max(end, before_tail(text, marker))
         open_run = bool(close) and not text[:end].endswith(close)
         tail = "" if not calls or not later or open_run else text[end:k]
     content = "\n".join(x for x in [*parts, tail.strip()] if x)
     return content or None, calls
+
+
+def json_end(text: str, pos: int) -> int | None:
+    """Where the JSON object or array that opens at ``pos`` closes (past it), following strings and their
+    escapes; None where it is still open when ``text`` ends."""
+    depth, in_string, escaped = 0, False, False
+    for k, ch in enumerate(text[pos:]):
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return pos + k + 1
+    return None
 
 
 def before_marker(text: str, marker: str) -> int:

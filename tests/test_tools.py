@@ -489,6 +489,15 @@ def test_each_syntax_reads_what_it_writes_and_its_grammar_compiles(name, srv):
         assert content == "Now I will" and len(parsed) == 2
         content, parsed = fmt.parse(fmt.render(calls) + " Now " + fmt.marker[:-1], cut=True)
         assert content == "Now" and len(parsed) == 2  # (the limit cut the marker: no markup as content)
+        # The cut call begins at its own marker: a marker in the prose before it stays prose.
+        prose = f"I used {fmt.marker} tags."
+        content, parsed = fmt.parse(fmt.render(calls[:1]) + f" {prose} " + fmt.render(calls[1:])[:-3], cut=True)
+        assert content == prose and [c.name for c in parsed] == ["get_weather"]
+    if fmt.name_sep:  # a call written inside the cut call's arguments (code about calls) is none
+        inner = fmt.render([("lookup", {})])
+        cut_call = fmt.render([("run", {"code": "x"})]).replace('"x"', json.dumps(f"s = '{inner}'\nprint(s)"))
+        content, parsed = fmt.parse(fmt.render(calls[:1]) + cut_call[:-8], cut=True)
+        assert content is None and [c.name for c in parsed] == ["get_weather"], (content, parsed)
     from engine.request.structured import StructuredOutput
 
     grammar = fmt.grammar([t["function"] for t in TOOLS], parallel=True)
