@@ -19,7 +19,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from engine.request.detokenizer import IncrementalDetokenizer
+from engine.request.detokenizer import IncrementalDetokenizer, special_ids
+from server.tokens import special_token_id
 
 EOS = "<|eos|>"
 CORPUS = [
@@ -289,6 +290,13 @@ def test_kept_special_tokens_are_decoded_and_every_other_special_token_skipped(t
     plain = IncrementalDetokenizer(tok, [])
     plain.append(ids)
     assert plain.emittable_text(True) == decode(tok, ids, skip=True) == 'Hello f {"a": 1}'
+    # The set is read again when the vocabulary grows: a special token added later is special too, to the
+    # server's tool and reasoning syntaxes (special_token_id) as to decoding.
+    assert special_ids(tok) >= {calls, args, inst, eos} and special_token_id(tok, "[THINK]") is None
+    tok.add_tokens(["[THINK]"], special_tokens=True)
+    think = tok.convert_tokens_to_ids("[THINK]")
+    assert think in special_ids(tok) and special_token_id(tok, "[THINK]") == think
+    assert special_token_id(tok, "Hello") is None
 
 
 def test_skipped_special_token_keeps_following_space(metaspace):
