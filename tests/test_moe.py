@@ -66,10 +66,17 @@ def moe_config(arch: str, vocab: int = VOCAB) -> transformers.PretrainedConfig:
         )  # fmt: skip
     if arch == "MixtralForCausalLM":
         return transformers.MixtralConfig(**common, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)
+    if arch == "Glm4MoeForCausalLM":  # layer 0 dense; 12 experts in 3 groups, each token's 3 from its best 2 groups
+        return transformers.Glm4MoeConfig(
+            **common, head_dim=16, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=12,
+            num_experts_per_tok=3, n_group=3, topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
+            routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True, use_qk_norm=True,
+            num_nextn_predict_layers=1,
+        )  # fmt: skip
     raise ValueError(arch)
 
 
-ARCHS = ["Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM"]
+ARCHS = ["Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM"]
 
 
 def build_moe_dir(path: Path, tokenizer_dir: Path, arch: str, vocab: int = VOCAB, std: float = 0.08) -> Path:
@@ -86,6 +93,9 @@ def build_moe_dir(path: Path, tokenizer_dir: Path, arch: str, vocab: int = VOCAB
                 p.normal_(0.0, std)
             else:
                 p.normal_(1.0 if p.shape[0] in (config.hidden_size, getattr(config, "head_dim", -1)) else 0.0, 0.05)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # GLM's: large enough to change which experts win
+                b.normal_(0.0, 0.3)
     model.save_pretrained(path)
     PreTrainedTokenizerFast.from_pretrained(tokenizer_dir).save_pretrained(path)
     transformers.GenerationConfig(bos_token_id=0, eos_token_id=1, pad_token_id=2).save_pretrained(path)
@@ -227,6 +237,56 @@ def test_a_rank_holds_half_of_each_expert():
     assert half.shared_expert.gate_up_proj.weight.shape == (16, 32)
 
 
+# -- GLM-4.5's routing and checkpoints ---------------------------------------------------------------------------
+def test_glm_routing_keeps_to_the_best_groups_and_weighs_by_the_unbiased_scores():
+    """Against the rule written out for one token: the bias picks, the scores weigh; a group's worth is
+    its two best biased scores; ties go to the lower expert."""
+    from engine.models.glm4_moe import sigmoid_route
+
+    logits = torch.tensor([[2.0, 0.0, -1.0, 0.5, 2.5, -3.0, -2.0, -3.0]])
+    bias = torch.tensor([0.0, 0.9, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    scores = torch.sigmoid(logits[0])  # .88 .50 .27 .62 | .92 .05 .12 .05
+    choice = scores + bias  # groups {0..3}, {4..7}: worth 1.40 + .88 and .92 + .12: the first is kept
+    ids, weights = sigmoid_route(logits, bias, 2, 2, 1, True, 2.5)
+    assert ids.tolist() == [[1, 0]]  # by the biased scores: expert 1 (1.40), not 3 (.62 > .50 unbiased)
+    want = scores[[1, 0]] / scores[[1, 0]].sum() * 2.5
+    torch.testing.assert_close(weights[0], want)
+    assert choice[4] > choice[0]  # expert 4 would come second were the groups not kept to one
+    ids, _ = sigmoid_route(logits, bias, 2, 1, 1, True, 2.5)
+    assert ids.tolist() == [[1, 4]]
+    tied = sigmoid_route(torch.zeros(1, 8), torch.zeros(8), 3, 2, 2, False, 1.0)[0]
+    assert tied.tolist() == [[0, 1, 2]]
+
+
+def test_glm_loads_without_its_prediction_layer_and_keeps_the_router_in_float32(moe_dirs, tmp_path):
+    """The released checkpoints carry a multi-token-prediction layer past the decoder's layers
+    (``model.layers.{num_hidden_layers}``), which transformers does not build: it is not read. In a
+    bfloat16 engine the router's weight and expert bias stay float32 (transformers keeps them so)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "glm"
+    shutil.copytree(moe_dirs["Glm4MoeForCausalLM"], d)
+    tensors = load_file(d / "model.safetensors")
+    n = 4  # the config's num_hidden_layers
+    extra = {k.replace(".layers.3.", f".layers.{n}."): v.clone() for k, v in tensors.items() if ".layers.3." in k}
+    extra[f"model.layers.{n}.eh_proj.weight"] = torch.randn(64, 128)
+    save_file({**tensors, **extra}, d / "model.safetensors", metadata={"format": "pt"})
+    want = make(moe_dirs["Glm4MoeForCausalLM"]).generate(
+        [[5, 6, 7, 8, 9]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    )
+    got = make(d).generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert got[0].outputs[0].delta_token_ids == want[0].outputs[0].delta_token_ids
+    bf16 = make(d, dtype="bfloat16").runner.model
+    router = bf16.layers[1].mlp.gate
+    assert router.weight.dtype == router.e_score_correction_bias.dtype == torch.float32
+    assert bf16.layers[1].mlp.experts_gate_up.dtype == torch.bfloat16
+    torch.testing.assert_close(
+        router.e_score_correction_bias, tensors["model.layers.1.mlp.gate.e_score_correction_bias"]
+    )
+
+
 # -- speculating on a mixture -------------------------------------------------------------------------------
 def speculators(target: Path, root: Path, tokenizer_dir: Path) -> dict[str, dict]:
     from test_dflash import write_dflash
@@ -253,10 +313,13 @@ def speculators(target: Path, root: Path, tokenizer_dir: Path) -> dict[str, dict
 
 
 @pytest.mark.parametrize(
-    "method", ["draft", "ouroboros", "ngram", "suffix", "lookahead", "layer-skip", "medusa", "mtp", "eagle", "dflash"]
-)
-def test_every_proposer_gives_the_plain_decoders_tokens(moe_dirs, tmp_path, tokenizer_dir, method):
-    target = moe_dirs["Qwen3MoeForCausalLM"]
+    "arch,method",
+    [("Qwen3MoeForCausalLM", m) for m in
+     ["draft", "ouroboros", "ngram", "suffix", "lookahead", "layer-skip", "medusa", "mtp", "eagle", "dflash"]]
+    + [("Glm4MoeForCausalLM", m) for m in ["draft", "ngram", "layer-skip", "eagle"]],
+)  # fmt: skip
+def test_every_proposer_gives_the_plain_decoders_tokens(moe_dirs, tmp_path, tokenizer_dir, arch, method):
+    target = moe_dirs[arch]
     ps = repetitive_prompts(6, seed=9)
     ps += [ps[0] + [5, 6, 7, 8]]  # a shared prefix: cached blocks reused
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -278,10 +341,11 @@ def test_sampled_speculation_keeps_the_mixtures_distribution(small_vocab_pair, t
 
 
 # -- the batch-invariant mode, bfloat16 ------------------------------------------------------------------
-def test_a_requests_tokens_alone_equal_its_tokens_in_a_batch_in_bfloat16(moe_dirs):
+@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "Glm4MoeForCausalLM"])
+def test_a_requests_tokens_alone_equal_its_tokens_in_a_batch_in_bfloat16(moe_dirs, arch):
     from test_engine import prompts
 
-    eng = make(moe_dirs["Qwen3MoeForCausalLM"], "none", dtype="bfloat16", batch_invariant="on", compile="off")
+    eng = make(moe_dirs[arch], "none", dtype="bfloat16", batch_invariant="on", compile="off")
     assert eng.batch_invariant
     ps = prompts(10, seed=4, lo=5, hi=30)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -312,6 +376,8 @@ def test_an_unknown_mixture_is_a_clear_error(tmp_path, moe_dirs):
 
 # -- the GPU kernels (Triton's interpreter on CPU tensors) ------------------------------------------------
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the tests that follow it run on either
+
+
 def test_row_blocks_cover_each_experts_rows_once():
     from engine.models.moe_triton import row_blocks
 

@@ -14,6 +14,7 @@ MODEL_REGISTRY: dict[str, str] = {  # architecture → "module:class" under engi
     "Gemma2ForCausalLM": "gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "gemma3:Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration": "gemma3:Gemma3TextForCausalLM",
+    "Glm4MoeForCausalLM": "glm4_moe:Glm4MoeForCausalLM",
     "GptOssForCausalLM": "gpt_oss:GptOssForCausalLM",
     "LlamaForCausalLM": "llama:LlamaForCausalLM",
     "MistralForCausalLM": "llama:MistralForCausalLM",

@@ -128,16 +128,16 @@ def moe_route(
     logits tie often (two of 128 experts, or the k-th and the next of 8), and ``torch.topk`` leaves
     the order of ties unspecified, which at the k-th place decides which expert a token reads."""
     if softmax_after_topk:
-        top, ids = _largest(logits, top_k)
+        top, ids = largest(logits, top_k)
         return ids, torch.softmax(top.float(), dim=-1)
     probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = _largest(probs, top_k)
+    weights, ids = largest(probs, top_k)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return ids, weights
 
 
-def _largest(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def largest(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, indices) of each row's k largest, largest first, a tie taken by the lower index."""
     top, ids = torch.sort(values, dim=-1, descending=True, stable=True)
     return top[..., :k], ids[..., :k]
@@ -173,8 +173,11 @@ class SparseMoE(nn.Module):
         biases: bool = False,
         softmax_after_topk: bool = False,
         swiglu: tuple[float, float] | None = None,
+        shared_gate: bool = True,
     ) -> None:
-        """``biases``: the router and every expert projection have biases (gpt-oss).
+        """``shared_intermediate``: the inner size of a shared expert (0: none), scaled by a sigmoid
+        gate of its own (Qwen2-MoE) or, without ``shared_gate``, added as it is (GLM-4.5's).
+        ``biases``: the router and every expert projection have biases (gpt-oss).
         ``softmax_after_topk``: the weights are the softmax of the k largest logits (gpt-oss), not
         the top k of the softmax over all experts. ``swiglu``: (alpha, limit) of gpt-oss's clamped
         SwiGLU, which then replaces ``act``."""
@@ -204,7 +207,8 @@ class SparseMoE(nn.Module):
             shape = SimpleNamespace(hidden_size=hidden, intermediate_size=mine, hidden_act=act)
             # This rank's slice, its partial sums added before the block's one all-reduce (so no tp here).
             self.shared_expert = LlamaMLP(shape, bias=False, tp=SINGLE)
-            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+            if shared_gate:
+                self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     @property
     def ops(self) -> str:
@@ -222,9 +226,10 @@ class SparseMoE(nn.Module):
             x, ids, weights, self.experts_gate_up, self.experts_down, self.experts_gate_up_bias,
             self.experts_down_bias, self.act_name, self.ops, self.alpha, self.limit,
         )  # fmt: skip
-        if self.shared_expert is not None:
-            gate = torch.sigmoid(self.shared_expert_gate(x))
-            out = out + gate * self.shared_expert(x)
+        if self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif self.shared_expert is not None:
+            out = out + self.shared_expert(x)
         return self.tp.all_reduce(out)
 
 

@@ -55,7 +55,8 @@ def rotary_dim_of(config) -> int:
 
 def phi3_rope_cos_sin(config, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables ``[max_positions, rotary_dim]``, the attention factor folded in; for LongRoPE
-    the factor set chosen by ``max_positions`` (the module docstring's rule)."""
+    the factor set chosen by ``max_positions`` (the module docstring's rule). GLM-4.5's partial
+    rotary tables too (default RoPE)."""
     params = getattr(config, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", "default")
     dim = rotary_dim_of(config)
@@ -68,7 +69,7 @@ def phi3_rope_cos_sin(config, max_positions: int) -> tuple[torch.Tensor, torch.T
         # short factors up to the original length, long ones past it.
         inv_freq, scaling = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=max_positions)
     else:
-        raise ValueError(f"Phi-3 RoPE type {rope_type!r} is not supported (supported: default, longrope)")
+        raise ValueError(f"RoPE type {rope_type!r} with partial rotary is not supported (supported: default, longrope)")
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos() * scaling, emb.sin() * scaling
@@ -82,12 +83,15 @@ def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     return torch.cat((apply_rope(x[..., :r], cos, sin), x[..., r:]), dim=-1)
 
 
-class Phi3Attention(LlamaAttention):
-    """Llama's attention without biases and with RoPE on the first ``rotary_dim`` dimensions of each
-    head; at full width it is Llama's forward (its fused RoPE kernel included)."""
+class PartialRotaryAttention(LlamaAttention):
+    """Llama's attention with RoPE on the first ``rotary_dim`` dimensions of each head, after the q/k
+    norms where the family has them (Phi-3 has neither biases nor norms; GLM-4.5 has q/k/v biases and
+    may have norms); at full width it is Llama's forward (its fused RoPE kernel included)."""
 
-    def __init__(self, config, layer_idx: int, tp: TensorParallel = SINGLE) -> None:
-        super().__init__(config, layer_idx, qkv_bias=False, o_bias=False, qk_norm=False, tp=tp)
+    def __init__(
+        self, config, layer_idx: int, tp: TensorParallel = SINGLE, qkv_bias: bool = False, qk_norm: bool = False
+    ) -> None:
+        super().__init__(config, layer_idx, qkv_bias=qkv_bias, o_bias=False, qk_norm=qk_norm, tp=tp)
         self.rotary_dim = rotary_dim_of(config)
 
     def forward(self, x, cos, sin, kv_pool: torch.Tensor, layer: int, meta: AttentionMetadata) -> torch.Tensor:
@@ -95,31 +99,28 @@ class Phi3Attention(LlamaAttention):
             return super().forward(x, cos, sin, kv_pool, layer, meta)
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_partial_rope(q.view(T, self.num_heads, self.head_dim), cos, sin)
-        k = apply_partial_rope(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         return self.tp.all_reduce(self.o_proj(self.attend(q, k, v, kv_pool, layer, meta)))
 
 
-class Phi3ForCausalLM(LlamaForCausalLM):
-    """Phi-3 causal LM over a paged KV cache: Llama's model (forward loop with layer skipping and
-    captured hidden states, embedding and LM head sharding, CPU packing, the invariant and fused
-    operators) with Phi-3's attention, RoPE tables and loading of pre-fused checkpoint tensors."""
+def check_rotary_dim(config, family: str) -> None:
+    """A config's partial rotary factor must leave RoPE an even number of a head's dimensions."""
+    rotary = rotary_dim_of(config)
+    if rotary <= 0 or rotary % 2 or rotary > head_dim_of(config):
+        raise ValueError(
+            f"{family} partial_rotary_factor gives {rotary} rotary dimensions of a {head_dim_of(config)}-wide "
+            "head; RoPE needs an even number, at least 2, at most the head's width"
+        )
 
-    _fused: dict = {}  # no checkpoint tensor is a piece of one of ours: qkv_proj and gate_up_proj come fused
-    streams_linear_weights = False  # its load_weights places them (and cuts a rank's rows) by name
 
-    def __init__(self, config, max_positions: int | None = None, tp: TensorParallel = SINGLE) -> None:
-        rotary = rotary_dim_of(config)
-        if rotary <= 0 or rotary % 2 or rotary > head_dim_of(config):
-            raise ValueError(
-                f"Phi-3 partial_rotary_factor gives {rotary} rotary dimensions of a {head_dim_of(config)}-wide "
-                "head; RoPE needs an even number, at least 2, at most the head's width"
-            )
-        super().__init__(config, max_positions, tp)
-
-    def decoder_layer(self, config, i: int, qkv_bias: bool, o_bias: bool, tp: TensorParallel) -> nn.Module:
-        return LlamaDecoderLayer(config, i, qkv_bias, o_bias, False, tp, attn=Phi3Attention(config, i, tp))
+class PartialRotaryTables:
+    """RoPE tables ``[max_positions, rotary_dim]`` (:func:`phi3_rope_cos_sin`) for a
+    ``LlamaForCausalLM`` subclass whose attention is :class:`PartialRotaryAttention`."""
 
     def init_buffers(self, max_positions: int) -> None:
         device = self.embed_tokens.weight.device
@@ -128,6 +129,22 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         cos, sin = phi3_rope_cos_sin(self.config, max_positions)
         self.rope_cos = cos.to(device)  # [max_positions, rotary_dim]
         self.rope_sin = sin.to(device)
+
+
+class Phi3ForCausalLM(PartialRotaryTables, LlamaForCausalLM):
+    """Phi-3 causal LM over a paged KV cache: Llama's model (forward loop with layer skipping and
+    captured hidden states, embedding and LM head sharding, CPU packing, the invariant and fused
+    operators) with Phi-3's attention, RoPE tables and loading of pre-fused checkpoint tensors."""
+
+    _fused: dict = {}  # no checkpoint tensor is a piece of one of ours: qkv_proj and gate_up_proj come fused
+    streams_linear_weights = False  # its load_weights places them (and cuts a rank's rows) by name
+
+    def __init__(self, config, max_positions: int | None = None, tp: TensorParallel = SINGLE) -> None:
+        check_rotary_dim(config, "Phi-3")
+        super().__init__(config, max_positions, tp)
+
+    def decoder_layer(self, config, i: int, qkv_bias: bool, o_bias: bool, tp: TensorParallel) -> nn.Module:
+        return LlamaDecoderLayer(config, i, qkv_bias, o_bias, False, tp, attn=PartialRotaryAttention(config, i, tp))
 
     @staticmethod
     def attention_biases(config) -> tuple[bool, bool]:

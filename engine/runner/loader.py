@@ -146,10 +146,14 @@ def _weight_files(path: Path, tensor: str | None = None) -> list[Path]:
     return [path / weight_map[tensor]] if tensor is not None else [path / f for f in sorted(set(weight_map.values()))]
 
 
-def iter_safetensors(path: Path, select: Callable[[str], object] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(
+    path: Path, select: Callable[[str], object] | None = None, skip: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the checkpoint, one file at a time (sharded checkpoints follow their index).
     ``select(name)`` (a tensor-parallel rank's ``checkpoint_slice``) may ask for a slice of a tensor,
-    ``(dim, start, length)``, read alone from the file, or ``"zeros"`` in its shape."""
+    ``(dim, start, length)``, read alone from the file, or ``"zeros"`` in its shape. A tensor that
+    ``skip(name)`` names is not read (a model's ``checkpoint_skips``: parts of a checkpoint it does not
+    serve, such as GLM-4.5's multi-token-prediction layer)."""
     files = _weight_files(path)
     if not files:
         raise ModelNotFoundError(f"no *.safetensors weights in {path}")
@@ -163,6 +167,8 @@ def iter_safetensors(path: Path, select: Callable[[str], object] | None = None) 
                         "model.safetensors.index.json every *.safetensors file is read as part of the weights"
                     )
                 seen[key] = file.name
+                if skip is not None and skip(key):
+                    continue
                 part = select(key) if select is not None else None
                 if part is None:
                     yield key, f.get_tensor(key)
@@ -285,8 +291,9 @@ def load_model(
     layers = StreamedLayers(model, convert, dtype) if streamed else None
     model = model.to_empty(device=device).to(dtype)
     model.init_buffers(max_positions)
+    skip = getattr(model, "checkpoint_skips", None)
     if reader is None:
-        weights = ((k, v.to(device)) for k, v in iter_safetensors(path, select))
+        weights = ((k, v.to(device)) for k, v in iter_safetensors(path, select, skip))
     else:  # whole tensors read and dequantized, then cut: a rank's slice of a packed tensor is no slice of it
 
         def keep(module: str, got: dict) -> None:
@@ -295,7 +302,7 @@ def load_model(
                 layer = model.weight_target(model.checkpoint_name(f"{module}.weight"))[0].removesuffix(".weight")
                 stored.setdefault(layer, {})[module] = form
 
-        plain = reader.read(iter_safetensors(path), keep if serves_stored else None)
+        plain = reader.read(iter_safetensors(path, skip=skip), keep if serves_stored else None)
         weights = ((k, take_slice(v, select(k) if select else None).to(device)) for k, v in plain)
     if nf4:
         weights = nf4.intercept(weights)
