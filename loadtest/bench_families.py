@@ -6,8 +6,9 @@ On this CPU, on small random-weight checkpoints built in the same run.
 [--compile off|auto|on] [--quick] [--json PATH]`` builds, per family, a random checkpoint at a small
 but real-ish shape (hidden 512, 6 layers, 8 query heads over 2 KV heads, vocab 8192; the
 mixtures scaled down from the released ratios: Qwen3-MoE 64 experts top-8, Qwen2-MoE 16 top-4 with a
-shared expert, Mixtral 8 top-2), saves it with a word-level tokenizer as a Hugging Face directory, and
-measures, greedy and in one process:
+shared expert, Mixtral 8 top-2, GLM-4.5 64 top-8 with a shared expert and its first layer dense),
+saves it with a word-level tokenizer as a Hugging Face directory, and measures, greedy and in one
+process:
 
 - transformers ``generate`` at batch 1 (sdpa attention, the same dtype) and Augur at one request in
   flight, on the same prompt to the same number of tokens: tokens/s and their ratio;
@@ -59,7 +60,7 @@ from engine.models import model_class
 from engine.offline.measure import machine_description
 from engine.request.sampling_params import SamplingParams
 
-MOE = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
+MOE = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM")
 DENSE = (
     "LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
     "SmolLM3ForCausalLM", "Olmo2ForCausalLM",
@@ -111,6 +112,16 @@ def family_config(arch: str, s: Shape) -> transformers.PretrainedConfig:
         ),
         "MixtralForCausalLM": lambda: transformers.MixtralConfig(
             **common, head_dim=s.head_dim, num_local_experts=8, num_experts_per_tok=2
+        ),
+        "Glm4MoeForCausalLM": lambda: transformers.Glm4MoeConfig(  # GLM-4.5-Air's features (128 experts, top 8)
+            **common,
+            **moe,
+            n_routed_experts=64,
+            num_experts_per_tok=8,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            attention_bias=True,
+            norm_topk_prob=True,
         ),
         "LlamaForCausalLM": lambda: transformers.LlamaConfig(**common, head_dim=s.head_dim),
         "Qwen3ForCausalLM": lambda: transformers.Qwen3Config(**common, head_dim=s.head_dim),

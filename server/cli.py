@@ -664,11 +664,24 @@ def _serve_parser(sub, common: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--tool-call-parser",
-        choices=["auto", "hermes", "llama3_json", "mistral", "qwen3_coder", "pythonic", "phi4_mini_json", "harmony"],
+        choices=[
+            "auto",
+            "hermes",
+            "llama3_json",
+            "mistral",
+            "qwen3_coder",
+            "glm45",
+            "glm47",
+            "pythonic",
+            "phi4_mini_json",
+            "harmony",
+        ],
         default="auto",
         help="how the model writes tool calls (auto: from its chat template; Hermes-style where it says nothing; "
         "mistral: [TOOL_CALLS]NAME[ARGS]{...} or the JSON list after [TOOL_CALLS], as the template writes them; "
         "qwen3_coder: Qwen3-Coder's and Qwen3.5's <function=NAME><parameter=KEY> XML; "
+        "glm45 / glm47: GLM-4.5's and 4.6's <tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>, a "
+        "line each, and GLM-4.7's without line ends; "
         "pythonic: a Python list of calls, [f(a=1), g(b='x')] (Llama 3.2/4's, Gemma 3's with vLLM's templates); "
         "phi4_mini_json: Phi-4-mini's functools[{...}, ...]; "
         "harmony: gpt-oss's messages to functions.NAME)",
@@ -697,7 +710,8 @@ def _serve_parser(sub, common: argparse.ArgumentParser) -> None:
         "--reasoning-parser",
         choices=list(REASONING_SYNTAXES),
         default=None,
-        help="split a reasoning model's thinking into reasoning_content (qwen3: Qwen3/QwQ <think>; deepseek_r1: "
+        help="split a reasoning model's thinking into reasoning_content (qwen3: Qwen3/QwQ <think>; glm45: GLM-4.5 "
+        "to 4.7's <think>, as qwen3; deepseek_r1: "
         "DeepSeek-R1, which thinks first; mistral: Magistral's and Ministral 3's [THINK]; harmony: gpt-oss's "
         "analysis channel); enables reasoning_effort and "
         "thinking_token_budget (not with harmony)",

@@ -1,7 +1,7 @@
 """Which call syntax a served model writes: named by ``--tool-call-parser``, or read from its chat template
 (``auto``). The syntaxes themselves are in server/tools.py (the JSON ones and gpt-oss's harmony) and
-server/tool_xml.py (Qwen3-Coder's and Qwen3.5's XML) and server/tool_pythonic.py (a Python list of calls:
-Llama 3.2's, Llama 4's, Gemma 3's)."""
+server/tool_xml.py (Qwen3-Coder's and Qwen3.5's XML, GLM-4.5's and 4.7's) and server/tool_pythonic.py (a
+Python list of calls: Llama 3.2's, Llama 4's, Gemma 3's)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import dataclasses
 
 from server.harmony import CHANNEL
 from server.tool_pythonic import PythonicCallFormat
-from server.tool_xml import XmlCallFormat
+from server.tool_xml import GLM45, GLM47, XmlCallFormat
 from server.tools import FORMATS, HarmonyFormat, ToolFormat
 
 CallSyntax = ToolFormat | HarmonyFormat | XmlCallFormat | PythonicCallFormat
@@ -17,6 +17,8 @@ CallSyntax = ToolFormat | HarmonyFormat | XmlCallFormat | PythonicCallFormat
 TOOL_PARSERS: dict[str, CallSyntax] = {
     **{k: v for k, v in FORMATS.items() if k != "mistral_v11"},
     "qwen3_coder": XmlCallFormat(),
+    "glm45": XmlCallFormat("glm45", GLM45),
+    "glm47": XmlCallFormat("glm47", GLM47),
     "pythonic": PythonicCallFormat(),
     "harmony": HarmonyFormat(),
 }
@@ -44,6 +46,8 @@ def detect_format(chat_template: str | None) -> CallSyntax:
         return mistral_format(t)
     if "<tool_call>" in t and "<function=" in t and "<parameter=" in t:  # Qwen3-Coder's and Qwen3.5's XML
         return TOOL_PARSERS["qwen3_coder"]
+    if "<tool_call>" in t and "<arg_key>" in t:  # GLM's: 4.7's writes its tags without line ends between
+        return TOOL_PARSERS["glm47" if "</arg_key><arg_value>" in t else "glm45"]
     if "<tool_call>" in t:
         return FORMATS["hermes"]
     if "func_name1(" in t:  # the pythonic templates' own example: [func_name1(params_name1=params_value1, ...)]

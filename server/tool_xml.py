@@ -1,25 +1,28 @@
-"""Qwen3-Coder's and Qwen3.5's tool calls: XML, one element per argument, its value as written.
+"""XML tool calls, one element per argument with its value as written: Qwen3-Coder's and Qwen3.5's,
+and GLM-4.5's, 4.6's and 4.7's.
 
 ::
 
-    <tool_call>
-    <function=get_weather>
-    <parameter=city>
-    Paris
-    </parameter>
-    <parameter=days>
+    <tool_call>                             <tool_call>get_weather
+    <function=get_weather>                  <arg_key>city</arg_key>
+    <parameter=city>                        <arg_value>Paris</arg_value>
+    Paris                                   <arg_key>days</arg_key>
+    </parameter>                            <arg_value>3</arg_value>
+    <parameter=days>                        </tool_call>
     3
     </parameter>
     </function>
     </tool_call>
 
-A string argument is its text as it is (newlines and quotes included); any other value is its JSON (the
-templates write objects and lists with ``tojson``, other values as their text). So a call's arguments
-can only be read back with the tool's schema beside them: ``"3"`` is a string where the parameter is
-one and the number 3 where it is a number. :class:`XmlCallFormat` is the syntax; :meth:`~XmlCallFormat.for_tools`
-gives it a request's tools, whose schemas its parser then reads values by and its grammars write them
-by (a string as text without the closing tag, within its ``minLength`` / ``maxLength`` or as one of
-its ``enum``; any other value as JSON held to its schema). vLLM names this parser ``qwen3_coder``.
+(GLM-4.7 writes its calls without the line ends.) A string argument is its text as it is (newlines and
+quotes included); any other value is its JSON (the templates write objects and lists with ``tojson``,
+other values as their text). So a call's arguments can only be read back with the tool's schema
+beside them: ``"3"`` is a string where the parameter is one and the number 3 where it is a number.
+:class:`XmlCallFormat` is the syntax, :class:`XmlMarkup` where each family puts a call's name and its
+arguments; :meth:`~XmlCallFormat.for_tools` gives it a request's tools, whose schemas its parser then
+reads values by and its grammars write them by (a string as text without the tag that closes it,
+within its ``minLength`` / ``maxLength`` or as one of its ``enum``; any other value as JSON held to its
+schema). vLLM names these parsers ``qwen3_coder``, ``glm45`` and ``glm47``.
 """
 
 from __future__ import annotations
@@ -35,18 +38,65 @@ from server.tokens import special_token_id
 from server.tools import ToolCall, _lit, _regex_lit, _skip_ws, before_marker, call_id, read_runs, special_lit
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_FUNCTION = re.compile(r"<function=([^>\n]+)>\r?\n?")
-_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\r?\n?")
-_PARAMETER_END = "</parameter>"
-_FUNCTION_END = "</function>"
-# A value as text, with the line that closes its element: its characters (``bounds`` of them), then the
-# first "\n</parameter>\n" (a lazy rule ends there; the negation keeps a minLength from reaching past it).
-_STRING_VALUE = "/(?s:.{bounds})\\n<\\/parameter>\\n/ & ~/(?s:.*)\\n<\\/parameter>\\n(?s:.+)/"
+
+
+@dataclass(frozen=True)
+class XmlMarkup:
+    """Where one family's XML syntax puts a call's name and each argument: how its templates write
+    them (``head``, ``param`` and ``tail`` are formatted with the name and key) and how they are read
+    back (whitespace between elements is free)."""
+
+    head: str  # after <tool_call>: the name's line, "{name}" in it
+    param: str  # an argument's opening up to its value, "{key}" in it
+    value_close: str  # what follows a value
+    tail: str  # after the last argument, before </tool_call>
+    between: str  # between two calls
+    name_re: re.Pattern  # a call's name (group 1), where the head begins
+    key_re: re.Pattern  # an argument's opening, its key group 1
+    value_tag: str  # the tag that ends a value: at its first "\n" + tag where value_line, else its first tag
+    value_line: bool
+    body_end: str  # the closing tag of the arguments ("" where </tool_call> closes them)
+    pieces: tuple[str, ...] = ()  # tags besides <tool_call> and </tool_call> that may be special tokens
+
+    @property
+    def value_end(self) -> str:
+        return ("\n" if self.value_line else "") + self.value_tag
+
+
+QWEN3_CODER = XmlMarkup(
+    head="\n<function={name}>\n",
+    param="<parameter={key}>\n",
+    value_close="\n</parameter>\n",
+    tail="</function>\n",
+    between="\n",
+    name_re=re.compile(r"<function=([^>\n]+)>\r?\n?"),
+    key_re=re.compile(r"<parameter=([^>\n]+)>\r?\n?"),
+    value_tag="</parameter>",
+    value_line=True,
+    body_end="</function>",
+)
+_GLM = dict(
+    name_re=re.compile(r"([^<>\n]+)\r?\n?"),
+    key_re=re.compile(r"<arg_key>([^<>\n]*)</arg_key>\s*<arg_value>"),
+    value_tag="</arg_value>",
+    value_line=False,
+    body_end="",
+    pieces=("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+)
+GLM45 = XmlMarkup(  # GLM-4.5's and 4.6's templates: an element a line
+    head="{name}\n", param="<arg_key>{key}</arg_key>\n<arg_value>", value_close="</arg_value>\n", tail="",
+    between="\n", **_GLM,
+)  # fmt: skip
+GLM47 = XmlMarkup(  # GLM-4.7's: no line ends
+    head="{name}", param="<arg_key>{key}</arg_key><arg_value>", value_close="</arg_value>", tail="", between="",
+    **_GLM,
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
 class XmlCallFormat:
     name: str = "qwen3_coder"
+    markup: XmlMarkup = QWEN3_CODER
     marker: str = OPEN
     at_start_only: bool = False  # (calls may follow text)
     schemas: tuple[tuple[str, dict], ...] = ()  # the request's tools: name -> parameters schema (for_tools)
@@ -58,7 +108,7 @@ class XmlCallFormat:
         return dataclasses.replace(self, schemas=tuple((f["name"], f.get("parameters") or {}) for f in functions))
 
     def bind(self, tokenizer) -> XmlCallFormat:
-        found = ((piece, special_token_id(tokenizer, piece)) for piece in (OPEN, CLOSE))
+        found = ((piece, special_token_id(tokenizer, piece)) for piece in (OPEN, CLOSE, *self.markup.pieces))
         return dataclasses.replace(self, specials=tuple((p, i) for p, i in found if i is not None))
 
     @property
@@ -77,16 +127,16 @@ class XmlCallFormat:
     # -- writing ----------------------------------------------------------------------------------------
     def render(self, calls: list[tuple[str, Any]]) -> str:
         """Calls (name, arguments object) as the templates write them."""
-        out = []
+        m, out = self.markup, []
         for name, args in calls:
-            params = "".join(f"<parameter={k}>\n{_written(v)}\n{_PARAMETER_END}\n" for k, v in args.items())
-            out.append(f"{OPEN}\n<function={name}>\n{params}{_FUNCTION_END}\n{CLOSE}")
-        return "\n".join(out)
+            params = "".join(m.param.format(key=k) + _written(v) + m.value_close for k, v in args.items())
+            out.append(OPEN + m.head.format(name=name) + params + m.tail + CLOSE)
+        return m.between.join(out)
 
     def grammar(self, tools: list[dict], parallel: bool) -> str:
         """A Lark grammar for one call (several with ``parallel``) of ``tools``, each argument held to its
         schema, with nothing before or after them."""
-        calls = 'call ("\\n" call)*' if parallel else "call"
+        calls = f"call ({_lit(self.markup.between)} call)*" if parallel else "call"
         return "\n".join([f"start: {calls}", *self._call_rules(tools, strict_only=False)]) + "\n"
 
     def auto_grammar(self, tools: list[dict], parallel: bool, answer: str | None = None) -> str:
@@ -97,7 +147,7 @@ class XmlCallFormat:
         rules = self._call_rules(tools, strict_only=True)
         # The next call's separator and opening are one literal, which the lexer follows beside the text
         # after the calls (as ToolFormat.auto_grammar does).
-        more = f" ({self._lit(chr(10) + OPEN)} body)*" if parallel else ""
+        more = f" ({self._lit(self.markup.between + OPEN)} body)*" if parallel else ""
         if answer is not None:
             return "\n".join([f"start: {answer} | call{more}", *rules]) + "\n"
         if OPEN in dict(self.specials):
@@ -113,16 +163,36 @@ class XmlCallFormat:
     def _call_rules(self, tools: list[dict], strict_only: bool) -> list[str]:
         """``call`` (one call of any of ``tools``), ``body`` (a call past its opening tag) and the rules
         they use; ``strict_only``: a tool that does not say ``strict`` takes any parameters."""
+        m = self.markup
         alternatives, rules = [], []
         for i, fn in enumerate(tools):
             schema = fn.get("parameters") or {}
             free = strict_only and not fn.get("strict")
             params = "any_param*" if free else self._params(schema, f"t{i}", rules)
-            parts = (_lit(f"\n<function={fn['name']}>\n"), params, self._lit(f"{_FUNCTION_END}\n{CLOSE}"))
+            parts = (self._lit(m.head.format(name=fn["name"])), params, self._lit(m.tail + CLOSE))
             alternatives.append(" ".join(x for x in parts if x))
+        key_open, key_close = m.param.split("{key}")
+        any_key = " ".join(x for x in (self._lit(key_open), "ANY_NAME", self._lit(key_close)) if x)
+        self._text_value("any_value", "0,", rules)
         return [f"call: {self._lit(OPEN)} body", "body: " + " | ".join(alternatives), *rules,
-                'any_param: ANY_NAME "\\n" any_value', "ANY_NAME: /<parameter=[^>\\n]+>/",
-                f"any_value[lazy]: {_STRING_VALUE.format(bounds='*')}"]  # fmt: skip
+                f"any_param: {any_key} any_value", "ANY_NAME: /[^<>\\n]+/"]  # fmt: skip
+
+    def _text_value(self, name: str, bounds: str, rules: list[str]) -> str:
+        """Rule ``name`` (added to ``rules``): a value as text, ``bounds`` a regex repetition's (its
+        characters), and what closes it. The text holds no tag that would end it sooner: a lazy lexeme
+        ends it at the first; where the tag is a special token, the text's lexeme ends where it comes."""
+        m = self.markup
+        end = _regex_lit(m.value_end)
+        if m.value_tag in dict(self.specials):  # (a special token cannot be part of a lexeme)
+            text = f"{name.upper()}_TEXT"
+            rules += [
+                f"{text}: /(?s:.{{{bounds}}})/ & ~/(?s:.*){end}(?s:.*)/",
+                f"{name}: {text} {self._lit(m.value_close)}",
+            ]
+        else:
+            close = _regex_lit(m.value_close)
+            rules.append(f"{name}[lazy]: /(?s:.{{{bounds}}}){close}/ & ~/(?s:.*){end}(?s:.*){close}/")
+        return name
 
     def _params(self, schema: dict, tag: str, rules: list[str]) -> str:
         """The parameters of one tool, in its schema's order (those not required may be left out), then
@@ -132,8 +202,8 @@ class XmlCallFormat:
         defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}  # what its $refs point to
         parts = []
         for j, (key, sub) in enumerate((schema.get("properties") or {}).items()):
-            value = _value(sub if isinstance(sub, dict) else {}, defs, f"{tag}_p{j}", rules)
-            part = f"{_lit(f'<parameter={key}>' + chr(10))} {value}"
+            value = self._value(sub if isinstance(sub, dict) else {}, defs, f"{tag}_p{j}", rules)
+            part = f"{self._lit(self.markup.param.format(key=key))} {value}"
             parts.append(part if key in required else f"({part})?")
         if schema.get("additionalProperties") is not False:
             parts.append("any_param*")
@@ -159,10 +229,10 @@ class XmlCallFormat:
         """The whole calls of the run from ``end`` (where a call opens) and where the run ends."""
         calls = []
         while text.startswith(OPEN, at := _skip_ws(text, end)):
-            m = _FUNCTION.match(text, _skip_ws(text, at + len(OPEN)))
+            m = self.markup.name_re.match(text, _skip_ws(text, at + len(OPEN)))
             if m is None:
                 break
-            pairs, done = _elements(text, m.end())
+            pairs, done = self.elements(text, m.end())
             close = _skip_ws(text, done) if done is not None else -1
             if done is None or not text.startswith(CLOSE, close):
                 break
@@ -173,9 +243,9 @@ class XmlCallFormat:
 
     def arguments(self, name: str, pairs: list[tuple[str, str]] | str) -> dict:
         """A function's arguments from its parameter elements ((key, text) pairs, or the text between its
-        ``<function=...>`` line and ``</function>``), each value read by the tool's schema."""
+        name's line and the tag that closes them), each value read by the tool's schema."""
         if isinstance(pairs, str):
-            pairs = _elements(pairs + _FUNCTION_END, 0)[0]
+            pairs = self.elements(pairs + (self.markup.body_end or CLOSE), 0)[0]
         schema = dict(self.schemas).get(name) or {}
         props = schema.get("properties") or {}
         defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
@@ -185,40 +255,63 @@ class XmlCallFormat:
             args[key] = _read(raw, _resolve(sub, defs) if isinstance(sub, dict) else None)
         return args
 
-
-def _elements(text: str, pos: int) -> tuple[list[tuple[str, str]], int | None]:
-    """The parameter elements of a function from ``pos`` (past its ``<function=NAME>`` line): (key, value
-    text) pairs, and where its ``</function>`` ends (None: the text ends before it, or is no call). A
-    value ends at the first ``\n</parameter>`` (the templates write that line after it; a model that
-    writes ``</parameter>`` on the value's line ends it there when no such line follows)."""
-    pairs = []
-    while True:
-        at = _skip_ws(text, pos)
-        if text.startswith(_FUNCTION_END, at):
-            return pairs, at + len(_FUNCTION_END)
-        m = _PARAMETER.match(text, at)
-        if m is None:
-            return pairs, None
-        end = text.find("\n" + _PARAMETER_END, m.end() - 1)
-        if end < 0:
-            end = text.find(_PARAMETER_END, m.end())
-            if end < 0:
+    def elements(self, text: str, pos: int) -> tuple[list[tuple[str, str]], int | None]:
+        """The argument elements of a call from ``pos`` (past its name): (key, value text) pairs, and
+        where they end (past ``</function>``; at ``</tool_call>`` where that closes them; None: the text
+        ends before, or is no call). A value ends at the first :attr:`XmlMarkup.value_end`: Qwen's at the
+        first ``\n</parameter>`` (the templates write that line after it; a model that writes
+        ``</parameter>`` on the value's line ends it there when no such line follows), GLM's at the first
+        ``</arg_value>``."""
+        m, pairs = self.markup, []
+        while True:
+            at = _skip_ws(text, pos)
+            if m.body_end and text.startswith(m.body_end, at):
+                return pairs, at + len(m.body_end)
+            if not m.body_end and text.startswith(CLOSE, at):
+                return pairs, at
+            key = m.key_re.match(text, at)
+            if key is None:
                 return pairs, None
-        raw = text[m.end() : end] if end >= m.end() else ""
-        pairs.append((m.group(1).strip(), raw.removesuffix("\r")))
-        pos = text.index(_PARAMETER_END, end) + len(_PARAMETER_END)
+            end = text.find("\n" + m.value_tag, key.end() - 1) if m.value_line else -1
+            if end < 0:
+                end = text.find(m.value_tag, key.end())
+                if end < 0:
+                    return pairs, None
+            raw = text[key.end() : end] if end >= key.end() else ""
+            pairs.append((key.group(1).strip(), raw.removesuffix("\r")))
+            pos = text.index(m.value_tag, end) + len(m.value_tag)
+
+    def _value(self, schema: dict, defs: dict, tag: str, rules: list[str]) -> str:
+        """A Lark expression for one parameter's value and what closes it (``defs``: the tool's own,
+        which a ``$ref`` in it points into)."""
+        close = self._lit(self.markup.value_close)
+        schema = _resolve(schema, defs)
+        types = _types(schema)
+        enum = schema.get("enum")
+        if isinstance(enum, list) and enum and all(isinstance(v, str) and "\n" not in v for v in enum):
+            return "(" + " | ".join(_lit(v) for v in enum) + f") {close}"
+        if types == {"boolean"}:  # JSON's, or Python's as a template's ``| string`` writes it
+            return f'("true" | "false" | "True" | "False") {close}'
+        name = "v_" + tag  # (a rule: llguidance takes [lazy] on rules)
+        if types in ({"string"}, {"string", "null"}):  # text without the closing tag, within its length bounds
+            least, most = int(schema.get("minLength", 0)), schema.get("maxLength")
+            bounds = f"{least},{int(most)}" if most is not None else f"{least},"
+            return self._text_value(name, bounds, rules)
+        if "string" in types or not (types or any(k in schema for k in ("anyOf", "oneOf", "allOf", "$ref", "const"))):
+            return self._text_value(name, "0,", rules)  # text or another type, or none: any text
+        return f"%json {json.dumps({**schema, **defs, 'x-guidance': JSON_LAYOUT})} {close}"
 
 
 class XmlCallScanner:
     """Forced calls read as they are written, with :class:`~server.tools.CallScanner`'s events:
-    ``("call", name)`` once ``<function=NAME>`` is complete, then the arguments as their JSON in one
-    ``("args", text)`` when the function closes (a value is known only when its element closes), and
-    ``("end",)``."""
+    ``("call", name)`` once its name is complete (its line ends, or the next tag begins), then the
+    arguments as their JSON in one ``("args", text)`` when the call's arguments close (a value is known
+    only when its element closes), and ``("end",)``."""
 
     def __init__(self, fmt: XmlCallFormat) -> None:
         self.fmt = fmt
         self.text = ""
-        self.pos = 0  # where the next call's function line is looked for
+        self.pos = 0  # where the next call is looked for
         self.name: str | None = None  # the open call's
 
     def feed(self, delta: str) -> list[tuple]:
@@ -226,12 +319,13 @@ class XmlCallScanner:
         events: list[tuple] = []
         while True:
             if self.name is None:
-                m = _FUNCTION.search(self.text, self.pos)
-                if m is None or not m.group(0).endswith("\n"):
+                at = self.text.find(OPEN, self.pos)
+                m = None if at < 0 else self.fmt.markup.name_re.match(self.text, _skip_ws(self.text, at + len(OPEN)))
+                if m is None or (m.end() == len(self.text) and not m.group(0).endswith("\n")):
                     return events
                 self.name, self.pos = m.group(1).strip(), m.end()
                 events.append(("call", self.name))
-            pairs, end = _elements(self.text, self.pos)
+            pairs, end = self.fmt.elements(self.text, self.pos)
             if end is None:
                 return events
             args = self.fmt.arguments(self.name, pairs)
@@ -287,26 +381,3 @@ def _resolve(schema: dict, defs: dict) -> dict:
     if not isinstance(target, dict):
         return schema
     return {**target, **{k: v for k, v in schema.items() if k != "$ref"}}
-
-
-def _value(schema: dict, defs: dict, tag: str, rules: list[str]) -> str:
-    """A Lark expression for one parameter's value and the line that closes its element (``defs``: the
-    tool's own, which a ``$ref`` in it points into)."""
-    close = _lit(f"\n{_PARAMETER_END}\n")
-    schema = _resolve(schema, defs)
-    types = _types(schema)
-    enum = schema.get("enum")
-    if isinstance(enum, list) and enum and all(isinstance(v, str) and "\n" not in v for v in enum):
-        return "(" + " | ".join(_lit(v) for v in enum) + f") {close}"
-    if types == {"boolean"}:  # JSON's, or Python's as a template's ``| string`` writes it
-        return f'("true" | "false" | "True" | "False") {close}'
-    name = "v_" + tag  # (a rule: llguidance takes [lazy] on rules)
-    if types in ({"string"}, {"string", "null"}):  # text without the closing line, within its length bounds
-        least, most = int(schema.get("minLength", 0)), schema.get("maxLength")
-        bounds = f"{{{least},{int(most)}}}" if most is not None else f"{{{least},}}"
-        rules.append(f"{name}[lazy]: {_STRING_VALUE.format(bounds=bounds)}")
-        return name
-    if "string" in types or not (types or any(k in schema for k in ("anyOf", "oneOf", "allOf", "$ref", "const"))):
-        rules.append(f"{name}[lazy]: {_STRING_VALUE.format(bounds='*')}")  # text or another type, or none: any text
-        return name
-    return f"%json {json.dumps({**schema, **defs, 'x-guidance': JSON_LAYOUT})} {close}"

@@ -669,8 +669,8 @@ def special_lit(text: str, specials: tuple[tuple[str, int], ...]) -> str:
 
 
 def _regex_lit(s: str) -> str:
-    """``s`` as itself inside a Lark ``/.../`` regex."""
-    return re.escape(s).replace("/", "\\/")
+    """``s`` as itself inside a Lark ``/.../`` regex (a line end as ``\\n``: the regex is one line)."""
+    return re.escape(s).replace("/", "\\/").replace("\\\n", "\\n").replace("\\\r", "\\r")
 
 
 def json_answer(schema: dict, whitespace_pattern: str | None = None) -> str:

@@ -1,9 +1,10 @@
-"""Qwen3-Coder's and Qwen3.5's XML tool calls (``<function=NAME>`` with one ``<parameter=KEY>`` element
-per argument), through a real server and the official openai SDK: the template picks the syntax, forced
-calls hold every argument to its schema, calls written under auto are read back with the tools' types
-(a string parameter's "123" stays a string), streamed calls assemble to the whole ones, and the
-history renders as the template writes it. The syntax's reading and writing are checked against each
-other and against the grammar."""
+"""The XML tool calls: Qwen3-Coder's and Qwen3.5's (``<function=NAME>`` with one ``<parameter=KEY>`` element
+per argument), GLM-4.5's (``<tool_call>NAME`` with ``<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>``
+pairs, a line each) and GLM-4.7's (the same without line ends), through a real server and the official
+openai SDK: the template picks the syntax, forced calls hold every argument to its schema, calls
+written under auto are read back with the tools' types (a string parameter's "123" stays a string),
+streamed calls assemble to the whole ones, and the history renders as the template writes it. Each
+syntax's reading and writing are checked against each other and against the grammar."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from test_tools import MODELS, TOOLS, assembled_calls, check_calls, choice_of, d
 
 from conftest import VOCAB
 from server.tool_formats import detect_format
-from server.tool_xml import CLOSE, OPEN, XmlCallFormat
+from server.tool_xml import CLOSE, GLM45, GLM47, OPEN, QWEN3_CODER, XmlCallFormat
 from servers import Served
 
 MODEL = "tiny-qwen-coder"
@@ -40,6 +41,27 @@ TEMPLATE = (
     "{% endfor %}</function>\n</tool_call>{% endfor %}\n{% endfor %}"
     "{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}"
 )
+# GLM-4.5's conventions, likewise: the name after <tool_call>, then a key and a value element a line each.
+GLM45_TEMPLATE = (
+    "{% if tools %}<|bos|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "Call as <tool_call>{function-name}\n<arg_key>{arg-key-1}</arg_key>\n<arg_value>{arg-value-1}</arg_value>\n"
+    "...\n</tool_call>\n{% endif %}{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] or '' }}"
+    "{% for c in m.get('tool_calls') or [] %}\n<tool_call>{{ c['function']['name'] }}\n"
+    "{% for k, v in c['function']['arguments'].items() %}<arg_key>{{ k }}</arg_key>\n"
+    "<arg_value>{{ v | tojson if v is not string else v }}</arg_value>\n{% endfor %}</tool_call>{% endfor %}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}"
+)
+# GLM-4.7's: the same elements without line ends.
+GLM47_TEMPLATE = (
+    "{% if tools %}<|bos|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "Call as <tool_call>{function-name}<arg_key>{arg-key-1}</arg_key><arg_value>{arg-value-1}</arg_value>..."
+    "</tool_call>\n{% endif %}{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] or '' }}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>{{ c['function']['name'] }}"
+    "{% for k, v in c['function']['arguments'].items() %}<arg_key>{{ k }}</arg_key>"
+    "<arg_value>{{ v | tojson if v is not string else v }}</arg_value>{% endfor %}</tool_call>{% endfor %}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}"
+)
+SYNTAXES = {"qwen3_coder": (TEMPLATE, QWEN3_CODER), "glm45": (GLM45_TEMPLATE, GLM45), "glm47": (GLM47_TEMPLATE, GLM47)}
 
 
 class Search(BaseModel):
@@ -59,9 +81,23 @@ CLOSED = [
 ]
 
 
+@pytest.fixture(scope="module", params=list(SYNTAXES))
+def syntax(request) -> str:
+    return request.param
+
+
+def xml(syntax: str) -> XmlCallFormat:
+    return XmlCallFormat(syntax, SYNTAXES[syntax][1])
+
+
+def element(fmt: XmlCallFormat, key: str, value: str) -> str:
+    """One argument as the syntax writes it."""
+    return fmt.markup.param.format(key=key) + value + fmt.markup.value_close
+
+
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tokenizer_dir):
-    return template_model(tmp_path_factory.mktemp("xml"), tokenizer_dir, TEMPLATE)
+def model_dir(tmp_path_factory, tokenizer_dir, syntax):
+    return template_model(tmp_path_factory.mktemp("xml"), tokenizer_dir, SYNTAXES[syntax][0])
 
 
 @pytest.fixture(scope="module")
@@ -89,20 +125,18 @@ CALLS = [
 ]
 
 
-def test_it_reads_what_it_writes_by_the_tools_types():
-    fmt = XmlCallFormat().for_tools(FUNCTIONS)
+def test_it_reads_what_it_writes_by_the_tools_types(syntax):
+    fmt = xml(syntax).for_tools(FUNCTIONS)
     text = fmt.render(CALLS)
-    assert "<parameter=zip>\n01234\n</parameter>" in text and "<parameter=exact>\ntrue\n</parameter>" in text
+    assert element(fmt, "zip", "01234") in text and element(fmt, "exact", "true") in text
     content, calls = fmt.parse("Let me look.\n\n" + text + "\nDone.")
     assert content == "Let me look.\nDone." and [(c.name, json.loads(c.arguments)) for c in calls] == CALLS
     # The schema decides: "01234" is a string here (json would make it 1234, or refuse the leading zero),
     # a template's Python-style True is true, and a parameter no schema names is read as JSON where it parses.
-    body = (
-        "<parameter=zip>\n01234\n</parameter>\n<parameter=exact>\nTrue\n</parameter>\n<parameter=n>\n7\n</parameter>\n"
-    )
+    body = element(fmt, "zip", "01234") + element(fmt, "exact", "True") + element(fmt, "n", "7")
     assert fmt.arguments("search", body) == {"zip": "01234", "exact": True, "n": 7}
-    assert fmt.arguments("search", "<parameter=query>\n123\n</parameter>\n") == {"query": "123"}
-    assert XmlCallFormat().arguments("search", "<parameter=query>\n123\n</parameter>\n") == {"query": 123}
+    assert fmt.arguments("search", element(fmt, "query", "123")) == {"query": "123"}
+    assert xml(syntax).arguments("search", element(fmt, "query", "123")) == {"query": 123}
     # Cut inside the second call: the first is a call, the cut one neither call nor content.
     content, calls = fmt.parse(text[:-20], cut=True)
     assert content is None and [c.name for c in calls] == ["search"]
@@ -121,8 +155,8 @@ def test_it_reads_what_it_writes_by_the_tools_types():
     assert [json.loads(e[1]) for e in events if e[0] == "args"] == [a for _, a in CALLS]
 
 
-def test_the_grammars_hold_each_argument_to_its_schema(tok):
-    fmt = XmlCallFormat().for_tools(FUNCTIONS)
+def test_the_grammars_hold_each_argument_to_its_schema(tok, syntax):
+    fmt = xml(syntax).for_tools(FUNCTIONS)
     llt = llguidance.hf.from_tokenizer(tok, n_vocab=VOCAB, eos_token=[1])
 
     def accepts(grammar: str, text: str) -> bool:
@@ -137,17 +171,20 @@ def test_the_grammars_hold_each_argument_to_its_schema(tok):
     assert not accepts(forced, fmt.render([("get_weather", {"city": "Oslo", "unit": "k"})]))  # not in its enum
     assert not accepts(forced, fmt.render([("lookup", {"query": "x", "limit": 12})]))  # maximum 9
     assert not accepts(fmt.grammar(FUNCTIONS, False), text)  # one call only
-    assert accepts(forced, text.replace("\ntrue\n", "\nTrue\n"))  # a boolean as the templates write it too
+    true = element(fmt, "exact", "true")
+    assert accepts(forced, text.replace(true, element(fmt, "exact", "True")))  # a boolean as the templates write it too
 
 
-def test_a_value_may_hold_the_closing_tags_and_other_parameters_come_where_the_schema_allows(tok):
+def test_a_value_may_hold_the_closing_tags_and_other_parameters_come_where_the_schema_allows(tok, syntax):
     """Code about this syntax holds its tags: a call is read element by element, streamed or whole. A
     tool whose schema does not close its properties takes others beside them (MCP tools often have none)."""
     tools = [{"name": "run", "parameters": {"type": "object", "properties": {"code": {"type": "string"}}}},
              {"name": "closed", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}},
                                                "additionalProperties": False}}]  # fmt: skip
-    fmt = XmlCallFormat().for_tools(tools)
-    calls = [("run", {"code": "print('</tool_call>')\nx = '</function>'", "cwd": "/tmp", "n": 2})]
+    fmt = xml(syntax).for_tools(tools)
+    calls = [
+        ("run", {"code": "print('</tool_call>')\nx = '</function>' + '<arg_key>k</arg_key>'", "cwd": "/tmp", "n": 2})
+    ]
     text = fmt.render(calls)
     assert [(c.name, json.loads(c.arguments)) for c in fmt.parse(text)[1]] == calls
     scanner = fmt.scanner()
@@ -160,11 +197,13 @@ def test_a_value_may_hold_the_closing_tags_and_other_parameters_come_where_the_s
         assert (m.consume_tokens(tok.encode(fmt.render([call]), add_special_tokens=False)) and m.is_accepting()) is ok
 
 
-def test_the_grammars_name_the_tags_where_they_are_special_tokens(tok):
+def test_the_grammars_name_the_tags_where_they_are_special_tokens(tok, syntax):
+    """(GLM's tokenizers make each of its tags a special token.)"""
     special = transformers.AutoTokenizer.from_pretrained(tok.name_or_path)
-    special.add_tokens([OPEN, CLOSE], special_tokens=True)
-    fmt = XmlCallFormat().bind(special).for_tools(FUNCTIONS)
-    assert [p for p, _ in fmt.specials] == [OPEN, CLOSE]
+    tags = [OPEN, CLOSE, *SYNTAXES[syntax][1].pieces]
+    special.add_tokens(tags, special_tokens=True)
+    fmt = xml(syntax).bind(special).for_tools(FUNCTIONS)
+    assert [p for p, _ in fmt.specials] == tags
     llt = llguidance.hf.from_tokenizer(special, n_vocab=VOCAB, eos_token=[1])
     text = "Sure.\n\n" + fmt.render(CALLS)
     for grammar, written in ((fmt.grammar(FUNCTIONS, True), text[7:]), (fmt.auto_grammar(FUNCTIONS, True), text)):
@@ -173,7 +212,7 @@ def test_the_grammars_name_the_tags_where_they_are_special_tokens(tok):
 
 
 def test_the_template_picks_it():
-    assert detect_format(TEMPLATE).name == "qwen3_coder"
+    assert [detect_format(template).name for template, _ in SYNTAXES.values()] == list(SYNTAXES)
     assert detect_format("<tool_call>{{ c | tojson }}</tool_call>").name == "hermes"
     assert detect_format("<seed:tool_call><function=f><parameter=k>").name == "hermes"  # (another family's XML)
 
@@ -197,11 +236,11 @@ def test_streamed_forced_calls_assemble_to_the_whole_ones(client):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_auto_reads_a_call_by_the_tools_types(client, stream):
+def test_auto_reads_a_call_by_the_tools_types(client, stream, syntax):
     """Under auto the model writes freely; here a grammar makes it write text, then a call whose string
     argument looks like a number. The parser reads it by the tool's schema: still a string."""
     args = {"query": "123", "zip": "00501", "exact": False, "tags": ["a", "b"]}
-    text = "Checking.\n\n" + XmlCallFormat().render([("search", args)])
+    text = "Checking.\n\n" + xml(syntax).render([("search", args)])
     tools = [{"type": "function", "function": f} for f in FUNCTIONS]
     kw = dict(model=MODEL, messages=ASK, max_tokens=300, temperature=0, tools=tools, tool_choice="auto",
               extra_body={"structured_outputs": {"grammar": f"start: {json.dumps(text)}"}})  # fmt: skip
@@ -212,7 +251,7 @@ def test_auto_reads_a_call_by_the_tools_types(client, stream):
     Search.model_validate_json(call.function.arguments)
 
 
-def test_history_renders_as_the_template_writes_calls(client, http, tok):
+def test_history_renders_as_the_template_writes_calls(client, http, tok, syntax):
     args = {"query": "x", "zip": "12345", "exact": True, "tags": []}
     history = ASK + [
         {"role": "assistant", "content": None, "tool_calls": [
@@ -223,4 +262,5 @@ def test_history_renders_as_the_template_writes_calls(client, http, tok):
     r = create(client, messages=history, tools=tools, max_tokens=2)
     ids = http.post("/tokenize", json={"model": MODEL, "messages": history, "tools": tools}).json()["tokens"]
     assert len(ids) == r.usage.prompt_tokens
-    assert XmlCallFormat().render([("search", args)]).replace("true", "True") in tok.decode(ids)
+    rendered = xml(syntax).render([("search", args)])
+    assert (rendered.replace("true", "True") if syntax == "qwen3_coder" else rendered) in tok.decode(ids)
