@@ -223,7 +223,30 @@ class XmlCallFormat:
         call is read element by element, so a value may hold ``</function>`` or ``</tool_call>`` (code
         about this very syntax)."""
         i = text.find(OPEN)
-        return read_runs(text, i, OPEN, self._run, cut) if i >= 0 else (text, [])
+        return read_runs(text, i, OPEN, self._run, cut, unfinished=self._unfinished) if i >= 0 else (text, [])
+
+    def _unfinished(self, text: str, j: int) -> bool:
+        """Whether the call that opens at ``j`` (its ``<tool_call>``) runs on to the end of ``text``, read
+        as :meth:`elements` reads it: the text ends inside its name, a value (no tag ends it yet), an
+        argument's tags or its closing tags. A call written inside a value is then text of that value, and
+        a marker followed by anything else is prose."""
+        m = self.markup
+        q = _skip_ws(text, j + len(OPEN))
+        name = m.name_re.match(text, q)
+        if name is None:  # the text ends inside the opening, or a marker in prose
+            return _cut_in(text[q:], m.head, "name")
+        pos, closing = name.end(), _squash(m.body_end + CLOSE)
+        while True:
+            at = _skip_ws(text, pos)
+            key = m.key_re.match(text, at)
+            if key is None:  # the text ends inside the closing tags or an argument's opening, or is no call
+                rest = _squash(text[at:])
+                return (closing.startswith(rest) and rest != closing) or _cut_in(text[at:], m.param, "key")
+            end = text.find("\n" + m.value_tag, key.end() - 1) if m.value_line else -1
+            end = end if end >= 0 else text.find(m.value_tag, key.end())
+            if end < 0:
+                return True  # (inside a value)
+            pos = text.index(m.value_tag, end) + len(m.value_tag)
 
     def _run(self, text: str, end: int) -> tuple[list[ToolCall], int]:
         """The whole calls of the run from ``end`` (where a call opens) and where the run ends."""
@@ -331,6 +354,25 @@ class XmlCallScanner:
             args = self.fmt.arguments(self.name, pairs)
             events += [("args", json.dumps(args, ensure_ascii=False)), ("end",)]
             self.name, self.pos = None, end
+
+
+def _squash(text: str) -> str:
+    return "".join(text.split())
+
+
+def _cut_in(text: str, template: str, field: str) -> bool:
+    """Whether ``text`` (whitespace aside) is where ``template`` begins, any name in place of its
+    ``{field}``, and ends before the template does: tags the limit cut."""
+    pre, post = (_squash(part) for part in template.split("{" + field + "}"))
+    rest = _squash(text)
+    if pre.startswith(rest):
+        return True
+    if not rest.startswith(pre):
+        return False
+    k = len(pre)
+    while k < len(rest) and rest[k] not in "<>":
+        k += 1
+    return post.startswith(rest[k:]) and rest[k:] != post
 
 
 # -- values ------------------------------------------------------------------------------------------------

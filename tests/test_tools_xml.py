@@ -142,6 +142,19 @@ def test_it_reads_what_it_writes_by_the_tools_types(syntax):
     assert content is None and [c.name for c in calls] == ["search"]
     content, calls = fmt.parse(fmt.render(CALLS[:1]) + "\nThen.\n" + fmt.render(CALLS[1:])[:-20], cut=True)
     assert content == "Then." and [c.name for c in calls] == ["search"]  # (the words before the cut call)
+    # A call written inside the cut call's value (code about this syntax; no value can hold the tag that
+    # ends it) is none, wherever the limit cut: in the name, an argument's tags, the value, the closing.
+    first, code = fmt.render(CALLS[:1]), "s = '" + fmt.render([("lookup", {})]) + "'\nprint(s)"
+    cut_call = fmt.render([("run", {"code": code})])
+    inner = cut_call.index(OPEN, 1)
+    for at in (len(OPEN) + 2, cut_call.index(code) - 3, inner + 3, cut_call.index(CLOSE) + 4, len(cut_call) - 5):
+        content, calls = fmt.parse(first + "\n" + cut_call[:at], cut=True)
+        assert content is None and [c.name for c in calls] == ["search"], (at, content, calls)
+    # The cut call begins at its own marker: a marker in the prose before it stays prose.
+    prose = "I used <tool_call> tags."
+    for k in (3, 30, len(fmt.render(CALLS[1:])) - len(OPEN) - 2):
+        content, calls = fmt.parse(first + f"\n{prose}\n" + fmt.render(CALLS[1:])[:-k], cut=True)
+        assert content == prose and [c.name for c in calls] == ["search"], (k, content, calls)
     assert fmt.parse("no calls here") == ("no calls here", [])
     content, calls = fmt.parse("First.\n" + fmt.render(CALLS[:1]) + "\nThen.\n" + fmt.render(CALLS[1:]))
     assert content == "First.\nThen." and [(c.name, json.loads(c.arguments)) for c in calls] == CALLS
