@@ -167,7 +167,8 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
         "ngram: prompt lookup; suffix: suffix-tree trees; "
         "lookahead: Jacobi window and n-gram pool, no draft model; "
         "layer-skip: the target with sublayers skipped; medusa, eagle, mtp: heads on the target's hidden states "
-        "(--draft-model DIR); none: plain decoding",
+        "(--draft-model DIR); dflash: a block drafter (--draft-model DIR); nextn: the checkpoint's own "
+        "multi-token-prediction layer (GLM-4.5's); none: plain decoding",
     )
     sp.add_argument(
         "--draft-model",

@@ -18,7 +18,8 @@ What differs from the other mixtures (engine/models/moe.py):
   and RoPE on half of each head (``partial_rotary_factor``, rotate-half within those dimensions).
 - the checkpoints carry a multi-token-prediction layer past the decoder
   (``model.layers.{num_hidden_layers}...``, ``num_nextn_predict_layers`` of them), which the model's
-  forward never runs; it is not read (``checkpoint_skips``).
+  forward never runs; it is not read here (``checkpoint_skips``), but as a drafter of its own
+  (engine/speculative/methods/nextn.py).
 
 Tensor parallelism splits each expert and the shared expert like a dense MLP; the router is
 replicated, so every rank routes alike (engine/models/moe.py).

@@ -232,8 +232,11 @@ def load_model(
     quantization: str | None = None,
     tp: TensorParallel = SINGLE,
     batch_invariant: bool = False,
+    cls: type[torch.nn.Module] | None = None,
 ) -> torch.nn.Module:
     """Build the model without initializing weights (meta device), then fill it from the checkpoint.
+    ``cls``: the model class, where not the one the config's architecture names (a part of the
+    checkpoint served as a model of its own: a multi-token-prediction layer).
     ``pack``: prepack large CPU models' linears (not for a compiled model: inductor packs its own).
     ``batch_invariant``: the model on the batch-invariant operators instead (engine/models/invariant.py),
     compiled or not (they are opaque to inductor).
@@ -248,7 +251,7 @@ def load_model(
     ``tp``: build this rank's shard and read only its slices of the checkpoint (``checkpoint_slice``)."""
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)} or None, got {quantization!r}")
-    cls = model_class_for(config)
+    cls = cls or model_class_for(config)
     qconfig = getattr(config, "quantization_config", None)
     own = dict(qconfig or {}).get("quant_method") in getattr(cls, "checkpoint_quantizations", ())
     try:  # GPTQ, AWQ, compressed-tensors, FP8: dequantized as they load (engine/quant/checkpoint.py)

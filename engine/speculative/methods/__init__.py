@@ -23,6 +23,7 @@ BUILTIN: dict[str, str] = {
     "lookahead": "lookahead:LookaheadProposer",  # a Jacobi window in the verify forward, an n-gram pool
     "medusa": "medusa:MedusaProposer",  # Medusa heads on the last hidden state
     "mtp": "mtp:ChainedHeadsProposer",  # chained multi-token-prediction heads
+    "nextn": "nextn:NextNProposer",  # the checkpoint's own multi-token-prediction layer (GLM-4.5's)
     "ngram": "ngram:NgramProposer",  # prompt lookup
     "ouroboros": "ouroboros:OuroborosProposer",  # a draft model drafting by pooled phrases
     "suffix": "suffix:SuffixProposer",  # suffix trees over the context and earlier outputs
