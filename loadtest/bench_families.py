@@ -6,7 +6,9 @@ On this CPU, on small random-weight checkpoints built in the same run.
 [--compile off|auto|on] [--quick] [--json PATH]`` builds, per family, a random checkpoint at a small
 but real-ish shape (hidden 512, 6 layers, 8 query heads over 2 KV heads, vocab 8192; the
 mixtures scaled down from the released ratios: Qwen3-MoE 64 experts top-8, Qwen2-MoE 16 top-4 with a
-shared expert, Mixtral 8 top-2, GLM-4.5 64 top-8 with a shared expert and its first layer dense),
+shared expert, Mixtral 8 top-2, GLM-4.5 64 top-8 with a shared expert and its first layer dense,
+DeepSeek-V3 the same in 8 groups of which 4 are kept, with latent attention over a latent of a quarter
+of the hidden size),
 saves it with a word-level tokenizer as a Hugging Face directory, and measures, greedy and in one
 process:
 
@@ -60,7 +62,13 @@ from engine.models import model_class
 from engine.offline.measure import machine_description
 from engine.request.sampling_params import SamplingParams
 
-MOE = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM")
+MOE = (
+    "Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "MixtralForCausalLM",
+    "Glm4MoeForCausalLM",
+    "DeepseekV3ForCausalLM",
+)
 DENSE = (
     "LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
     "SmolLM3ForCausalLM", "Olmo2ForCausalLM",
@@ -121,6 +129,22 @@ def family_config(arch: str, s: Shape) -> transformers.PretrainedConfig:
             n_shared_experts=1,
             first_k_dense_replace=1,
             attention_bias=True,
+            norm_topk_prob=True,
+        ),
+        "DeepseekV3ForCausalLM": lambda: transformers.DeepseekV3Config(  # DeepSeek-V3's ratios: 8 groups, top 4
+            **{**common, "num_key_value_heads": s.heads},
+            moe_intermediate_size=s.expert,
+            kv_lora_rank=s.hidden // 4,
+            q_lora_rank=3 * s.hidden // 8,
+            qk_nope_head_dim=s.head_dim,
+            qk_rope_head_dim=s.head_dim // 2,
+            v_head_dim=s.head_dim,
+            n_routed_experts=64,
+            num_experts_per_tok=8,
+            n_group=8,
+            topk_group=4,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
             norm_topk_prob=True,
         ),
         "LlamaForCausalLM": lambda: transformers.LlamaConfig(**common, head_dim=s.head_dim),

@@ -168,7 +168,7 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = True) -> Non
         "lookahead: Jacobi window and n-gram pool, no draft model; "
         "layer-skip: the target with sublayers skipped; medusa, eagle, mtp: heads on the target's hidden states "
         "(--draft-model DIR); dflash: a block drafter (--draft-model DIR); nextn: the checkpoint's own "
-        "multi-token-prediction layer (GLM-4.5's); none: plain decoding",
+        "multi-token-prediction layer (GLM-4.5's, DeepSeek-V3's); none: plain decoding",
     )
     sp.add_argument(
         "--draft-model",

@@ -73,6 +73,23 @@ def moe_config(arch: str, vocab: int = VOCAB) -> transformers.PretrainedConfig:
             routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True, use_qk_norm=True,
             num_nextn_predict_layers=1,
         )  # fmt: skip
+    mla = dict(  # multi-head latent attention: a low-rank latent of 48, 16 + 8 dims a query head, values of 12
+        kv_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, num_key_value_heads=4,
+        intermediate_size=96, moe_intermediate_size=32, n_routed_experts=12, num_experts_per_tok=3,
+        n_shared_experts=1, norm_topk_prob=True,
+    )  # fmt: skip
+    if arch == "DeepseekV3ForCausalLM":  # low-rank queries, YaRN with its softmax scale, 3 of 4 groups' experts
+        yarn = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128,
+                    mscale=1.0, mscale_all_dim=1.0, beta_fast=32, beta_slow=1)  # fmt: skip
+        return transformers.DeepseekV3Config(
+            **{**common, **mla}, q_lora_rank=40, n_group=4, topk_group=3, first_k_dense_replace=1,
+            routed_scaling_factor=2.5, rope_parameters=yarn, num_nextn_predict_layers=1,
+        )  # fmt: skip
+    if arch == "Glm4MoeLiteForCausalLM":  # full-rank queries, plain RoPE, one group; layers 0 and 2 dense
+        return transformers.Glm4MoeLiteConfig(
+            **{**common, **mla}, q_lora_rank=None, n_group=1, topk_group=1, routed_scaling_factor=1.8,
+            mlp_layer_types=["dense", "sparse", "dense", "sparse"],
+        )  # fmt: skip
     raise ValueError(arch)
 
 
@@ -92,7 +109,8 @@ def build_moe_dir(path: Path, tokenizer_dir: Path, arch: str, vocab: int = VOCAB
             elif p.dim() > 1:
                 p.normal_(0.0, std)
             else:
-                p.normal_(1.0 if p.shape[0] in (config.hidden_size, getattr(config, "head_dim", -1)) else 0.0, 0.05)
+                norm = "norm" in name or p.shape[0] in (config.hidden_size, getattr(config, "head_dim", -1))
+                p.normal_(1.0 if norm else 0.0, 0.05)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # GLM's: large enough to change which experts win
                 b.normal_(0.0, 0.3)
@@ -369,8 +387,8 @@ def test_an_unknown_mixture_is_a_clear_error(tmp_path, moe_dirs):
     d = tmp_path / "unknown"
     shutil.copytree(moe_dirs["MixtralForCausalLM"], d)
     cfg = json.loads((d / "config.json").read_text())
-    (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["DeepseekV3ForCausalLM"]}))
-    with pytest.raises(UnsupportedModelError, match=r"DeepseekV3ForCausalLM.*supported: .*Qwen3MoeForCausalLM"):
+    (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["Qwen3NextForCausalLM"]}))
+    with pytest.raises(UnsupportedModelError, match=r"Qwen3NextForCausalLM.*supported: .*Qwen3MoeForCausalLM"):
         load_model(d, load_config(d), torch.float32, torch.device("cpu"), 64)
 
 

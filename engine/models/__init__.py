@@ -11,10 +11,12 @@ import importlib
 from torch import nn
 
 MODEL_REGISTRY: dict[str, str] = {  # architecture → "module:class" under engine.models
+    "DeepseekV3ForCausalLM": "deepseek_v3:DeepseekV3ForCausalLM",
     "Gemma2ForCausalLM": "gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "gemma3:Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration": "gemma3:Gemma3TextForCausalLM",
     "Glm4MoeForCausalLM": "glm4_moe:Glm4MoeForCausalLM",
+    "Glm4MoeLiteForCausalLM": "deepseek_v3:Glm4MoeLiteForCausalLM",
     "GptOssForCausalLM": "gpt_oss:GptOssForCausalLM",
     "LlamaForCausalLM": "llama:LlamaForCausalLM",
     "MistralForCausalLM": "llama:MistralForCausalLM",

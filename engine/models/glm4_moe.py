@@ -123,7 +123,21 @@ class GroupedSigmoidMoE(SparseMoE):
         return sigmoid_route(logits, bias, self.top_k, self.groups, self.top_groups, self.norm_topk_prob, self.scale)
 
 
-class Glm4MoeForCausalLM(MoEWeights, PartialRotaryTables, LlamaForCausalLM):
+class DeepseekLayout:
+    """The checkpoint layout DeepSeek-V3 set and GLM-4.5 and its kin keep, mixed into a model class:
+    the multi-token-prediction layers past the decoder's are not the model's, and the shared expert is
+    ``mlp.shared_experts``."""
+
+    def checkpoint_skips(self, name: str) -> bool:
+        """The multi-token-prediction layers past the decoder's (see the module docstring)."""
+        m = _LAYER.match(name)
+        return m is not None and int(m.group(1)) >= self.config.num_hidden_layers
+
+    def checkpoint_name(self, name: str) -> str:
+        return super().checkpoint_name(name).replace(".mlp.shared_experts.", ".mlp.shared_expert.")
+
+
+class Glm4MoeForCausalLM(DeepseekLayout, MoEWeights, PartialRotaryTables, LlamaForCausalLM):
     def __init__(self, config, max_positions: int | None = None, tp: TensorParallel = SINGLE) -> None:
         check_rotary_dim(config, "GLM-4.5")
         super().__init__(config, max_positions, tp)
@@ -138,11 +152,3 @@ class Glm4MoeForCausalLM(MoEWeights, PartialRotaryTables, LlamaForCausalLM):
     @staticmethod
     def attention_biases(config) -> tuple[bool, bool]:
         return bool(getattr(config, "attention_bias", False)), False  # (o_proj has none)
-
-    def checkpoint_skips(self, name: str) -> bool:
-        """The multi-token-prediction layers past the decoder's (see the module docstring)."""
-        m = _LAYER.match(name)
-        return m is not None and int(m.group(1)) >= self.config.num_hidden_layers
-
-    def checkpoint_name(self, name: str) -> str:
-        return super().checkpoint_name(name).replace(".mlp.shared_experts.", ".mlp.shared_expert.")

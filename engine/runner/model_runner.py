@@ -27,7 +27,6 @@ from engine.attention.kv_dtype import pool_dtype, raw
 from engine.attention.staging import Staging, to_device
 from engine.models.layer_skip import LayerSkip
 from engine.models.packed import linear_weight_bytes
-from engine.parallel import SINGLE, TensorParallel
 from engine.runner.timing import Lap
 
 if TYPE_CHECKING:  # graphs import Triton, which only the triton backend needs
@@ -212,12 +211,11 @@ def mark_pool_static(pool: torch.Tensor) -> None:
     torch._dynamo.mark_static(pool, [d for d in range(pool.dim()) if d != 2])
 
 
-def kv_bytes_per_token(config, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> int:
-    """K and V of one token, all layers; a tensor-parallel rank's (``tp``) of its own KV heads."""
-    num_heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-    kv_heads, _ = tp.kv_heads(config.num_key_value_heads or num_heads)
-    return 2 * config.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """K and V of one token, all layers, in the pool :meth:`ModelRunner.allocate_kv` lays out: this
+    rank's KV heads of the model's attention (one latent for multi-head latent attention)."""
+    attn = model.layers[0].self_attn
+    return 2 * model.num_layers * attn.num_kv_heads * attn.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 def kv_pool_blocks(runner: ModelRunner, extra_bytes_per_token: int, config, max_len: int) -> int:
@@ -268,7 +266,7 @@ class ModelRunner:
         self.pool_dtype = pool_dtype(kv_cache_dtype, dtype)
         self.block_size = block_size
         self.vocab_size = hf_config.vocab_size
-        self.kv_bytes_per_token = kv_bytes_per_token(hf_config, self.pool_dtype, getattr(model, "tp", SINGLE))
+        self.kv_bytes_per_token = kv_bytes_per_token(model, self.pool_dtype)
         self.attention_backend = resolve_backend(attention_backend, device)  # see engine.attention
         self._build_metadata = metadata_builder(self.attention_backend)
         self.batch_invariant = batch_invariant

@@ -1,6 +1,7 @@
 """The checkpoint's own next-token prediction layer as the drafter (``--speculative-method nextn``):
-the multi-token-prediction (MTP) layer GLM-4.5, 4.6 and 4.7 ship past their decoder's layers, which
-SGLang drafts with as ``NEXTN`` and vLLM as ``mtp``.
+the multi-token-prediction (MTP) layer that GLM-4.5, 4.6 and 4.7, DeepSeek-V3 (R1, V3.1) and GLM-4.7-Flash
+ship past their decoder's layers (``num_nextn_predict_layers``), which SGLang drafts with as ``NEXTN``
+and vLLM as ``mtp``.
 
 The layer is DeepSeek-V3's MTP module. Its row ``t`` fuses the target's final (normed) hidden state at
 position ``t`` with the embedding of the token that followed, ``x[t + 1]``::
@@ -8,10 +9,10 @@ position ``t`` with the embedding of the token that followed, ``x[t + 1]``::
     m = eh_proj([enorm(embed(x[t + 1])); hnorm(h[t])])
 
 runs one decoder layer of the target's own kind over the rows (its attention over a small KV cache of
-its own; GLM's layer is a mixture of experts like the target's), and predicts ``x[t + 2]`` with
-``lm_head(norm(g))`` (``norm``: the checkpoint's ``shared_head.norm``). A deeper draft level feeds the
-layer's own output ``g`` in place of ``h``, through the same layer (as SGLang and vLLM chain one layer;
-a checkpoint with more such layers drafts with its first).
+its own, latent attention in DeepSeek-V3's architecture; a mixture of experts like the target's), and
+predicts ``x[t + 2]`` with ``lm_head(norm(g))`` (``norm``: the checkpoint's ``shared_head.norm``). A
+deeper draft level feeds the layer's own output ``g`` in place of ``h``, through the same layer (as
+SGLang and vLLM chain one layer; a checkpoint with more such layers drafts with its first).
 
 Everything around the layer is the EAGLE head's (:mod:`.eagle`): row ``t`` pairs the target's state at
 ``t`` with token ``t + 1``, each step catches up over the rows the target made final (the verify
@@ -56,7 +57,7 @@ class NextNLayer:
     ``model.layers.{num_hidden_layers}`` as a one-layer model the runner drives, loaded by the family's
     own ``load_weights`` (its checkpoint names mapped to a one-layer model's: :meth:`local`)."""
 
-    sliding_window = None  # (GLM's layers have none)
+    sliding_window = None  # (the families with such a layer have none)
 
     def __init__(self, config, max_positions: int | None = None, tp: TensorParallel = SINGLE) -> None:
         nn.Module.__init__(self)

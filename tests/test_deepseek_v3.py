@@ -1,0 +1,112 @@
+"""DeepSeek-V3's architecture (multi-head latent attention over GLM-4.5's mixture) and GLM-4.7-Flash's
+against transformers on tiny random checkpoints: logits within float32 tolerance through a chunked
+prefill and paged decodes, at 1 and 2 ranks; greedy tokens equal to ``generate``; the pool holds one
+latent per token; in bfloat16 a request's tokens alone equal its tokens in a batch; speculation exact,
+its own prediction layer drafting; served through the SDK."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from families import check_served
+from test_engine import check_logits_parity, hf_greedy, run_staggered
+from test_moe import build_moe_dir, make
+from test_nextn import add_nextn_layer
+from test_step import prompts as repetitive_prompts
+from tp_ranks import model_logits, sharded_logits
+
+from engine.models.deepseek_v3 import MlaAttention
+from engine.request.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+ARCHS = ["DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM"]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("mla")
+    return {arch: build_moe_dir(root / arch, tokenizer_dir, arch) for arch in ARCHS}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_match_transformers(dirs, arch):
+    check_logits_parity(dirs[arch], "cpu")
+
+
+def test_the_pool_holds_one_latent_per_token(dirs):
+    """Every layer's attention caches ``[c; k_rot]`` (48 + 8 values) once for all four heads, where
+    per-head keys and values would take 4 x (24 + 12)."""
+    eng = make(dirs["DeepseekV3ForCausalLM"])
+    model = eng.runner.model
+    assert all(isinstance(layer.self_attn, MlaAttention) for layer in model.layers)
+    assert eng.runner.kv_cache.shape[1:] == (2, eng.runner.kv_cache.shape[2], 1, 48 + 8)
+    assert eng.runner.kv_bytes_per_token == 2 * 4 * 56 * 4  # K and V, 4 layers, float32
+    # Low-rank queries on DeepSeek-V3's checkpoint, full-rank ones on GLM-4.7-Flash's; its dense layers
+    # where mlp_layer_types says
+    assert hasattr(model.layers[0].self_attn, "q_b_proj")
+    lite = make(dirs["Glm4MoeLiteForCausalLM"]).runner.model
+    assert hasattr(lite.layers[0].self_attn, "q_proj")
+    assert [type(layer.mlp).__name__ for layer in lite.layers] == ["LlamaMLP", "GroupedSigmoidMoE"] * 2
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_hf_generate(dirs, arch):
+    from test_engine import prompts
+
+    engine = make(dirs[arch], max_num_batched_tokens=40)
+    ps = prompts(5, seed=3, lo=8, hi=40)
+    got = run_staggered(engine, ps, SamplingParams(temperature=0.0, max_tokens=10))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(dirs[arch], dtype=torch.float32).eval()
+    for i, p in enumerate(ps):
+        assert got[f"r{i}"] == hf_greedy(ref, p, 10), i
+
+
+def test_sharded_logits_match_the_unsharded_model(dirs):
+    """-tp 2: each rank holds half of the heads (their queries, their expansion of the latent, their
+    part of the output projection) and of every expert; the latent's projections whole."""
+    ds = [dirs[a] for a in ARCHS]
+    for arch, d, sharded in zip(ARCHS, ds, sharded_logits(ds, 2), strict=True):
+        for want, have in zip(model_logits(d), sharded, strict=True):
+            torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5, msg=arch)
+
+
+def test_in_bfloat16_a_requests_tokens_alone_equal_its_tokens_in_a_batch(dirs):
+    """The absorbed products head by head on the batch-invariant operator."""
+    from test_engine import prompts
+
+    eng = make(dirs["DeepseekV3ForCausalLM"], "none", dtype="bfloat16", batch_invariant="on", compile="off")
+    assert eng.batch_invariant and eng.runner.model.layers[0].self_attn.invariant
+    ps = prompts(10, seed=4, lo=5, hi=30)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    alone = [eng.generate([p], params)[0].outputs[0].delta_token_ids for p in ps]
+    got = run_staggered(eng, ps, params, every=1)
+    assert [got[f"r{i}"] for i in range(len(ps))] == alone
+
+
+@pytest.mark.parametrize("method", ["ngram", "layer-skip", "nextn"])
+def test_speculation_gives_the_plain_decoders_tokens(dirs, tmp_path, method):
+    from test_layer_skip import write_skip
+
+    from engine.models.layer_skip import LayerSkip
+
+    target = dirs["DeepseekV3ForCausalLM"]
+    if method == "nextn":  # its own prediction layer (an MLA layer with a mixture), as the releases ship it
+        target = add_nextn_layer(target, tmp_path / "with-layer")
+    kw = {"layer-skip": dict(layer_skip_config=write_skip(tmp_path, LayerSkip(frozenset({2}), frozenset({2, 3}))))}
+    ps = repetitive_prompts(6, seed=9)
+    ps += [ps[0] + [5, 6, 7, 8]]  # a shared prefix: cached blocks reused
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    plain = [o.outputs[0].delta_token_ids for o in make(target).generate(ps, params)]
+    eng = make(target, method, num_kv_blocks=64, max_num_batched_tokens=40, **kw.get(method, {}))
+    pinned = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, num_draft_tokens=3)
+    assert [o.outputs[0].delta_token_ids for o in eng.generate(ps, pinned)] == plain
+    assert eng.spec_stats.num_drafts > 0
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_served_through_the_sdk(dirs, arch):
+    check_served(dirs[arch], make(dirs[arch]))
