@@ -177,20 +177,27 @@ def build_checkpoint(path: Path, arch: str, shape: Shape, std: float = 0.08, see
     all and active per token (a mixture's unchosen experts left out). Matrices get a wider spread than
     transformers' initializer (as the tests' checkpoints do), which makes near ties between the top two
     logits rarer; norm weights stay near transformers' own start (1, or 0 where the family scales by
-    1 + weight); routers get larger weights, so that tokens spread over the experts."""
+    1 + weight); routers get larger weights, so that tokens spread over the experts (a sigmoid router
+    short of saturating), and a sigmoid router's expert bias random values."""
     torch.manual_seed(seed)
     config = family_config(arch, shape)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     experts = 0
+    # A sigmoid router (DeepSeek-V3's, GLM-4.5's) at 0.5 would saturate: scores of exactly 1.0 tie, and
+    # which of the tied experts a token reads is then the engines' tie-breaking, not the model's.
+    router_std = 2.0 / shape.hidden**0.5 if getattr(config, "topk_group", None) is not None else 0.5
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(".gate.weight"):  # a router (Qwen2-MoE's shared_expert_gate is not one)
-                p.normal_(0.0, 0.5)
+                p.normal_(0.0, router_std)
             elif p.dim() > 1:
                 p.normal_(0.0, std)
             else:
                 p.add_(torch.randn_like(p), alpha=0.05)
             experts += p.numel() if ".experts." in name else 0
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # the learned balance: enough to change a choice
+                b.normal_(0.0, 0.05)
     total = sum(p.numel() for p in model.parameters())
     n = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
     active = total - experts + (experts * config.num_experts_per_tok // n if n else 0)
