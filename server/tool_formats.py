@@ -1,7 +1,7 @@
 """Which call syntax a served model writes: named by ``--tool-call-parser``, or read from its chat template
-(``auto``). The syntaxes themselves are in server/tools.py (the JSON ones and gpt-oss's harmony) and
-server/tool_xml.py (Qwen3-Coder's and Qwen3.5's XML, GLM-4.5's and 4.7's) and server/tool_pythonic.py (a
-Python list of calls: Llama 3.2's, Llama 4's, Gemma 3's)."""
+(``auto``). The syntaxes themselves are in server/tools.py (the JSON ones, DeepSeek's among them, and
+gpt-oss's harmony), server/tool_xml.py (Qwen3-Coder's and Qwen3.5's XML, GLM-4.5's and 4.7's) and
+server/tool_pythonic.py (a Python list of calls: Llama 3.2's, Llama 4's, Gemma 3's)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import dataclasses
 from server.harmony import CHANNEL
 from server.tool_pythonic import PythonicCallFormat
 from server.tool_xml import GLM45, GLM47, XmlCallFormat
-from server.tools import FORMATS, HarmonyFormat, ToolFormat
+from server.tools import DEEPSEEK, FORMATS, HarmonyFormat, ToolFormat
 
 CallSyntax = ToolFormat | HarmonyFormat | XmlCallFormat | PythonicCallFormat
 # (Mistral's v11 syntax is "mistral" too: the template says which.)
@@ -44,6 +44,8 @@ def detect_format(chat_template: str | None) -> CallSyntax:
         return TOOL_PARSERS["harmony"]
     if "[TOOL_CALLS]" in t:
         return mistral_format(t)
+    if DEEPSEEK[0] in t:  # V3's and R1's fence each call's arguments as JSON; V3.1's do not
+        return FORMATS["deepseek_v3" if "```json" in t else "deepseek_v31"]
     if "<tool_call>" in t and "<function=" in t and "<parameter=" in t:  # Qwen3-Coder's and Qwen3.5's XML
         return TOOL_PARSERS["qwen3_coder"]
     if "<tool_call>" in t and "<arg_key>" in t:  # GLM's: 4.7's writes its tags without line ends between

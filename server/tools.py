@@ -336,6 +336,15 @@ class ToolFormat:
         return re.compile(rf"([^\s\[\]{{}}]+)\s*{own_id}{re.escape(self.name_sep.strip())}\s*")
 
 
+# DeepSeek's calls' markers: the calls' opening, a call's, the one between its name and its arguments, a
+# call's closing, the calls'
+DEEPSEEK = (
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁sep｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁calls▁end｜>",
+)
 FORMATS = {
     "hermes": ToolFormat(
         "hermes", "", "<tool_call>\n", "\n</tool_call>", "\n", "", "arguments", markup=("<tool_call>", "</tool_call>")
@@ -361,6 +370,31 @@ FORMATS = {
         name_sep="[ARGS]",
         short_ids=True,
         markup=("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
+    ),  # fmt: skip
+    # DeepSeek's, between markers that are special tokens of its vocabulary: V3's and R1's, each call its
+    # type, its name and its arguments in a fenced JSON block, a line between calls; V3.1's, the name and
+    # the arguments alone.
+    "deepseek_v3": ToolFormat(
+        "deepseek_v3",
+        DEEPSEEK[0],
+        DEEPSEEK[1] + "function" + DEEPSEEK[2],
+        "\n```" + DEEPSEEK[3],
+        "\n",
+        DEEPSEEK[4],
+        "arguments",
+        name_sep="\n```json\n",
+        markup=DEEPSEEK,
+    ),  # fmt: skip
+    "deepseek_v31": ToolFormat(
+        "deepseek_v31",
+        DEEPSEEK[0],
+        DEEPSEEK[1],
+        DEEPSEEK[3],
+        "",
+        DEEPSEEK[4],
+        "arguments",
+        name_sep=DEEPSEEK[2],
+        markup=DEEPSEEK,
     ),  # fmt: skip
 }
 

@@ -465,8 +465,9 @@ def test_each_syntax_reads_what_it_writes_and_its_grammar_compiles(name, srv):
     content, parsed = fmt.parse(fmt.render(calls))
     assert content is None and [(c.name, json.loads(c.arguments)) for c in parsed] == calls
     assert fmt.parse("plain words") == ("plain words", [])
+    cut = 3 + len(fmt.close)  # characters cut off the end: inside the last call, past the calls' closing
     # Cut short inside the second call: the whole first call is a call, the cut one neither call nor content.
-    content, parsed = fmt.parse(fmt.render(calls)[:-3], cut=True)
+    content, parsed = fmt.parse(fmt.render(calls)[:-cut], cut=True)
     assert content is None and [(c.name, json.loads(c.arguments)) for c in parsed] == calls[:1]
     # Whole calls followed by words the model wrote: the calls, and the words as content.
     content, parsed = fmt.parse(fmt.render(calls) + " Done.")
@@ -482,7 +483,7 @@ def test_each_syntax_reads_what_it_writes_and_its_grammar_compiles(name, srv):
         assert content == prose and [(c.name, json.loads(c.arguments)) for c in parsed] == calls
         # Cut in a later run, or in words after the calls: the words written before the cut are content.
         content, parsed = fmt.parse(
-            "First. " + fmt.render(calls[:1]) + " Then. " + fmt.render(calls[1:])[:-3], cut=True
+            "First. " + fmt.render(calls[:1]) + " Then. " + fmt.render(calls[1:])[:-cut], cut=True
         )
         assert content == "First.\nThen." and [(c.name, json.loads(c.arguments)) for c in parsed] == calls[:1]
         content, parsed = fmt.parse(fmt.render(calls) + " Now I will", cut=True)
@@ -491,12 +492,13 @@ def test_each_syntax_reads_what_it_writes_and_its_grammar_compiles(name, srv):
         assert content == "Now" and len(parsed) == 2  # (the limit cut the marker: no markup as content)
         # The cut call begins at its own marker: a marker in the prose before it stays prose.
         prose = f"I used {fmt.marker} tags."
-        content, parsed = fmt.parse(fmt.render(calls[:1]) + f" {prose} " + fmt.render(calls[1:])[:-3], cut=True)
+        content, parsed = fmt.parse(fmt.render(calls[:1]) + f" {prose} " + fmt.render(calls[1:])[:-cut], cut=True)
         assert content == prose and [c.name for c in parsed] == ["get_weather"]
     if fmt.name_sep:  # a call written inside the cut call's arguments (code about calls) is none
         inner = fmt.render([("lookup", {})])
         cut_call = fmt.render([("run", {"code": "x"})]).replace('"x"', json.dumps(f"s = '{inner}'\nprint(s)"))
-        content, parsed = fmt.parse(fmt.render(calls[:1]) + cut_call[:-8], cut=True)
+        inside = cut_call[: -(8 + len(fmt.call_close + fmt.close))]  # (in the arguments' JSON)
+        content, parsed = fmt.parse(fmt.render(calls[:1]) + inside, cut=True)
         assert content is None and [c.name for c in parsed] == ["get_weather"], (content, parsed)
     from engine.request.structured import StructuredOutput
 
