@@ -1,8 +1,9 @@
-"""DeepSeek-V3's architecture (multi-head latent attention over GLM-4.5's mixture) and GLM-4.7-Flash's
-against transformers on tiny random checkpoints: logits within float32 tolerance through a chunked
-prefill and paged decodes, at 1 and 2 ranks; greedy tokens equal to ``generate``; the pool holds one
-latent per token; in bfloat16 a request's tokens alone equal its tokens in a batch; speculation exact,
-its own prediction layer drafting; served through the SDK."""
+"""DeepSeek-V3's architecture (multi-head latent attention over GLM-4.5's mixture), GLM-4.7-Flash's and
+DeepSeek-V2's (the same attention over a group-limited softmax router) against transformers on tiny
+random checkpoints: logits within float32 tolerance through a chunked prefill and paged decodes, at 1
+and 2 ranks; greedy tokens equal to ``generate``; the pool holds one latent per token; in bfloat16 a
+request's tokens alone equal its tokens in a batch; speculation exact, its own prediction layer
+drafting; served through the SDK."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from engine.models.deepseek_v3 import MlaAttention
 from engine.request.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-ARCHS = ["DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM"]
+ARCHS = ["DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "DeepseekV2ForCausalLM"]
 
 
 @pytest.fixture(scope="module")

@@ -90,6 +90,11 @@ def moe_config(arch: str, vocab: int = VOCAB) -> transformers.PretrainedConfig:
             **{**common, **mla}, q_lora_rank=None, n_group=1, topk_group=1, routed_scaling_factor=1.8,
             mlp_layer_types=["dense", "sparse", "dense", "sparse"],
         )  # fmt: skip
+    if arch == "DeepseekV2ForCausalLM":  # V2's: a softmax router, top 3 in the best 2 of 4 groups, not renormalized
+        return transformers.DeepseekV2Config(
+            **{**common, **mla, "norm_topk_prob": False, "n_shared_experts": 2}, q_lora_rank=40, n_group=4,
+            topk_group=2, topk_method="group_limited_greedy", first_k_dense_replace=1, routed_scaling_factor=16.0,
+        )  # fmt: skip
     raise ValueError(arch)
 
 

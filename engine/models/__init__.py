@@ -11,6 +11,7 @@ import importlib
 from torch import nn
 
 MODEL_REGISTRY: dict[str, str] = {  # architecture → "module:class" under engine.models
+    "DeepseekV2ForCausalLM": "deepseek_v3:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "deepseek_v3:DeepseekV3ForCausalLM",
     "Gemma2ForCausalLM": "gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "gemma3:Gemma3ForCausalLM",

@@ -1,5 +1,7 @@
-"""DeepSeek-V3's architecture (``DeepseekV3ForCausalLM``: DeepSeek-V3, R1, V3.1, Kimi-K2) and GLM-4.7-Flash
-(``Glm4MoeLiteForCausalLM``): multi-head latent attention (MLA) over GLM-4.5's mixture of experts.
+"""DeepSeek-V3's architecture (``DeepseekV3ForCausalLM``: DeepSeek-V3, R1, V3.1) and GLM-4.7-Flash
+(``Glm4MoeLiteForCausalLM``): multi-head latent attention (MLA) over GLM-4.5's mixture of experts; and
+DeepSeek-V2's (``DeepseekV2ForCausalLM``: V2, V2-Lite, Coder-V2), the same attention over a softmax
+router limited to the best groups (:class:`GroupLimitedMoE`).
 
 The mixture is :class:`~engine.models.glm4_moe.GroupedSigmoidMoE` (sigmoid scores, an expert bias that
 picks, expert groups, a scaled renormalized weight, an ungated shared expert), in every layer from
@@ -41,7 +43,7 @@ from torch import nn
 from engine.attention import AttentionMetadata, paged_attention
 from engine.models.glm4_moe import DeepseekLayout, GroupedSigmoidMoE
 from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, RMSNorm, apply_rope
-from engine.models.moe import MoEWeights
+from engine.models.moe import MoEWeights, SparseMoE, largest
 from engine.parallel import SINGLE, TensorParallel
 
 
@@ -185,3 +187,42 @@ class DeepseekV3ForCausalLM(DeepseekLayout, MoEWeights, LlamaForCausalLM):
 
 class Glm4MoeLiteForCausalLM(DeepseekV3ForCausalLM):
     """GLM-4.7-Flash: DeepSeek-V3's architecture (its mixture layers where ``mlp_layer_types`` says)."""
+
+
+class GroupLimitedMoE(SparseMoE):
+    """DeepSeek-V2's mixture: the softmax over every expert, its ``k`` largest (under
+    ``topk_method: group_limited_greedy`` only among the experts of the ``topk_group`` groups whose best
+    expert scores highest), not renormalized, times ``routed_scaling_factor``; an ungated shared expert."""
+
+    def __init__(self, config, tp: TensorParallel = SINGLE) -> None:
+        E = config.n_routed_experts
+        super().__init__(
+            config.hidden_size, config.moe_intermediate_size, E, config.num_experts_per_tok, False, config.hidden_act,
+            tp, shared_intermediate=config.moe_intermediate_size * (config.n_shared_experts or 0), shared_gate=False,
+        )  # fmt: skip
+        method = getattr(config, "topk_method", "greedy") or "greedy"
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(f"DeepSeek-V2's topk_method {method!r} is not supported (greedy, group_limited_greedy)")
+        self.groups = (config.n_group or 1) if method == "group_limited_greedy" else 1
+        if E % self.groups or not 0 < (config.topk_group or 1) <= self.groups:
+            raise ValueError(f"n_group ({self.groups}) must divide n_routed_experts ({E}), topk_group be in 1..n_group")
+        self.top_groups = config.topk_group or 1
+        self.scale = float(config.routed_scaling_factor or 1.0)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        if self.groups > 1:  # (masked to 0, as the released code masks them: no kept expert scores 0)
+            best = probs.view(-1, self.groups, self.num_experts // self.groups).amax(-1)
+            kept = torch.zeros_like(best, dtype=torch.bool).scatter_(1, largest(best, self.top_groups)[1], True)
+            probs = probs.masked_fill(~kept.repeat_interleave(self.num_experts // self.groups, dim=1), 0.0)
+        weights, ids = largest(probs, self.top_k)
+        return ids, weights * self.scale
+
+
+class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
+    """DeepSeek-V2 and V2-Lite (and DeepSeek-Coder-V2): latent attention (V2-Lite's queries full-rank)
+    over :class:`GroupLimitedMoE`."""
+
+    def decoder_layer(self, config, i: int, qkv_bias: bool, o_bias: bool, tp: TensorParallel) -> nn.Module:
+        moe = GroupLimitedMoE(config, tp) if self.sparse(config, i) else None
+        return LlamaDecoderLayer(config, i, False, False, False, tp, mlp=moe, attn=MlaAttention(config, i, tp))
