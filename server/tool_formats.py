@@ -6,6 +6,7 @@ server/tool_pythonic.py (a Python list of calls: Llama 3.2's, Llama 4's, Gemma 3
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from server.harmony import CHANNEL
 from server.tool_pythonic import PythonicCallFormat
@@ -45,7 +46,8 @@ def detect_format(chat_template: str | None) -> CallSyntax:
     if "[TOOL_CALLS]" in t:
         return mistral_format(t)
     if DEEPSEEK[0] in t:  # V3's and R1's fence each call's arguments as JSON; V3.1's do not
-        return FORMATS["deepseek_v3" if "```json" in t else "deepseek_v31"]
+        fmt = FORMATS["deepseek_v3" if "```json" in t else "deepseek_v31"]
+        return dataclasses.replace(fmt, text_arguments=re.search(r"\['arguments'\]\s*\+", t) is not None)
     if "<tool_call>" in t and "<function=" in t and "<parameter=" in t:  # Qwen3-Coder's and Qwen3.5's XML
         return TOOL_PARSERS["qwen3_coder"]
     if "<tool_call>" in t and "<arg_key>" in t:  # GLM's: 4.7's writes its tags without line ends between

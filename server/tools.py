@@ -99,6 +99,9 @@ class ToolFormat:
     # Before the id a model writes between the name and ``name_sep`` (Mistral Small 3.2's ``[CALL_ID]``).
     id_sep: str = ""
     short_ids: bool = False  # call ids of 9 letters and digits (Mistral's templates refuse any other)
+    # The template joins a call's arguments to its text with ``+`` (DeepSeek's own): the history passes
+    # them as their JSON text, where other templates take the object (and write it with ``tojson``).
+    text_arguments: bool = False
     markup: tuple[str, ...] = ()  # pieces of the syntax that may be one special token of a vocabulary
     specials: tuple[tuple[str, int], ...] = ()  # those that are in the served model's, with their ids (bind)
 
@@ -133,17 +136,26 @@ class ToolFormat:
         return short_id() if self.short_ids else call_id()
 
     def history(self, messages: list[dict]) -> list[dict]:
-        """``messages`` with call ids this format's templates take (:func:`short_id` where it needs them)."""
-        if not self.short_ids:
+        """``messages`` with call ids this format's templates take (:func:`short_id` where it needs them),
+        and the calls' arguments as text where the template joins them to text (``text_arguments``)."""
+        if not self.short_ids and not self.text_arguments:
             return messages
         out = []
         for m in messages:
             if m.get("tool_calls"):
-                m = {**m, "tool_calls": [{**c, "id": short_id(c.get("id") or "")} for c in m["tool_calls"]]}
-            if m.get("role") == "tool":
+                m = {**m, "tool_calls": [self._history_call(c) for c in m["tool_calls"]]}
+            if m.get("role") == "tool" and self.short_ids:
                 m = {**m, "tool_call_id": short_id(m.get("tool_call_id") or "")}
             out.append(m)
         return out
+
+    def _history_call(self, call: dict) -> dict:
+        if self.short_ids:
+            call = {**call, "id": short_id(call.get("id") or "")}
+        args = (call.get("function") or {}).get("arguments")
+        if self.text_arguments and not isinstance(args, str):
+            call = {**call, "function": {**call["function"], "arguments": json.dumps(args, ensure_ascii=False)}}
+        return call
 
     # -- writing --------------------------------------------------------------------------------------
     def grammar(self, tools: list[dict], parallel: bool) -> str:

@@ -45,6 +45,16 @@ def test_the_pool_holds_one_latent_per_token(dirs):
     assert all(isinstance(layer.self_attn, MlaAttention) for layer in model.layers)
     assert eng.runner.kv_cache.shape[1:] == (2, eng.runner.kv_cache.shape[2], 1, 48 + 8)
     assert eng.runner.kv_bytes_per_token == 2 * 4 * 56 * 4  # K and V, 4 layers, float32
+    # An FP8 cache's scales: K and V hold the same latent, so both take the larger of a checkpoint's two
+    attn = model.layers[0].self_attn
+    attn.set_kv_scale("k", torch.tensor(0.5))
+    attn.set_kv_scale("v", torch.tensor(2.0))
+    assert attn.kv_scales.flatten().tolist() == [2.0, 2.0]
+    attn.kv_scales = None
+    # The Triton kernel's tiles do not fit the latent's wide head: asked for, it is a clear error (auto
+    # takes the sdpa backend on a GPU)
+    with pytest.raises(ValueError, match="not built for the triton attention backend"):
+        make(dirs["DeepseekV3ForCausalLM"], attention_backend="triton", compile="off")
     # Low-rank queries on DeepSeek-V3's checkpoint, full-rank ones on GLM-4.7-Flash's; its dense layers
     # where mlp_layer_types says
     assert hasattr(model.layers[0].self_attn, "q_b_proj")
@@ -87,13 +97,16 @@ def test_in_bfloat16_a_requests_tokens_alone_equal_its_tokens_in_a_batch(dirs):
     assert [got[f"r{i}"] for i in range(len(ps))] == alone
 
 
-@pytest.mark.parametrize("method", ["ngram", "layer-skip", "nextn"])
-def test_speculation_gives_the_plain_decoders_tokens(dirs, tmp_path, method):
+@pytest.mark.parametrize(
+    "arch,method",
+    [("DeepseekV3ForCausalLM", m) for m in ["ngram", "layer-skip", "nextn"]] + [("Glm4MoeLiteForCausalLM", "nextn")],
+)
+def test_speculation_gives_the_plain_decoders_tokens(dirs, tmp_path, arch, method):
     from test_layer_skip import write_skip
 
     from engine.models.layer_skip import LayerSkip
 
-    target = dirs["DeepseekV3ForCausalLM"]
+    target = dirs[arch]
     if method == "nextn":  # its own prediction layer (an MLA layer with a mixture), as the releases ship it
         target = add_nextn_layer(target, tmp_path / "with-layer")
     kw = {"layer-skip": dict(layer_skip_config=write_skip(tmp_path, LayerSkip(frozenset({2}), frozenset({2, 3}))))}
@@ -106,6 +119,22 @@ def test_speculation_gives_the_plain_decoders_tokens(dirs, tmp_path, method):
     assert [o.outputs[0].delta_token_ids for o in eng.generate(ps, pinned)] == plain
     assert eng.spec_stats.num_drafts > 0
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def test_nf4_reads_the_layouts_names(dirs, tmp_path):
+    """--quantization nf4 finds each linear under the family's names (``shared_experts``) and, for the
+    prediction layer, under the one-layer model's; the layer drafts exactly for the NF4 target."""
+    from engine.quant.nf4 import NF4Linear
+
+    target = add_nextn_layer(dirs["DeepseekV3ForCausalLM"], tmp_path / "with-layer")
+    ps = repetitive_prompts(3, seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, num_draft_tokens=3)
+    plain = make(target, quantization="nf4")
+    eng = make(target, "nextn", quantization="nf4")
+    assert isinstance(plain.runner.model.layers[1].mlp.shared_expert.down_proj, NF4Linear)
+    assert isinstance(eng.proposer.head.layers[0].self_attn.q_b_proj, NF4Linear)
+    want = [o.outputs[0].delta_token_ids for o in plain.generate(ps, params)]
+    assert [o.outputs[0].delta_token_ids for o in eng.generate(ps, params)] == want
 
 
 @pytest.mark.parametrize("arch", ARCHS)

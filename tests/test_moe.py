@@ -88,7 +88,7 @@ def moe_config(arch: str, vocab: int = VOCAB) -> transformers.PretrainedConfig:
     if arch == "Glm4MoeLiteForCausalLM":  # full-rank queries, plain RoPE, one group; layers 0 and 2 dense
         return transformers.Glm4MoeLiteConfig(
             **{**common, **mla}, q_lora_rank=None, n_group=1, topk_group=1, routed_scaling_factor=1.8,
-            mlp_layer_types=["dense", "sparse", "dense", "sparse"],
+            mlp_layer_types=["dense", "sparse", "dense", "sparse"], num_nextn_predict_layers=1,
         )  # fmt: skip
     if arch == "DeepseekV2ForCausalLM":  # V2's: a softmax router, top 3 in the best 2 of 4 groups, not renormalized
         return transformers.DeepseekV2Config(

@@ -149,6 +149,20 @@ def test_in_bfloat16_a_requests_tokens_are_its_plain_tokens_in_any_batch(glm):
     assert eng.spec_stats.num_drafts > 0
 
 
+def test_in_bfloat16_the_layers_linears_are_packed_as_the_targets(glm):
+    """Without the invariant operators a CPU packs the linears of a bfloat16 model (its small-rows
+    layers): the layer's own, not the target's output layer, which it shares."""
+    eng = make(glm, "nextn", dtype="bfloat16", batch_invariant="off", compile="off")
+    head, target = eng.proposer.head, eng.runner.model
+    assert type(head.eh_proj) is type(target.layers[3].self_attn.qkv_proj) and not isinstance(
+        head.eh_proj, torch.nn.Linear
+    )
+    assert head.lm_head is target.lm_head
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, num_draft_tokens=3)
+    out = eng.generate(repetitive_prompts(3, seed=1), params)
+    assert all(len(o.outputs[0].delta_token_ids) == 12 for o in out) and eng.spec_stats.num_drafts > 0
+
+
 def test_served_through_the_sdk(glm):
     from families import check_served
 

@@ -39,9 +39,11 @@ _TAIL = (
     "<｜tool▁output▁begin｜>{{ m['content'] }}<｜tool▁output▁end｜>{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}"
 )
-TEMPLATES = {  # V3's (R1's) and V3.1's way of writing an assistant's calls
-    "deepseek_v3": _HEAD + "{% if not loop.first %}\n{% endif %}<｜tool▁call▁begin｜>function<｜tool▁sep｜>"
-    "{{ c['function']['name'] }}\n```json\n{{ c['function']['arguments'] | tojson }}\n```<｜tool▁call▁end｜>" + _TAIL,
+TEMPLATES = {  # V3's (R1's) and V3.1's way of writing an assistant's calls; V3's joins the arguments as
+    # text, as DeepSeek's own templates do, V3.1's writes them with tojson (as vLLM's example templates do)
+    "deepseek_v3": _HEAD
+    + "{% if not loop.first %}{{ '\\n' }}{% endif %}{{ '<｜tool▁call▁begin｜>function<｜tool▁sep｜>' "
+    "+ c['function']['name'] + '\\n```json\\n' + c['function']['arguments'] + '\\n```<｜tool▁call▁end｜>' }}" + _TAIL,
     "deepseek_v31": _HEAD + "<｜tool▁call▁begin｜>{{ c['function']['name'] }}<｜tool▁sep｜>"
     "{{ c['function']['arguments'] | tojson }}<｜tool▁call▁end｜>" + _TAIL,
 }
@@ -100,6 +102,7 @@ def create(client, **kw):
 def test_the_template_picks_the_syntax_and_the_grammars_name_the_markers(srv, syntax, tok):
     fmt = srv.app.state.augur.tool_format
     assert fmt.name == syntax and fmt == detect_format(TEMPLATES[syntax]).bind(tok)
+    assert fmt.text_arguments is (syntax == "deepseek_v3")  # (the template joins them to text)
     assert sorted(fmt.special_ids) == sorted(tok.convert_tokens_to_ids(list(DEEPSEEK)))
     functions = [t["function"] for t in TOOLS]
     llt = llguidance.hf.from_tokenizer(tok, n_vocab=VOCAB, eos_token=[1])

@@ -46,6 +46,8 @@ from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, RMSNorm, ap
 from engine.models.moe import MoEWeights, SparseMoE, largest
 from engine.parallel import SINGLE, TensorParallel
 
+LATENT_EPS = 1e-6  # the latents' norms' epsilon in the released code and transformers (not rms_norm_eps)
+
 
 def yarn_mscale(factor: float, mscale: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
@@ -75,6 +77,9 @@ class MlaAttention(nn.Module):
     is ``[c; k_rot]``."""
 
     invariant = False  # (LlamaForCausalLM.use_invariant_ops sets it)
+    # The Triton paged kernel's tiles do not fit one 576-wide KV head read by up to 128 query heads (its
+    # shared memory at DeepSeek-V3's shape is past an H200's): on a GPU the runner takes the sdpa backend.
+    triton_paged = False
 
     def __init__(self, config, layer_idx: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -86,12 +91,12 @@ class MlaAttention(nn.Module):
         q_rows = self.num_heads * (self.nope + self.rot)
         if config.q_lora_rank:
             self.q_a_proj = nn.Linear(h, config.q_lora_rank, bias=bias)
-            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_EPS)
             self.q_b_proj = nn.Linear(config.q_lora_rank, q_rows, bias=False)
         else:
             self.q_proj = nn.Linear(h, q_rows, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(h, self.rank + self.rot, bias=bias)
-        self.kv_a_layernorm = RMSNorm(self.rank, config.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(self.rank, LATENT_EPS)
         self.kv_b_proj = Expansion(self.num_heads * (self.nope + self.v_dim), self.rank)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=bias)
         self.interleaved = bool(getattr(config, "rope_interleave", True))
@@ -143,12 +148,15 @@ class MlaAttention(nn.Module):
         return torch.stack(heads, 1)
 
     def set_kv_scale(self, which: str, scale: torch.Tensor) -> None:
+        """A checkpoint's FP8 KV-cache scale. The pool holds the one latent ``[c; k_rot]`` as both K and V,
+        where a checkpoint calibrated on transformers' cache scales ``c`` by its K scale and ``k_rot`` by
+        its V scale: both copies take the larger, so that neither part saturates."""
         scale = scale.detach().float().flatten()
         if scale.numel() != 1:
             raise ValueError(f"a {which} scale of the latent KV cache has {scale.numel()} values: one expected")
         if self.kv_scales is None:
-            self.kv_scales = torch.ones(2, 1, device=scale.device)
-        self.kv_scales[0 if which == "k" else 1] = scale
+            self.kv_scales = scale.expand(2, 1).clone()
+        self.kv_scales = torch.maximum(self.kv_scales, scale)
 
     def checkpoint_slice(self, name: str, r: int) -> tuple[int, int, int] | str | None:
         """What of this attention's checkpoint tensor ``name`` (after ``self_attn.``) rank ``r`` holds."""
@@ -172,8 +180,8 @@ class DeepseekV3ForCausalLM(DeepseekLayout, MoEWeights, LlamaForCausalLM):
     @staticmethod
     def sparse(config, i: int) -> bool:
         kinds = getattr(config, "mlp_layer_types", None)
-        if kinds:
-            return kinds[i] == "sparse"
+        if kinds:  # (a prediction layer past them, served by nextn, is a mixture)
+            return i >= len(kinds) or kinds[i] == "sparse"
         return i >= (getattr(config, "first_k_dense_replace", 0) or 0)
 
     def checkpoint_slice(self, name: str) -> tuple[int, int, int] | str | None:

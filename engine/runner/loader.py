@@ -413,8 +413,9 @@ class _NF4Loading:
             self.layers[name] = layer
 
     def target(self, checkpoint_module: str) -> tuple[str, object]:
-        """Our module for a checkpoint module, and which shard of it (None: all of it)."""
-        name = checkpoint_module.removeprefix("model.") + ".weight"
+        """Our module for a checkpoint module, and which shard of it (None: all of it): named as the
+        model names it (``checkpoint_name``: a family's renames), then fused."""
+        name = self.model.checkpoint_name(checkpoint_module + ".weight")
         for piece, (fused, shard) in self.fused.items():
             if piece in name:
                 return name.replace(piece, fused).removesuffix(".weight"), shard

@@ -268,6 +268,16 @@ class ModelRunner:
         self.vocab_size = hf_config.vocab_size
         self.kv_bytes_per_token = kv_bytes_per_token(model, self.pool_dtype)
         self.attention_backend = resolve_backend(attention_backend, device)  # see engine.attention
+        if self.attention_backend == "triton" and not getattr(model.layers[0].self_attn, "triton_paged", True):
+            # (a model whose attention the Triton kernel's tiles do not fit: latent attention's wide head)
+            if attention_backend != "auto":
+                raise ValueError(
+                    f"{type(model).__name__}'s attention is not built for the triton attention backend: serve "
+                    "with --attention-backend sdpa (or auto)"
+                )
+            logger.info("%s: the sdpa attention backend (the triton one is not built for its attention)",
+                        type(model).__name__)  # fmt: skip
+            self.attention_backend = "sdpa"
         self._build_metadata = metadata_builder(self.attention_backend)
         self.batch_invariant = batch_invariant
         if batch_invariant:

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from engine.models.llama import LlamaForCausalLM, RMSNorm
+from engine.models.packed import PackedLinear, pack_linears
 from engine.parallel import SINGLE, TensorParallel
 from engine.runner.loader import checkpoint_keys, load_model, resolve_model_path
 from engine.runner.model_runner import ForwardBatch, ForwardChunk, ModelRunner
@@ -114,6 +115,10 @@ class NextNLayer:
 
     def take_kv_scales(self, weights):
         return super().take_kv_scales((self.local(name), t) for name, t in weights)
+
+    def pack_for_cpu(self, layer: type[nn.Module] = PackedLinear) -> None:
+        """The layer's own linears packed; the output layer is the target's, packed with it."""
+        pack_linears(self, layer)
 
     def expected_slots(self, pname: str) -> set[str]:
         return set() if pname.startswith("embed_tokens.") else super().expected_slots(pname)
