@@ -137,6 +137,24 @@ def test_nf4_reads_the_layouts_names(dirs, tmp_path):
     assert [o.outputs[0].delta_token_ids for o in eng.generate(ps, params)] == want
 
 
+@pytest.mark.gpu
+def test_on_a_gpu_latent_attention_runs_on_sdpa_and_matches_transformers(dirs, tmp_path):
+    """On CUDA the runner takes the sdpa backend for latent attention; logits within tolerance of
+    transformers', and the prediction layer drafts exactly there."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    target = dirs["DeepseekV3ForCausalLM"]
+    check_logits_parity(target, "cuda")
+    target = add_nextn_layer(target, tmp_path / "with-layer")
+    ps = repetitive_prompts(4, seed=9)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, num_draft_tokens=3)
+    plain = make(target, device="cuda")
+    assert plain.runner.attention_backend == "sdpa"
+    want = [o.outputs[0].delta_token_ids for o in plain.generate(ps, params)]
+    eng = make(target, "nextn", device="cuda")
+    assert [o.outputs[0].delta_token_ids for o in eng.generate(ps, params)] == want
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_served_through_the_sdk(dirs, arch):
     check_served(dirs[arch], make(dirs[arch]))

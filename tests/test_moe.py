@@ -135,7 +135,8 @@ def make(model_dir, method: str | None = None, **kw) -> LLMEngine:
     kw.setdefault("num_kv_blocks", 256)
     kw.setdefault("block_size", 4)
     kw.setdefault("dtype", "float32")
-    return LLMEngine(EngineConfig(model=str(model_dir), device="cpu", speculative_method=method, **kw))
+    kw.setdefault("device", "cpu")
+    return LLMEngine(EngineConfig(model=str(model_dir), speculative_method=method, **kw))
 
 
 # -- the block -----------------------------------------------------------------------------------------
