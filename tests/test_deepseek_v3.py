@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 from families import check_served
-from test_engine import check_logits_parity, hf_greedy, run_staggered
-from test_moe import build_moe_dir, make
+from test_engine import check_logits_parity, run_staggered
+from test_moe import build_moe_dir, check_greedy_matches_generate, make
 from test_nextn import add_nextn_layer
 from test_step import prompts as repetitive_prompts
 from tp_ranks import model_logits, sharded_logits
@@ -65,14 +64,7 @@ def test_the_pool_holds_one_latent_per_token(dirs):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_matches_hf_generate(dirs, arch):
-    from test_engine import prompts
-
-    engine = make(dirs[arch], max_num_batched_tokens=40)
-    ps = prompts(5, seed=3, lo=8, hi=40)
-    got = run_staggered(engine, ps, SamplingParams(temperature=0.0, max_tokens=10))
-    ref = transformers.AutoModelForCausalLM.from_pretrained(dirs[arch], dtype=torch.float32).eval()
-    for i, p in enumerate(ps):
-        assert got[f"r{i}"] == hf_greedy(ref, p, 10), i
+    check_greedy_matches_generate(dirs[arch])
 
 
 def test_sharded_logits_match_the_unsharded_model(dirs):

@@ -218,16 +218,21 @@ def test_the_checkpoints_route_tokens_to_many_experts(moe_dirs):
     assert len(ids.unique()) >= 6
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_matches_hf_generate(moe_dirs, arch):
+def check_greedy_matches_generate(model_dir: Path) -> None:
+    """Greedy tokens equal to transformers' ``generate``, requests joining a running batch."""
     from test_engine import prompts
 
-    engine = make(moe_dirs[arch], max_num_batched_tokens=40)
+    engine = make(model_dir, max_num_batched_tokens=40)
     ps = prompts(5, seed=3, lo=8, hi=40)
     got = run_staggered(engine, ps, SamplingParams(temperature=0.0, max_tokens=10))
-    ref = transformers.AutoModelForCausalLM.from_pretrained(moe_dirs[arch], dtype=torch.float32).eval()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for i, p in enumerate(ps):
         assert got[f"r{i}"] == hf_greedy(ref, p, 10), i
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_hf_generate(moe_dirs, arch):
+    check_greedy_matches_generate(moe_dirs[arch])
 
 
 def test_sharded_logits_match_the_unsharded_model(moe_dirs):

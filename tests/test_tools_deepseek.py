@@ -17,6 +17,7 @@ import llguidance.hf
 import pytest
 import transformers
 from test_tools import MODELS, TOOLS, check_calls, choice_of, drafted_server, template_model
+from test_tools_mistral import ids_of
 
 from conftest import VOCAB
 from server.tool_formats import detect_format
@@ -76,10 +77,6 @@ def srv(model_dir) -> Iterator[Served]:
 @pytest.fixture(scope="module")
 def tok(model_dir):
     return transformers.AutoTokenizer.from_pretrained(model_dir)
-
-
-def ids_of(tok, *pieces: str) -> list[int]:
-    return [i for p in pieces for i in tok.encode(p, add_special_tokens=False)]
 
 
 def written(tok, syntax: str, name: str, args: dict) -> str:

@@ -458,11 +458,15 @@ class EagleProposer(DraftModelProposer):
                 embed = whole_embedding(resolve_model_path(config.model), embed, target.vocab_size)
             head, ids = load_eagle(path, target.hf_config, embed, target.dtype, target.device, max_positions)
             runner = ModelRunner(head, head.config, target.device, target.dtype, **runner_kwargs)
-        aux = tuple(j - 1 for j in ids)  # hidden_states[j] is decoder layer j - 1's output
+        return cls.around(runner, tuple(j - 1 for j in ids), config, target, eos_token_ids)  # (decoder layer j - 1's)
+
+    @classmethod
+    def around(cls, runner: ModelRunner, layers: tuple[int, ...], config, target: ModelRunner, eos_token_ids):
+        """The proposer around a built head, reading the outputs of the target's decoder ``layers``."""
         stop = early_stop_for(config, default=None)
         tree, topk, budget = config.spec_tree_topk > 1, config.spec_tree_topk, config.spec_tree_budget
         return cls(
-            runner, aux, target.vocab_size, eos_token_ids, tree, topk, budget, config.max_num_batched_tokens, stop
+            runner, layers, target.vocab_size, eos_token_ids, tree, topk, budget, config.max_num_batched_tokens, stop
         )
 
     @classmethod

@@ -40,7 +40,6 @@ from engine.models.packed import PackedLinear, pack_linears
 from engine.parallel import SINGLE, TensorParallel
 from engine.runner.loader import checkpoint_keys, load_model, resolve_model_path
 from engine.runner.model_runner import ForwardBatch, ForwardChunk, ModelRunner
-from engine.speculative.early_stop import early_stop_for
 from engine.speculative.methods.eagle import EagleProposer
 
 # the layer's own tensors past its decoder layer's (checkpoint name after "model.layers.{L}.") -> ours
@@ -193,11 +192,7 @@ class NextNProposer(EagleProposer):
             head, one, dtype = nextn_shard(SINGLE, target.device, target, *args)
             runner = ModelRunner(head, one, target.device, dtype, **runner_kwargs)
         last = (target.hf_config.num_hidden_layers - 1,)  # the target's last layer: its state before the final norm
-        stop = early_stop_for(config, default=None)
-        tree, topk, budget = config.spec_tree_topk > 1, config.spec_tree_topk, config.spec_tree_budget
-        return cls(
-            runner, last, target.vocab_size, eos_token_ids, tree, topk, budget, config.max_num_batched_tokens, stop
-        )
+        return cls.around(runner, last, config, target, eos_token_ids)
 
     @classmethod
     def claims(cls, path: Path) -> bool:
