@@ -127,11 +127,7 @@ class MlaAttention(nn.Module):
         c, k_rot = self.kv_a_proj_with_mqa(x).split([self.rank, self.rot], -1)
         latent = torch.cat([self.kv_a_layernorm(c), self.rope(k_rot.unsqueeze(1), cos, sin).squeeze(1)], -1)
         w_uk, w_uv = self.absorbed()
-        q_lat = (
-            self._per_head(q_nope, w_uk.transpose(1, 2))
-            if self.invariant
-            else torch.einsum("thn,hnr->thr", q_nope, w_uk)
-        )
+        q_lat = self._per_head(q_nope, self.w_uk_t) if self.invariant else torch.einsum("thn,hnr->thr", q_nope, w_uk)
         query = torch.cat([q_lat, self.rope(q_rot, cos, sin)], -1)
         kv = latent.unsqueeze(1)  # [T, 1, rank + rot]: the key and the value
         out = paged_attention(query, kv, kv, kv_pool, layer, meta, self.scale, kv_scales=self.kv_scales).view(
@@ -144,8 +140,13 @@ class MlaAttention(nn.Module):
     def _per_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """``x [T, heads, K] -> [T, heads, N]`` by ``w [heads, N, K]``, one head at a time on the
         batch-invariant product (a row's sums in the same order at any T)."""
-        heads = [torch.ops.augur.invariant_linear(x[:, i].contiguous(), w[i].contiguous(), None) for i in range(len(w))]
+        heads = [torch.ops.augur.invariant_linear(x[:, i].contiguous(), w[i], None) for i in range(len(w))]
         return torch.stack(heads, 1)
+
+    def keep_absorbed(self) -> None:
+        """For :meth:`_per_head`, once the weights have loaded: ``W_UK`` transposed, each head's
+        contiguous (``W_UV``'s heads are already), so that no forward copies them."""
+        self.register_buffer("w_uk_t", self.absorbed()[0].transpose(1, 2).contiguous(), persistent=False)
 
     def set_kv_scale(self, which: str, scale: torch.Tensor) -> None:
         """A checkpoint's FP8 KV-cache scale. The pool holds the one latent ``[c; k_rot]`` as both K and V,
@@ -173,9 +174,17 @@ class MlaAttention(nn.Module):
 class DeepseekV3ForCausalLM(DeepseekLayout, MoEWeights, LlamaForCausalLM):
     _fused = {".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1)}  # (q_proj is no q/k/v piece)
 
+    moe_class: type[SparseMoE] = GroupedSigmoidMoE  # the mixture of the sparse layers
+
     def decoder_layer(self, config, i: int, qkv_bias: bool, o_bias: bool, tp: TensorParallel) -> nn.Module:
-        moe = GroupedSigmoidMoE(config, tp) if self.sparse(config, i) else None
+        moe = self.moe_class(config, tp) if self.sparse(config, i) else None
         return LlamaDecoderLayer(config, i, False, False, False, tp, mlp=moe, attn=MlaAttention(config, i, tp))
+
+    def use_invariant_ops(self) -> None:
+        super().use_invariant_ops()
+        for module in self.modules():
+            if isinstance(module, MlaAttention):
+                module.keep_absorbed()
 
     @staticmethod
     def sparse(config, i: int) -> bool:
@@ -231,6 +240,4 @@ class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
     """DeepSeek-V2 and V2-Lite (and DeepSeek-Coder-V2): latent attention (V2-Lite's queries full-rank)
     over :class:`GroupLimitedMoE`."""
 
-    def decoder_layer(self, config, i: int, qkv_bias: bool, o_bias: bool, tp: TensorParallel) -> nn.Module:
-        moe = GroupLimitedMoE(config, tp) if self.sparse(config, i) else None
-        return LlamaDecoderLayer(config, i, False, False, False, tp, mlp=moe, attn=MlaAttention(config, i, tp))
+    moe_class = GroupLimitedMoE
