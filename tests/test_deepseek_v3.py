@@ -69,11 +69,12 @@ def test_greedy_matches_hf_generate(dirs, arch):
 
 def test_sharded_logits_match_the_unsharded_model(dirs):
     """-tp 2: each rank holds half of the heads (their queries, their expansion of the latent, their
-    part of the output projection) and of every expert; the latent's projections whole."""
+    part of the output projection) and of every expert; the latent's projections whole. (Within 3e-5: on
+    an AVX2 CPU one logit of DeepSeek-V2's 18,432 moved by 1.1e-5, float32 sums in another order.)"""
     ds = [dirs[a] for a in ARCHS]
     for arch, d, sharded in zip(ARCHS, ds, sharded_logits(ds, 2), strict=True):
         for want, have in zip(model_logits(d), sharded, strict=True):
-            torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5, msg=arch)
+            torch.testing.assert_close(have, want, rtol=1e-5, atol=3e-5, msg=lambda m, a=arch: f"{a}: {m}")
 
 
 def test_in_bfloat16_a_requests_tokens_alone_equal_its_tokens_in_a_batch(dirs):

@@ -150,13 +150,14 @@ def test_in_bfloat16_a_requests_tokens_are_its_plain_tokens_in_any_batch(glm):
 
 
 def test_in_bfloat16_the_layers_linears_are_packed_as_the_targets(glm):
-    """Without the invariant operators a CPU packs the linears of a bfloat16 model (its small-rows
-    layers): the layer's own, not the target's output layer, which it shares."""
+    """Without the invariant operators a CPU with AVX512-BF16 packs the linears of a bfloat16 model (its
+    small-rows layers): the layer's own, as the target's, not the target's output layer, which it shares."""
+    from engine.models.small_linear import load_small_linear
+
     eng = make(glm, "nextn", dtype="bfloat16", batch_invariant="off", compile="off")
     head, target = eng.proposer.head, eng.runner.model
-    assert type(head.eh_proj) is type(target.layers[3].self_attn.qkv_proj) and not isinstance(
-        head.eh_proj, torch.nn.Linear
-    )
+    packed = type(target.layers[3].self_attn.qkv_proj)
+    assert type(head.eh_proj) is packed and (packed is not torch.nn.Linear) == load_small_linear()
     assert head.lm_head is target.lm_head
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, num_draft_tokens=3)
     out = eng.generate(repetitive_prompts(3, seed=1), params)

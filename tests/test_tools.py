@@ -62,21 +62,23 @@ TOOL_TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory, tokenizer_dir):
+def model_dir(tmp_path_factory, tokenizer_dir):
     """A tiny Llama with room for tool descriptions in its prompt (2,048 positions)."""
     root = tmp_path_factory.mktemp("tools")
     return build_model_dir(root / "m", tokenizer_dir, "LlamaForCausalLM", max_position_embeddings=2048)
 
 
+# The served model (named by the module's MODEL) and its tokenizer, for this module and for the syntax
+# modules that take them with their own ``model_dir``
 @pytest.fixture(scope="module")
-def srv(llama_dir) -> Iterator[Served]:
-    with drafted_server(llama_dir, MODEL) as s:
+def srv(request, model_dir) -> Iterator[Served]:
+    with drafted_server(model_dir, request.module.MODEL) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
-def tok(llama_dir):
-    return transformers.AutoTokenizer.from_pretrained(llama_dir)
+def tok(model_dir):
+    return transformers.AutoTokenizer.from_pretrained(model_dir)
 
 
 def template_model(root, tokenizer_dir, template: str, tokenizer=None):
@@ -233,7 +235,7 @@ def test_auto_returns_the_first_call_alone_when_parallel_calls_are_off(client, s
     assert calls(False) == [paris]
 
 
-def test_none_shows_the_tools_as_vllm_does_unless_the_server_leaves_them_out(client, llama_dir):
+def test_none_shows_the_tools_as_vllm_does_unless_the_server_leaves_them_out(client, model_dir):
     """Under tool_choice none the prompt is auto's (the model sees the tools; the conversation's cached
     prefix holds); ``--exclude-tools-when-tool-choice-none`` renders it without them."""
 
@@ -243,7 +245,7 @@ def test_none_shows_the_tools_as_vllm_does_unless_the_server_leaves_them_out(cli
     bare = prompt_tokens(client)
     assert prompt_tokens(client, tools=TOOLS, tool_choice="none") == prompt_tokens(client, tools=TOOLS) > bare
     settings = ServerSettings(served_model_name=MODEL, exclude_tools_when_tool_choice_none=True)
-    with serve(create_app(settings, engine_factory(llama_dir, max_model_len=2048))) as s:
+    with serve(create_app(settings, engine_factory(model_dir, max_model_len=2048))) as s:
         with openai.OpenAI(base_url=s.base + "/v1", api_key="x", max_retries=0) as c:
             assert prompt_tokens(c, tools=TOOLS, tool_choice="none") == bare < prompt_tokens(c, tools=TOOLS)
 
@@ -320,7 +322,7 @@ def test_auto_without_a_call_is_content_and_none_parses_nothing(client):
     assert not r.choices[0].message.tool_calls and r.choices[0].message.content == CALL_TEXT
 
 
-def test_history_with_tool_calls_and_results(client, llama_dir):
+def test_history_with_tool_calls_and_results(client, model_dir):
     history = ASK + [
         {
             "role": "assistant",
@@ -345,7 +347,7 @@ def test_history_with_tool_calls_and_results(client, llama_dir):
         {"role": "assistant", "content": CALL_TEXT},
         {"role": "user", "content": "<tool_response>\n21 C, sunny\n</tool_response>"},
     ]
-    tok = transformers.AutoTokenizer.from_pretrained(llama_dir)
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     text = tok.apply_chat_template(hermes, tokenize=False, add_generation_prompt=True)
     ids = tok.encode(text, add_special_tokens=False)
     assert r.usage.prompt_tokens == len(ids)
@@ -394,10 +396,10 @@ def test_bad_tool_requests_are_400(http, body, param):
     assert param in (err["param"] or "") or param in err["message"], err
 
 
-def with_template(tmp_path, llama_dir, template: str):
-    """A copy of the model at ``llama_dir`` whose tokenizer's chat template is ``template``."""
+def with_template(tmp_path, model_dir, template: str):
+    """A copy of the model at ``model_dir`` whose tokenizer's chat template is ``template``."""
     d = tmp_path / "tool-model"
-    shutil.copytree(llama_dir, d)
+    shutil.copytree(model_dir, d)
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     cfg["chat_template"] = template
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
@@ -406,8 +408,8 @@ def with_template(tmp_path, llama_dir, template: str):
     return d
 
 
-def test_a_template_that_takes_tools_renders_them(tmp_path, llama_dir):
-    d = with_template(tmp_path, llama_dir, TOOL_TEMPLATE)
+def test_a_template_that_takes_tools_renders_them(tmp_path, model_dir):
+    d = with_template(tmp_path, model_dir, TOOL_TEMPLATE)
     with serve(create_app(ServerSettings(served_model_name=MODEL), engine_factory(d, max_model_len=2048))) as s:
         eng = s.async_engine
         assert eng.chat_template_takes_tools and detect_format(eng.chat_template).name == "hermes"
@@ -433,8 +435,8 @@ PHI4_TEMPLATE = (
 )
 
 
-def test_phi4_mini_calls_are_written_and_read_in_its_syntax(tmp_path, llama_dir):
-    d = with_template(tmp_path, llama_dir, PHI4_TEMPLATE)
+def test_phi4_mini_calls_are_written_and_read_in_its_syntax(tmp_path, model_dir):
+    d = with_template(tmp_path, model_dir, PHI4_TEMPLATE)
     assert detect_format(PHI4_TEMPLATE).name == "phi4_mini_json"
     with serve(create_app(ServerSettings(served_model_name=MODEL), engine_factory(d, max_model_len=2048))) as s:
         with openai.OpenAI(base_url=s.base + "/v1", api_key="unused", max_retries=0) as c:

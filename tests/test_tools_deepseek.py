@@ -10,22 +10,22 @@ two templates of our own written in the two syntaxes."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import llguidance
 import llguidance.hf
 import pytest
+import test_tools
 import transformers
-from test_tools import MODELS, TOOLS, check_calls, choice_of, drafted_server, template_model
+from test_tools import MODELS, TOOLS, check_calls, choice_of, template_model
 from test_tools_mistral import ids_of
 
 from conftest import VOCAB
 from server.tool_formats import detect_format
 from server.tools import DEEPSEEK
-from servers import Served
 
 MODEL = "tiny-deepseek"
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
+srv, tok = test_tools.srv, test_tools.tok  # (fixtures: this module's model_dir, served)
 CALLS_BEGIN, CALL_BEGIN, SEP, CALL_END, CALLS_END = DEEPSEEK
 ROLES = ["<｜User｜>", "<｜Assistant｜>"]
 
@@ -66,17 +66,6 @@ def syntax(request) -> str:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, tokenizer_dir, syntax):
     return template_model(tmp_path_factory.mktemp(syntax), tokenizer_dir, TEMPLATES[syntax], deepseek_tokenizer)
-
-
-@pytest.fixture(scope="module")
-def srv(model_dir) -> Iterator[Served]:
-    with drafted_server(model_dir, MODEL) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    return transformers.AutoTokenizer.from_pretrained(model_dir)
 
 
 def written(tok, syntax: str, name: str, args: dict) -> str:

@@ -13,21 +13,21 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 
 import llguidance
 import llguidance.hf
 import pytest
+import test_tools
 import transformers
-from test_tools import MODELS, TOOLS, check_calls, choice_of, drafted_server, template_model
+from test_tools import MODELS, TOOLS, check_calls, choice_of, template_model
 
 from conftest import VOCAB
 from server.tool_formats import detect_format
 from server.tools import short_id
-from servers import Served
 
 MODEL = "tiny-mistral"
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
+srv, tok = test_tools.srv, test_tools.tok  # (fixtures: this module's model_dir, served)
 MARKERS = ["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "[INST]", "[/INST]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]
 
 # Mistral-style templates of our own: tools before the last user turn, calls in each syntax, and the
@@ -74,17 +74,6 @@ def syntax(request) -> str:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, tokenizer_dir, syntax):
     return template_model(tmp_path_factory.mktemp(syntax), tokenizer_dir, TEMPLATES[syntax], mistral_tokenizer)
-
-
-@pytest.fixture(scope="module")
-def srv(model_dir) -> Iterator[Served]:
-    with drafted_server(model_dir, MODEL) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    return transformers.AutoTokenizer.from_pretrained(model_dir)
 
 
 def ids_of(tok, *pieces: str) -> list[int]:

@@ -7,23 +7,22 @@ The syntax's reading and writing are checked against each other and against the 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Literal
 
 import llguidance
 import llguidance.hf
 import pytest
-import transformers
+import test_tools
 from pydantic import BaseModel, Field
-from test_tools import MODELS, TOOLS, assembled_calls, check_calls, choice_of, drafted_server, template_model
+from test_tools import MODELS, TOOLS, assembled_calls, check_calls, choice_of, template_model
 
 from conftest import VOCAB
 from server.tool_formats import detect_format
 from server.tool_pythonic import PythonicCallFormat
-from servers import Served
 
 MODEL = "tiny-pythonic"
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
+srv, tok = test_tools.srv, test_tools.tok  # (fixtures: this module's model_dir, served)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -59,17 +58,6 @@ CALLS = [
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, tokenizer_dir):
     return template_model(tmp_path_factory.mktemp("pythonic"), tokenizer_dir, TEMPLATE)
-
-
-@pytest.fixture(scope="module")
-def srv(model_dir) -> Iterator[Served]:
-    with drafted_server(model_dir, MODEL) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    return transformers.AutoTokenizer.from_pretrained(model_dir)
 
 
 def create(client, **kw):

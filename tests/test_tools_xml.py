@@ -9,23 +9,23 @@ syntax's reading and writing are checked against each other and against the gram
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Literal
 
 import llguidance
 import llguidance.hf
 import pytest
+import test_tools
 import transformers
 from pydantic import BaseModel, Field
-from test_tools import MODELS, TOOLS, assembled_calls, check_calls, choice_of, drafted_server, template_model
+from test_tools import MODELS, TOOLS, assembled_calls, check_calls, choice_of, template_model
 
 from conftest import VOCAB
 from server.tool_formats import detect_format
 from server.tool_xml import CLOSE, GLM45, GLM47, OPEN, QWEN3_CODER, XmlCallFormat
-from servers import Served
 
 MODEL = "tiny-qwen-coder"
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
+srv, tok = test_tools.srv, test_tools.tok  # (fixtures: this module's model_dir, served)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -98,17 +98,6 @@ def element(fmt: XmlCallFormat, key: str, value: str) -> str:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, tokenizer_dir, syntax):
     return template_model(tmp_path_factory.mktemp("xml"), tokenizer_dir, SYNTAXES[syntax][0])
-
-
-@pytest.fixture(scope="module")
-def srv(model_dir) -> Iterator[Served]:
-    with drafted_server(model_dir, MODEL) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    return transformers.AutoTokenizer.from_pretrained(model_dir)
 
 
 def create(client, **kw):
