@@ -228,14 +228,17 @@ def pytest_runtest_logreport(report):
             f.write(f"==== {report.nodeid} ({report.when}, {report.duration:.1f} s)\n{report.longreprtext}\n\n")
 
 
-# The slowest files, slowest first (from a full run's junit XML on 2 cores, 2026-12-01): the workers take
-# them first, so the run does not end with one worker on a long file and the other idle (pytest-xdist
-# would order the files by their number of tests; the Makefile asks it not to).
+# The slowest files, slowest first (from a full run's junit XML on 2 cores of an AVX2-only EPYC, kernels
+# and compiler caches cold, 2026-12-02): the workers take them first, so the run does not end with one
+# worker on a long file and the other idle (pytest-xdist would order the files by their number of tests;
+# the Makefile asks it not to).
 SLOWEST_FIRST = (
-    "test_tensor_parallel", "test_batch_invariance", "test_dflash", "test_spec", "test_eagle",
-    "test_attention_backends", "test_compile", "test_first_run", "test_engine_process", "test_cuda_graphs",
-    "test_structured", "test_moe", "test_fused", "test_peers", "test_ouroboros", "test_lora", "test_bench_suite",
-    "test_auto", "test_mtp", "test_early_stop", "test_bench_quant", "test_medusa", "test_bench_gpu",
+    "test_batch_invariance", "test_tensor_parallel", "test_compile", "test_eagle", "test_first_run", "test_dflash",
+    "test_chain_levels", "test_spec", "test_cuda_graphs", "test_attention_backends", "test_moe", "test_ouroboros",
+    "test_fused", "test_structured", "test_peers", "test_bench_suite", "test_engine_process", "test_lora",
+    "test_nextn", "test_staging", "test_mtp", "test_auto", "test_bench_gpu", "test_early_stop", "test_bench_quant",
+    "test_medusa", "test_run_ahead", "test_gemma2", "test_loading", "test_tune_layer_skip", "test_configs",
+    "test_layer_skip",
 )  # fmt: skip
 
 
