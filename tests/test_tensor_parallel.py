@@ -498,7 +498,9 @@ def test_two_hosts_serve_as_one_and_a_lost_host_ends_the_server(family_dirs, tmp
     equal one rank's; killing host 1 ends host 0 (its next message or collective fails), non-zero."""
     d, want = family_dirs["LlamaForCausalLM"], one_rank_answers
     master = str(free_port())
-    hosts = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", master, "--tp-timeout", "8"]
+    # (--tp-timeout bounds the join of two processes started apart on a loaded host, and a host's first
+    # message to the other, loading its shard; a killed host ends the group at once)
+    hosts = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", master, "--tp-timeout", "60"]
     head, port = _augur_serve(d, tmp_path / "head", *hosts, "--node-rank", "0", "--served-model-name", "tiny")
     worker_host, _ = _augur_serve(d, tmp_path / "worker", *hosts, "--node-rank", "1")
     with _reaped(head, worker_host):
