@@ -16,6 +16,7 @@ from engine.config import PREFIX_CACHE_SCOPES, EngineConfig
 from engine.quant import QUANTIZATIONS
 from engine.speculative.methods import known_methods
 from server.metrics import COMPAT
+from server.reasoning import FIELDS as REASONING_FIELDS
 from server.reasoning import SYNTAXES as REASONING_SYNTAXES
 
 
@@ -361,6 +362,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         chat_template=args.chat_template,
         default_chat_template_kwargs=args.default_chat_template_kwargs,
         reasoning_parser=args.reasoning_parser,
+        reasoning_fields=REASONING_FIELDS[args.reasoning_field],
         lora_modules=dict(config.lora_modules),
         enable_runtime_lora=config.enable_runtime_lora,
         playground=args.playground,
@@ -720,6 +722,14 @@ def _serve_parser(sub, common: argparse.ArgumentParser) -> None:
         "DeepSeek-R1, which thinks first; mistral: Magistral's and Ministral 3's [THINK]; harmony: gpt-oss's "
         "analysis channel); enables reasoning_effort and "
         "thinking_token_budget (not with harmony)",
+    )
+    serve.add_argument(
+        "--reasoning-field",
+        choices=list(REASONING_FIELDS),
+        default="both",
+        help="the chat fields the thinking comes back in, streamed and not: both (reasoning_content, DeepSeek's "
+        "and SGLang's name, and reasoning, vLLM's since late 2025 and its only one since 2026), or one of "
+        "them (openai-agents' streamed reasoning item reads both, as two copies of the text: serve it one)",
     )
     serve.add_argument(
         "--generation-config",

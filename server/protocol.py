@@ -663,7 +663,7 @@ class ChatCompletionRequest(_Sampling, ToolChoiceRules):
     chat_template_kwargs: dict[str, Any] | None = None  # the template's own variables (enable_thinking, ...)
     reasoning_effort: Effort | None = None
     thinking_token_budget: StrictInt | None = Field(default=None, ge=0)  # vLLM's: thinking tokens, then its end
-    include_reasoning: StrictBool = True  # vLLM's: false leaves reasoning_content out
+    include_reasoning: StrictBool = True  # vLLM's: false leaves the thinking's fields out
     separate_reasoning: StrictBool = True  # SGLang's: false leaves the thinking inside content, as written
 
     @model_validator(mode="before")

@@ -175,6 +175,13 @@ SYNTAXES = {
     "harmony": HARMONY,
 }
 
+# --reasoning-field: the chat fields a reasoning model's thinking comes back in.
+FIELDS = {
+    "both": ("reasoning_content", "reasoning"),
+    "reasoning_content": ("reasoning_content",),
+    "reasoning": ("reasoning",),
+}
+
 
 class ReasoningStream:
     """An output's text, as it grows, split into reasoning and content deltas. Whitespace around

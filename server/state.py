@@ -41,6 +41,9 @@ class ServerSettings:
     default_chat_template_kwargs: dict | None = None
     # A reasoning model's thinking convention (server.reasoning.SYNTAXES), or None.
     reasoning_parser: str | None = None
+    # The chat fields its thinking comes back in (--reasoning-field): DeepSeek's name, vLLM's newer one,
+    # or both (each client reads the one it knows; openai-agents' stream reads both, twice the text).
+    reasoning_fields: tuple[str, ...] = ("reasoning_content", "reasoning")
     # LoRA adapters served over the model (--lora-modules), name → directory: a request's ``model`` picks one.
     lora_modules: dict[str, str] = field(default_factory=dict)
     enable_runtime_lora: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (server/routes/lora.py)

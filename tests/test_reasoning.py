@@ -9,6 +9,7 @@ token, which is what lets these tests know what the output must be."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ from tokenizers import AddedToken
 
 from conftest import build_model_dir
 from server.app import ServerSettings, create_app
-from server.reasoning import SYNTAXES, ReasoningFrame, ReasoningStream
+from server.reasoning import FIELDS, SYNTAXES, ReasoningFrame, ReasoningStream
 from servers import Served, engine_factory, serve
 
 MODEL = "tiny-qwen3"
@@ -201,6 +202,42 @@ def test_streamed_deltas_join_to_the_whole_message(client, spec):
             reasoning += extra.get("reasoning_content") or ""
             content += ch.delta.content or ""
     assert reasoning == whole.model_extra["reasoning_content"] and content == (whole.content or "")
+
+
+@pytest.mark.parametrize("field", ["reasoning", "reasoning_content"])
+def test_one_reasoning_field_and_openai_agents_streams_one_copy(qwen_dir, field):
+    """``--reasoning-field``: the thinking comes back under that one name, streamed and whole. openai-agents'
+    streamed reasoning item reads both names, each into its own part (the summary and the content), so
+    served both it holds the text twice; served one, once."""
+    with serve(create_app(settings(reasoning_fields=FIELDS[field]), engine_factory(qwen_dir))) as s:
+        with openai.OpenAI(base_url=s.base + "/v1", api_key="x", max_retries=0) as c:
+            whole = chat(c, budget=4, extra=OPEN).choices[0].message
+            assert {"reasoning", "reasoning_content"} & set(whole.model_extra) == {field}
+            thinking, streamed = whole.model_extra[field], ""
+            for chunk in chat(c, budget=4, extra=OPEN, stream=True):
+                for ch in chunk.choices:
+                    extra = ch.delta.model_extra or {}
+                    assert {"reasoning", "reasoning_content"} & set(extra) <= {field}, extra
+                    streamed += extra.get(field) or ""
+            assert thinking and streamed == thinking
+        agents = pytest.importorskip("agents")
+        agents.set_tracing_disabled(True)  # the SDK would export traces to OpenAI's servers
+        model = agents.OpenAIChatCompletionsModel(
+            model=MODEL, openai_client=openai.AsyncOpenAI(base_url=s.base + "/v1", api_key="x")
+        )
+        body = {**OPEN, **SPEC_ON, "thinking_token_budget": 4}
+        agent = agents.Agent(name="a", model=model,
+                             model_settings=agents.ModelSettings(max_tokens=24, temperature=0, extra_body=body))  # fmt: skip
+
+        async def run():
+            result = agents.Runner.run_streamed(agent, ASK[0]["content"], max_turns=1)
+            async for _ in result.stream_events():
+                pass
+            return result
+
+        items = [i.raw_item for i in asyncio.run(run()).new_items if i.type == "reasoning_item"]
+        assert len(items) == 1
+        assert [p.text for p in items[0].summary] + [p.text for p in items[0].content or []] == [thinking]
 
 
 def test_speculation_is_exact_through_the_thinking_and_the_answer(client):

@@ -222,7 +222,8 @@ def add_chat_routes(app: FastAPI, state: ServerState) -> None:
         )  # fmt: skip
         job, reader = await chat_job(state, request, req, turn, "chatcmpl")
         tools = state.tool_format.for_tools(req.tool_functions) if req.parses_tool_calls else None
-        fmt = ChatFormat(req.logprobs, state.token_texts, tools, req.forces_tool_call, reader, req.include_reasoning,
+        fields = state.settings.reasoning_fields if req.include_reasoning else ()
+        fmt = ChatFormat(req.logprobs, state.token_texts, tools, req.forces_tool_call, reader, fields,
                          one_call=not req.parallel)  # fmt: skip
         return await respond(job, fmt)
 
@@ -251,7 +252,7 @@ class ChatFormat:
     tools: CallSyntax | None = None  # tool calls are parsed out of the text (tool_choice not none)
     forced: bool = False  # required / a named function: the answer is calls only, by grammar
     reader: ReasoningReader | HarmonyReader | None = None  # a reasoning model's thinking is split off
-    include_reasoning: bool = True
+    reasoning_fields: tuple[str, ...] = ("reasoning_content", "reasoning")  # none: include_reasoning false
     one_call: bool = False  # parallel_tool_calls false: a turn's first call alone is returned (as vLLM does)
     choices: dict[int, ChoiceState] = field(default_factory=dict)
 
@@ -299,8 +300,8 @@ class ChatFormat:
         else:
             reasoning, content = "", c.delta_text
         deltas: list[dict] = []
-        if reasoning and self.include_reasoning:
-            deltas.append({"reasoning_content": reasoning, "reasoning": reasoning})
+        if reasoning and self.reasoning_fields:
+            deltas.append(dict.fromkeys(self.reasoning_fields, reasoning))
         reason = c.finish_reason
         if st.scanner is not None:
             deltas += self._forced_stream(st, content)
@@ -314,7 +315,8 @@ class ChatFormat:
             deltas.append({})
         for k, delta in enumerate(deltas):
             last = c.finished and k == len(deltas) - 1
-            lp = self._take_logprobs(st) if ("content" in delta or "reasoning" in delta or last) else None
+            text = "content" in delta or bool(self.reasoning_fields and self.reasoning_fields[0] in delta)
+            lp = self._take_logprobs(st) if (text or last) else None
             choices.append({"index": idx, "delta": delta, "logprobs": lp, "finish_reason": reason if last else None})
         return choices
 
@@ -381,8 +383,7 @@ class ChatFormat:
         if reasoning is not None:
             if not message["content"]:
                 message["content"] = None
-            if self.include_reasoning:
-                message["reasoning_content"] = message["reasoning"] = reasoning
+            message.update(dict.fromkeys(self.reasoning_fields, reasoning))
         return {
             "index": idx,
             "message": message,
