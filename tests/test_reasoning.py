@@ -226,8 +226,9 @@ def test_one_reasoning_field_and_openai_agents_streams_one_copy(qwen_dir, field)
             model=MODEL, openai_client=openai.AsyncOpenAI(base_url=s.base + "/v1", api_key="x")
         )
         body = {**OPEN, **SPEC_ON, "thinking_token_budget": 4}
-        agent = agents.Agent(name="a", model=model,
-                             model_settings=agents.ModelSettings(max_tokens=24, temperature=0, extra_body=body))  # fmt: skip
+        agent = agents.Agent(
+            name="a", model=model, model_settings=agents.ModelSettings(max_tokens=24, temperature=0, extra_body=body)
+        )
 
         async def run():
             result = agents.Runner.run_streamed(agent, ASK[0]["content"], max_turns=1)
