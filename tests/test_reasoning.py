@@ -222,9 +222,8 @@ def test_one_reasoning_field_and_openai_agents_streams_one_copy(qwen_dir, field)
             assert thinking and streamed == thinking
         agents = pytest.importorskip("agents")
         agents.set_tracing_disabled(True)  # the SDK would export traces to OpenAI's servers
-        model = agents.OpenAIChatCompletionsModel(
-            model=MODEL, openai_client=openai.AsyncOpenAI(base_url=s.base + "/v1", api_key="x")
-        )
+        aclient = openai.AsyncOpenAI(base_url=s.base + "/v1", api_key="x", max_retries=0)
+        model = agents.OpenAIChatCompletionsModel(model=MODEL, openai_client=aclient)
         body = {**OPEN, **SPEC_ON, "thinking_token_budget": 4}
         agent = agents.Agent(
             name="a", model=model, model_settings=agents.ModelSettings(max_tokens=24, temperature=0, extra_body=body)
@@ -234,6 +233,7 @@ def test_one_reasoning_field_and_openai_agents_streams_one_copy(qwen_dir, field)
             result = agents.Runner.run_streamed(agent, ASK[0]["content"], max_turns=1)
             async for _ in result.stream_events():
                 pass
+            await aclient.close()
             return result
 
         items = [i.raw_item for i in asyncio.run(run()).new_items if i.type == "reasoning_item"]

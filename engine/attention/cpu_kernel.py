@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import logging
 import os
 import shutil
@@ -58,10 +59,16 @@ def build_cpu_extension(stem: str, source_path: Path, flags: tuple[str, ...] = (
 
     _put_ninja_on_path()
     source = source_path.read_text()
+    # Each source includes what it uses (ATen, torch/library.h: it registers ops, binds no Python).
+    # load_inline's implicit <torch/extension.h> adds pybind11 and the C++ frontend: three times the
+    # build (a cold start builds three of these: 82 s against 30 on one core). An older torch, without
+    # the switch, includes it.
+    lean = "no_implicit_headers" in inspect.signature(load_inline).parameters
     # -march=native: the build is for this CPU, so its cache entry is named after the CPU too, and
     # after the Python environment (its include paths are in the build: two virtualenvs sharing
-    # one entry would rebuild it in turn, each under the other's lock).
-    key = " ".join([source, *flags, *cpu_flags(), sys.prefix, torch.__version__])
+    # one entry would rebuild it in turn, each under the other's lock), and after the header mode
+    # (two checkouts on one environment would rebuild it in turn too).
+    key = " ".join([source, *flags, *cpu_flags(), sys.prefix, torch.__version__, f"lean={lean}"])
     name = f"{stem}_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
     _clear_stale_lock(name)
     load_inline(
@@ -70,15 +77,12 @@ def build_cpu_extension(stem: str, source_path: Path, flags: tuple[str, ...] = (
         extra_cflags=["-O3", "-march=native", "-fopenmp-simd", *flags],
         extra_ldflags=[flag for flag in flags if flag == "-fopenmp"],
         is_python_module=False,
-        # Each source includes what it uses (ATen, torch/library.h: it registers ops, binds no Python).
-        # load_inline's implicit <torch/extension.h> would add pybind11 and the C++ frontend: three
-        # times the build (a cold start builds three of these: 82 s against 30 on one core).
-        no_implicit_headers=True,
         verbose=False,
+        **({"no_implicit_headers": True} if lean else {}),
     )
 
 
-STALE_LOCK_SECONDS = 600  # a build takes ~10 s; a lock this old was left by a process that was killed
+STALE_LOCK_SECONDS = 600  # a build takes ~10-15 s; a lock this old was left by a process that was killed
 
 
 def _clear_stale_lock(name: str) -> None:
