@@ -220,6 +220,7 @@ def test_one_reasoning_field_and_openai_agents_streams_one_copy(qwen_dir, field)
                     assert {"reasoning", "reasoning_content"} & set(extra) <= {field}, extra
                     streamed += extra.get(field) or ""
             assert thinking and streamed == thinking
+        assert httpx.get(s.base + "/version").json()["reasoning_fields"] == [field]
         agents = pytest.importorskip("agents")
         agents.set_tracing_disabled(True)  # the SDK would export traces to OpenAI's servers
         aclient = openai.AsyncOpenAI(base_url=s.base + "/v1", api_key="x", max_retries=0)

@@ -24,7 +24,7 @@ def add_admin_routes(app: FastAPI, state: ServerState, version: str) -> None:
     @app.get("/version")
     async def get_version():
         """The version; once the model is loaded, also how it is served: the sampling defaults that
-        requests' missing fields take (``--generation-config``), the reasoning parser, whether the
+        requests' missing fields take (``--generation-config``), the reasoning parser and fields, whether the
         batch-invariant mode is in force (``--batch-invariant``) and the speculative proposers held."""
         if state.engine is None:
             return {"version": version}
@@ -38,6 +38,7 @@ def add_admin_routes(app: FastAPI, state: ServerState, version: str) -> None:
             "generation_config": state.settings.generation_config,
             "sampling_defaults": state.sampling_defaults,
             "reasoning_parser": state.settings.reasoning_parser,
+            "reasoning_fields": list(state.settings.reasoning_fields),  # --reasoning-field
         }
 
     @app.get("/metrics")
