@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from engine.core.async_engine import EngineFront
 from server.harmony import HarmonyVocab
 from server.metrics import Metrics
-from server.reasoning import SYNTAXES, HarmonySyntax, ReasoningSyntax
+from server.reasoning import FIELDS, SYNTAXES, HarmonySyntax, ReasoningSyntax
 from server.responses.store import ResponseStore
 from server.tokens import TokenTexts
 from server.tool_formats import CallSyntax, tool_format
@@ -43,7 +43,7 @@ class ServerSettings:
     reasoning_parser: str | None = None
     # The chat fields its thinking comes back in (--reasoning-field): DeepSeek's name, vLLM's newer one,
     # or both (each client reads the one it knows; openai-agents' stream reads both, twice the text).
-    reasoning_fields: tuple[str, ...] = ("reasoning_content", "reasoning")
+    reasoning_fields: tuple[str, ...] = FIELDS["both"]
     # LoRA adapters served over the model (--lora-modules), name → directory: a request's ``model`` picks one.
     lora_modules: dict[str, str] = field(default_factory=dict)
     enable_runtime_lora: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (server/routes/lora.py)

@@ -16,6 +16,7 @@ from engine.request.structured import StructuredOutput
 from server.common import bad_request, check_model, off_loop, parse_request, ready_engine, request_body
 from server.protocol import ChatCompletionRequest, UnsupportedError
 from server.reasoning import (
+    FIELDS,
     HARMONY,
     OFF_EFFORTS,
     HarmonyReader,
@@ -252,7 +253,7 @@ class ChatFormat:
     tools: CallSyntax | None = None  # tool calls are parsed out of the text (tool_choice not none)
     forced: bool = False  # required / a named function: the answer is calls only, by grammar
     reader: ReasoningReader | HarmonyReader | None = None  # a reasoning model's thinking is split off
-    reasoning_fields: tuple[str, ...] = ("reasoning_content", "reasoning")  # none: include_reasoning false
+    reasoning_fields: tuple[str, ...] = FIELDS["both"]  # none: include_reasoning false
     one_call: bool = False  # parallel_tool_calls false: a turn's first call alone is returned (as vLLM does)
     choices: dict[int, ChoiceState] = field(default_factory=dict)
 
@@ -315,7 +316,7 @@ class ChatFormat:
             deltas.append({})
         for k, delta in enumerate(deltas):
             last = c.finished and k == len(deltas) - 1
-            text = "content" in delta or bool(self.reasoning_fields and self.reasoning_fields[0] in delta)
+            text = "content" in delta or not delta.keys().isdisjoint(self.reasoning_fields)
             lp = self._take_logprobs(st) if (text or last) else None
             choices.append({"index": idx, "delta": delta, "logprobs": lp, "finish_reason": reason if last else None})
         return choices
