@@ -176,7 +176,8 @@ def test_compiled_fused_levels_match_eager(model_dirs):
     prompts = [list(range(10, 10 + n)) for n in lens]
     tables = [[1, 2, 3, 4], [5, 6, 7, 8]]
     eager, compiled = runner(path), runner(path, compiled=True)
-    compiled.warmup(chain_levels=levels)
+    # Greedy chains only (a drafter that never fuses sampled ones, as one of a narrower vocabulary).
+    compiled.warm_compiled(chain_levels=levels, sampled_chains=False)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     first = prefill(eager, prompts, tables)
     assert torch.equal(prefill(compiled, prompts, tables), first)
@@ -185,5 +186,16 @@ def test_compiled_fused_levels_match_eager(model_dirs):
         fused(compiled, prompts[:1], tables[:1], first[:1], levels),
         one_at_a_time(eager, prompts[:1], tables[:1], first[:1], levels),
     )
-    # warmup() compiled every chain length up to `levels`, one sequence and several: none mid-serving.
+    # warm_compiled() compiled every greedy chain length up to `levels`, one sequence and several:
+    # none mid-serving.
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    # A sampled chain was left out of the warm-up (its graph compiles now), and compiled it draws what
+    # the eager chain draws from the same noise.
+    chunks = [ForwardChunk([0] * levels, len(p) + levels, t, levels) for p, t in zip(prompts, tables)]
+    temperature = torch.tensor([0.7, 1.3])
+    noise = torch.empty(levels, len(lens), eager.vocab_size).exponential_(generator=torch.Generator().manual_seed(0))
+    want_t, want_q = eager.chain(eager.prepare_levels(chunks), first, temperature, noise)
+    got_t, got_q = compiled.chain(compiled.prepare_levels(chunks), first, temperature, noise)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs
+    assert torch.equal(got_t, want_t)
+    torch.testing.assert_close(got_q, want_q, atol=1e-6, rtol=1e-5)

@@ -612,12 +612,17 @@ class ModelRunner:
         self.capture_graphs(hidden_layers, skip)
 
     def warm_compiled(
-        self, hidden_layers: tuple[int, ...] = (), skip: LayerSkip | None = None, chain_levels: int = 0
+        self,
+        hidden_layers: tuple[int, ...] = (),
+        skip: LayerSkip | None = None,
+        chain_levels: int = 0,
+        sampled_chains: bool = True,
     ) -> None:
         """Run the compiled forward once for each graph the step needs (one new token, several; with
-        the hidden layers the step captures; greedy and sampled chains of 1 .. ``chain_levels``
-        levels), so that they are compiled before a request calls them. Writes only the first blocks'
-        slots, which every later forward overwrites before reading (a token's K/V is written before
+        the hidden layers the step captures; greedy chains of 1 .. ``chain_levels`` levels, and sampled
+        ones where ``sampled_chains``: a drafter that never runs them does not pay for their graphs),
+        so that they are compiled before a request calls them. Writes only the first blocks' slots,
+        which every later forward overwrites before reading (a token's K/V is written before
         attention reads it); through a :meth:`compile_view`, only its scratch pool."""
         if not self.compiled:
             return
@@ -632,6 +637,8 @@ class ModelRunner:
                 batches = self.prepare_levels([ForwardChunk([0] * levels, 1, table, levels)] * n)
                 ids = torch.zeros(n, dtype=torch.int64, device=self.device)
                 self.chain(batches, ids, skip=skip)
+                if not sampled_chains:
+                    continue
                 temperature = torch.ones(n, device=self.device)
                 noise = torch.ones(levels, n, self.vocab_size, device=self.device)
                 self.chain(batches, ids, temperature, noise, skip)

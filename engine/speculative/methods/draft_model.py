@@ -83,7 +83,8 @@ class DraftModelProposer(LevelDrafter):
 
     def warm_compiled(self, view) -> None:
         view(self.runner).warm_compiled(
-            chain_levels=max(self.max_depth - 1, 0) if self.fuses_chains and not self.tree else 0
+            chain_levels=max(self.max_depth - 1, 0) if self.fuses_chains and not self.tree else 0,
+            sampled_chains=self.fuses_sampled_chains,
         )
 
     def cost_probe(self):
