@@ -176,26 +176,35 @@ def test_compiled_fused_levels_match_eager(model_dirs):
     prompts = [list(range(10, 10 + n)) for n in lens]
     tables = [[1, 2, 3, 4], [5, 6, 7, 8]]
     eager, compiled = runner(path), runner(path, compiled=True)
-    # Greedy chains only (a drafter that never fuses sampled ones, as one of a narrower vocabulary).
-    compiled.warm_compiled(chain_levels=levels, sampled_chains=False)
+    compiled.warm_compiled(chains=True)  # the forwards alone, as a background compile swaps them in
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     first = prefill(eager, prompts, tables)
     assert torch.equal(prefill(compiled, prompts, tables), first)
+    # Before its chain graphs are warm, a compiled runner's chains run one compiled forward a level:
+    # the same tokens, and no graph compiled mid-serving.
+    assert torch.equal(fused(compiled, prompts, tables, first, levels), fused(eager, prompts, tables, first, levels))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    # Greedy chains only (a drafter that never fuses sampled ones, as one of a narrower vocabulary),
+    # warmed through a compile view (its scratch pool) as the background compile does: the runner itself
+    # takes them from then on.
+    compiled.compile_view().warm_chains(levels, sampled_chains=False)
+    assert {(n, several, False) for n in (1, 2) for several in (True, False)} == compiled._chains_ready
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert torch.equal(fused(compiled, prompts, tables, first, levels), fused(eager, prompts, tables, first, levels))
     assert torch.equal(
         fused(compiled, prompts[:1], tables[:1], first[:1], levels),
         one_at_a_time(eager, prompts[:1], tables[:1], first[:1], levels),
     )
-    # warm_compiled() compiled every greedy chain length up to `levels`, one sequence and several:
+    # warm_chains() compiled every greedy chain length up to `levels`, one sequence and several:
     # none mid-serving.
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
-    # A sampled chain was left out of the warm-up (its graph compiles now), and compiled it draws what
-    # the eager chain draws from the same noise.
+    # A sampled chain was left out of the warm-up: it runs level by level on the compiled forwards
+    # (no graph compiled for it) and draws what the eager chain draws from the same noise.
     chunks = [ForwardChunk([0] * levels, len(p) + levels, t, levels) for p, t in zip(prompts, tables)]
     temperature = torch.tensor([0.7, 1.3])
     noise = torch.empty(levels, len(lens), eager.vocab_size).exponential_(generator=torch.Generator().manual_seed(0))
     want_t, want_q = eager.chain(eager.prepare_levels(chunks), first, temperature, noise)
     got_t, got_q = compiled.chain(compiled.prepare_levels(chunks), first, temperature, noise)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     assert torch.equal(got_t, want_t)
     torch.testing.assert_close(got_q, want_q, atol=1e-6, rtol=1e-5)

@@ -182,6 +182,7 @@ class LLMEngine:
         # Compiled forwards: warmed up now, or served eagerly until a background thread has warmed
         # them up over scratch pools (compile_in_background); CUDA graphs capture what is served now.
         self.compile_state = "off"  # off | pending | ready (to swap in) | on | failed
+        self.chains_warmed = False  # the background compile's chain graphs are ready (swap_in_compiled)
         if compiled:
             if config.compile_background and self.runner.graphs is None and tp.size == 1:
                 for runner in self._runners():
@@ -287,11 +288,14 @@ class LLMEngine:
                 runners.append(r)
         return runners
 
-    def _warm_compiled(self, view) -> None:
-        """Run every compiled forward once as the step calls it, through ``view(runner)``."""
+    def _warm_compiled(self, view, chains: bool = True) -> None:
+        """Run every compiled forward once as the step calls it, through ``view(runner)``; with
+        ``chains``, the proposer's chain graphs too (``Proposer.warm_chains``)."""
         view(self.runner).warm_compiled(self.step_runner.hidden_layers)
         if self.proposer is not None:
             self.proposer.warm_compiled(view)
+            if chains:
+                self.proposer.warm_chains(view)
 
     def compile_in_background(self) -> threading.Thread | None:
         """Start compiling the forwards on a thread of their own while the engine serves eagerly
@@ -316,13 +320,23 @@ class LLMEngine:
             return views[id(runner)]
 
         try:
-            self._warm_compiled(view)
+            self._warm_compiled(view, chains=False)
         except Exception:
             logger.exception("compiling the forwards failed: serving with the eager ones")
             self.compile_state = "failed"
             return
         logger.info("compiled forwards ready after %.1fs: swapping them in", time.perf_counter() - t0)
         self.compile_state = "ready"
+        # Then the draft's chain graphs (most of its compile time): until each is ready, its chains run
+        # one compiled forward a level; each is used from the step after it is.
+        if self.proposer is not None:
+            try:
+                self.proposer.warm_chains(view)
+            except Exception:
+                logger.exception("compiling the draft's chains failed: their levels run one forward each")
+                return
+            self.chains_warmed = True
+            logger.info("compiled draft chains ready after %.1fs", time.perf_counter() - t0)
 
     def swap_in_compiled(self) -> None:
         """Between two steps: serve the compiled forwards once the background compile has them ready."""
@@ -331,6 +345,10 @@ class LLMEngine:
                 runner.use_compiled()
             self.compile_state = "on"
             if self.controller is not None:  # its timings were the eager forwards', under the compiler's load
+                self.controller.forwards_changed()
+        if self.chains_warmed and self.compile_state == "on":
+            self.chains_warmed = False  # the draft's levels now cost a fused chain's share, not a forward's
+            if self.controller is not None:
                 self.controller.forwards_changed()
 
     @property

@@ -7,6 +7,7 @@ It decides no policy: what runs, and what is accepted, is the engine's business.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -313,6 +314,10 @@ class ModelRunner:
                 chain if self.frozen else compile_forward(chain, device, freeze, eager_roundings=batch_invariant),
             )
         self._run, self._chain = self._compiled
+        # The chain graphs warmed up (see warm_chains), by (levels, several sequences, sampled): a chain
+        # whose compiled graph is not among them runs its levels one compiled forward each. Shared with
+        # compile views (a view warms them up for its runner).
+        self._chains_ready: set[tuple[int, bool, bool]] = set()
 
     # -- LoRA slots (engine/lora) -------------------------------------------------------------------
     def write_lora(self, slot: int, adapter) -> None:
@@ -571,7 +576,6 @@ class ModelRunner:
             for d, m in enumerate(whole.meta.levels())
         ]
 
-    @torch.inference_mode()
     def chain(
         self,
         batches: list[ForwardBatch],
@@ -583,15 +587,25 @@ class ModelRunner:
         """Run ``len(batches)`` levels of chains in one call (see :class:`ChainForward`): level ``d``
         feeds one token per sequence with ``batches[d]``'s metadata (:meth:`prepare_levels`); returns
         each level's token ``[B, L]`` and, sampled, the ``q`` each was drawn from ``[B, L, V]``.
-        Captured levels replay one graph each, still without a host sync between them."""
-        if self.graphs is not None:
+        Captured levels replay one graph each, still without a host sync between them, and so do the
+        levels of a compiled chain whose graph is not warmed up yet (:meth:`warm_chains`)."""
+        key = (len(batches), input_ids.shape[0] > 1, temperature is not None)
+        # (Outside inference mode: the compiled forwards were warmed up on ordinary tensors, and guard
+        # on it; a level passes on ordinary ones, which execute reads under inference mode.)
+        if self.graphs is not None or (self._chain is not self._eager[1] and key not in self._chains_ready):
             out, qs = [], []
             for d, b in enumerate(batches):
+                if self.graphs is None:  # (a level's positions are a column of all levels': a strided view)
+                    b = dataclasses.replace(b, positions=b.positions.contiguous())
                 logits = self.execute(b, input_ids, skip).logits
                 input_ids, q = chain_pick(logits, temperature, None if noise is None else noise[d])
                 out.append(input_ids)
                 qs.append(q)
             return torch.stack(out, 1), None if noise is None else torch.stack(qs, 1)
+        return self._fused_chain(batches, input_ids, temperature, noise, skip)
+
+    @torch.inference_mode()
+    def _fused_chain(self, batches, input_ids, temperature, noise, skip):
         if self.lora is not None:  # every level has the same rows: the sequences', in order
             self.lora.set_rows(batches[0].lora, batches[0].num_tokens, batches[0].lora_used)
         positions, metas = [b.positions for b in batches], [b.meta for b in batches]
@@ -617,13 +631,15 @@ class ModelRunner:
         skip: LayerSkip | None = None,
         chain_levels: int = 0,
         sampled_chains: bool = True,
+        chains: bool = False,
     ) -> None:
         """Run the compiled forward once for each graph the step needs (one new token, several; with
-        the hidden layers the step captures; greedy chains of 1 .. ``chain_levels`` levels, and sampled
-        ones where ``sampled_chains``: a drafter that never runs them does not pay for their graphs),
-        so that they are compiled before a request calls them. Writes only the first blocks' slots,
-        which every later forward overwrites before reading (a token's K/V is written before
-        attention reads it); through a :meth:`compile_view`, only its scratch pool."""
+        the hidden layers the step captures; with ``chains``, a chain's levels one forward each, as
+        :meth:`chain` runs them until their graph is warm: a level's metadata is another graph's),
+        then :meth:`warm_chains` of ``chain_levels``, so that they are compiled before a request calls
+        them. Writes only the first blocks' slots, which every later forward overwrites before
+        reading (a token's K/V is written before attention reads it); through a :meth:`compile_view`,
+        only its scratch pool."""
         if not self.compiled:
             return
         compile_settings(self.device)  # this thread may not be the one that built the runner
@@ -632,17 +648,37 @@ class ModelRunner:
         for n in (2, 1):
             blocks = list(range(-(-n // self.block_size)))
             self.forward([ForwardChunk([0] * n, 0, blocks, n)], skip=skip, hidden_layers=hidden_layers)
+            if (chains or chain_levels) and self._chain is not self._eager[1]:  # (one level is a decode's)
+                table = list(range(-(-3 // self.block_size)))
+                batches = self.prepare_levels([ForwardChunk([0, 0], 1, table, 2)] * n)
+                self.chain(batches, torch.zeros(n, dtype=torch.int64, device=self.device), skip=skip)
+        logger.info("compiled %s forward in %.1fs", type(self.model).__name__, time.perf_counter() - t0)
+        self.warm_chains(chain_levels, sampled_chains, skip)
+
+    def warm_chains(self, chain_levels: int, sampled_chains: bool = True, skip: LayerSkip | None = None) -> None:
+        """Compile the chain graphs (see :meth:`chain`) of 1 .. ``chain_levels`` levels, for several
+        sequences and for one, greedy, and sampled where ``sampled_chains`` (a drafter that never runs
+        them does not pay for their graphs); each is used from the moment it is compiled (through a
+        compile view: by its runner too). Each chain length is a graph of its own, traced through every
+        level: most of a draft model's compile time."""
+        if not self.compiled or chain_levels < 1 or self._chain is self._eager[1]:
+            return
+        compile_settings(self.device)
+        t0 = time.perf_counter()
+        for n in (2, 1):
             for levels in range(1, chain_levels + 1):  # n sequences of one token per level
                 table = list(range(-(-(levels + 1) // self.block_size)))
                 batches = self.prepare_levels([ForwardChunk([0] * levels, 1, table, levels)] * n)
                 ids = torch.zeros(n, dtype=torch.int64, device=self.device)
-                self.chain(batches, ids, skip=skip)
+                self._fused_chain(batches, ids, None, None, skip)
+                self._chains_ready.add((levels, n > 1, False))
                 if not sampled_chains:
                     continue
                 temperature = torch.ones(n, device=self.device)
                 noise = torch.ones(levels, n, self.vocab_size, device=self.device)
-                self.chain(batches, ids, temperature, noise, skip)
-        logger.info("compiled %s forward in %.1fs", type(self.model).__name__, time.perf_counter() - t0)
+                self._fused_chain(batches, ids, temperature, noise, skip)
+                self._chains_ready.add((levels, n > 1, True))
+        logger.info("compiled %s chains in %.1fs", type(self.model).__name__, time.perf_counter() - t0)
 
     def capture_graphs(
         self, hidden_layers: tuple[int, ...] = (), skip: LayerSkip | None = None, features: int | None = None

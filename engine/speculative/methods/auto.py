@@ -186,6 +186,10 @@ class AutoProposer(Proposer):
         for m in self.members.values():
             m.warm_compiled(view)
 
+    def warm_chains(self, view) -> None:
+        for m in self.members.values():
+            m.warm_chains(view)
+
     def allocate_kv(self, num_blocks: int) -> None:
         for m in self.members.values():
             m.allocate_kv(num_blocks)

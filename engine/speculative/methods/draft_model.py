@@ -82,10 +82,11 @@ class DraftModelProposer(LevelDrafter):
         return [self.runner]
 
     def warm_compiled(self, view) -> None:
-        view(self.runner).warm_compiled(
-            chain_levels=max(self.max_depth - 1, 0) if self.fuses_chains and not self.tree else 0,
-            sampled_chains=self.fuses_sampled_chains,
-        )
+        view(self.runner).warm_compiled(chains=self.fuses_chains and not self.tree)
+
+    def warm_chains(self, view) -> None:
+        if self.fuses_chains and not self.tree:
+            view(self.runner).warm_chains(max(self.max_depth - 1, 0), self.fuses_sampled_chains)
 
     def cost_probe(self):
         return self.runner.forward
