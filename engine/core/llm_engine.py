@@ -331,12 +331,13 @@ class LLMEngine:
         # one compiled forward a level; each is used from the step after it is.
         if self.proposer is not None:
             try:
-                self.proposer.warm_chains(view)
-            except Exception:
+                warmed = self.proposer.warm_chains(view)
+            except Exception:  # (those compiled before the failure are in use: their timings settle by themselves)
                 logger.exception("compiling the draft's chains failed: their levels run one forward each")
                 return
-            self.chains_warmed = True
-            logger.info("compiled draft chains ready after %.1fs", time.perf_counter() - t0)
+            if warmed:
+                self.chains_warmed = True
+                logger.info("compiled draft chains ready after %.1fs", time.perf_counter() - t0)
 
     def swap_in_compiled(self) -> None:
         """Between two steps: serve the compiled forwards once the background compile has them ready."""

@@ -314,10 +314,12 @@ class ModelRunner:
                 chain if self.frozen else compile_forward(chain, device, freeze, eager_roundings=batch_invariant),
             )
         self._run, self._chain = self._compiled
-        # The chain graphs warmed up (see warm_chains), by (levels, several sequences, sampled): a chain
-        # whose compiled graph is not among them runs its levels one compiled forward each. Shared with
-        # compile views (a view warms them up for its runner).
+        # The chain graphs warmed up (see warm_chains), by (levels, several sequences, sampled). Shared
+        # with compile views (a view warms them up for its runner). With ``defer_chains`` (a background
+        # compile: see serve_eager) a chain whose compiled graph is not among them runs its levels one
+        # compiled forward each.
         self._chains_ready: set[tuple[int, bool, bool]] = set()
+        self.defer_chains = False
 
     # -- LoRA slots (engine/lora) -------------------------------------------------------------------
     def write_lora(self, slot: int, adapter) -> None:
@@ -330,8 +332,10 @@ class ModelRunner:
     # -- compiled or eager ------------------------------------------------------------------------
     def serve_eager(self) -> None:
         """Run the eager forwards until :meth:`use_compiled`: a server answers at once while its
-        compiled forwards are warmed up through a :meth:`compile_view` in the background."""
+        compiled forwards are warmed up through a :meth:`compile_view` in the background (its chain
+        graphs last: until each is warm, :meth:`chain` runs its levels one compiled forward each)."""
         self._run, self._chain = self._eager
+        self.defer_chains = True
 
     def use_compiled(self) -> None:
         """Run the compiled forwards (those of a runner built with ``compile``; the eager ones else).
@@ -592,7 +596,8 @@ class ModelRunner:
         key = (len(batches), input_ids.shape[0] > 1, temperature is not None)
         # (Outside inference mode: the compiled forwards were warmed up on ordinary tensors, and guard
         # on it; a level passes on ordinary ones, which execute reads under inference mode.)
-        if self.graphs is not None or (self._chain is not self._eager[1] and key not in self._chains_ready):
+        deferred = self.defer_chains and self._chain is not self._eager[1] and key not in self._chains_ready
+        if self.graphs is not None or deferred:
             out, qs = [], []
             for d, b in enumerate(batches):
                 if self.graphs is None:  # (a level's positions are a column of all levels': a strided view)
@@ -648,37 +653,41 @@ class ModelRunner:
         for n in (2, 1):
             blocks = list(range(-(-n // self.block_size)))
             self.forward([ForwardChunk([0] * n, 0, blocks, n)], skip=skip, hidden_layers=hidden_layers)
-            if (chains or chain_levels) and self._chain is not self._eager[1]:  # (one level is a decode's)
+            if chains and self.defer_chains and self._chain is not self._eager[1]:  # (one level is a decode's)
                 table = list(range(-(-3 // self.block_size)))
                 batches = self.prepare_levels([ForwardChunk([0, 0], 1, table, 2)] * n)
                 self.chain(batches, torch.zeros(n, dtype=torch.int64, device=self.device), skip=skip)
         logger.info("compiled %s forward in %.1fs", type(self.model).__name__, time.perf_counter() - t0)
         self.warm_chains(chain_levels, sampled_chains, skip)
 
-    def warm_chains(self, chain_levels: int, sampled_chains: bool = True, skip: LayerSkip | None = None) -> None:
+    def warm_chains(self, chain_levels: int, sampled_chains: bool = True, skip: LayerSkip | None = None) -> bool:
         """Compile the chain graphs (see :meth:`chain`) of 1 .. ``chain_levels`` levels, for several
         sequences and for one, greedy, and sampled where ``sampled_chains`` (a drafter that never runs
         them does not pay for their graphs); each is used from the moment it is compiled (through a
         compile view: by its runner too). Each chain length is a graph of its own, traced through every
-        level: most of a draft model's compile time."""
+        level: most of a draft model's compile time. Returns whether it compiled any."""
         if not self.compiled or chain_levels < 1 or self._chain is self._eager[1]:
-            return
+            return False
         compile_settings(self.device)
         t0 = time.perf_counter()
+        # Deferred, the graph itself (chain would run it level by level until it is marked); else
+        # through chain, which every rank of a sharded runner runs.
+        run = self._fused_chain if self.defer_chains else self.chain
         for n in (2, 1):
             for levels in range(1, chain_levels + 1):  # n sequences of one token per level
                 table = list(range(-(-(levels + 1) // self.block_size)))
                 batches = self.prepare_levels([ForwardChunk([0] * levels, 1, table, levels)] * n)
                 ids = torch.zeros(n, dtype=torch.int64, device=self.device)
-                self._fused_chain(batches, ids, None, None, skip)
+                run(batches, ids, None, None, skip)
                 self._chains_ready.add((levels, n > 1, False))
                 if not sampled_chains:
                     continue
                 temperature = torch.ones(n, device=self.device)
                 noise = torch.ones(levels, n, self.vocab_size, device=self.device)
-                self._fused_chain(batches, ids, temperature, noise, skip)
+                run(batches, ids, temperature, noise, skip)
                 self._chains_ready.add((levels, n > 1, True))
         logger.info("compiled %s chains in %.1fs", type(self.model).__name__, time.perf_counter() - t0)
+        return True
 
     def capture_graphs(
         self, hidden_layers: tuple[int, ...] = (), skip: LayerSkip | None = None, features: int | None = None

@@ -225,10 +225,11 @@ class Proposer(ABC):
         ``view(runner)`` for each of :meth:`runners` (the runner itself, or a
         :meth:`~engine.runner.model_runner.ModelRunner.compile_view` of it in the background)."""
 
-    def warm_chains(self, view: Callable[[ModelRunner], ModelRunner]) -> None:  # noqa: B027
+    def warm_chains(self, view: Callable[[ModelRunner], ModelRunner]) -> bool:
         """Compile the graphs that run several draft levels in one call, as :meth:`warm_compiled` (a
         background compile swaps the compiled forwards in before these: until a chain length's graph
-        is ready, its levels run one compiled forward each)."""
+        is ready, its levels run one compiled forward each); whether there were any."""
+        return False
 
     # -- its own cache --------------------------------------------------------------------------
     def allocate_kv(self, num_blocks: int) -> None:  # noqa: B027

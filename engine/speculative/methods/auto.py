@@ -186,9 +186,8 @@ class AutoProposer(Proposer):
         for m in self.members.values():
             m.warm_compiled(view)
 
-    def warm_chains(self, view) -> None:
-        for m in self.members.values():
-            m.warm_chains(view)
+    def warm_chains(self, view) -> bool:
+        return any([m.warm_chains(view) for m in self.members.values()])  # (a list: every member's)
 
     def allocate_kv(self, num_blocks: int) -> None:
         for m in self.members.values():

@@ -84,9 +84,10 @@ class DraftModelProposer(LevelDrafter):
     def warm_compiled(self, view) -> None:
         view(self.runner).warm_compiled(chains=self.fuses_chains and not self.tree)
 
-    def warm_chains(self, view) -> None:
-        if self.fuses_chains and not self.tree:
-            view(self.runner).warm_chains(max(self.max_depth - 1, 0), self.fuses_sampled_chains)
+    def warm_chains(self, view) -> bool:
+        if not self.fuses_chains or self.tree:
+            return False
+        return view(self.runner).warm_chains(max(self.max_depth - 1, 0), self.fuses_sampled_chains)
 
     def cost_probe(self):
         return self.runner.forward
