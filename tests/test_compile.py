@@ -130,7 +130,11 @@ def test_background_compile_serves_without_recompiling(tmp_path, tokenizer_dir):
     target = build_model_dir(tmp_path / "t", tokenizer_dir, "LlamaForCausalLM", seed=5, std=0.3)
     draft = build_model_dir(tmp_path / "d", tokenizer_dir, "LlamaForCausalLM", seed=5, std=0.3, num_hidden_layers=1)
     kw = dict(model=str(target), device="cpu", num_kv_blocks=64, block_size=4)
-    engine = LLMEngine(EngineConfig(**kw, compile="on", compile_background=True, draft_model=str(draft)))
+    # Depth 2: the draft's chains are of one fused level (the requests below draft 2 tokens; each
+    # deeper chain length would be a graph of its own, compiled for nothing).
+    engine = LLMEngine(
+        EngineConfig(**kw, compile="on", compile_background=True, draft_model=str(draft), num_speculative_tokens=2)
+    )
     assert engine.compile_state == "pending"
     engine.compile_in_background().join()
     assert engine.compile_state == "ready"

@@ -739,6 +739,7 @@ BAD_COMPLETIONS = [
     ({"prompt": [VOCAB + 5, 3]}, "prompt", "out of range"),
     ({"prompt": [-1]}, "prompt", "out of range"),
     ({"prompt": [[5, 6], [7, VOCAB]]}, "prompt", "out of range"),
+    ({"logit_bias": {str(VOCAB + 5): 1.0}}, "logit_bias", "out of range"),
     ({"max_tokens": MAX_LEN}, "prompt", "context length"),
     ({"prompt": [5] * MAX_LEN, "max_tokens": 1}, "prompt", "context length"),
 ]

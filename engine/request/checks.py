@@ -48,12 +48,14 @@ def check_request(
     if params.contrastive is not None and not has_amateur:
         raise InvalidRequestError(
             "contrastive decoding needs a draft model as its amateur: serve with --draft-model "
-            "(speculative method 'draft')"
+            "(speculative method 'draft')",
+            "contrastive",
         )
     if params.contrastive_search and params.top_k > min(vocab_size, max_num_batched_tokens):
         raise InvalidRequestError(
             f"top_k ({params.top_k}) exceeds the vocabulary ({vocab_size}) or the tokens one step feeds "
-            f"({max_num_batched_tokens}, --max-num-batched-tokens): contrastive search feeds its candidates at once"
+            f"({max_num_batched_tokens}, --max-num-batched-tokens): contrastive search feeds its candidates at once",
+            "top_k",
         )
     bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
     if bad:
@@ -61,7 +63,7 @@ def check_request(
     if params.logit_bias:
         bad = [t for t in params.logit_bias if not 0 <= t < vocab_size]
         if bad:
-            raise InvalidRequestError(f"logit_bias token ids out of range [0, {vocab_size}): {bad[:5]}")
+            raise InvalidRequestError(f"logit_bias token ids out of range [0, {vocab_size}): {bad[:5]}", "logit_bias")
     room = max_model_len - len(prompt_ids)
     if room < 1:
         raise InvalidRequestError(

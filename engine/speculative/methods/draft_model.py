@@ -81,11 +81,16 @@ class DraftModelProposer(LevelDrafter):
     def runners(self) -> list[ModelRunner]:
         return [self.runner]
 
+    @property
+    def runs_chains(self) -> bool:
+        """Its drafts are chains of levels fused in one call (not trees): what its chain graphs serve."""
+        return self.fuses_chains and not self.tree
+
     def warm_compiled(self, view) -> None:
-        view(self.runner).warm_compiled(chains=self.fuses_chains and not self.tree)
+        view(self.runner).warm_compiled(chains=self.runs_chains)
 
     def warm_chains(self, view) -> bool:
-        if not self.fuses_chains or self.tree:
+        if not self.runs_chains:
             return False
         return view(self.runner).warm_chains(max(self.max_depth - 1, 0), self.fuses_sampled_chains)
 
