@@ -71,7 +71,7 @@ MOE = (
 )
 DENSE = (
     "LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
-    "SmolLM3ForCausalLM", "Olmo2ForCausalLM",
+    "SmolLM3ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GraniteForCausalLM",
 )  # fmt: skip
 FAMILIES = MOE + DENSE
 BOS, EOS, PAD = 0, 1, 2
@@ -154,6 +154,27 @@ def family_config(arch: str, s: Shape) -> transformers.PretrainedConfig:
         "Phi3ForCausalLM": lambda: transformers.Phi3Config(**common),
         "SmolLM3ForCausalLM": lambda: transformers.SmolLM3Config(**common, no_rope_layer_interval=4),
         "Olmo2ForCausalLM": lambda: transformers.Olmo2Config(**common),
+        "Olmo3ForCausalLM": lambda: transformers.Olmo3Config(  # 3 sliding : 1 full layers, YaRN on the full ones
+            **common,
+            sliding_window=s.window,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0},
+                "full_attention": {
+                    "rope_type": "yarn",
+                    "rope_theta": 500000.0,
+                    "factor": 8.0,
+                    "original_max_position_embeddings": 256,
+                },
+            },
+        ),  # fmt: skip
+        "GraniteForCausalLM": lambda: transformers.GraniteConfig(  # Granite 3.3 8B's multipliers
+            **common,
+            embedding_multiplier=12.0,
+            attention_multiplier=0.0078125,
+            residual_multiplier=0.22,
+            logits_scaling=16.0,
+            tie_word_embeddings=True,
+        ),
     }
     return configs[arch]()
 

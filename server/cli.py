@@ -677,6 +677,7 @@ def _serve_parser(sub, common: argparse.ArgumentParser) -> None:
             "glm47",
             "pythonic",
             "phi4_mini_json",
+            "granite",
             "deepseek_v3",
             "deepseek_v31",
             "harmony",
@@ -688,7 +689,7 @@ def _serve_parser(sub, common: argparse.ArgumentParser) -> None:
         "glm45 / glm47: GLM-4.5's and 4.6's <tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>, a "
         "line each, and GLM-4.7's without line ends; "
         "pythonic: a Python list of calls, [f(a=1), g(b='x')] (Llama 3.2/4's, Gemma 3's with vLLM's templates); "
-        "phi4_mini_json: Phi-4-mini's functools[{...}, ...]; "
+        "phi4_mini_json: Phi-4-mini's functools[{...}, ...]; granite: Granite 3's <|tool_call|>[{...}, ...]; "
         "deepseek_v3 / deepseek_v31: DeepSeek-V3's and R1's <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME and a "
         "fenced JSON block, V3.1's <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}; "
         "harmony: gpt-oss's messages to functions.NAME)",

@@ -54,6 +54,8 @@ def detect_format(chat_template: str | None) -> CallSyntax:
         return TOOL_PARSERS["glm47" if "</arg_key><arg_value>" in t else "glm45"]
     if "<tool_call>" in t:
         return FORMATS["hermes"]
+    if "<|tool_call|>" in t:  # Granite 3's
+        return FORMATS["granite"]
     if "func_name1(" in t:  # the pythonic templates' own example: [func_name1(params_name1=params_value1, ...)]
         return TOOL_PARSERS["pythonic"]
     if "functools[" in t:  # Phi-4-mini's

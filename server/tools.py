@@ -369,6 +369,8 @@ FORMATS = {
     # Phi-4-mini's: one JSON list after ``functools`` (vLLM's ``phi4_mini_json``; the arguments may come
     # under "parameters" too, as the parser reads them).
     "phi4_mini_json": ToolFormat("phi4_mini_json", "functools[", "", "", ", ", "]", "arguments"),
+    # Granite 3's (vLLM's ``granite``): one JSON list after its <|tool_call|> token.
+    "granite": ToolFormat("granite", "<|tool_call|>[", "", "", ", ", "]", "arguments", markup=("<|tool_call|>",)),
     # v11 and later (Mistral Small 3.2, Magistral, Devstral, Ministral 3): each call its own, its name
     # outside its arguments.
     "mistral_v11": ToolFormat(

@@ -1,12 +1,14 @@
-"""Phi-3, SmolLM3 and OLMo 2 against transformers on tiny random models (float32, CPU): logits through
-chunked prefill and paged decodes, greedy generation with requests joining a running batch,
-speculative greedy identity (lookup and layer skipping), tensor parallelism at 2 ranks (and 4 for
-OLMo 2's norms across replicated key heads), and one check per family that its feature changes the
-result, so that the parity proves it implemented and not merely harmless:
+"""Phi-3, SmolLM3, OLMo 2, OLMo 3 and Granite 3 against transformers on tiny random models (float32,
+CPU): logits through chunked prefill and paged decodes, greedy generation with requests joining a
+running batch, speculative greedy identity (lookup and layer skipping), tensor parallelism at 2 ranks
+(and 4 for OLMo 2's norms across replicated key heads), and one check per family that its feature
+changes the result, so that the parity proves it implemented and not merely harmless:
 
 - Phi-3: partial rotary embeddings (half of each head turned) and LongRoPE's short / long factors;
 - SmolLM3: NoPE layers (every other one here, those also sliding-window layers);
-- OLMo 2: q/k norms over the whole projection, not per head.
+- OLMo 2: q/k norms over the whole projection, not per head;
+- OLMo 3: sliding-window layers, and YaRN on the full-attention layer's RoPE alone;
+- Granite 3: its four multipliers (embeddings, attention scores, residual branches, logits).
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ from engine.parallel import TensorParallel
 from engine.request.sampling_params import SamplingParams
 from engine.runner.loader import load_config, load_model
 
-PHI3_WINDOW, SMOL_WINDOW = 16, 8
+PHI3_WINDOW, SMOL_WINDOW, OLMO3_WINDOW = 16, 8, 8
 ORIGINAL = 32  # the LongRoPE model's original_max_position_embeddings
-FAMILIES = ["phi3", "smollm3", "olmo2"]
+FAMILIES = ["phi3", "smollm3", "olmo2", "olmo3", "granite"]
+# Granite's multipliers, each away from 1 (and the attention scale from head_dim ** -0.5 = 0.25)
+GRANITE = dict(embedding_multiplier=6.0, attention_multiplier=0.05, residual_multiplier=0.4, logits_scaling=3.0)
 
 
 def family_config(family: str, **overrides):
@@ -74,9 +78,24 @@ def family_config(family: str, **overrides):
         cls = transformers.SmolLM3Config
     elif family == "olmo2":
         cls = transformers.Olmo2Config
+    elif family == "olmo3":  # layers 0-2 sliding (a window shorter than the prompts), layer 3 full, its RoPE YaRN
+        rope = {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {
+                "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+            },
+        }  # fmt: skip
+        common.update(sliding_window=OLMO3_WINDOW, rope_parameters=rope)
+        cls = transformers.Olmo3Config
+    elif family == "granite":  # biases on the attention and the MLP
+        common.update(**GRANITE, attention_bias=True, mlp_bias=True)
+        cls = transformers.GraniteConfig
     else:
         raise ValueError(family)
-    arch = {"phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}[family]
+    arch = {
+        "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
+        "olmo3": "Olmo3ForCausalLM", "granite": "GraniteForCausalLM",
+    }[family]  # fmt: skip
     return cls(**{**common, "architectures": [arch], **overrides})
 
 
@@ -250,6 +269,32 @@ def test_olmo2_whole_projection_qk_norm_matters(dirs):
         attn = layer.self_attn
         attn.q_norm.forward, attn.k_norm.forward = per_head(attn.q_norm, 16), per_head(attn.k_norm, 16)
     assert (hf_logits(ref, ids) - whole).abs().max() > 1e-2
+
+
+def test_olmo3_windows_and_rope_by_layer_type_matter(dirs):
+    """Layers 0-2 slide, layer 3 attends to all and alone turns by YaRN: with every layer's window off,
+    or with the sliding layers scaled too, transformers' logits change far beyond the parity's tolerance."""
+    model = make_engine(dirs["olmo3"]).runner.model
+    assert [layer.self_attn.sliding for layer in model.layers] == [True, True, True, False]
+    assert [layer.local for layer in model.layers] == [True, True, True, False]
+    assert not torch.equal(model.rope_cos, model.rope_local_cos)
+    ids = prompts(1, seed=1, lo=30, hi=31)[0]
+    want = hf_logits(hf_model(dirs["olmo3"]), ids)
+    full = hf_logits(hf_model(dirs["olmo3"], layer_types=["full_attention"] * 4), ids)
+    assert (full - want).abs().max() > 1e-2
+    yarn = hf_model(dirs["olmo3"]).config.rope_parameters["full_attention"]
+    both = hf_model(dirs["olmo3"], rope_parameters={"sliding_attention": dict(yarn), "full_attention": dict(yarn)})
+    assert (hf_logits(both, ids) - want).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("multiplier", list(GRANITE))
+def test_granite_multipliers_matter(dirs, multiplier):
+    """Each multiplier set to 1 (the attention scale to Llama's) changes transformers' logits far beyond
+    the parity's tolerance."""
+    ids = prompts(1, seed=1, lo=30, hi=31)[0]
+    want = hf_logits(hf_model(dirs["granite"]), ids)
+    plain = 0.25 if multiplier == "attention_multiplier" else 1.0
+    assert (hf_logits(hf_model(dirs["granite"], **{multiplier: plain}), ids) - want).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("family", FAMILIES)

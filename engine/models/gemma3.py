@@ -28,41 +28,16 @@ Bidirectional Gemma 3 configs (``use_bidirectional_attention``: an encoder for e
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.attention import AttentionMetadata
 from engine.models.gemma2 import Gemma2Attention, Gemma2DecoderLayer, Gemma2ForCausalLM, GemmaRMSNorm
-from engine.models.layer_skip import LayerSkip
+from engine.models.layer_rope import LOCAL, LayerTypeRope, check_layer_types
 from engine.models.llama import LlamaMLP
 from engine.parallel import SINGLE, TensorParallel
 from engine.quant import NF4Linear
-
-LOCAL, GLOBAL = "sliding_attention", "full_attention"  # the two layer types (transformers' names)
-
-
-def rope_tables(config, layer_type: str, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [max_positions, head_dim] for the layers of ``layer_type``, from that type's
-    entry of ``config.rope_parameters`` (a ``default`` or a scaled RoPE, computed by transformers)."""
-    by_type = getattr(config, "rope_parameters", None) or {}
-    params = by_type.get(layer_type)
-    if not isinstance(params, dict):
-        raise ValueError(f"Gemma 3 config has no RoPE parameters for {layer_type} layers: {by_type}")
-    rope_type = params.get("rope_type", "default")
-    if rope_type == "dynamic":
-        raise ValueError("dynamic NTK RoPE scaling is not supported (its frequencies change with length)")
-    if rope_type == "default":
-        head_dim = config.head_dim
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
-        inv_freq, scaling = 1.0 / (params["rope_theta"] ** exponents), 1.0
-    else:
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", layer_type=layer_type)
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos() * scaling, emb.sin() * scaling
 
 
 class Gemma3Attention(Gemma2Attention):
@@ -91,15 +66,14 @@ class Gemma3DecoderLayer(Gemma2DecoderLayer):
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
 
 
-class Gemma3ForCausalLM(Gemma2ForCausalLM):
+class Gemma3ForCausalLM(LayerTypeRope, Gemma2ForCausalLM):
     """Gemma 3 causal LM over a paged KV cache.
 
-    ``rope_cos`` / ``rope_sin`` hold the global layers' table (what code outside reads for the model's
-    positions), ``rope_local_cos`` / ``rope_local_sin`` the local layers'. The forward is Llama's loop
-    with each layer handed its own table; ``skip`` and ``hidden_layers`` mean what they mean there.
-    Weights load as Gemma-2's (checkpoint names match once q/k/v and gate/up are fused; ``q_norm`` and
-    ``k_norm`` are per head, whole on every tensor-parallel rank); the final logits are soft-capped
-    where the config sets ``final_logit_softcapping``."""
+    Two RoPE tables, the global layers' and the local layers' (:class:`LayerTypeRope`: the forward is
+    Llama's loop with each layer handed its own table). Weights load as Gemma-2's (checkpoint names
+    match once q/k/v and gate/up are fused; ``q_norm`` and ``k_norm`` are per head, whole on every
+    tensor-parallel rank); the final logits are soft-capped where the config sets
+    ``final_logit_softcapping``."""
 
     @staticmethod
     def check_config(config) -> None:
@@ -108,63 +82,10 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
                 "Gemma 3 with use_bidirectional_attention is an encoder (every token attends to later ones), "
                 "not a causal LM: Augur cannot serve it"
             )
-        unknown = sorted(set(config.layer_types) - {LOCAL, GLOBAL})
-        if unknown:
-            raise ValueError(f"Gemma 3 layer types {unknown} are not supported (only {LOCAL} and {GLOBAL})")
+        check_layer_types(config, "Gemma 3")
 
     def decoder_layer(self, config, i: int, qkv_bias: bool, o_bias: bool, tp: TensorParallel) -> nn.Module:
         return Gemma3DecoderLayer(config, i, tp)
-
-    def register_rope_buffers(self) -> None:
-        super().register_rope_buffers()  # [max_positions, head_dim]: the global layers' table
-        self.register_buffer("rope_local_cos", torch.empty(0), persistent=False)  # the local layers'
-        self.register_buffer("rope_local_sin", torch.empty(0), persistent=False)
-
-    def init_buffers(self, max_positions: int) -> None:
-        """(Re)compute both RoPE tables, e.g. after construction on the meta device."""
-        device = self.embed_tokens.weight.device
-        if device.type == "meta":
-            return
-        cos, sin = rope_tables(self.config, GLOBAL, max_positions)
-        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
-        cos, sin = rope_tables(self.config, LOCAL, max_positions)
-        self.rope_local_cos, self.rope_local_sin = cos.to(device), sin.to(device)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        meta: AttentionMetadata,
-        kv_caches: torch.Tensor,  # [num_layers, 2, num_slots, Hkv, D]
-        skip: LayerSkip | None = None,
-        hidden_layers: Sequence[int] = (),
-    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Returns the final-normed hidden states [T, hidden] and ``{layer: its output [T, hidden]}`` for
-        each layer in ``hidden_layers``. ``skip`` leaves those attention / MLP sublayers out (a
-        skipped attention writes no K/V: self-speculative drafts, which verification overwrites)."""
-        x = self.embed(input_ids)
-        tables = {  # local? → (cos, sin), each [T, 1, D]
-            False: (
-                self.rope_cos[positions].to(x.dtype).unsqueeze(1),
-                self.rope_sin[positions].to(x.dtype).unsqueeze(1),
-            ),
-            True: (
-                self.rope_local_cos[positions].to(x.dtype).unsqueeze(1),
-                self.rope_local_sin[positions].to(x.dtype).unsqueeze(1),
-            ),
-        }
-        wanted = set(hidden_layers)
-        captured: dict[int, torch.Tensor] = {}
-        for i in range(self.num_layers):
-            layer = self.layers[i]
-            cos, sin = tables[layer.local]
-            if skip is None:
-                x = layer(x, cos, sin, kv_caches, i, meta)
-            elif i not in skip.attn or i not in skip.mlp:
-                x = layer(x, cos, sin, kv_caches, i, meta, i not in skip.attn, i not in skip.mlp)
-            if i in wanted:
-                captured[i] = x
-        return self.norm(x), captured
 
 
 class Gemma3TextForCausalLM(Gemma3ForCausalLM):
