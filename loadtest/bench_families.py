@@ -71,7 +71,7 @@ MOE = (
 )
 DENSE = (
     "LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
-    "SmolLM3ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GraniteForCausalLM",
+    "SmolLM3ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GraniteForCausalLM", "Ministral3ForCausalLM",
 )  # fmt: skip
 FAMILIES = MOE + DENSE
 BOS, EOS, PAD = 0, 1, 2
@@ -165,6 +165,21 @@ def family_config(arch: str, s: Shape) -> transformers.PretrainedConfig:
                     "factor": 8.0,
                     "original_max_position_embeddings": 256,
                 },
+            },
+        ),  # fmt: skip
+        "Ministral3ForCausalLM": lambda: transformers.Ministral3Config(  # the released RoPE, its context cut to 256
+            **common,
+            head_dim=s.head_dim,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 1_000_000.0,
+                "factor": 8.0,
+                "original_max_position_embeddings": 256,
+                "llama_4_scaling_beta": 0.1,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
             },
         ),  # fmt: skip
         "GraniteForCausalLM": lambda: transformers.GraniteConfig(  # Granite 3.3 8B's multipliers

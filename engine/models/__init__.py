@@ -22,6 +22,8 @@ MODEL_REGISTRY: dict[str, str] = {  # architecture → "module:class" under engi
     "GraniteForCausalLM": "granite:GraniteForCausalLM",
     "LlamaForCausalLM": "llama:LlamaForCausalLM",
     "MistralForCausalLM": "llama:MistralForCausalLM",
+    "Ministral3ForCausalLM": "mistral3:Ministral3ForCausalLM",
+    "Mistral3ForConditionalGeneration": "mistral3:Mistral3TextForCausalLM",
     "MixtralForCausalLM": "mixtral:MixtralForCausalLM",
     "Olmo2ForCausalLM": "olmo2:Olmo2ForCausalLM",
     "Olmo3ForCausalLM": "olmo3:Olmo3ForCausalLM",
@@ -32,6 +34,10 @@ MODEL_REGISTRY: dict[str, str] = {  # architecture → "module:class" under engi
     "Qwen3MoeForCausalLM": "qwen3_moe:Qwen3MoeForCausalLM",
     "SmolLM3ForCausalLM": "smollm3:SmolLM3ForCausalLM",
 }
+
+# Multimodal architectures served by their language model alone (engine/models/text_tower.py): the
+# loader hands their class the checkpoint's text_config.
+TEXT_TOWERS = frozenset({"Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration"})
 
 
 class UnsupportedModelError(ValueError):

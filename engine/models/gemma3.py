@@ -28,16 +28,13 @@ Bidirectional Gemma 3 configs (``use_bidirectional_attention``: an encoder for e
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-
-import torch
 from torch import nn
 
 from engine.models.gemma2 import Gemma2Attention, Gemma2DecoderLayer, Gemma2ForCausalLM, GemmaRMSNorm
 from engine.models.layer_rope import LOCAL, LayerTypeRope, check_layer_types
 from engine.models.llama import LlamaMLP
+from engine.models.text_tower import TextTower
 from engine.parallel import SINGLE, TensorParallel
-from engine.quant import NF4Linear
 
 
 class Gemma3Attention(Gemma2Attention):
@@ -88,59 +85,11 @@ class Gemma3ForCausalLM(LayerTypeRope, Gemma2ForCausalLM):
         return Gemma3DecoderLayer(config, i, tp)
 
 
-class Gemma3TextForCausalLM(Gemma3ForCausalLM):
-    """The language model of a ``Gemma3ForConditionalGeneration`` checkpoint, served as text only.
-
-    Built from the checkpoint's ``text_config`` (what ``load_config`` returns for this architecture),
-    it is :class:`Gemma3ForCausalLM`; only the checkpoint's names differ. Two layouts are read: the
-    one transformers' ``save_pretrained`` writes and the released checkpoints use
-    (``language_model.model.…``, ``language_model.lm_head.weight`` where untied, ``vision_tower.…``,
-    ``multi_modal_projector.…``) and the one transformers 5 builds in memory (``model.language_model.…``,
-    ``lm_head.weight``, ``model.vision_tower.…``, ``model.multi_modal_projector.…``). Vision and
-    projector tensors are skipped; images are not served.
+class Gemma3TextForCausalLM(TextTower, Gemma3ForCausalLM):
+    """The language model of a ``Gemma3ForConditionalGeneration`` checkpoint (4B, 12B, 27B), served as
+    text only: :class:`Gemma3ForCausalLM` with the checkpoint's weight names (:class:`TextTower`).
 
     Transformers' ``Gemma3ForConditionalGeneration`` does not apply ``final_logit_softcapping``; this
     class does where the text config sets it, as its text-only sibling does (no released config sets it)."""
 
-    streams_linear_weights = False  # its names are read by text_name in load_weights
-    _text_prefixes = ("language_model.model.", "model.language_model.")
-    _head_names = ("language_model.lm_head.weight", "lm_head.weight")
-    _skipped_prefixes = (
-        "vision_tower.",
-        "multi_modal_projector.",
-        "model.vision_tower.",
-        "model.multi_modal_projector.",
-    )
-
-    def text_name(self, name: str) -> str | None:
-        """A checkpoint tensor's name as a text-only Gemma 3 checkpoint spells it, or None for a vision
-        or projector tensor (left out). Other names pass as they are (the loader names the unexpected)."""
-        if name.startswith(self._skipped_prefixes):
-            return None
-        if name in self._head_names:
-            return "lm_head.weight"
-        for prefix in self._text_prefixes:
-            if name.startswith(prefix):
-                return "model." + name.removeprefix(prefix)
-        return name
-
-    def _text_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in weights:
-            text = self.text_name(name)
-            if text is not None:
-                yield text, tensor
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        if any(isinstance(m, NF4Linear) for m in self.modules()):
-            # The NF4 loader picks the tensors it quantizes by name before they reach this method, and
-            # does not know this checkpoint's prefixes: the layers it swapped in would never be filled.
-            raise ValueError(
-                "--quantization nf4 cannot load a Gemma3ForConditionalGeneration checkpoint (the NF4 loader "
-                "does not read its language model's prefixed weight names): serve it in full precision or "
-                "with --quantization int4"
-            )
-        super().load_weights(self._text_weights(weights))
-
-    def checkpoint_slice(self, name: str) -> tuple[int, int, int] | str | None:
-        text = self.text_name(name)
-        return None if text is None else super().checkpoint_slice(text)
+    architecture = "Gemma3ForConditionalGeneration"

@@ -296,8 +296,7 @@ class LlamaForCausalLM(nn.Module):
         each layer in ``hidden_layers``. ``skip`` leaves those attention / MLP sublayers out (a
         skipped attention writes no K/V: self-speculative drafts, which verification overwrites)."""
         x = self.embed(input_ids)
-        cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # [T, 1, D]
-        sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
+        cos, sin = self.rope_at(positions, x.dtype)
         wanted = set(hidden_layers)
         captured: dict[int, torch.Tensor] = {}
         for i in range(self.num_layers):
@@ -308,6 +307,11 @@ class LlamaForCausalLM(nn.Module):
             if i in wanted:
                 captured[i] = x
         return self.norm(x), captured
+
+    def rope_at(self, positions: torch.Tensor, dtype: torch.dtype):
+        """What every layer's attention takes as ``cos`` and ``sin`` for these positions: the RoPE tables'
+        rows ``[T, 1, D]`` in ``dtype`` (a family whose attention takes more overrides this)."""
+        return self.rope_cos[positions].to(dtype).unsqueeze(1), self.rope_sin[positions].to(dtype).unsqueeze(1)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The tokens' embeddings; sharded, each rank looks up the ids in its slice of the vocabulary

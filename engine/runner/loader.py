@@ -18,11 +18,12 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from engine.attention.cpu_kernel import load_cpu_kernel
-from engine.models import model_class_for
+from engine.models import TEXT_TOWERS, model_class_for
 from engine.models.invariant import load_invariant_kernels
 from engine.models.moe import has_experts
 from engine.models.packed import MIN_PACKED_BYTES, linear_weight_bytes, packing_supported
 from engine.models.small_linear import SmallRowsLinear, small_rows_serve
+from engine.models.text_tower import TextTower
 from engine.parallel import SINGLE, TensorParallel
 from engine.quant import QUANTIZATIONS
 from engine.quant.checkpoint import checkpoint_format
@@ -69,19 +70,22 @@ def resolve_model_path(model: str) -> Path:
 
 def load_config(path: Path):
     """The checkpoint's config. A multimodal checkpoint served as text only (its architecture one of
-    ``text_towers``) gives its text model's config, so that what the engine reads (vocabulary, hidden
-    size, heads, positions, EOS ids) is the decoder's; it keeps the checkpoint's ``architectures``
+    ``engine.models.TEXT_TOWERS``) gives its text model's config, so that what the engine reads
+    (vocabulary, hidden size, heads, positions, EOS ids) is the decoder's; it keeps the checkpoint's ``architectures``
     (the registry serves them with a text-tower class, which knows the checkpoint's weight names)
     and its top-level ``eos_token_id`` where it sets one (the chat turn's end, for instance)."""
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    text_towers = {"Gemma3ForConditionalGeneration"}
     archs = list(getattr(config, "architectures", None) or [])
-    if text_towers.isdisjoint(archs):
+    if TEXT_TOWERS.isdisjoint(archs):
         return config
     text = config.get_text_config()
     text.architectures = archs
     if getattr(config, "eos_token_id", None) is not None:
         text.eos_token_id = config.eos_token_id
+    if _weight_files(path):  # the output layer is the embedding's unless the checkpoint has its own, as
+        # transformers loads it (the top level's tie_word_embeddings, True by default, is dropped where
+        # the checkpoint carries a head: Mistral Small 3.1's; a text config's own flag is not read)
+        text.tie_word_embeddings = not any(k in TextTower.head_names for k in checkpoint_keys(path))
     return text
 
 
