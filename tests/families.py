@@ -14,6 +14,21 @@ from engine.request.sampling_params import SamplingParams
 from engine.runner.model_runner import ForwardChunk
 
 
+def save_random(model, path: Path, tokenizer_dir: Path, std: float = 0.2) -> Path:
+    """``model`` (transformers') with random weights, saved as a Hugging Face directory with the test
+    tokenizer: every matrix drawn N(0, std), norm weights near 1, other vectors (biases) near 0."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, std)
+            else:
+                p.normal_(1.0 if "norm" in name else 0.0, 0.05)
+    model.to(torch.float32).save_pretrained(path)
+    transformers.PreTrainedTokenizerFast.from_pretrained(tokenizer_dir).save_pretrained(path)
+    transformers.GenerationConfig(bos_token_id=0, eos_token_id=1, pad_token_id=2).save_pretrained(path)
+    return path
+
+
 def hf_eager(model_dir: Path, **config_overrides):
     """transformers' model of a checkpoint, float32, eager attention."""
     return transformers.AutoModelForCausalLM.from_pretrained(

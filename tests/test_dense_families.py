@@ -18,12 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from families import check_served, hf_logits, paged_logits
+from families import check_served, hf_logits, paged_logits, save_random
 from families import hf_eager as hf_model
 from test_engine import hf_greedy, prompts, run_staggered
 from test_step import prompts as repetitive_prompts
 from tp_ranks import model_logits, sharded_logits
-from transformers import PreTrainedTokenizerFast
 
 from conftest import VOCAB
 from engine.config import EngineConfig
@@ -104,16 +103,7 @@ def build_dir(path: Path, tokenizer_dir: Path, family: str, std: float = 0.2, se
     near 1, biases near 0."""
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(family_config(family), dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, std)
-            else:
-                p.normal_(1.0 if "norm" in name else 0.0, 0.05)
-    model.save_pretrained(path)
-    PreTrainedTokenizerFast.from_pretrained(tokenizer_dir).save_pretrained(path)
-    transformers.GenerationConfig(bos_token_id=0, eos_token_id=1, pad_token_id=2).save_pretrained(path)
-    return path
+    return save_random(model, path, tokenizer_dir, std)
 
 
 @pytest.fixture(scope="module")

@@ -16,12 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from families import check_served, hf_logits, paged_logits
+from families import check_served, hf_logits, paged_logits, save_random
 from safetensors import safe_open
 from test_engine import hf_greedy, prompts, run_staggered
 from test_step import prompts as repetitive_prompts
 from tp_ranks import model_logits, sharded_logits
-from transformers import PreTrainedTokenizerFast
 
 from conftest import VOCAB
 from engine.config import EngineConfig
@@ -69,16 +68,7 @@ def build_dir(path: Path, tokenizer_dir: Path, kind: str, seed: int = 0) -> Path
             architectures=["Mistral3ForConditionalGeneration"],
         )  # fmt: skip
         model = transformers.Mistral3ForConditionalGeneration(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.2)
-            else:
-                p.normal_(1.0 if "norm" in name else 0.0, 0.05)
-    model.to(torch.float32).save_pretrained(path)
-    PreTrainedTokenizerFast.from_pretrained(tokenizer_dir).save_pretrained(path)
-    transformers.GenerationConfig(bos_token_id=0, eos_token_id=1, pad_token_id=2).save_pretrained(path)
-    return path
+    return save_random(model, path, tokenizer_dir)
 
 
 @pytest.fixture(scope="module")

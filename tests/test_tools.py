@@ -435,31 +435,6 @@ PHI4_TEMPLATE = (
 )
 
 
-def test_phi4_mini_calls_are_written_and_read_in_its_syntax(tmp_path, model_dir):
-    d = with_template(tmp_path, model_dir, PHI4_TEMPLATE)
-    assert detect_format(PHI4_TEMPLATE).name == "phi4_mini_json"
-    with serve(create_app(ServerSettings(served_model_name=MODEL), engine_factory(d, max_model_len=2048))) as s:
-        with openai.OpenAI(base_url=s.base + "/v1", api_key="unused", max_retries=0) as c:
-            r = create(c, tools=TOOLS, tool_choice="required", logprobs=True)
-            calls = check_calls(r.choices[0].message, {"get_weather", "lookup"})
-            text = "".join(t.token for t in r.choices[0].logprobs.content)
-            assert text.startswith("functools[{") and r.choices[0].finish_reason == "tool_calls", text
-            # Under auto the model's own functools[...] list is read as its calls (a regex makes it write one).
-            written = FORMATS["phi4_mini_json"].render(calls)
-            forced = {"structured_outputs": {"regex": "OK " + re.escape(written)}}
-            auto = c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=200, temperature=0, tools=TOOLS,
-                                             extra_body={**PINNED, **forced})  # fmt: skip
-            assert auto.choices[0].message.content == "OK"
-            assert check_calls(auto.choices[0].message, set(MODELS)) == calls
-        # The history's calls go back to the model in that syntax.
-        call = r.choices[0].message.tool_calls[0]
-        history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-                   {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]  # fmt: skip
-        got = httpx.post(s.base + "/tokenize", json={"model": MODEL, "messages": history, "tools": TOOLS}).json()
-        prompt = transformers.AutoTokenizer.from_pretrained(d).decode(got["tokens"])
-        assert f'functools[{{"name": "{call.function.name}", "arguments": {call.function.arguments}}}]' in prompt
-
-
 # Granite 3's tool syntax, as its templates write it: the tools in an available_tools turn, an assistant's
 # calls as one JSON list (each call's function object) after <|tool_call|>, a result in a tool_response turn.
 GRANITE_TEMPLATE = (
@@ -473,18 +448,28 @@ GRANITE_TEMPLATE = (
 )
 
 
-def test_granite_calls_are_written_and_read_in_its_syntax(tmp_path, model_dir):
-    d = with_template(tmp_path, model_dir, GRANITE_TEMPLATE)
-    assert detect_format(GRANITE_TEMPLATE).name == "granite"
+# The syntaxes that write one JSON list of calls after an opening of their own: the template, the syntax
+# it is detected as, and what its history writes for a tool result.
+JSON_LISTS = {
+    "phi4_mini_json": (PHI4_TEMPLATE, "<|tool|>sunny<|end|>"),
+    "granite": (GRANITE_TEMPLATE, "<|start_of_role|>tool_response<|end_of_role|>sunny"),
+}
+
+
+@pytest.mark.parametrize("syntax", list(JSON_LISTS))
+def test_json_list_calls_are_written_and_read_in_their_syntax(tmp_path, model_dir, syntax):
+    template, result = JSON_LISTS[syntax]
+    d = with_template(tmp_path, model_dir, template)
+    fmt = detect_format(template)
+    assert fmt.name == syntax
     with serve(create_app(ServerSettings(served_model_name=MODEL), engine_factory(d, max_model_len=2048))) as s:
         with openai.OpenAI(base_url=s.base + "/v1", api_key="unused", max_retries=0) as c:
             r = create(c, tools=TOOLS, tool_choice="required", logprobs=True)
             calls = check_calls(r.choices[0].message, {"get_weather", "lookup"})
             text = "".join(t.token for t in r.choices[0].logprobs.content)
-            assert text.startswith("<|tool_call|>[{") and r.choices[0].finish_reason == "tool_calls", text
-            # Under auto the model's own <|tool_call|>[...] list is read as its calls (a regex makes it write one).
-            written = FORMATS["granite"].render(calls)
-            forced = {"structured_outputs": {"regex": "OK " + re.escape(written)}}
+            assert text.startswith(fmt.open + "{") and r.choices[0].finish_reason == "tool_calls", text
+            # Under auto the model's own list is read as its calls (a regex makes it write one).
+            forced = {"structured_outputs": {"regex": "OK " + re.escape(fmt.render(calls))}}
             auto = c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=200, temperature=0, tools=TOOLS,
                                              extra_body={**PINNED, **forced})  # fmt: skip
             assert auto.choices[0].message.content == "OK"
@@ -495,8 +480,8 @@ def test_granite_calls_are_written_and_read_in_its_syntax(tmp_path, model_dir):
                    {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]  # fmt: skip
         got = httpx.post(s.base + "/tokenize", json={"model": MODEL, "messages": history, "tools": TOOLS}).json()
         prompt = transformers.AutoTokenizer.from_pretrained(d).decode(got["tokens"])
-        want = f'<|tool_call|>[{{"name": "{call.function.name}", "arguments": {call.function.arguments}}}]'
-        assert want in prompt and "<|start_of_role|>tool_response<|end_of_role|>sunny" in prompt
+        want = f'{fmt.open}{{"name": "{call.function.name}", "arguments": {call.function.arguments}}}]'
+        assert want in prompt and result in prompt, prompt
 
 
 @pytest.mark.parametrize("name", list(FORMATS))

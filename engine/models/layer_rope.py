@@ -4,19 +4,14 @@ Transformers 5 keys ``config.rope_parameters`` by layer type for these families 
 and ``full_attention``, the names ``config.layer_types`` uses): Gemma 3 turns its local layers with a
 base of 10 000 and its global ones with 1 000 000 (linearly scaled on the larger models); OLMo 3
 scales only its full-attention layers (YaRN). :class:`LayerTypeRope` keeps one cos/sin table per type
-and hands each layer the table of its own type (a layer's ``local`` attribute says which); the rest of
-the forward is Llama's.
+and Llama's forward hands each layer the table of its own type (a layer's ``local`` attribute says
+which).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-from engine.attention import AttentionMetadata
-from engine.models.layer_skip import LayerSkip
 
 LOCAL, GLOBAL = "sliding_attention", "full_attention"  # the two layer types (transformers' names)
 
@@ -52,8 +47,8 @@ def rope_tables(config, layer_type: str, max_positions: int) -> tuple[torch.Tens
 class LayerTypeRope:
     """A mixin before a Llama-shaped model class: ``rope_cos`` / ``rope_sin`` hold the full-attention
     layers' table (what code outside reads for the model's positions), ``rope_local_cos`` /
-    ``rope_local_sin`` the sliding-window layers'; each layer reads the one its ``local`` names.
-    ``skip`` and ``hidden_layers`` mean what they mean in Llama's forward."""
+    ``rope_local_sin`` the sliding-window layers'; Llama's forward hands each layer the one its
+    ``local`` names (:meth:`rope_at`, :meth:`layer_rope`)."""
 
     def register_rope_buffers(self) -> None:
         for name in ("rope_cos", "rope_sin", "rope_local_cos", "rope_local_sin"):  # [max_positions, head_dim]
@@ -71,38 +66,16 @@ class LayerTypeRope:
         cos, sin = rope_tables(self.config, LOCAL, max_positions)
         self.rope_local_cos, self.rope_local_sin = cos.to(device), sin.to(device)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        meta: AttentionMetadata,
-        kv_caches: torch.Tensor,  # [num_layers, 2, num_slots, Hkv, D]
-        skip: LayerSkip | None = None,
-        hidden_layers: Sequence[int] = (),
-    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Returns the final-normed hidden states [T, hidden] and ``{layer: its output [T, hidden]}`` for
-        each layer in ``hidden_layers``. ``skip`` leaves those attention / MLP sublayers out (a
-        skipped attention writes no K/V: self-speculative drafts, which verification overwrites)."""
-        x = self.embed(input_ids)
-        tables = {  # local? → (cos, sin), each [T, 1, D]
-            False: (
-                self.rope_cos[positions].to(x.dtype).unsqueeze(1),
-                self.rope_sin[positions].to(x.dtype).unsqueeze(1),
-            ),
+    def rope_at(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
+        """Both tables' rows for these positions, by whether a layer is local: ``(cos, sin)``, each
+        ``[T, 1, D]`` in ``dtype``."""
+        return {
+            False: (self.rope_cos[positions].to(dtype).unsqueeze(1), self.rope_sin[positions].to(dtype).unsqueeze(1)),
             True: (
-                self.rope_local_cos[positions].to(x.dtype).unsqueeze(1),
-                self.rope_local_sin[positions].to(x.dtype).unsqueeze(1),
+                self.rope_local_cos[positions].to(dtype).unsqueeze(1),
+                self.rope_local_sin[positions].to(dtype).unsqueeze(1),
             ),
         }
-        wanted = set(hidden_layers)
-        captured: dict[int, torch.Tensor] = {}
-        for i in range(self.num_layers):
-            layer = self.layers[i]
-            cos, sin = tables[layer.local]
-            if skip is None:
-                x = layer(x, cos, sin, kv_caches, i, meta)
-            elif i not in skip.attn or i not in skip.mlp:
-                x = layer(x, cos, sin, kv_caches, i, meta, i not in skip.attn, i not in skip.mlp)
-            if i in wanted:
-                captured[i] = x
-        return self.norm(x), captured
+
+    def layer_rope(self, rope: dict[bool, tuple[torch.Tensor, torch.Tensor]], i: int):
+        return rope[self.layers[i].local]

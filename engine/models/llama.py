@@ -296,10 +296,11 @@ class LlamaForCausalLM(nn.Module):
         each layer in ``hidden_layers``. ``skip`` leaves those attention / MLP sublayers out (a
         skipped attention writes no K/V: self-speculative drafts, which verification overwrites)."""
         x = self.embed(input_ids)
-        cos, sin = self.rope_at(positions, x.dtype)
+        rope = self.rope_at(positions, x.dtype)
         wanted = set(hidden_layers)
         captured: dict[int, torch.Tensor] = {}
         for i in range(self.num_layers):
+            cos, sin = self.layer_rope(rope, i)
             if skip is None:
                 x = self.layers[i](x, cos, sin, kv_caches, i, meta)
             elif i not in skip.attn or i not in skip.mlp:
@@ -309,9 +310,14 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x), captured
 
     def rope_at(self, positions: torch.Tensor, dtype: torch.dtype):
-        """What every layer's attention takes as ``cos`` and ``sin`` for these positions: the RoPE tables'
-        rows ``[T, 1, D]`` in ``dtype`` (a family whose attention takes more overrides this)."""
+        """The rotary inputs of a forward at these positions: here the RoPE tables' rows ``[T, 1, D]`` in
+        ``dtype``, ``(cos, sin)``, which every layer's attention takes (a family whose layers rotate by
+        other tables, or whose attention takes more, overrides this and :meth:`layer_rope`)."""
         return self.rope_cos[positions].to(dtype).unsqueeze(1), self.rope_sin[positions].to(dtype).unsqueeze(1)
+
+    def layer_rope(self, rope, i: int):
+        """Layer ``i``'s ``(cos, sin)`` of what :meth:`rope_at` gave: here the one pair of every layer."""
+        return rope
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The tokens' embeddings; sharded, each rank looks up the ids in its slice of the vocabulary
