@@ -11,6 +11,8 @@ running batch, speculative greedy identity, two tensor-parallel ranks, and a ser
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -179,6 +181,53 @@ def test_nf4_is_refused_for_the_multimodal_checkpoint(dirs):
     d = dirs["multimodal-mistral"]
     with pytest.raises(ValueError, match="cannot load a Mistral3ForConditionalGeneration checkpoint"):
         load_model(d, load_config(d), torch.float32, torch.device("cpu"), 64, quantization="nf4")
+
+
+QUANT = Path(__file__).parent / "fixtures" / "quant"
+
+
+def as_multimodal(src: Path, out: Path) -> Path:
+    """``src`` (a quantized text-only checkpoint of tests/fixtures/quant/, written by its format's tool)
+    rewritten as a ``Mistral3ForConditionalGeneration`` one: its tensors under the language model's
+    prefixes beside a vision tensor, its config the text config of a multimodal one, the quantization
+    config at the top level, and a ``consolidated.safetensors`` of Mistral's own layout beside it (not
+    read)."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    tensors = {f"language_model.{k}": v for k, v in load_file(src / "model.safetensors").items()}
+    tensors["vision_tower.patch_conv.weight"] = torch.ones(4, 3, 2, 2)
+    save_file(tensors, out / "model.safetensors")
+    save_file({"tok_embeddings.weight": torch.ones(2, 2)}, out / "consolidated.safetensors")
+    text = json.loads((src / "config.json").read_text())
+    quantization = text.pop("quantization_config")
+    text.pop("architectures")
+    vision = {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "head_dim": 16, "image_size": 28, "patch_size": 14}  # fmt: skip
+    config = {"architectures": ["Mistral3ForConditionalGeneration"], "model_type": "mistral3", "text_config": text,
+              "vision_config": vision, "image_token_index": VOCAB - 1, "tie_word_embeddings": False,
+              "quantization_config": quantization}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.parametrize(("fixture", "quantization"), [("ct-fp8-block", None), ("gptq-4bit-g32-sym", "int4")])
+def test_a_quantized_multimodal_checkpoint_loads_as_its_text_only_self(tmp_path, fixture, quantization):
+    """The quantization config at a multimodal checkpoint's top level is the language model's: its FP8
+    weights dequantize as they load, and under --quantization int4 its GPTQ groups are served as they
+    are stored (filed by the text names); the vision tensor and Mistral's own file are never read. The
+    logits are the text-only checkpoint's."""
+    src = tmp_path / "text"
+    shutil.copytree(QUANT / fixture, src, ignore=shutil.ignore_patterns("reference.safetensors"))
+    multimodal = as_multimodal(src, tmp_path / "multimodal")
+    cfg = load_config(multimodal)
+    assert cfg.quantization_config and cfg.architectures == ["Mistral3ForConditionalGeneration"]
+
+    def logits(d: Path) -> list[torch.Tensor]:
+        return model_logits(d, quantization=quantization)
+
+    for want, got in zip(logits(src), logits(multimodal), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("kind", ["ministral3", "multimodal-mistral"])

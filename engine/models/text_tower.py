@@ -46,6 +46,15 @@ class TextTower:
                 return "model." + name.removeprefix(prefix)
         return name
 
+    def checkpoint_skips(self, name: str) -> bool:
+        """The vision tower's and the projector's tensors: never read."""
+        return self.text_name(name) is None
+
+    def checkpoint_name(self, name: str) -> str:
+        """As the decoder names a tensor of a text-only checkpoint (a quantized checkpoint's stored forms
+        are filed by it)."""
+        return super().checkpoint_name(self.text_name(name) or name)
+
     def _text_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
             text = self.text_name(name)

@@ -82,6 +82,8 @@ def load_config(path: Path):
     text.architectures = archs
     if getattr(config, "eos_token_id", None) is not None:
         text.eos_token_id = config.eos_token_id
+    if getattr(config, "quantization_config", None) and not getattr(text, "quantization_config", None):
+        text.quantization_config = config.quantization_config  # (an FP8 or GPTQ checkpoint's, at its top level)
     if _weight_files(path):  # the output layer is the embedding's unless the checkpoint has its own, as
         # transformers loads it (the top level's tie_word_embeddings, True by default, is dropped where
         # the checkpoint carries a head: Mistral Small 3.1's; a text config's own flag is not read)
@@ -144,8 +146,8 @@ def _weight_files(path: Path, tensor: str | None = None) -> list[Path]:
     """The checkpoint's safetensors files (a sharded one's from its index), or the one that holds
     ``tensor`` where the index says which."""
     index = path / "model.safetensors.index.json"
-    if not index.is_file():
-        return sorted(path.glob("*.safetensors"))
+    if not index.is_file():  # (Mistral's repositories also carry their own layout's consolidated.safetensors)
+        return sorted(p for p in path.glob("*.safetensors") if not p.name.startswith("consolidated"))
     weight_map = json.loads(index.read_text())["weight_map"]
     return [path / weight_map[tensor]] if tensor is not None else [path / f for f in sorted(set(weight_map.values()))]
 
