@@ -8,7 +8,7 @@ but real-ish shape (hidden 512, 6 layers, 8 query heads over 2 KV heads, vocab 8
 mixtures scaled down from the released ratios: Qwen3-MoE 64 experts top-8, Qwen2-MoE 16 top-4 with a
 shared expert, Mixtral 8 top-2, GLM-4.5 64 top-8 with a shared expert and its first layer dense,
 DeepSeek-V3 the same in 8 groups of which 4 are kept, with latent attention over a latent of a quarter
-of the hidden size),
+of the hidden size, MiniMax-M2 64 top-8 by sigmoid, RoPE on half of each head),
 saves it with a word-level tokenizer as a Hugging Face directory, and measures, greedy and in one
 process:
 
@@ -68,6 +68,7 @@ MOE = (
     "MixtralForCausalLM",
     "Glm4MoeForCausalLM",
     "DeepseekV3ForCausalLM",
+    "MiniMaxM2ForCausalLM",
 )
 DENSE = (
     "LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
@@ -147,6 +148,15 @@ def family_config(arch: str, s: Shape) -> transformers.PretrainedConfig:
             first_k_dense_replace=1,
             norm_topk_prob=True,
         ),
+        "MiniMaxM2ForCausalLM": lambda: (
+            transformers.MiniMaxM2Config(  # M2's ratios: 64 experts here, top 8, half-head RoPE
+                **{**common, "intermediate_size": s.expert},
+                head_dim=s.head_dim,
+                num_local_experts=64,
+                num_experts_per_tok=8,
+                rotary_dim=s.head_dim // 2,
+            )
+        ),
         "LlamaForCausalLM": lambda: transformers.LlamaConfig(**common, head_dim=s.head_dim),
         "Qwen3ForCausalLM": lambda: transformers.Qwen3Config(**common, head_dim=s.head_dim),
         "Gemma2ForCausalLM": lambda: transformers.Gemma2Config(**common, **gemma),
@@ -219,9 +229,10 @@ def build_checkpoint(path: Path, arch: str, shape: Shape, std: float = 0.08, see
     config = family_config(arch, shape)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     experts = 0
-    # A sigmoid router (DeepSeek-V3's, GLM-4.5's) at 0.5 would saturate: scores of exactly 1.0 tie, and
-    # which of the tied experts a token reads is then the engines' tie-breaking, not the model's.
-    router_std = 2.0 / shape.hidden**0.5 if getattr(config, "topk_group", None) is not None else 0.5
+    # A sigmoid router (DeepSeek-V3's, GLM-4.5's, MiniMax-M2's) at 0.5 would saturate: scores of exactly 1.0
+    # tie, and which of the tied experts a token reads is then the engines' tie-breaking, not the model's.
+    sigmoid = getattr(config, "topk_group", None) is not None or config.model_type == "minimax_m2"
+    router_std = 2.0 / shape.hidden**0.5 if sigmoid else 0.5
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(".gate.weight"):  # a router (Qwen2-MoE's shared_expert_gate is not one)

@@ -675,6 +675,7 @@ def _serve_parser(sub, common: argparse.ArgumentParser) -> None:
             "qwen3_coder",
             "glm45",
             "glm47",
+            "minimax_m2",
             "pythonic",
             "phi4_mini_json",
             "granite",
@@ -688,6 +689,7 @@ def _serve_parser(sub, common: argparse.ArgumentParser) -> None:
         "qwen3_coder: Qwen3-Coder's and Qwen3.5's <function=NAME><parameter=KEY> XML; "
         "glm45 / glm47: GLM-4.5's and 4.6's <tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>, a "
         "line each, and GLM-4.7's without line ends; "
+        'minimax_m2: MiniMax-M2\'s <invoke name="NAME"><parameter name="KEY"> elements in one <minimax:tool_call>; '
         "pythonic: a Python list of calls, [f(a=1), g(b='x')] (Llama 3.2/4's, Gemma 3's with vLLM's templates); "
         "phi4_mini_json: Phi-4-mini's functools[{...}, ...]; granite: Granite 3's <|tool_call|>[{...}, ...]; "
         "deepseek_v3 / deepseek_v31: DeepSeek-V3's and R1's <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME and a "
@@ -719,7 +721,7 @@ def _serve_parser(sub, common: argparse.ArgumentParser) -> None:
         choices=list(REASONING_SYNTAXES),
         default=None,
         help="split a reasoning model's thinking into reasoning_content (qwen3: Qwen3/QwQ <think>; glm45: GLM-4.5 "
-        "to 4.7's <think>, as qwen3; deepseek_r1: "
+        "to 4.7's <think>, as qwen3; minimax_m2: MiniMax-M2's <think>, as qwen3; deepseek_r1: "
         "DeepSeek-R1, which thinks first; mistral: Magistral's and Ministral 3's [THINK]; harmony: gpt-oss's "
         "analysis channel); enables reasoning_effort and "
         "thinking_token_budget (not with harmony)",

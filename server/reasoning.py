@@ -170,6 +170,8 @@ SYNTAXES = {
     "deepseek_r1": ReasoningSyntax("deepseek_r1", thinks_first=True),
     # GLM-4.5 to 4.7: Qwen3's markers (4.7's generation prompt opens the thinking; enable_thinking false closes it)
     "glm45": ReasoningSyntax("glm45"),
+    # MiniMax-M2, M2.1, M2.5: Qwen3's markers, the thinking opened by the generation prompt.
+    "minimax_m2": ReasoningSyntax("minimax_m2"),
     # Magistral (2507 on) and Ministral 3's reasoning models: special tokens, kept in the text for the reader.
     "mistral": ReasoningSyntax("mistral", "[THINK]", "[/THINK]"),
     "harmony": HARMONY,

@@ -1,6 +1,6 @@
 """Which call syntax a served model writes: named by ``--tool-call-parser``, or read from its chat template
 (``auto``). The syntaxes themselves are in server/tools.py (the JSON ones, DeepSeek's among them, and
-gpt-oss's harmony), server/tool_xml.py (Qwen3-Coder's and Qwen3.5's XML, GLM-4.5's and 4.7's) and
+gpt-oss's harmony), server/tool_xml.py (Qwen3-Coder's and Qwen3.5's XML, GLM-4.5's and 4.7's, MiniMax-M2's) and
 server/tool_pythonic.py (a Python list of calls: Llama 3.2's, Llama 4's, Gemma 3's)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import re
 
 from server.harmony import CHANNEL
 from server.tool_pythonic import PythonicCallFormat
-from server.tool_xml import GLM45, GLM47, XmlCallFormat
+from server.tool_xml import GLM45, GLM47, MINIMAX_M2, XmlCallFormat
 from server.tools import DEEPSEEK, FORMATS, HarmonyFormat, ToolFormat
 
 CallSyntax = ToolFormat | HarmonyFormat | XmlCallFormat | PythonicCallFormat
@@ -20,6 +20,7 @@ TOOL_PARSERS: dict[str, CallSyntax] = {
     "qwen3_coder": XmlCallFormat(),
     "glm45": XmlCallFormat("glm45", GLM45),
     "glm47": XmlCallFormat("glm47", GLM47),
+    "minimax_m2": XmlCallFormat("minimax_m2", MINIMAX_M2),
     "pythonic": PythonicCallFormat(),
     "harmony": HarmonyFormat(),
 }
@@ -48,6 +49,8 @@ def detect_format(chat_template: str | None) -> CallSyntax:
     if DEEPSEEK[0] in t:  # V3's and R1's fence each call's arguments as JSON; V3.1's do not
         fmt = FORMATS["deepseek_v3" if "```json" in t else "deepseek_v31"]
         return dataclasses.replace(fmt, text_arguments=re.search(r"\['arguments'\]\s*\+", t) is not None)
+    if "<minimax:tool_call>" in t:  # MiniMax-M2's: <invoke> elements in one block
+        return TOOL_PARSERS["minimax_m2"]
     if "<tool_call>" in t and "<function=" in t and "<parameter=" in t:  # Qwen3-Coder's and Qwen3.5's XML
         return TOOL_PARSERS["qwen3_coder"]
     if "<tool_call>" in t and "<arg_key>" in t:  # GLM's: 4.7's writes its tags without line ends between

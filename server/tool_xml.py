@@ -1,5 +1,5 @@
 """XML tool calls, one element per argument with its value as written: Qwen3-Coder's and Qwen3.5's,
-and GLM-4.5's, 4.6's and 4.7's.
+GLM-4.5's, 4.6's and 4.7's, and MiniMax-M2's.
 
 ::
 
@@ -14,7 +14,9 @@ and GLM-4.5's, 4.6's and 4.7's.
     </function>
     </tool_call>
 
-(GLM-4.7 writes its calls without the line ends.) A string argument is its text as it is (newlines and
+(GLM-4.7 writes its calls without the line ends.) MiniMax-M2 (M2.1, M2.5) writes its calls, each an
+``<invoke name="...">`` element of ``<parameter name="...">`` elements, in one ``<minimax:tool_call>``
+block. A string argument is its text as it is (newlines and
 quotes included); any other value is its JSON (the templates write objects and lists with ``tojson``,
 other values as their text). So a call's arguments can only be read back with the tool's schema
 beside them: ``"3"`` is a string where the parameter is one and the number 3 where it is a number.
@@ -22,7 +24,7 @@ beside them: ``"3"`` is a string where the parameter is one and the number 3 whe
 arguments; :meth:`~XmlCallFormat.for_tools` gives it a request's tools, whose schemas its parser then
 reads values by and its grammars write them by (a string as text without the tag that closes it,
 within its ``minLength`` / ``maxLength`` or as one of its ``enum``; any other value as JSON held to its
-schema). vLLM names these parsers ``qwen3_coder``, ``glm45`` and ``glm47``.
+schema). vLLM names these parsers ``qwen3_coder``, ``glm45``, ``glm47`` and ``minimax_m2``.
 """
 
 from __future__ import annotations
@@ -56,11 +58,22 @@ class XmlMarkup:
     value_tag: str  # the tag that ends a value: at its first "\n" + tag where value_line, else its first tag
     value_line: bool
     body_end: str  # the closing tag of the arguments ("" where </tool_call> closes them)
-    pieces: tuple[str, ...] = ()  # tags besides <tool_call> and </tool_call> that may be special tokens
+    pieces: tuple[str, ...] = ()  # tags besides the calls' own that may be special tokens
+    open: str = OPEN  # a call's opening, up to its head
+    close: str = CLOSE  # a call's closing
+    # Where a run of calls is one block (MiniMax-M2's): what opens it before the first call and closes it
+    # after the last ("" where each call stands alone).
+    block_open: str = ""
+    block_close: str = ""
 
     @property
     def value_end(self) -> str:
         return ("\n" if self.value_line else "") + self.value_tag
+
+    @property
+    def marker(self) -> str:
+        """Where a run of calls begins: the block's tag, or a call's opening."""
+        return self.block_open.strip() or self.open
 
 
 QWEN3_CODER = XmlMarkup(
@@ -91,13 +104,28 @@ GLM47 = XmlMarkup(  # GLM-4.7's: no line ends
     head="{name}", param="<arg_key>{key}</arg_key><arg_value>", value_close="</arg_value>", tail="", between="",
     **_GLM,
 )  # fmt: skip
+MINIMAX_M2 = XmlMarkup(  # MiniMax-M2's: the calls in one block, each an <invoke> element
+    head='"{name}">\n',
+    param='<parameter name="{key}">',
+    value_close="</parameter>\n",
+    tail="",
+    between="\n",
+    name_re=re.compile(r'"([^"<>\n]+)">\r?\n?'),
+    key_re=re.compile(r'<parameter name="([^"<>\n]*)">'),
+    value_tag="</parameter>",
+    value_line=False,
+    body_end="",
+    open="<invoke name=",
+    close="</invoke>",
+    block_open="<minimax:tool_call>\n",
+    block_close="\n</minimax:tool_call>",
+)
 
 
 @dataclass(frozen=True)
 class XmlCallFormat:
     name: str = "qwen3_coder"
     markup: XmlMarkup = QWEN3_CODER
-    marker: str = OPEN
     at_start_only: bool = False  # (calls may follow text)
     schemas: tuple[tuple[str, dict], ...] = ()  # the request's tools: name -> parameters schema (for_tools)
     specials: tuple[tuple[str, int], ...] = ()  # markup that is one special token of the vocabulary (bind)
@@ -107,8 +135,14 @@ class XmlCallFormat:
         """This syntax reading and writing the given tools' arguments (OpenAI function objects)."""
         return dataclasses.replace(self, schemas=tuple((f["name"], f.get("parameters") or {}) for f in functions))
 
+    @property
+    def marker(self) -> str:
+        return self.markup.marker
+
     def bind(self, tokenizer) -> XmlCallFormat:
-        found = ((piece, special_token_id(tokenizer, piece)) for piece in (OPEN, CLOSE, *self.markup.pieces))
+        m = self.markup
+        tags = (m.open, m.close, m.block_open.strip(), m.block_close.strip(), *m.pieces)
+        found = ((piece, special_token_id(tokenizer, piece)) for piece in tags if piece)
         return dataclasses.replace(self, specials=tuple((p, i) for p, i in found if i is not None))
 
     @property
@@ -130,30 +164,37 @@ class XmlCallFormat:
         m, out = self.markup, []
         for name, args in calls:
             params = "".join(m.param.format(key=k) + _written(v) + m.value_close for k, v in args.items())
-            out.append(OPEN + m.head.format(name=name) + params + m.tail + CLOSE)
-        return m.between.join(out)
+            out.append(m.open + m.head.format(name=name) + params + m.tail + m.close)
+        return m.block_open + m.between.join(out) + m.block_close
 
     def grammar(self, tools: list[dict], parallel: bool) -> str:
         """A Lark grammar for one call (several with ``parallel``) of ``tools``, each argument held to its
         schema, with nothing before or after them."""
-        calls = f"call ({_lit(self.markup.between)} call)*" if parallel else "call"
-        return "\n".join([f"start: {calls}", *self._call_rules(tools, strict_only=False)]) + "\n"
+        m = self.markup
+        # (The separator and the next call's opening are one literal: none is then a prefix of another,
+        # as a lone "\n" would be of MiniMax-M2's "\n</minimax:tool_call>".)
+        calls = f"call ({self._lit(m.between + m.open)} body)*" if parallel else "call"
+        start = " ".join(x for x in (self._lit(m.block_open), calls, self._lit(m.block_close)) if x)
+        return "\n".join([f"start: {start}", *self._call_rules(tools, strict_only=False)]) + "\n"
 
     def auto_grammar(self, tools: list[dict], parallel: bool, answer: str | None = None) -> str:
         """Under ``tool_choice`` auto, as :meth:`~server.tools.ToolFormat.auto_grammar`: an answer, or
         text then calls; a call's name is one of ``tools``, a strict tool's arguments hold to its
         schema and another's are any parameters. The text ends, lazily, where a call opens (where the
         opening tag is a special token, no text holds it: the text ends where it comes)."""
+        m = self.markup
         rules = self._call_rules(tools, strict_only=True)
         # The next call's separator and opening are one literal, which the lexer follows beside the text
         # after the calls (as ToolFormat.auto_grammar does).
-        more = f" ({self._lit(self.markup.between + OPEN)} body)*" if parallel else ""
+        more = f" ({self._lit(m.between + m.open)} body)*" if parallel else ""
+        block_open, block_close = (f" {self._lit(x)}" if x else "" for x in (m.block_open, m.block_close))
         if answer is not None:
-            return "\n".join([f"start: {answer} | call{more}", *rules]) + "\n"
-        if OPEN in dict(self.specials):
-            return "\n".join([f"start: TEXT | TEXT call{more} TEXT", "TEXT: /(?s:.*)/", *rules]) + "\n"
-        marker = _regex_lit(OPEN)
-        lines = [f"start: TEXT | head body{more} TEXT", f"head[lazy]: /(?s:.*){marker}/",
+            return "\n".join([f"start: {answer} |{block_open} call{more}{block_close}", *rules]) + "\n"
+        if m.marker in dict(self.specials):
+            start = f"start: TEXT | TEXT{block_open} call{more}{block_close} TEXT"
+            return "\n".join([start, "TEXT: /(?s:.*)/", *rules]) + "\n"
+        lead, marker = _regex_lit(m.block_open + m.open), _regex_lit(m.marker)
+        lines = [f"start: TEXT | head body{more}{block_close} TEXT", f"head[lazy]: /(?s:.*){lead}/",
                  f"TEXT: /(?s:.*)/ & ~/(?s:.*){marker}(?s:.*)/"]  # fmt: skip
         return "\n".join([*lines, *rules]) + "\n"
 
@@ -169,13 +210,15 @@ class XmlCallFormat:
             schema = fn.get("parameters") or {}
             free = strict_only and not fn.get("strict")
             params = "any_param*" if free else self._params(schema, f"t{i}", rules)
-            parts = (self._lit(m.head.format(name=fn["name"])), params, self._lit(m.tail + CLOSE))
+            parts = (self._lit(m.head.format(name=fn["name"])), params, self._lit(m.tail + m.close))
             alternatives.append(" ".join(x for x in parts if x))
         key_open, key_close = m.param.split("{key}")
         any_key = " ".join(x for x in (self._lit(key_open), "ANY_NAME", self._lit(key_close)) if x)
         self._text_value("any_value", "0,", rules)
-        return [f"call: {self._lit(OPEN)} body", "body: " + " | ".join(alternatives), *rules,
-                f"any_param: {any_key} any_value", "ANY_NAME: /[^<>\\n]+/"]  # fmt: skip
+        # A key holds no tag and no line end, nor what closes it (MiniMax-M2's closing quote).
+        stop = "" if key_close[:1] in ("", "<", ">") else re.escape(key_close[0]).replace("/", "\\/")
+        return [f"call: {self._lit(m.open)} body", "body: " + " | ".join(alternatives), *rules,
+                f"any_param: {any_key} any_value", f"ANY_NAME: /[^<>\\n{stop}]+/"]  # fmt: skip
 
     def _text_value(self, name: str, bounds: str, rules: list[str]) -> str:
         """Rule ``name`` (added to ``rules``): a value as text, ``bounds`` a regex repetition's (its
@@ -211,10 +254,10 @@ class XmlCallFormat:
 
     # -- reading ----------------------------------------------------------------------------------------
     def start_of_calls(self, text: str) -> int:
-        return text.find(OPEN)
+        return text.find(self.marker)
 
     def content_end(self, text: str) -> int:
-        return before_marker(text, OPEN)
+        return before_marker(text, self.marker)
 
     def parse(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a whole output, as :meth:`~server.tools.ToolFormat.parse` reads its syntax:
@@ -222,20 +265,38 @@ class XmlCallFormat:
         text), the text around the runs content, and with ``cut`` a call the limit cut is dropped. A
         call is read element by element, so a value may hold ``</function>`` or ``</tool_call>`` (code
         about this very syntax)."""
-        i = text.find(OPEN)
-        return read_runs(text, i, OPEN, self._run, cut, unfinished=self._unfinished) if i >= 0 else (text, [])
+        i, m = text.find(self.marker), self.markup
+        if i < 0:
+            return text, []
+        return read_runs(text, i, self.marker, self._run, cut, close=m.block_close.strip(), unfinished=self._unfinished)
 
     def _unfinished(self, text: str, j: int) -> bool:
         """Whether the call that opens at ``j`` (its ``<tool_call>``) runs on to the end of ``text``, read
         as :meth:`elements` reads it: the text ends inside its name, a value (no tag ends it yet), an
         argument's tags or its closing tags. A call written inside a value is then text of that value, and
-        a marker followed by anything else is prose."""
+        a marker followed by anything else is prose. Where the calls are one block (``j`` its opening
+        tag), whether the block does: the text ends in one of its calls, or between them, or inside
+        the tag that would open the next or close the block."""
         m = self.markup
-        q = _skip_ws(text, j + len(OPEN))
+        if not m.block_open:
+            return self._call_unfinished(text, j)
+        q = _skip_ws(text, j + len(m.marker))
+        while q < len(text) and text.startswith(m.open, q):
+            end = self._call_end(text, q)
+            if end is None:
+                return self._call_unfinished(text, q)
+            q = _skip_ws(text, end)
+        rest, block_close = _squash(text[q:]), _squash(m.block_close)
+        return _squash(m.open).startswith(rest) or (block_close.startswith(rest) and rest != block_close)
+
+    def _call_unfinished(self, text: str, j: int) -> bool:
+        """:meth:`_unfinished` of the one call that opens at ``j``."""
+        m = self.markup
+        q = _skip_ws(text, j + len(m.open))
         name = m.name_re.match(text, q)
         if name is None:  # the text ends inside the opening, or a marker in prose
             return _cut_in(text[q:], m.head, "name")
-        pos, closing = name.end(), _squash(m.body_end + CLOSE)
+        pos, closing = name.end(), _squash(m.body_end + m.close)
         while True:
             at = _skip_ws(text, pos)
             key = m.key_re.match(text, at)
@@ -249,26 +310,43 @@ class XmlCallFormat:
             pos = text.index(m.value_tag, end) + len(m.value_tag)
 
     def _run(self, text: str, end: int) -> tuple[list[ToolCall], int]:
-        """The whole calls of the run from ``end`` (where a call opens) and where the run ends."""
-        calls = []
-        while text.startswith(OPEN, at := _skip_ws(text, end)):
-            m = self.markup.name_re.match(text, _skip_ws(text, at + len(OPEN)))
-            if m is None:
+        """The whole calls of the run from ``end`` (where a call, or the block of calls, opens) and where
+        the run ends (past the block's closing tag where it came)."""
+        m, calls = self.markup, []
+        if m.block_open:
+            at = _skip_ws(text, end)
+            if not text.startswith(m.marker, at):
+                return [], end
+            end = at + len(m.marker)
+        while text.startswith(m.open, at := _skip_ws(text, end)):
+            name = m.name_re.match(text, _skip_ws(text, at + len(m.open)))
+            done = self._call_end(text, at)
+            if done is None:
                 break
-            pairs, done = self.elements(text, m.end())
-            close = _skip_ws(text, done) if done is not None else -1
-            if done is None or not text.startswith(CLOSE, close):
-                break
-            name = m.group(1).strip()
+            pairs = self.elements(text, name.end())[0]
+            name = name.group(1).strip()
             calls.append(ToolCall(name, json.dumps(self.arguments(name, pairs), ensure_ascii=False), self.new_id()))
-            end = close + len(CLOSE)
+            end = done
+        block_close = m.block_close.strip()
+        if calls and block_close and text.startswith(block_close, at := _skip_ws(text, end)):
+            end = at + len(block_close)
         return calls, end
+
+    def _call_end(self, text: str, at: int) -> int | None:
+        """Past the closing tag of the whole call that opens at ``at``; None where it is not whole."""
+        m = self.markup
+        name = m.name_re.match(text, _skip_ws(text, at + len(m.open)))
+        if name is None:
+            return None
+        done = self.elements(text, name.end())[1]
+        close = _skip_ws(text, done) if done is not None else -1
+        return close + len(m.close) if done is not None and text.startswith(m.close, close) else None
 
     def arguments(self, name: str, pairs: list[tuple[str, str]] | str) -> dict:
         """A function's arguments from its parameter elements ((key, text) pairs, or the text between its
         name's line and the tag that closes them), each value read by the tool's schema."""
         if isinstance(pairs, str):
-            pairs = self.elements(pairs + (self.markup.body_end or CLOSE), 0)[0]
+            pairs = self.elements(pairs + (self.markup.body_end or self.markup.close), 0)[0]
         schema = dict(self.schemas).get(name) or {}
         props = schema.get("properties") or {}
         defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
@@ -290,7 +368,7 @@ class XmlCallFormat:
             at = _skip_ws(text, pos)
             if m.body_end and text.startswith(m.body_end, at):
                 return pairs, at + len(m.body_end)
-            if not m.body_end and text.startswith(CLOSE, at):
+            if not m.body_end and text.startswith(m.close, at):
                 return pairs, at
             key = m.key_re.match(text, at)
             if key is None:
@@ -342,8 +420,9 @@ class XmlCallScanner:
         events: list[tuple] = []
         while True:
             if self.name is None:
-                at = self.text.find(OPEN, self.pos)
-                m = None if at < 0 else self.fmt.markup.name_re.match(self.text, _skip_ws(self.text, at + len(OPEN)))
+                markup = self.fmt.markup
+                at = self.text.find(markup.open, self.pos)
+                m = None if at < 0 else markup.name_re.match(self.text, _skip_ws(self.text, at + len(markup.open)))
                 if m is None or (m.end() == len(self.text) and not m.group(0).endswith("\n")):
                     return events
                 self.name, self.pos = m.group(1).strip(), m.end()

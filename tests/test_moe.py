@@ -73,6 +73,10 @@ def moe_config(arch: str, vocab: int = VOCAB) -> transformers.PretrainedConfig:
             routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True, use_qk_norm=True,
             num_nextn_predict_layers=1,
         )  # fmt: skip
+    if arch == "MiniMaxM2ForCausalLM":  # RoPE on 8 of 16 dims; q/k norms over whole projections; 3 of 8 by sigmoid
+        return transformers.MiniMaxM2Config(
+            **common, head_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=3, rotary_dim=8,
+        )  # fmt: skip
     mla = dict(  # multi-head latent attention: a low-rank latent of 48, 16 + 8 dims a query head, values of 12
         kv_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, num_key_value_heads=4,
         intermediate_size=96, moe_intermediate_size=32, n_routed_experts=12, num_experts_per_tok=3,
@@ -98,7 +102,13 @@ def moe_config(arch: str, vocab: int = VOCAB) -> transformers.PretrainedConfig:
     raise ValueError(arch)
 
 
-ARCHS = ["Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM"]
+ARCHS = [
+    "Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "MixtralForCausalLM",
+    "Glm4MoeForCausalLM",
+    "MiniMaxM2ForCausalLM",
+]
 
 
 def build_moe_dir(path: Path, tokenizer_dir: Path, arch: str, vocab: int = VOCAB, std: float = 0.08) -> Path:
@@ -316,6 +326,43 @@ def test_glm_loads_without_its_prediction_layer_and_keeps_the_router_in_float32(
     )
 
 
+# -- MiniMax-M2's checkpoints ----------------------------------------------------------------------------
+def test_minimax_m2_reads_its_expert_bias_skips_prediction_modules_and_refuses_lightning_attention(moe_dirs, tmp_path):
+    """The expert bias is read from beside the router (Mixtral's names) onto it, float32 in a bfloat16
+    engine; the bias decides which experts win (set to zero, the tokens change); multi-token-prediction
+    tensors are passed over; a config with a linear-attention layer (MiniMax-Text-01's) is refused."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = moe_dirs["MiniMaxM2ForCausalLM"]
+    tensors = load_file(src / "model.safetensors")
+    bias = tensors["model.layers.1.block_sparse_moe.e_score_correction_bias"]
+    bf16 = make(src, dtype="bfloat16").runner.model
+    router = bf16.layers[1].mlp.gate
+    assert router.weight.dtype == router.e_score_correction_bias.dtype == torch.float32
+    torch.testing.assert_close(router.e_score_correction_bias, bias)
+
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ps = [[5, 6, 7, 8, 9], [11, 3, 40, 7, 22, 9]]
+    want = [o.outputs[0].delta_token_ids for o in make(src).generate(ps, params)]
+    d = tmp_path / "m2"
+    shutil.copytree(src, d)
+    extra = {"model.mtp.0.eh_proj.weight": torch.randn(64, 128), "model.layers.4.eh_proj.weight": torch.randn(64, 128)}
+    save_file({**tensors, **extra}, d / "model.safetensors", metadata={"format": "pt"})
+    assert [o.outputs[0].delta_token_ids for o in make(d).generate(ps, params)] == want
+
+    unbiased = {k: torch.zeros_like(v) if k.endswith("e_score_correction_bias") else v for k, v in tensors.items()}
+    save_file(unbiased, d / "model.safetensors", metadata={"format": "pt"})
+    assert [o.outputs[0].delta_token_ids for o in make(d).generate(ps, params)] != want
+
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "attn_type_list": [0, 1, 1, 1]}))
+    with pytest.raises(ValueError, match="attn_type_list"):
+        make(d)
+
+
 # -- speculating on a mixture -------------------------------------------------------------------------------
 def speculators(target: Path, root: Path, tokenizer_dir: Path) -> dict[str, dict]:
     from test_dflash import write_dflash
@@ -345,7 +392,8 @@ def speculators(target: Path, root: Path, tokenizer_dir: Path) -> dict[str, dict
     "arch,method",
     [("Qwen3MoeForCausalLM", m) for m in
      ["draft", "ouroboros", "ngram", "suffix", "lookahead", "layer-skip", "medusa", "mtp", "eagle", "dflash"]]
-    + [("Glm4MoeForCausalLM", m) for m in ["draft", "ngram", "layer-skip", "eagle"]],
+    + [("Glm4MoeForCausalLM", m) for m in ["draft", "ngram", "layer-skip", "eagle"]]
+    + [("MiniMaxM2ForCausalLM", m) for m in ["draft", "suffix", "layer-skip", "eagle"]],
 )  # fmt: skip
 def test_every_proposer_gives_the_plain_decoders_tokens(moe_dirs, tmp_path, tokenizer_dir, arch, method):
     target = moe_dirs[arch]
@@ -370,7 +418,7 @@ def test_sampled_speculation_keeps_the_mixtures_distribution(small_vocab_pair, t
 
 
 # -- the batch-invariant mode, bfloat16 ------------------------------------------------------------------
-@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "Glm4MoeForCausalLM"])
+@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM"])
 def test_a_requests_tokens_alone_equal_its_tokens_in_a_batch_in_bfloat16(moe_dirs, arch):
     from test_engine import prompts
 

@@ -1,6 +1,7 @@
 """The XML tool calls: Qwen3-Coder's and Qwen3.5's (``<function=NAME>`` with one ``<parameter=KEY>`` element
 per argument), GLM-4.5's (``<tool_call>NAME`` with ``<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>``
-pairs, a line each) and GLM-4.7's (the same without line ends), through a real server and the official
+pairs, a line each), GLM-4.7's (the same without line ends) and MiniMax-M2's (``<invoke name="NAME">`` elements of
+``<parameter name="KEY">`` ones, the calls in one ``<minimax:tool_call>`` block), through a real server and the official
 openai SDK: the template picks the syntax, forced calls hold every argument to its schema, calls
 written under auto are read back with the tools' types (a string parameter's "123" stays a string),
 streamed calls assemble to the whole ones, and the history renders as the template writes it. Each
@@ -21,7 +22,7 @@ from test_tools import MODELS, TOOLS, assembled_calls, check_calls, choice_of, t
 
 from conftest import VOCAB
 from server.tool_formats import detect_format
-from server.tool_xml import CLOSE, GLM45, GLM47, OPEN, QWEN3_CODER, XmlCallFormat
+from server.tool_xml import CLOSE, GLM45, GLM47, MINIMAX_M2, OPEN, QWEN3_CODER, XmlCallFormat
 
 MODEL = "tiny-qwen-coder"
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
@@ -61,7 +62,28 @@ GLM47_TEMPLATE = (
     "<arg_value>{{ v | tojson if v is not string else v }}</arg_value>{% endfor %}</tool_call>{% endfor %}\n"
     "{% endfor %}{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}"
 )
-SYNTAXES = {"qwen3_coder": (TEMPLATE, QWEN3_CODER), "glm45": (GLM45_TEMPLATE, GLM45), "glm47": (GLM47_TEMPLATE, GLM47)}
+# MiniMax-M2's: the tools as <tool> elements, the calls of a turn in one block, a value as GLM's.
+MINIMAX_TEMPLATE = (
+    "{% if tools %}<|bos|>system\n# Tools\n<tools>\n{% for t in tools %}<tool>{{ t | tojson }}</tool>\n{% endfor %}"
+    '</tools>\nCall as <minimax:tool_call>\n<invoke name="tool-name-1">\n<parameter name="param-key-1">param-value-1'
+    "</parameter>\n...\n</invoke>\n</minimax:tool_call>\n{% endif %}{% for m in messages %}<|bos|>{{ m['role'] }}\n"
+    "{{ m['content'] or '' }}{% if m.get('tool_calls') %}\n<minimax:tool_call>\n{% for c in m['tool_calls'] %}"
+    "<invoke name=\"{{ c['function']['name'] }}\">\n{% for k, v in c['function']['arguments'].items() %}"
+    '<parameter name="{{ k }}">{{ v | tojson if v is not string else v }}</parameter>\n{% endfor %}</invoke>\n'
+    "{% endfor %}</minimax:tool_call>{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}"
+)
+SYNTAXES = {
+    "qwen3_coder": (TEMPLATE, QWEN3_CODER),
+    "glm45": (GLM45_TEMPLATE, GLM45),
+    "glm47": (GLM47_TEMPLATE, GLM47),
+    "minimax_m2": (MINIMAX_TEMPLATE, MINIMAX_M2),
+}
+# The tags each family's tokenizers make special tokens.
+SPECIAL_TAGS = {
+    **{k: [OPEN, CLOSE, *markup.pieces] for k, (_, markup) in SYNTAXES.items()},
+    "minimax_m2": ["<minimax:tool_call>", "</minimax:tool_call>"],
+}
 
 
 class Search(BaseModel):
@@ -116,6 +138,7 @@ CALLS = [
 
 def test_it_reads_what_it_writes_by_the_tools_types(syntax):
     fmt = xml(syntax).for_tools(FUNCTIONS)
+    m = fmt.markup
     text = fmt.render(CALLS)
     assert element(fmt, "zip", "01234") in text and element(fmt, "exact", "true") in text
     content, calls = fmt.parse("Let me look.\n\n" + text + "\nDone.")
@@ -126,29 +149,35 @@ def test_it_reads_what_it_writes_by_the_tools_types(syntax):
     assert fmt.arguments("search", body) == {"zip": "01234", "exact": True, "n": 7}
     assert fmt.arguments("search", element(fmt, "query", "123")) == {"query": "123"}
     assert xml(syntax).arguments("search", element(fmt, "query", "123")) == {"query": 123}
+
     # Cut inside the second call: the first is a call, the cut one neither call nor content.
-    content, calls = fmt.parse(text[:-20], cut=True)
+    def in_last_call(written: str) -> str:
+        return written[: written.rindex(m.close) - 3]
+
+    content, calls = fmt.parse(in_last_call(text), cut=True)
     assert content is None and [c.name for c in calls] == ["search"]
-    content, calls = fmt.parse(fmt.render(CALLS[:1]) + "\nThen.\n" + fmt.render(CALLS[1:])[:-20], cut=True)
+    content, calls = fmt.parse(fmt.render(CALLS[:1]) + "\nThen.\n" + in_last_call(fmt.render(CALLS[1:])), cut=True)
     assert content == "Then." and [c.name for c in calls] == ["search"]  # (the words before the cut call)
     # A call written inside the cut call's value (code about this syntax; no value can hold the tag that
     # ends it) is none, wherever the limit cut: in the name, an argument's tags, the value, the closing.
     first, code = fmt.render(CALLS[:1]), "s = '" + fmt.render([("lookup", {})]) + "'\nprint(s)"
     cut_call = fmt.render([("run", {"code": code})])
-    inner = cut_call.index(OPEN, 1)
-    for at in (len(OPEN) + 2, cut_call.index(code) - 3, inner + 3, cut_call.index(CLOSE) + 4, len(cut_call) - 5):
+    start, inner = cut_call.index(m.open), cut_call.index(m.open, cut_call.index(code))
+    closing = cut_call.rindex(m.close) + 4
+    for at in (start + len(m.open) + 2, cut_call.index(code) - 3, inner + 3, cut_call.index(m.close) + 4, closing):
         content, calls = fmt.parse(first + "\n" + cut_call[:at], cut=True)
         assert content is None and [c.name for c in calls] == ["search"], (at, content, calls)
     # The cut call begins at its own marker: a marker in the prose before it stays prose.
-    prose = "I used <tool_call> tags."
-    for k in (3, 30, len(fmt.render(CALLS[1:])) - len(OPEN) - 2):
-        content, calls = fmt.parse(first + f"\n{prose}\n" + fmt.render(CALLS[1:])[:-k], cut=True)
+    prose = f"I used {m.marker} tags."
+    second = fmt.render(CALLS[1:])
+    for k in (len(second) - len(in_last_call(second)), 30, len(second) - second.index(m.open) - len(m.open) - 2):
+        content, calls = fmt.parse(first + f"\n{prose}\n" + second[:-k], cut=True)
         assert content == prose and [c.name for c in calls] == ["search"], (k, content, calls)
     assert fmt.parse("no calls here") == ("no calls here", [])
     content, calls = fmt.parse("First.\n" + fmt.render(CALLS[:1]) + "\nThen.\n" + fmt.render(CALLS[1:]))
     assert content == "First.\nThen." and [(c.name, json.loads(c.arguments)) for c in calls] == CALLS
-    content, calls = fmt.parse("Calls open with <tool_call> here.\n" + fmt.render(CALLS))
-    assert content == "Calls open with <tool_call> here." and [c.name for c in calls] == [n for n, _ in CALLS]
+    content, calls = fmt.parse(f"Calls open with {m.marker} here.\n" + fmt.render(CALLS))
+    assert content == f"Calls open with {m.marker} here." and [c.name for c in calls] == [n for n, _ in CALLS]
     # Forced calls stream as they are written: each call's name, then its arguments when it closes.
     scanner, events = fmt.scanner(), []
     for k in range(0, len(text), 7):
@@ -185,7 +214,10 @@ def test_a_value_may_hold_the_closing_tags_and_other_parameters_come_where_the_s
                                                "additionalProperties": False}}]  # fmt: skip
     fmt = xml(syntax).for_tools(tools)
     calls = [
-        ("run", {"code": "print('</tool_call>')\nx = '</function>' + '<arg_key>k</arg_key>'", "cwd": "/tmp", "n": 2})
+        (
+            "run",
+            {"code": "print('</tool_call>')\nx = '</function>' + '<arg_key>k</arg_key></invoke>'", "cwd": "/", "n": 2},
+        )
     ]
     text = fmt.render(calls)
     assert [(c.name, json.loads(c.arguments)) for c in fmt.parse(text)[1]] == calls
@@ -202,7 +234,7 @@ def test_a_value_may_hold_the_closing_tags_and_other_parameters_come_where_the_s
 def test_the_grammars_name_the_tags_where_they_are_special_tokens(tok, syntax):
     """(GLM's tokenizers make each of its tags a special token.)"""
     special = transformers.AutoTokenizer.from_pretrained(tok.name_or_path)
-    tags = [OPEN, CLOSE, *SYNTAXES[syntax][1].pieces]
+    tags = SPECIAL_TAGS[syntax]
     special.add_tokens(tags, special_tokens=True)
     fmt = xml(syntax).bind(special).for_tools(FUNCTIONS)
     assert [p for p, _ in fmt.specials] == tags

@@ -21,6 +21,7 @@ MODEL_REGISTRY: dict[str, str] = {  # architecture → "module:class" under engi
     "GptOssForCausalLM": "gpt_oss:GptOssForCausalLM",
     "GraniteForCausalLM": "granite:GraniteForCausalLM",
     "LlamaForCausalLM": "llama:LlamaForCausalLM",
+    "MiniMaxM2ForCausalLM": "minimax_m2:MiniMaxM2ForCausalLM",
     "MistralForCausalLM": "llama:MistralForCausalLM",
     "Ministral3ForCausalLM": "mistral3:Ministral3ForCausalLM",
     "Mistral3ForConditionalGeneration": "mistral3:Mistral3TextForCausalLM",

@@ -34,6 +34,7 @@ class Olmo2RMSNorm(nn.Module):
     ranks (a q or k projection under tensor parallelism), each slice held by ``replicas`` ranks."""
 
     invariant = False  # on the batch-invariant operators (LlamaForCausalLM.use_invariant_ops)
+    round_first = False  # round the normalized input to its dtype before scaling (Llama's order; MiniMax-M2's)
 
     def __init__(
         self, dim: int, eps: float, tp: TensorParallel = SINGLE, total: int | None = None, replicas: int = 1
@@ -61,6 +62,8 @@ class Olmo2RMSNorm(nn.Module):
             y = torch.ops.augur.invariant_rms_norm(xf, ones, self.eps, False)
         else:
             y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.round_first:
+            return self.weight * y.to(x.dtype)
         return (self.weight.float() * y).to(x.dtype)
 
 
@@ -105,7 +108,21 @@ class Olmo2DecoderLayer(nn.Module):
         return x
 
 
-class Olmo2ForCausalLM(LlamaForCausalLM):
+class WholeProjectionNorms:
+    """Mixed into a ``LlamaForCausalLM`` subclass whose attention normalizes q and k over their whole
+    projections (:class:`Olmo2RMSNorm` as ``q_norm`` / ``k_norm``): under tensor parallelism a rank
+    reads the norms' weights cut like the rows of their projections."""
+
+    def checkpoint_slice(self, name: str) -> tuple[int, int, int] | str | None:
+        if self.tp.size > 1 and (".q_norm." in name or ".k_norm." in name):
+            attn = self.layers[0].self_attn
+            if ".q_norm." in name:
+                return 0, self.tp.rank * attn.q_size, attn.q_size
+            return 0, attn.first_kv_head * attn.head_dim, attn.kv_size
+        return super().checkpoint_slice(name)
+
+
+class Olmo2ForCausalLM(WholeProjectionNorms, LlamaForCausalLM):
     """OLMo 2 causal LM over a paged KV cache: Llama's model (forward loop with layer skipping — a
     skipped sublayer goes with its post-norm — and captured hidden states, RoPE tables, weight loading
     with q/k/v and gate/up fused, embedding and LM head sharding, CPU packing) with OLMo 2's layers and
@@ -117,12 +134,3 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
 
     def decoder_layer(self, config, i: int, qkv_bias: bool, o_bias: bool, tp: TensorParallel) -> nn.Module:
         return Olmo2DecoderLayer(config, i, tp)
-
-    def checkpoint_slice(self, name: str) -> tuple[int, int, int] | str | None:
-        """As Llama's, with the q/k norms' weights cut like the rows of their projections."""
-        if self.tp.size > 1 and (".q_norm." in name or ".k_norm." in name):
-            attn = self.layers[0].self_attn
-            if ".q_norm." in name:
-                return 0, self.tp.rank * attn.q_size, attn.q_size
-            return 0, attn.first_kv_head * attn.head_dim, attn.kv_size
-        return super().checkpoint_slice(name)
