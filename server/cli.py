@@ -681,6 +681,7 @@ def _serve_parser(sub, common: argparse.ArgumentParser) -> None:
             "granite",
             "deepseek_v3",
             "deepseek_v31",
+            "kimi_k2",
             "harmony",
         ],
         default="auto",
@@ -694,6 +695,7 @@ def _serve_parser(sub, common: argparse.ArgumentParser) -> None:
         "phi4_mini_json: Phi-4-mini's functools[{...}, ...]; granite: Granite 3's <|tool_call|>[{...}, ...]; "
         "deepseek_v3 / deepseek_v31: DeepSeek-V3's and R1's <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME and a "
         "fenced JSON block, V3.1's <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}; "
+        "kimi_k2: Kimi K2's <|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>{...}<|tool_call_end|>; "
         "harmony: gpt-oss's messages to functions.NAME)",
     )
     serve.add_argument(
@@ -721,7 +723,7 @@ def _serve_parser(sub, common: argparse.ArgumentParser) -> None:
         choices=list(REASONING_SYNTAXES),
         default=None,
         help="split a reasoning model's thinking into reasoning_content (qwen3: Qwen3/QwQ <think>; glm45: GLM-4.5 "
-        "to 4.7's <think>, as qwen3; minimax_m2: MiniMax-M2's <think>, as qwen3; deepseek_r1: "
+        "to 4.7's <think>, as qwen3; minimax_m2 / kimi_k2: MiniMax-M2's and Kimi's <think>, as qwen3; deepseek_r1: "
         "DeepSeek-R1, which thinks first; mistral: Magistral's and Ministral 3's [THINK]; harmony: gpt-oss's "
         "analysis channel); enables reasoning_effort and "
         "thinking_token_budget (not with harmony)",

@@ -172,6 +172,8 @@ SYNTAXES = {
     "glm45": ReasoningSyntax("glm45"),
     # MiniMax-M2, M2.1, M2.5: Qwen3's markers, the thinking opened by the generation prompt.
     "minimax_m2": ReasoningSyntax("minimax_m2"),
+    # Kimi K2-Thinking, K2.5, K2.6: Qwen3's markers (K2.5's template switch is ``thinking``).
+    "kimi_k2": ReasoningSyntax("kimi_k2"),
     # Magistral (2507 on) and Ministral 3's reasoning models: special tokens, kept in the text for the reader.
     "mistral": ReasoningSyntax("mistral", "[THINK]", "[/THINK]"),
     "harmony": HARMONY,

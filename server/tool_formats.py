@@ -1,7 +1,8 @@
 """Which call syntax a served model writes: named by ``--tool-call-parser``, or read from its chat template
 (``auto``). The syntaxes themselves are in server/tools.py (the JSON ones, DeepSeek's among them, and
-gpt-oss's harmony), server/tool_xml.py (Qwen3-Coder's and Qwen3.5's XML, GLM-4.5's and 4.7's, MiniMax-M2's) and
-server/tool_pythonic.py (a Python list of calls: Llama 3.2's, Llama 4's, Gemma 3's)."""
+gpt-oss's harmony), server/tool_xml.py (Qwen3-Coder's and Qwen3.5's XML, GLM-4.5's and 4.7's, MiniMax-M2's),
+server/tool_pythonic.py (a Python list of calls: Llama 3.2's, Llama 4's, Gemma 3's) and server/tool_kimi.py
+(Kimi K2's)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import dataclasses
 import re
 
 from server.harmony import CHANNEL
+from server.tool_kimi import KIMI, KIMI_K2
 from server.tool_pythonic import PythonicCallFormat
 from server.tool_xml import GLM45, GLM47, MINIMAX_M2, XmlCallFormat
 from server.tools import DEEPSEEK, FORMATS, HarmonyFormat, ToolFormat
@@ -21,6 +23,7 @@ TOOL_PARSERS: dict[str, CallSyntax] = {
     "glm45": XmlCallFormat("glm45", GLM45),
     "glm47": XmlCallFormat("glm47", GLM47),
     "minimax_m2": XmlCallFormat("minimax_m2", MINIMAX_M2),
+    "kimi_k2": KIMI_K2,
     "pythonic": PythonicCallFormat(),
     "harmony": HarmonyFormat(),
 }
@@ -46,6 +49,8 @@ def detect_format(chat_template: str | None) -> CallSyntax:
         return TOOL_PARSERS["harmony"]
     if "[TOOL_CALLS]" in t:
         return mistral_format(t)
+    if KIMI[0] in t:  # Kimi K2's: each call named by its id, functions.NAME:INDEX
+        return TOOL_PARSERS["kimi_k2"]
     if DEEPSEEK[0] in t:  # V3's and R1's fence each call's arguments as JSON; V3.1's do not
         fmt = FORMATS["deepseek_v3" if "```json" in t else "deepseek_v31"]
         return dataclasses.replace(fmt, text_arguments=re.search(r"\['arguments'\]\s*\+", t) is not None)

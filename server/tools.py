@@ -213,12 +213,20 @@ class ToolFormat:
                 params = {"type": "object"}
             schema = {**params, "x-guidance": JSON_LAYOUT} if isinstance(params, dict) else params
             own_id = f"{self._lit(self.id_sep)} /[A-Za-z0-9]{{9}}/" if self.id_sep else ""
-            parts = (_lit(fn["name"]), own_id, self._lit(self.name_sep), "%json " + json.dumps(schema))
+            parts = (self.name_lit(fn["name"]), own_id, self._lit(self.name_sep), "%json " + json.dumps(schema))
             alternatives.append(" ".join(x for x in parts if x))
         return "(" + " | ".join(alternatives) + ")"
 
     def _lit(self, text: str) -> str:
         return special_lit(text, self.specials)
+
+    def name_lit(self, name: str) -> str:
+        """A call's name as the grammars write it where it stands outside the arguments."""
+        return _lit(name)
+
+    def written_name(self, name: str, index: int) -> str:
+        """The ``index``-th call's name as :meth:`render` writes it where it stands outside the arguments."""
+        return name
 
     def _call_json(self, tools: list[dict], strict_only: bool = False) -> str:
         """``%json`` of one call's object: ``{"name": <one of tools>, <args_key>: <its parameters>}``.
@@ -247,12 +255,12 @@ class ToolFormat:
     def render(self, calls: list[tuple[str, Any]]) -> str:
         """Calls (name, arguments object) as this format writes them (for history)."""
 
-        def body(name: str, args: Any) -> str:
+        def body(name: str, args: Any, index: int) -> str:
             if self.name_sep:
-                return name + self.name_sep + json.dumps(args, ensure_ascii=False)
+                return self.written_name(name, index) + self.name_sep + json.dumps(args, ensure_ascii=False)
             return json.dumps({"name": name, self.args_key: args}, ensure_ascii=False)
 
-        parts = [self.call_open + body(n, a) + self.call_close for n, a in calls]
+        parts = [self.call_open + body(n, a, i) + self.call_close for i, (n, a) in enumerate(calls)]
         return self.open + self.sep.join(parts) + self.close
 
     # -- reading --------------------------------------------------------------------------------------

@@ -151,3 +151,77 @@ def test_on_a_gpu_latent_attention_runs_on_sdpa_and_matches_transformers(dirs, t
 @pytest.mark.parametrize("arch", ARCHS)
 def test_served_through_the_sdk(dirs, arch):
     check_served(dirs[arch], make(dirs[arch]))
+
+
+# -- Kimi K2.5's language model ----------------------------------------------------------------------------
+def kimi_k25_dir(path: Path, tokenizer_dir: Path, text_dir: Path, released: bool) -> Path:
+    """A ``KimiK25ForConditionalGeneration`` checkpoint whose language model is the DeepSeek-V3 one in
+    ``text_dir``, a tiny MoonViT vision tower and projector beside it, as transformers saves it (the
+    decoder's layers named ``blocks``, the architecture ``Kimi_K25ForConditionalGeneration``) or,
+    ``released``, with the released checkpoints' ``layers`` and architecture name, and a
+    multi-token-prediction layer past the decoder's (which it never runs)."""
+    import json
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from conftest import VOCAB
+
+    torch.manual_seed(1)
+    text = transformers.AutoModelForCausalLM.from_pretrained(text_dir, dtype=torch.float32)
+    vision = transformers.Kimi_K25VisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, pos_emb_height=4,
+        pos_emb_width=4, pos_emb_time=1,
+    )  # fmt: skip
+    config = transformers.Kimi_K25Config(
+        text_config=text.config.to_dict(), vision_config=vision, projection_hidden_size=32,
+        image_token_id=VOCAB - 1, video_token_id=VOCAB - 2, vision_start_token_id=VOCAB - 3,
+        vision_end_token_id=VOCAB - 4, tie_word_embeddings=False, architectures=["KimiK25ForConditionalGeneration"],
+    )  # fmt: skip
+    model = transformers.Kimi_K25ForConditionalGeneration(config)
+    model.model.language_model.load_state_dict(text.model.state_dict())
+    model.lm_head.load_state_dict(text.lm_head.state_dict())
+    model.save_pretrained(path)
+    transformers.AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+    if released:
+        tensors = load_file(path / "model.safetensors")
+        tensors = {
+            k.replace("language_model.model.blocks.", "language_model.model.layers."): v for k, v in tensors.items()
+        }
+        n = config.text_config.num_hidden_layers
+        tensors[f"language_model.model.layers.{n}.eh_proj.weight"] = torch.randn(64, 128)
+        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+        saved = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**saved, "architectures": ["KimiK25ForConditionalGeneration"]}))
+    return path
+
+
+def test_kimi_k25_serves_its_language_model(dirs, tmp_path, tokenizer_dir):
+    """Kimi K2.5 served as text: its decoder is DeepSeek-V3's, so its logits equal the text-only
+    checkpoint's bit for bit, and transformers' multimodal model's within float32 tolerance; the vision
+    tower, the projector and a prediction layer are not read; served through the SDK."""
+    import transformers
+    from families import paged_logits
+
+    from engine.models.deepseek_v3 import KimiK25TextForCausalLM
+    from engine.runner.loader import load_config
+
+    text_dir = dirs["DeepseekV3ForCausalLM"]
+    ids = list(range(5, 35))
+    want = paged_logits(make(text_dir), ids)
+    hf = transformers.Kimi_K25ForConditionalGeneration.from_pretrained(
+        kimi_k25_dir(tmp_path / "saved", tokenizer_dir, text_dir, released=False), dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([ids])).logits[0]
+    for released in (False, True):
+        d = kimi_k25_dir(tmp_path / f"k25-{released}", tokenizer_dir, text_dir, released)
+        cfg = load_config(d)
+        arch = "KimiK25ForConditionalGeneration" if released else "Kimi_K25ForConditionalGeneration"
+        assert cfg.architectures == [arch] and not cfg.tie_word_embeddings
+        eng = make(d)
+        assert type(eng.runner.model) is KimiK25TextForCausalLM
+        got = paged_logits(eng, ids)
+        assert torch.equal(got, want), released
+        torch.testing.assert_close(got, ref, rtol=2e-4, atol=2e-4)
+    check_served(d, eng)

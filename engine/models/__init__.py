@@ -17,6 +17,8 @@ MODEL_REGISTRY: dict[str, str] = {  # architecture → "module:class" under engi
     "Gemma3ForCausalLM": "gemma3:Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration": "gemma3:Gemma3TextForCausalLM",
     "Glm4MoeForCausalLM": "glm4_moe:Glm4MoeForCausalLM",
+    "KimiK25ForConditionalGeneration": "deepseek_v3:KimiK25TextForCausalLM",
+    "Kimi_K25ForConditionalGeneration": "deepseek_v3:KimiK25TextForCausalLM",
     "Glm4MoeLiteForCausalLM": "deepseek_v3:Glm4MoeLiteForCausalLM",
     "GptOssForCausalLM": "gpt_oss:GptOssForCausalLM",
     "GraniteForCausalLM": "granite:GraniteForCausalLM",
@@ -38,7 +40,14 @@ MODEL_REGISTRY: dict[str, str] = {  # architecture → "module:class" under engi
 
 # Multimodal architectures served by their language model alone (engine/models/text_tower.py): the
 # loader hands their class the checkpoint's text_config.
-TEXT_TOWERS = frozenset({"Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration"})
+TEXT_TOWERS = frozenset(
+    {
+        "Gemma3ForConditionalGeneration",
+        "Mistral3ForConditionalGeneration",
+        "KimiK25ForConditionalGeneration",
+        "Kimi_K25ForConditionalGeneration",
+    }
+)
 
 
 class UnsupportedModelError(ValueError):

@@ -1,4 +1,5 @@
-"""DeepSeek-V3's architecture (``DeepseekV3ForCausalLM``: DeepSeek-V3, R1, V3.1) and GLM-4.7-Flash
+"""DeepSeek-V3's architecture (``DeepseekV3ForCausalLM``: DeepSeek-V3, R1, V3.1, Kimi K2; Kimi K2.5's
+language model, ``KimiK25ForConditionalGeneration`` served as text) and GLM-4.7-Flash
 (``Glm4MoeLiteForCausalLM``): multi-head latent attention (MLA) over GLM-4.5's mixture of experts; and
 DeepSeek-V2's (``DeepseekV2ForCausalLM``: V2, V2-Lite, Coder-V2), the same attention over a softmax
 router limited to the best groups (:class:`GroupLimitedMoE`).
@@ -44,6 +45,7 @@ from engine.attention import AttentionMetadata, paged_attention
 from engine.models.glm4_moe import DeepseekLayout, GroupedSigmoidMoE
 from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, RMSNorm, apply_rope
 from engine.models.moe import MoEWeights, SparseMoE, largest
+from engine.models.text_tower import TextTower
 from engine.parallel import SINGLE, TensorParallel
 
 LATENT_EPS = 1e-6  # the latents' norms' epsilon in the released code and transformers (not rms_norm_eps)
@@ -204,6 +206,21 @@ class DeepseekV3ForCausalLM(DeepseekLayout, MoEWeights, LlamaForCausalLM):
 
 class Glm4MoeLiteForCausalLM(DeepseekV3ForCausalLM):
     """GLM-4.7-Flash: DeepSeek-V3's architecture (its mixture layers where ``mlp_layer_types`` says)."""
+
+
+class KimiK25TextForCausalLM(TextTower, DeepseekV3ForCausalLM):
+    """The language model of a Kimi K2.5 checkpoint (``KimiK25ForConditionalGeneration``; transformers
+    names its class ``Kimi_K25ForConditionalGeneration``), DeepSeek-V3's architecture, served as text
+    only: its MoonViT vision tower and its projector (``mm_projector``) are not read. Transformers 5 saves
+    the decoder's layers as ``language_model.model.blocks.N`` (its renaming of the vision tower's blocks
+    runs backwards over every name); the released checkpoints' ``layers`` are read, and ``blocks`` too."""
+
+    architecture = "KimiK25ForConditionalGeneration"
+    _skipped_prefixes = (*TextTower._skipped_prefixes, "mm_projector.", "model.mm_projector.")
+
+    def text_name(self, name: str) -> str | None:
+        text = super().text_name(name)
+        return text.replace("model.blocks.", "model.layers.", 1) if text and text.startswith("model.blocks.") else text
 
 
 class GroupLimitedMoE(SparseMoE):

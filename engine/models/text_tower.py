@@ -1,4 +1,5 @@
-"""The language model of a multimodal checkpoint, served as text only (Gemma 3's and Mistral 3's).
+"""The language model of a multimodal checkpoint, served as text only (Gemma 3's, Mistral 3's and Kimi
+K2.5's).
 
 Such a checkpoint's ``config.json`` names the multimodal architecture; the loader hands the model
 its ``text_config`` (``engine.runner.loader.load_config``, for the architectures in
@@ -47,8 +48,11 @@ class TextTower:
         return name
 
     def checkpoint_skips(self, name: str) -> bool:
-        """The vision tower's and the projector's tensors: never read."""
-        return self.text_name(name) is None
+        """The vision tower's and the projector's tensors: never read; nor what the decoder's class leaves
+        unread in a text-only checkpoint (DeepSeek-V3's prediction layers)."""
+        text = self.text_name(name)
+        skips = getattr(super(), "checkpoint_skips", None)
+        return text is None or (skips is not None and skips(text))
 
     def checkpoint_name(self, name: str) -> str:
         """As the decoder names a tensor of a text-only checkpoint (a quantized checkpoint's stored forms

@@ -334,7 +334,8 @@ class ChatFormat:
         deltas = []
         for kind, *value in st.scanner.feed(content):
             if kind == "call":
-                head = {"index": st.calls, "id": self.tools.new_id(), "type": "function",
+                call_id = value[1] if len(value) > 1 else self.tools.new_id()  # (the model's own, where it writes one)
+                head = {"index": st.calls, "id": call_id, "type": "function",
                         "function": {"name": value[0], "arguments": ""}}  # fmt: skip
                 deltas.append({"tool_calls": [head]})
                 st.calls += 1
