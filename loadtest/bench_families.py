@@ -73,6 +73,7 @@ MOE = (
 DENSE = (
     "LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
     "SmolLM3ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GraniteForCausalLM", "Ministral3ForCausalLM",
+    "SeedOssForCausalLM",
 )  # fmt: skip
 FAMILIES = MOE + DENSE
 BOS, EOS, PAD = 0, 1, 2
@@ -162,6 +163,9 @@ def family_config(arch: str, s: Shape) -> transformers.PretrainedConfig:
         "Gemma2ForCausalLM": lambda: transformers.Gemma2Config(**common, **gemma),
         "Gemma3ForCausalLM": lambda: transformers.Gemma3TextConfig(**common, **gemma),
         "Phi3ForCausalLM": lambda: transformers.Phi3Config(**common),
+        "SeedOssForCausalLM": lambda: transformers.SeedOssConfig(  # the released biases: q/k/v, not o
+            **common, head_dim=s.head_dim, attention_bias=True, attention_out_bias=False
+        ),
         "SmolLM3ForCausalLM": lambda: transformers.SmolLM3Config(**common, no_rope_layer_interval=4),
         "Olmo2ForCausalLM": lambda: transformers.Olmo2Config(**common),
         "Olmo3ForCausalLM": lambda: transformers.Olmo3Config(  # 3 sliding : 1 full layers, YaRN on the full ones

@@ -673,6 +673,7 @@ def _serve_parser(sub, common: argparse.ArgumentParser) -> None:
             "llama3_json",
             "mistral",
             "qwen3_coder",
+            "seed_oss",
             "glm45",
             "glm47",
             "minimax_m2",
@@ -688,6 +689,7 @@ def _serve_parser(sub, common: argparse.ArgumentParser) -> None:
         help="how the model writes tool calls (auto: from its chat template; Hermes-style where it says nothing; "
         "mistral: [TOOL_CALLS]NAME[ARGS]{...} or the JSON list after [TOOL_CALLS], as the template writes them; "
         "qwen3_coder: Qwen3-Coder's and Qwen3.5's <function=NAME><parameter=KEY> XML; "
+        "seed_oss: Seed-OSS's, the same in <seed:tool_call>; "
         "glm45 / glm47: GLM-4.5's and 4.6's <tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>, a "
         "line each, and GLM-4.7's without line ends; "
         'minimax_m2: MiniMax-M2\'s <invoke name="NAME"><parameter name="KEY"> elements in one <minimax:tool_call>; '
@@ -723,7 +725,8 @@ def _serve_parser(sub, common: argparse.ArgumentParser) -> None:
         choices=list(REASONING_SYNTAXES),
         default=None,
         help="split a reasoning model's thinking into reasoning_content (qwen3: Qwen3/QwQ <think>; glm45: GLM-4.5 "
-        "to 4.7's <think>, as qwen3; minimax_m2 / kimi_k2: MiniMax-M2's and Kimi's <think>, as qwen3; deepseek_r1: "
+        "to 4.7's <think>, as qwen3; minimax_m2 / kimi_k2: MiniMax-M2's and Kimi's <think>, as qwen3; seed_oss: "
+        "Seed-OSS's <seed:think>, which it opens itself; deepseek_r1: "
         "DeepSeek-R1, which thinks first; mistral: Magistral's and Ministral 3's [THINK]; harmony: gpt-oss's "
         "analysis channel); enables reasoning_effort and "
         "thinking_token_budget (not with harmony)",

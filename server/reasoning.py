@@ -174,6 +174,8 @@ SYNTAXES = {
     "minimax_m2": ReasoningSyntax("minimax_m2"),
     # Kimi K2-Thinking, K2.5, K2.6: Qwen3's markers (K2.5's template switch is ``thinking``).
     "kimi_k2": ReasoningSyntax("kimi_k2"),
+    # Seed-OSS: its own markers, and it thinks first (its template leaves the opening to the model).
+    "seed_oss": ReasoningSyntax("seed_oss", "<seed:think>", "</seed:think>", thinks_first=True),
     # Magistral (2507 on) and Ministral 3's reasoning models: special tokens, kept in the text for the reader.
     "mistral": ReasoningSyntax("mistral", "[THINK]", "[/THINK]"),
     "harmony": HARMONY,

@@ -1,6 +1,7 @@
 """Which call syntax a served model writes: named by ``--tool-call-parser``, or read from its chat template
 (``auto``). The syntaxes themselves are in server/tools.py (the JSON ones, DeepSeek's among them, and
-gpt-oss's harmony), server/tool_xml.py (Qwen3-Coder's and Qwen3.5's XML, GLM-4.5's and 4.7's, MiniMax-M2's),
+gpt-oss's harmony), server/tool_xml.py (Qwen3-Coder's and Qwen3.5's XML, Seed-OSS's, GLM-4.5's and 4.7's,
+MiniMax-M2's),
 server/tool_pythonic.py (a Python list of calls: Llama 3.2's, Llama 4's, Gemma 3's) and server/tool_kimi.py
 (Kimi K2's)."""
 
@@ -12,7 +13,7 @@ import re
 from server.harmony import CHANNEL
 from server.tool_kimi import KIMI, KIMI_K2
 from server.tool_pythonic import PythonicCallFormat
-from server.tool_xml import GLM45, GLM47, MINIMAX_M2, XmlCallFormat
+from server.tool_xml import GLM45, GLM47, MINIMAX_M2, SEED_OSS, XmlCallFormat
 from server.tools import DEEPSEEK, FORMATS, HarmonyFormat, ToolFormat
 
 CallSyntax = ToolFormat | HarmonyFormat | XmlCallFormat | PythonicCallFormat
@@ -20,6 +21,7 @@ CallSyntax = ToolFormat | HarmonyFormat | XmlCallFormat | PythonicCallFormat
 TOOL_PARSERS: dict[str, CallSyntax] = {
     **{k: v for k, v in FORMATS.items() if k != "mistral_v11"},
     "qwen3_coder": XmlCallFormat(),
+    "seed_oss": XmlCallFormat("seed_oss", SEED_OSS),
     "glm45": XmlCallFormat("glm45", GLM45),
     "glm47": XmlCallFormat("glm47", GLM47),
     "minimax_m2": XmlCallFormat("minimax_m2", MINIMAX_M2),
@@ -54,6 +56,8 @@ def detect_format(chat_template: str | None) -> CallSyntax:
     if DEEPSEEK[0] in t:  # V3's and R1's fence each call's arguments as JSON; V3.1's do not
         fmt = FORMATS["deepseek_v3" if "```json" in t else "deepseek_v31"]
         return dataclasses.replace(fmt, text_arguments=re.search(r"\['arguments'\]\s*\+", t) is not None)
+    if "<seed:tool_call>" in t:  # Seed-OSS's: Qwen's elements in its own tags
+        return TOOL_PARSERS["seed_oss"]
     if "<minimax:tool_call>" in t:  # MiniMax-M2's: <invoke> elements in one block
         return TOOL_PARSERS["minimax_m2"]
     if "<tool_call>" in t and "<function=" in t and "<parameter=" in t:  # Qwen3-Coder's and Qwen3.5's XML

@@ -1,5 +1,5 @@
 """XML tool calls, one element per argument with its value as written: Qwen3-Coder's and Qwen3.5's,
-GLM-4.5's, 4.6's and 4.7's, and MiniMax-M2's.
+Seed-OSS's, GLM-4.5's, 4.6's and 4.7's, and MiniMax-M2's.
 
 ::
 
@@ -14,7 +14,8 @@ GLM-4.5's, 4.6's and 4.7's, and MiniMax-M2's.
     </function>
     </tool_call>
 
-(GLM-4.7 writes its calls without the line ends.) MiniMax-M2 (M2.1, M2.5) writes its calls, each an
+(GLM-4.7 writes its calls without the line ends; Seed-OSS writes Qwen's elements in ``<seed:tool_call>``,
+each value on its tags' line.) MiniMax-M2 (M2.1, M2.5) writes its calls, each an
 ``<invoke name="...">`` element of ``<parameter name="...">`` elements, in one ``<minimax:tool_call>``
 block. A string argument is its text as it is (newlines and
 quotes included); any other value is its JSON (the templates write objects and lists with ``tojson``,
@@ -24,7 +25,7 @@ beside them: ``"3"`` is a string where the parameter is one and the number 3 whe
 arguments; :meth:`~XmlCallFormat.for_tools` gives it a request's tools, whose schemas its parser then
 reads values by and its grammars write them by (a string as text without the tag that closes it,
 within its ``minLength`` / ``maxLength`` or as one of its ``enum``; any other value as JSON held to its
-schema). vLLM names these parsers ``qwen3_coder``, ``glm45``, ``glm47`` and ``minimax_m2``.
+schema). vLLM names these parsers ``qwen3_coder``, ``seed_oss``, ``glm45``, ``glm47`` and ``minimax_m2``.
 """
 
 from __future__ import annotations
@@ -87,6 +88,20 @@ QWEN3_CODER = XmlMarkup(
     value_tag="</parameter>",
     value_line=True,
     body_end="</function>",
+)
+SEED_OSS = XmlMarkup(  # Seed-OSS's: Qwen's elements, a value on its tags' line, in <seed:tool_call>
+    head="\n<function={name}>\n",
+    param="<parameter={key}>",
+    value_close="</parameter>\n",
+    tail="</function>\n",
+    between="\n",
+    name_re=QWEN3_CODER.name_re,
+    key_re=re.compile(r"<parameter=([^>\n]+)>"),
+    value_tag="</parameter>",
+    value_line=False,
+    body_end="</function>",
+    open="<seed:tool_call>",
+    close="</seed:tool_call>",
 )
 _GLM = dict(
     name_re=re.compile(r"([^<>\n]+)\r?\n?"),

@@ -1,4 +1,4 @@
-"""Phi-3, SmolLM3, OLMo 2, OLMo 3 and Granite 3 against transformers on tiny random models (float32,
+"""Phi-3, SmolLM3, OLMo 2, OLMo 3, Granite 3 and Seed-OSS against transformers on tiny random models (float32,
 CPU): logits through chunked prefill and paged decodes, greedy generation with requests joining a
 running batch, speculative greedy identity (lookup and layer skipping), tensor parallelism at 2 ranks
 (and 4 for OLMo 2's norms across replicated key heads), and one check per family that its feature
@@ -8,7 +8,9 @@ changes the result, so that the parity proves it implemented and not merely harm
 - SmolLM3: NoPE layers (every other one here, those also sliding-window layers);
 - OLMo 2: q/k norms over the whole projection, not per head;
 - OLMo 3: sliding-window layers, and YaRN on the full-attention layer's RoPE alone;
-- Granite 3: its four multipliers (embeddings, attention scores, residual branches, logits).
+- Granite 3: its four multipliers (embeddings, attention scores, residual branches, logits);
+- Seed-OSS: biases on q/k/v and none on the output projection, as released (Llama's rule, one flag for
+  both, would look for an output bias the checkpoint does not have).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from engine.runner.loader import load_config, load_model
 
 PHI3_WINDOW, SMOL_WINDOW, OLMO3_WINDOW = 16, 8, 8
 ORIGINAL = 32  # the LongRoPE model's original_max_position_embeddings
-FAMILIES = ["phi3", "smollm3", "olmo2", "olmo3", "granite"]
+FAMILIES = ["phi3", "smollm3", "olmo2", "olmo3", "granite", "seed_oss"]
 # Granite's multipliers, each away from 1 (and the attention scale from head_dim ** -0.5 = 0.25)
 GRANITE = dict(embedding_multiplier=6.0, attention_multiplier=0.05, residual_multiplier=0.4, logits_scaling=3.0)
 
@@ -89,11 +91,14 @@ def family_config(family: str, **overrides):
     elif family == "granite":  # biases on the attention and the MLP
         common.update(**GRANITE, attention_bias=True, mlp_bias=True)
         cls = transformers.GraniteConfig
+    elif family == "seed_oss":  # the released biases: q/k/v, not o
+        common.update(head_dim=16, attention_bias=True, attention_out_bias=False, mlp_bias=False)
+        cls = transformers.SeedOssConfig
     else:
         raise ValueError(family)
     arch = {
         "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
-        "olmo3": "Olmo3ForCausalLM", "granite": "GraniteForCausalLM",
+        "olmo3": "Olmo3ForCausalLM", "granite": "GraniteForCausalLM", "seed_oss": "SeedOssForCausalLM",
     }[family]  # fmt: skip
     return cls(**{**common, "architectures": [arch], **overrides})
 

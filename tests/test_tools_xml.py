@@ -1,11 +1,13 @@
-"""The XML tool calls: Qwen3-Coder's and Qwen3.5's (``<function=NAME>`` with one ``<parameter=KEY>`` element
-per argument), GLM-4.5's (``<tool_call>NAME`` with ``<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>``
-pairs, a line each), GLM-4.7's (the same without line ends) and MiniMax-M2's (``<invoke name="NAME">`` elements of
-``<parameter name="KEY">`` ones, the calls in one ``<minimax:tool_call>`` block), through a real server and the official
-openai SDK: the template picks the syntax, forced calls hold every argument to its schema, calls
-written under auto are read back with the tools' types (a string parameter's "123" stays a string),
-streamed calls assemble to the whole ones, and the history renders as the template writes it. Each
-syntax's reading and writing are checked against each other and against the grammar."""
+"""The XML tool calls through a real server and the official openai SDK: Qwen3-Coder's and Qwen3.5's
+(``<function=NAME>`` with one ``<parameter=KEY>`` element per argument), Seed-OSS's (the same in
+``<seed:tool_call>``, a value on its tags' line), GLM-4.5's (``<tool_call>NAME`` with
+``<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>`` pairs, a line each), GLM-4.7's (the same without
+line ends) and MiniMax-M2's (``<invoke name="NAME">`` elements of ``<parameter name="KEY">`` ones, the
+calls in one ``<minimax:tool_call>`` block). The template picks the syntax, forced calls hold every
+argument to its schema, calls written under auto are read back with the tools' types (a string
+parameter's "123" stays a string), streamed calls assemble to the whole ones, and the history renders
+as the template writes it. Each syntax's reading and writing are checked against each other and against
+the grammar."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from test_tools import MODELS, TOOLS, assembled_calls, check_calls, choice_of, t
 
 from conftest import VOCAB
 from server.tool_formats import detect_format
-from server.tool_xml import CLOSE, GLM45, GLM47, MINIMAX_M2, OPEN, QWEN3_CODER, XmlCallFormat
+from server.tool_xml import GLM45, GLM47, MINIMAX_M2, QWEN3_CODER, SEED_OSS, XmlCallFormat
 
 MODEL = "tiny-qwen-coder"
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
@@ -62,6 +64,16 @@ GLM47_TEMPLATE = (
     "<arg_value>{{ v | tojson if v is not string else v }}</arg_value>{% endfor %}</tool_call>{% endfor %}\n"
     "{% endfor %}{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}"
 )
+# Seed-OSS's: Qwen's elements in <seed:tool_call>, a value on its tags' line, written as GLM's are.
+SEED_TEMPLATE = (
+    "{% if tools %}<|bos|>system\nTools:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "Call as <seed:tool_call>\n<function=NAME>\n<parameter=KEY>VALUE</parameter>\n</function>\n</seed:tool_call>\n"
+    "{% endif %}{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] or '' }}"
+    "{% for c in m.get('tool_calls') or [] %}\n<seed:tool_call>\n<function={{ c['function']['name'] }}>\n"
+    "{% for k, v in c['function']['arguments'].items() %}<parameter={{ k }}>{{ v | tojson if v is not string else v }}"
+    "</parameter>\n{% endfor %}</function>\n</seed:tool_call>{% endfor %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}"
+)
 # MiniMax-M2's: the tools as <tool> elements, the calls of a turn in one block, a value as GLM's.
 MINIMAX_TEMPLATE = (
     "{% if tools %}<|bos|>system\n# Tools\n<tools>\n{% for t in tools %}<tool>{{ t | tojson }}</tool>\n{% endfor %}"
@@ -75,13 +87,14 @@ MINIMAX_TEMPLATE = (
 )
 SYNTAXES = {
     "qwen3_coder": (TEMPLATE, QWEN3_CODER),
+    "seed_oss": (SEED_TEMPLATE, SEED_OSS),
     "glm45": (GLM45_TEMPLATE, GLM45),
     "glm47": (GLM47_TEMPLATE, GLM47),
     "minimax_m2": (MINIMAX_TEMPLATE, MINIMAX_M2),
 }
 # The tags each family's tokenizers make special tokens.
 SPECIAL_TAGS = {
-    **{k: [OPEN, CLOSE, *markup.pieces] for k, (_, markup) in SYNTAXES.items()},
+    **{k: [markup.open, markup.close, *markup.pieces] for k, (_, markup) in SYNTAXES.items()},
     "minimax_m2": ["<minimax:tool_call>", "</minimax:tool_call>"],
 }
 
@@ -248,7 +261,6 @@ def test_the_grammars_name_the_tags_where_they_are_special_tokens(tok, syntax):
 def test_the_template_picks_it():
     assert [detect_format(template).name for template, _ in SYNTAXES.values()] == list(SYNTAXES)
     assert detect_format("<tool_call>{{ c | tojson }}</tool_call>").name == "hermes"
-    assert detect_format("<seed:tool_call><function=f><parameter=k>").name == "hermes"  # (another family's XML)
 
 
 # -- served --------------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ MODEL_REGISTRY: dict[str, str] = {  # architecture → "module:class" under engi
     "Qwen2MoeForCausalLM": "qwen3_moe:Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM": "llama:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "qwen3_moe:Qwen3MoeForCausalLM",
+    "SeedOssForCausalLM": "llama:SeedOssForCausalLM",
     "SmolLM3ForCausalLM": "smollm3:SmolLM3ForCausalLM",
 }
 

@@ -490,3 +490,12 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
 class MistralForCausalLM(LlamaForCausalLM):
     pass
+
+
+class SeedOssForCausalLM(LlamaForCausalLM):
+    """Seed-OSS (ByteDance's Seed-OSS-36B): Llama's decoder, the output projection's bias set apart from
+    q/k/v's (``attention_out_bias``: none in the released model, where q/k/v have theirs)."""
+
+    @staticmethod
+    def attention_biases(config) -> tuple[bool, bool]:
+        return bool(getattr(config, "attention_bias", True)), bool(getattr(config, "attention_out_bias", False))
