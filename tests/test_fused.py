@@ -14,6 +14,7 @@ import pytest
 import torch
 from test_gemma2 import build_gemma2_dir
 from test_gemma3 import build_gemma3_dir
+from test_mistral3 import build_dir as build_mistral3_dir
 from test_moe import build_moe_dir
 
 from engine.models.invariant import _act_mul, _rms_norm
@@ -170,14 +171,21 @@ def family_dirs(model_dirs, tmp_path_factory, tokenizer_dir):
     dirs["Gemma3ForCausalLM"] = build_gemma3_dir(tmp_path_factory.mktemp("gemma3"), tokenizer_dir, "text")
     # Qwen3-MoE: its routing on augur::moe_route (on CUDA the routing and layout kernels), q/k norms
     dirs["Qwen3MoeForCausalLM"] = build_moe_dir(tmp_path_factory.mktemp("moe"), tokenizer_dir, "Qwen3MoeForCausalLM")
+    # Ministral 3: queries scaled by position after the fused RoPE (the scale steps up at position 8)
+    dirs["Ministral3ForCausalLM"] = build_mistral3_dir(
+        tmp_path_factory.mktemp("ministral3"), tokenizer_dir, "ministral3"
+    )
     return dirs
 
 
-ARCHS = ["LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"]
+ARCHS = [
+    "LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM",
+    "Ministral3ForCausalLM",
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_a_model_on_the_fused_kernels_matches_its_eager_forward(family_dirs, arch):
+def test_a_model_on_the_fused_kernels_matches_its_eager_forward(family_dirs, arch, monkeypatch):
     dtype = torch.bfloat16
     path = family_dirs[arch]
     config = load_config(path)
@@ -188,7 +196,10 @@ def test_a_model_on_the_fused_kernels_matches_its_eager_forward(family_dirs, arc
     eager = _logits(model, config, dtype, DEVICE, prompt)
     _set_fused(model, True)
     assert all(m.fused for m in model.modules() if hasattr(m, "fused") and not _kept_eager(m))
+    rope, ropes = torch.ops.augur.fused_rope, []
+    monkeypatch.setattr(torch.ops.augur, "fused_rope", lambda *a: ropes.append(1) or rope(*a))
     got = _logits(model, config, dtype, DEVICE, prompt)
+    assert len(ropes) == config.num_hidden_layers  # (every layer's attention turned q and k on the kernel)
     # The norms may differ from torch's in a last bit, and the difference travels: close, not equal.
     assert (got - eager).abs().max() <= 0.05 * eager.abs().max()
     assert (got.argmax(-1) == eager.argmax(-1)).float().mean() >= 0.9
@@ -208,6 +219,7 @@ def test_a_model_writes_its_kv_in_ropes_kernel_with_the_bits_the_attention_opera
     outs, pools, writes = [], [], []
     real = TritonMetadata.kv_write_slots
     for fold in (True, False):
+
         def slots(meta, kv_pool, fold=fold):
             got = real(meta, kv_pool) if fold else None
             writes.append(got is not None)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from engine.models.llama import rope_rows
+
 LOCAL, GLOBAL = "sliding_attention", "full_attention"  # the two layer types (transformers' names)
 
 
@@ -70,11 +72,8 @@ class LayerTypeRope:
         """Both tables' rows for these positions, by whether a layer is local: ``(cos, sin)``, each
         ``[T, 1, D]`` in ``dtype``."""
         return {
-            False: (self.rope_cos[positions].to(dtype).unsqueeze(1), self.rope_sin[positions].to(dtype).unsqueeze(1)),
-            True: (
-                self.rope_local_cos[positions].to(dtype).unsqueeze(1),
-                self.rope_local_sin[positions].to(dtype).unsqueeze(1),
-            ),
+            False: rope_rows(self.rope_cos, self.rope_sin, positions, dtype),
+            True: rope_rows(self.rope_local_cos, self.rope_local_sin, positions, dtype),
         }
 
     def layer_rope(self, rope: dict[bool, tuple[torch.Tensor, torch.Tensor]], i: int):

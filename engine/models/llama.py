@@ -76,6 +76,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def rope_rows(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """The rows of RoPE tables ``[max_positions, D]`` for these positions, ``(cos, sin)`` each
+    ``[T, 1, D]`` in ``dtype``."""
+    return cos[positions].to(dtype).unsqueeze(1), sin[positions].to(dtype).unsqueeze(1)
+
+
 # An FP8 KV cache's scales in a checkpoint: llm-compressor's (self_attn.k_scale) or AutoFP8's (k_proj.output_scale)
 _KV_SCALE = re.compile(r"layers\.(?P<layer>\d+)\.self_attn\.(?:(?P<kv>[kv])_scale|(?P<proj>[kv])_proj\.output_scale)$")
 
@@ -107,6 +113,12 @@ class LlamaAttention(nn.Module):
         self.fused = False  # q/k norms and RoPE on augur::fused_rope (LlamaForCausalLM.use_fused_ops)
 
     def forward(self, x, cos, sin, kv_pool: torch.Tensor, layer: int, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.rotated(x, cos, sin, kv_pool, layer, meta)
+        return self.tp.all_reduce(self.o_proj(self.attend(q, k, v, kv_pool, layer, meta)))
+
+    def rotated(self, x, cos, sin, kv_pool: torch.Tensor, layer: int, meta: AttentionMetadata):
+        """``(q, k, v)`` of ``x``, q and k normalized (where the family has the norms) and turned by RoPE;
+        on the fused kernel, which may write K and V into the pool itself, k and v None where it did."""
         T = x.shape[0]
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -126,7 +138,7 @@ class LlamaAttention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return self.tp.all_reduce(self.o_proj(self.attend(q, k, v, kv_pool, layer, meta)))
+        return q, k, v
 
     def set_kv_scale(self, which: str, scale: torch.Tensor) -> None:
         """A checkpoint's FP8 KV-cache scale for K or V (``which``): one for the layer, or one per KV head
@@ -313,7 +325,7 @@ class LlamaForCausalLM(nn.Module):
         """The rotary inputs of a forward at these positions: here the RoPE tables' rows ``[T, 1, D]`` in
         ``dtype``, ``(cos, sin)``, which every layer's attention takes (a family whose layers rotate by
         other tables, or whose attention takes more, overrides this and :meth:`layer_rope`)."""
-        return self.rope_cos[positions].to(dtype).unsqueeze(1), self.rope_sin[positions].to(dtype).unsqueeze(1)
+        return rope_rows(self.rope_cos, self.rope_sin, positions, dtype)
 
     def layer_rope(self, rope, i: int):
         """Layer ``i``'s ``(cos, sin)`` of what :meth:`rope_at` gave: here the one pair of every layer."""

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionMetadata
-from engine.models.llama import LlamaAttention, LlamaDecoderLayer, MistralForCausalLM, apply_rope
+from engine.models.llama import LlamaAttention, LlamaDecoderLayer, MistralForCausalLM
 from engine.models.text_tower import TextTower
 from engine.parallel import SINGLE, TensorParallel
 
@@ -36,18 +36,14 @@ def query_scale(config) -> tuple[float, int] | None:
 
 
 class Ministral3Attention(LlamaAttention):
-    """Llama's attention with the queries scaled by their positions' factors after RoPE. It takes
-    ``cos`` as ``(cos, scale)``, ``scale [T, 1, 1]`` in the model's dtype (what the model's forward
-    hands it: :meth:`Ministral3ForCausalLM.rope_at`)."""
+    """Llama's attention (its fused RoPE kernel too) with the queries scaled by their positions' factors
+    after RoPE. It takes ``cos`` as ``(cos, scale)``, ``scale [T, 1, 1]`` in the model's dtype (what the
+    model's forward hands it: :meth:`Ministral3ForCausalLM.rope_at`)."""
 
     def forward(self, x, cos, sin, kv_pool: torch.Tensor, layer: int, meta: AttentionMetadata) -> torch.Tensor:
         cos, scale = cos
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(T, self.num_heads, self.head_dim), cos, sin) * scale
-        k = apply_rope(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        return self.tp.all_reduce(self.o_proj(self.attend(q, k, v, kv_pool, layer, meta)))
+        q, k, v = self.rotated(x, cos, sin, kv_pool, layer, meta)
+        return self.tp.all_reduce(self.o_proj(self.attend(q * scale, k, v, kv_pool, layer, meta)))
 
 
 class Ministral3ForCausalLM(MistralForCausalLM):
