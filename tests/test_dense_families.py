@@ -266,6 +266,34 @@ def test_olmo2_whole_projection_qk_norm_matters(dirs):
     assert (hf_logits(ref, ids) - whole).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("family", ["olmo2", "olmo3"])
+def test_olmo_turns_rope_in_float32_as_transformers_does(dirs, family, monkeypatch):
+    """In bfloat16, each layer's q and k after RoPE are transformers' bit for bit, given the same q and
+    k before it: OLMo 2 and 3 keep the tables in float32, turn in float32 and round after (rounding the
+    tables to bfloat16 first, as Llama's do, gives other bits)."""
+    import engine.models.olmo2 as olmo2
+
+    hf = __import__(f"transformers.models.{family}.modeling_{family}", fromlist=["apply_rotary_pos_emb"])
+    seen = []  # (input, cos, sin, output) of each call
+    real = olmo2.apply_rope
+    monkeypatch.setattr(olmo2, "apply_rope", lambda x, c, s: seen.append((x, c, s)) or real(x, c, s))
+    engine = make_engine(dirs[family], dtype="bfloat16")
+    ids = prompts(1, seed=1, lo=30, hi=31)[0]
+    engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=1))
+    model = transformers.AutoModelForCausalLM.from_pretrained(dirs[family], dtype=torch.bfloat16)
+    positions = torch.arange(len(ids))[None]
+    assert len(seen) == 2 * 4  # q and k, 4 layers: the prefill
+    for layer in range(4):
+        (q, cos, sin), (k, _, _) = seen[2 * layer], seen[2 * layer + 1]
+        assert q.dtype == torch.bfloat16 and cos.dtype == torch.float32
+        kind = () if family == "olmo2" else (model.config.layer_types[layer],)  # (OLMo 3's tables by layer type)
+        want_cos, want_sin = model.model.rotary_emb(q, positions, *kind)
+        want_q, want_k = hf.apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], want_cos, want_sin)
+        got_q = real(q, cos, sin).to(q.dtype)
+        assert torch.equal(got_q, want_q[0].transpose(0, 1)), layer
+        assert torch.equal(real(k, cos, sin).to(k.dtype), want_k[0].transpose(0, 1)), layer
+
+
 def test_olmo3_windows_and_rope_by_layer_type_matter(dirs):
     """Layers 0-2 slide, layer 3 attends to all and alone turns by YaRN: with every layer's window off,
     or with the sliding layers scaled too, transformers' logits change far beyond the parity's tolerance."""

@@ -71,6 +71,7 @@ class LayerTypeRope:
     def rope_at(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
         """Both tables' rows for these positions, by whether a layer is local: ``(cos, sin)``, each
         ``[T, 1, D]`` in ``dtype``."""
+        dtype = self.rope_dtype or dtype
         return {
             False: rope_rows(self.rope_cos, self.rope_sin, positions, dtype),
             True: rope_rows(self.rope_local_cos, self.rope_local_sin, positions, dtype),

@@ -247,6 +247,7 @@ class LlamaForCausalLM(nn.Module):
     """Llama-architecture causal LM over a paged KV cache."""
 
     qk_norm = False
+    rope_dtype: torch.dtype | None = None  # the RoPE rows' dtype (None: the model's; OLMo 2 turns in float32)
     # Every linear layer's weight reaches load_weights under the name checkpoint_name / weight_target
     # place it by: --quantization int4 / fp8 convert each as it arrives (engine/quant/streamed.py)
     streams_linear_weights = True
@@ -325,7 +326,7 @@ class LlamaForCausalLM(nn.Module):
         """The rotary inputs of a forward at these positions: here the RoPE tables' rows ``[T, 1, D]`` in
         ``dtype``, ``(cos, sin)``, which every layer's attention takes (a family whose layers rotate by
         other tables, or whose attention takes more, overrides this and :meth:`layer_rope`)."""
-        return rope_rows(self.rope_cos, self.rope_sin, positions, dtype)
+        return rope_rows(self.rope_cos, self.rope_sin, positions, self.rope_dtype or dtype)
 
     def layer_rope(self, rope, i: int):
         """Layer ``i``'s ``(cos, sin)`` of what :meth:`rope_at` gave: here the one pair of every layer."""

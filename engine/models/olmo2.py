@@ -8,7 +8,9 @@ What differs from ``engine.models.llama``:
 - the query and key projections are RMS-normalized over their *whole* width, ``heads * head_dim``
   (Qwen3 normalizes each head on its own), before RoPE: ``q_norm`` has one weight per query dimension
   of every head, ``k_norm`` per key dimension.
-- every RMSNorm scales in float32 and rounds to the input dtype last (Llama rounds, then scales).
+- every RMSNorm scales in float32 and rounds to the input dtype last (Llama rounds, then scales); RoPE
+  turns q and k in float32 (its tables stay float32) and rounds them after, as transformers' OLMo 2
+  and 3 do.
 - no biases in the MLP; ``attention_bias`` puts them on q/k/v and o.
 
 Under tensor parallelism a rank holds only its heads' slice of q and k, but their norm's mean square
@@ -86,7 +88,7 @@ class Olmo2Attention(LlamaAttention):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q).view(T, self.num_heads, self.head_dim)
         k = self.k_norm(k).view(T, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, cos, sin).to(q.dtype), apply_rope(k, cos, sin).to(k.dtype)  # (cos, sin: float32)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         return self.tp.all_reduce(self.o_proj(self.attend(q, k, v, kv_pool, layer, meta)))
 
@@ -127,6 +129,8 @@ class Olmo2ForCausalLM(WholeProjectionNorms, LlamaForCausalLM):
     skipped sublayer goes with its post-norm — and captured hidden states, RoPE tables, weight loading
     with q/k/v and gate/up fused, embedding and LM head sharding, CPU packing) with OLMo 2's layers and
     final norm."""
+
+    rope_dtype = torch.float32
 
     def __init__(self, config, max_positions: int | None = None, tp: TensorParallel = SINGLE) -> None:
         super().__init__(config, max_positions, tp)
