@@ -208,9 +208,12 @@ class XmlCallFormat:
         if m.marker in dict(self.specials):
             start = f"start: TEXT | TEXT{block_open} call{more}{block_close} TEXT"
             return "\n".join([start, "TEXT: /(?s:.*)/", *rules]) + "\n"
-        lead, marker = _regex_lit(m.block_open + m.open), _regex_lit(m.marker)
-        lines = [f"start: TEXT | head body{more}{block_close} TEXT", f"head[lazy]: /(?s:.*){lead}/",
-                 f"TEXT: /(?s:.*)/ & ~/(?s:.*){marker}(?s:.*)/"]  # fmt: skip
+        # The text ends at the marker (lazily); what the calls' opening holds past it is then a literal.
+        lead = m.block_open + m.open
+        after = self._lit(lead[lead.index(m.marker) + len(m.marker) :])
+        marker = _regex_lit(m.marker)
+        start = " ".join(x for x in ("start: TEXT | head", after, f"body{more}{block_close} TEXT") if x)
+        lines = [start, f"head[lazy]: /(?s:.*){marker}/", f"TEXT: /(?s:.*)/ & ~/(?s:.*){marker}(?s:.*)/"]
         return "\n".join([*lines, *rules]) + "\n"
 
     def _lit(self, text: str) -> str:
@@ -297,10 +300,10 @@ class XmlCallFormat:
             return self._call_unfinished(text, j)
         q = _skip_ws(text, j + len(m.marker))
         while q < len(text) and text.startswith(m.open, q):
-            end = self._call_end(text, q)
-            if end is None:
+            whole = self._call_end(text, q)
+            if whole is None:
                 return self._call_unfinished(text, q)
-            q = _skip_ws(text, end)
+            q = self._next_in_block(text, _skip_ws(text, whole[2]), True)
         rest, block_close = _squash(text[q:]), _squash(m.block_close)
         return _squash(m.open).startswith(rest) or (block_close.startswith(rest) and rest != block_close)
 
@@ -333,29 +336,40 @@ class XmlCallFormat:
             if not text.startswith(m.marker, at):
                 return [], end
             end = at + len(m.marker)
-        while text.startswith(m.open, at := _skip_ws(text, end)):
-            name = m.name_re.match(text, _skip_ws(text, at + len(m.open)))
-            done = self._call_end(text, at)
-            if done is None:
+        while text.startswith(m.open, at := self._next_in_block(text, _skip_ws(text, end), bool(calls))):
+            whole = self._call_end(text, at)
+            if whole is None:
                 break
-            pairs = self.elements(text, name.end())[0]
-            name = name.group(1).strip()
+            name, pairs, end = whole
             calls.append(ToolCall(name, json.dumps(self.arguments(name, pairs), ensure_ascii=False), self.new_id()))
-            end = done
         block_close = m.block_close.strip()
         if calls and block_close and text.startswith(block_close, at := _skip_ws(text, end)):
             end = at + len(block_close)
         return calls, end
 
-    def _call_end(self, text: str, at: int) -> int | None:
-        """Past the closing tag of the whole call that opens at ``at``; None where it is not whole."""
+    def _call_end(self, text: str, at: int) -> tuple[str, list[tuple[str, str]], int] | None:
+        """The whole call that opens at ``at``: its name, its argument elements and where it ends (past
+        its closing tag); None where it is not whole."""
         m = self.markup
         name = m.name_re.match(text, _skip_ws(text, at + len(m.open)))
         if name is None:
             return None
-        done = self.elements(text, name.end())[1]
+        pairs, done = self.elements(text, name.end())
         close = _skip_ws(text, done) if done is not None else -1
-        return close + len(m.close) if done is not None and text.startswith(m.close, close) else None
+        if done is None or not text.startswith(m.close, close):
+            return None
+        return name.group(1).strip(), pairs, close + len(m.close)
+
+    def _next_in_block(self, text: str, at: int, after_a_call: bool) -> int:
+        """Where the calls are one block, the next call's opening from ``at`` (past a call of the block)
+        when other text stands before it inside the block (text between a block's calls is neither call
+        nor content: vLLM reads every call of the block); else ``at``. Before the block's first call
+        nothing is skipped: a marker in prose opens no block."""
+        m = self.markup
+        if not m.block_open or not after_a_call or text.startswith(m.open, at):
+            return at
+        nxt, stop = text.find(m.open, at), text.find(m.block_close.strip(), at)
+        return nxt if nxt >= 0 and (stop < 0 or nxt < stop) else at
 
     def arguments(self, name: str, pairs: list[tuple[str, str]] | str) -> dict:
         """A function's arguments from its parameter elements ((key, text) pairs, or the text between its

@@ -40,6 +40,12 @@ def argument_pieces(arguments: str) -> list[str]:
     return [arguments[j : j + ARGUMENT_PIECE] for j in range(0, len(arguments), ARGUMENT_PIECE)]
 
 
+def scanned_call_id(fmt, value: list) -> str:
+    """The id of a forced call a scanner found (``value``: its ``("call", name[, id])`` event's fields):
+    the id the model wrote where the syntax has one (Kimi's), else a new one."""
+    return value[1] if len(value) > 1 else fmt.new_id()
+
+
 def template_call(call_id: str, name: str, arguments: str) -> dict:
     """A call in a history message, as chat templates take it: its arguments text as an object (the
     text itself if it is not JSON, or is nested past the parser's depth)."""

@@ -363,6 +363,27 @@ def test_minimax_m2_reads_its_expert_bias_skips_prediction_modules_and_refuses_l
         make(d)
 
 
+def test_minimax_m2s_qk_norm_rounds_as_transformers_in_bfloat16():
+    """MiniMax-M2's q/k norm (OLMo 2's over a whole projection) rounds the normalized input before it
+    scales, as transformers' MiniMax-M2 norm does: bit for bit in bfloat16, where OLMo 2's order (scale,
+    then round) gives other bits."""
+    from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2RMSNorm
+
+    from engine.models.minimax_m2 import MiniMaxM2Norm
+    from engine.models.olmo2 import Olmo2RMSNorm
+
+    torch.manual_seed(3)
+    x = torch.randn(64, 256).to(torch.bfloat16)
+    weight = (1 + 0.3 * torch.randn(256)).to(torch.bfloat16)
+    ref = MiniMaxM2RMSNorm(256, eps=1e-6).to(torch.bfloat16)
+    ours, olmo = MiniMaxM2Norm(256, 1e-6).to(torch.bfloat16), Olmo2RMSNorm(256, 1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        for norm in (ref, ours, olmo):
+            norm.weight.copy_(weight)
+        assert torch.equal(ours(x), ref(x))
+        assert not torch.equal(olmo(x), ref(x))
+
+
 # -- speculating on a mixture -------------------------------------------------------------------------------
 def speculators(target: Path, root: Path, tokenizer_dir: Path) -> dict[str, dict]:
     from test_dflash import write_dflash

@@ -162,3 +162,45 @@ def test_history_writes_each_call_by_a_kimi_id(client, http, tok):
     assert f'{CALL_BEGIN}functions.lookup:1{ARGS}{{"query": "x"}}{CALL_END}' in rendered, rendered
     assert re.findall(r"## Return of (\S+)", rendered) == ["functions.get_weather:0", "functions.lookup:1"]
     assert "call_abc" not in rendered
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_return_the_ids_the_model_wrote(client, stream):
+    """The Responses API's function calls carry the same ids (``call_id``) the chat API returns."""
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    kw = dict(model=MODEL, input="Weather in Paris?", tools=tools, tool_choice="required", max_output_tokens=200,
+              temperature=0, parallel_tool_calls=False)  # fmt: skip
+    if stream:
+        with client.responses.stream(**kw) as s:
+            r = s.get_final_response()
+    else:
+        r = client.responses.create(**kw)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert calls
+    for call in calls:
+        m = KIMI_ID.fullmatch(call.call_id)
+        assert m is not None and m.group(1) == call.name, call.call_id
+
+
+def test_an_outputs_repeated_id_and_a_historys_taken_index_are_not_reused(srv):
+    """Ids are how tool results find their calls: a second call with the id of the first gets a free
+    index, and a client's id renamed in a history takes an index no kept id holds."""
+    fmt = srv.app.state.augur.tool_format
+    one = fmt.render([CALL])
+    _, calls = fmt.parse(one + "Then." + one)
+    assert [c.id for c in calls] == ["functions.get_weather:0", "functions.get_weather:1"]
+    scanner = fmt.scanner()
+    events = [e for k in range(0, 2 * len(one), 7) for e in scanner.feed((one + one)[k : k + 7]) if e[0] == "call"]
+    assert events == [
+        ("call", "get_weather", "functions.get_weather:0"),
+        ("call", "get_weather", "functions.get_weather:1"),
+    ]
+    history = [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "functions.lookup:0", "type": "function", "function": {"name": "lookup", "arguments": {}}},
+            {"id": "mine", "type": "function", "function": {"name": "lookup", "arguments": {}}}]},
+        {"role": "tool", "tool_call_id": "mine", "content": "x"},
+    ]  # fmt: skip
+    renamed = fmt.history(history)
+    assert [c["id"] for c in renamed[0]["tool_calls"]] == ["functions.lookup:0", "functions.lookup:1"]
+    assert renamed[1]["tool_call_id"] == "functions.lookup:1"

@@ -187,6 +187,10 @@ def test_it_reads_what_it_writes_by_the_tools_types(syntax):
         content, calls = fmt.parse(first + f"\n{prose}\n" + second[:-k], cut=True)
         assert content == prose and [c.name for c in calls] == ["search"], (k, content, calls)
     assert fmt.parse("no calls here") == ("no calls here", [])
+    if m.block_open:  # text a model writes between two calls of a block: every call read, the text neither
+        i = text.index(m.open, text.index(m.open) + 1)
+        content, calls = fmt.parse("Hi.\n" + text[:i] + "and then\n" + text[i:] + "\nBye.")
+        assert content == "Hi.\nBye." and [(c.name, json.loads(c.arguments)) for c in calls] == CALLS
     content, calls = fmt.parse("First.\n" + fmt.render(CALLS[:1]) + "\nThen.\n" + fmt.render(CALLS[1:]))
     assert content == "First.\nThen." and [(c.name, json.loads(c.arguments)) for c in calls] == CALLS
     content, calls = fmt.parse(f"Calls open with {m.marker} here.\n" + fmt.render(CALLS))

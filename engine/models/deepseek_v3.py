@@ -1,5 +1,6 @@
-"""DeepSeek-V3's architecture (``DeepseekV3ForCausalLM``: DeepSeek-V3, R1, V3.1, Kimi K2; Kimi K2.5's
-language model, ``KimiK25ForConditionalGeneration`` served as text) and GLM-4.7-Flash
+"""DeepSeek-V3's architecture (``DeepseekV3ForCausalLM``: DeepSeek-V3, R1, V3.1; Kimi K2.5's language
+model, ``KimiK25ForConditionalGeneration`` served as text; Kimi K2's checkpoints name it too, but their
+configs need code of their own) and GLM-4.7-Flash
 (``Glm4MoeLiteForCausalLM``): multi-head latent attention (MLA) over GLM-4.5's mixture of experts; and
 DeepSeek-V2's (``DeepseekV2ForCausalLM``: V2, V2-Lite, Coder-V2), the same attention over a softmax
 router limited to the best groups (:class:`GroupLimitedMoE`).

@@ -66,6 +66,13 @@ def sigmoid_route(
     return ids, weights * scale
 
 
+def beyond_decoder(name: str, layers: int) -> bool:
+    """Whether checkpoint tensor ``name`` is of a layer past the decoder's ``layers`` (a
+    multi-token-prediction layer, which the model's forward never runs)."""
+    m = _LAYER.match(name)
+    return m is not None and int(m.group(1)) >= layers
+
+
 class SigmoidRouter(nn.Module):
     """The router's product and its expert bias, float32 (``weight`` [E, H], ``e_score_correction_bias``
     [E]: the checkpoint's names under ``mlp.gate``). Not an ``nn.Linear``, so that no packing or
@@ -130,8 +137,7 @@ class DeepseekLayout:
 
     def checkpoint_skips(self, name: str) -> bool:
         """The multi-token-prediction layers past the decoder's (see the module docstring)."""
-        m = _LAYER.match(name)
-        return m is not None and int(m.group(1)) >= self.config.num_hidden_layers
+        return beyond_decoder(name, self.config.num_hidden_layers)
 
     def checkpoint_name(self, name: str) -> str:
         return super().checkpoint_name(name).replace(".mlp.shared_experts.", ".mlp.shared_expert.")

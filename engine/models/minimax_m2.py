@@ -12,10 +12,12 @@ What differs from the families it borrows from:
 - *the router* is GLM-4.5's and DeepSeek-V3's without groups (:func:`~engine.models.glm4_moe.sigmoid_route`):
   the sigmoid of each expert's logit, the chosen 8 picked by score plus the learned
   ``e_score_correction_bias``, weighted by their scores divided by their sum. No shared expert, no
-  scaling factor. The router stays float32.
+  scaling factor. The router stays float32, as vLLM keeps it (transformers' MiniMax-M2 routes in the
+  model's dtype, so in bfloat16 a near tie between experts may go the other way there).
 - *the checkpoints* keep Mixtral's names (``block_sparse_moe``, ``w1`` / ``w3`` / ``w2``), the expert
   bias beside the router (``block_sparse_moe.e_score_correction_bias``); the released ones are FP8
-  with 128 x 128 block scales, which engine/runner/quant_checkpoint.py reads. Multi-token-prediction
+  with 128 x 128 block scales, which engine/quant/checkpoint.py reads (not run here on a released
+  checkpoint). Multi-token-prediction
   modules past the decoder's layers, where a checkpoint carries them, are not read.
 
 The earlier MiniMax-Text-01 and M1 (``MiniMaxForCausalLM``) mix in linear "lightning" attention and
@@ -28,20 +30,17 @@ OLMo 2's) and each expert's inner dimension (engine/models/moe.py); the router i
 
 from __future__ import annotations
 
-import re
 from types import SimpleNamespace
 
+import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata
-from engine.models.glm4_moe import GroupedSigmoidMoE
+from engine.models.glm4_moe import GroupedSigmoidMoE, beyond_decoder
 from engine.models.llama import LlamaDecoderLayer
 from engine.models.mixtral import MixtralForCausalLM
-from engine.models.olmo2 import Olmo2RMSNorm, WholeProjectionNorms
-from engine.models.phi3 import PartialRotaryAttention, PartialRotaryTables, apply_partial_rope, check_rotary_dim
+from engine.models.olmo2 import Olmo2Attention, Olmo2RMSNorm, WholeProjectionNorms
+from engine.models.phi3 import PartialRotaryTables, apply_partial_rope, check_rotary_dim
 from engine.parallel import SINGLE, TensorParallel
-
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class MiniMaxM2Norm(Olmo2RMSNorm):
@@ -50,26 +49,14 @@ class MiniMaxM2Norm(Olmo2RMSNorm):
     round_first = True
 
 
-class MiniMaxM2Attention(PartialRotaryAttention):
-    """Attention with q and k RMS-normalized over their whole projections, then partial RoPE."""
+class MiniMaxM2Attention(Olmo2Attention):
+    """OLMo 2's attention (q and k RMS-normalized over their whole projections; no biases in MiniMax-M2's
+    configs) with its norms' rounding and partial RoPE."""
 
-    def __init__(self, config, layer_idx: int, tp: TensorParallel = SINGLE) -> None:
-        super().__init__(config, layer_idx, tp)
-        heads = config.num_attention_heads
-        kv_heads = config.num_key_value_heads or heads
-        eps = config.rms_norm_eps
-        self.q_norm = MiniMaxM2Norm(self.q_size, eps, tp, total=heads * self.head_dim)
-        replicas = max(1, tp.size // kv_heads)  # ranks holding each key head (TensorParallel.kv_heads)
-        self.k_norm = MiniMaxM2Norm(self.kv_size, eps, tp, total=kv_heads * self.head_dim, replicas=replicas)
+    norm = MiniMaxM2Norm
 
-    def forward(self, x, cos, sin, kv_pool, layer: int, meta: AttentionMetadata):
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q).view(T, self.num_heads, self.head_dim)
-        k = self.k_norm(k).view(T, self.num_kv_heads, self.head_dim)
-        q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        return self.tp.all_reduce(self.o_proj(self.attend(q, k, v, kv_pool, layer, meta)))
+    def turn(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return apply_partial_rope(x, cos, sin)
 
 
 def check_minimax_m2(config) -> None:
@@ -119,10 +106,7 @@ class MiniMaxM2ForCausalLM(WholeProjectionNorms, PartialRotaryTables, MixtralFor
 
     def checkpoint_skips(self, name: str) -> bool:
         """Multi-token-prediction modules: past the decoder's layers, or under an ``mtp`` prefix."""
-        m = _LAYER.match(name)
-        if m is not None:
-            return int(m.group(1)) >= self.config.num_hidden_layers
-        return name.removeprefix("model.").startswith("mtp")
+        return beyond_decoder(name, self.config.num_hidden_layers) or name.removeprefix("model.").startswith("mtp")
 
     def checkpoint_name(self, name: str) -> str:
         """Mixtral's names, and the expert bias (``block_sparse_moe.e_score_correction_bias``, which

@@ -70,7 +70,10 @@ class Olmo2RMSNorm(nn.Module):
 
 
 class Olmo2Attention(LlamaAttention):
-    """Llama's attention with q and k RMS-normalized over their whole projections before RoPE."""
+    """Llama's attention with q and k RMS-normalized over their whole projections (``norm``) before RoPE
+    (:meth:`turn`)."""
+
+    norm = Olmo2RMSNorm
 
     def __init__(self, config, layer_idx: int, tp: TensorParallel = SINGLE) -> None:
         bias = bool(getattr(config, "attention_bias", False))
@@ -78,17 +81,20 @@ class Olmo2Attention(LlamaAttention):
         heads = config.num_attention_heads
         kv_heads = config.num_key_value_heads or heads
         eps = config.rms_norm_eps
-        self.q_norm = Olmo2RMSNorm(self.q_size, eps, tp, total=heads * self.head_dim)
+        self.q_norm = self.norm(self.q_size, eps, tp, total=heads * self.head_dim)
         # Past as many ranks as key heads, each key head is on size / kv_heads ranks (TensorParallel.kv_heads).
         replicas = max(1, tp.size // kv_heads)
-        self.k_norm = Olmo2RMSNorm(self.kv_size, eps, tp, total=kv_heads * self.head_dim, replicas=replicas)
+        self.k_norm = self.norm(self.kv_size, eps, tp, total=kv_heads * self.head_dim, replicas=replicas)
+
+    def turn(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on q or k ``[T, heads, head_dim]``: in float32 where the tables are (OLMo's), rounded after."""
+        return apply_rope(x, cos, sin).to(x.dtype)
 
     def forward(self, x, cos, sin, kv_pool: torch.Tensor, layer: int, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q).view(T, self.num_heads, self.head_dim)
-        k = self.k_norm(k).view(T, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin).to(q.dtype), apply_rope(k, cos, sin).to(k.dtype)  # (cos, sin: float32)
+        q = self.turn(self.q_norm(q).view(T, self.num_heads, self.head_dim), cos, sin)
+        k = self.turn(self.k_norm(k).view(T, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         return self.tp.all_reduce(self.o_proj(self.attend(q, k, v, kv_pool, layer, meta)))
 

@@ -25,7 +25,7 @@ import json
 from server.reasoning import HarmonyReasoningStream, ReasoningStream
 from server.responses.protocol import new_id
 from server.tool_formats import CallSyntax
-from server.tools import argument_pieces
+from server.tools import argument_pieces, scanned_call_id
 
 
 class OutputBuilder:
@@ -171,7 +171,7 @@ class OutputBuilder:
         events: list[dict] = []
         for kind, *value in found:
             if kind == "call":
-                events += self._open_call(value[0], self.tools.new_id())
+                events += self._open_call(value[0], scanned_call_id(self.tools, value))
             elif kind == "args":
                 events += self._args(value[0])
             else:

@@ -39,6 +39,7 @@ from server.tools import (
     argument_pieces,
     fallback_messages,
     json_answer,
+    scanned_call_id,
 )
 
 
@@ -334,8 +335,7 @@ class ChatFormat:
         deltas = []
         for kind, *value in st.scanner.feed(content):
             if kind == "call":
-                call_id = value[1] if len(value) > 1 else self.tools.new_id()  # (the model's own, where it writes one)
-                head = {"index": st.calls, "id": call_id, "type": "function",
+                head = {"index": st.calls, "id": scanned_call_id(self.tools, value), "type": "function",
                         "function": {"name": value[0], "arguments": ""}}  # fmt: skip
                 deltas.append({"tool_calls": [head]})
                 st.calls += 1
