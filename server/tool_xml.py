@@ -89,17 +89,12 @@ QWEN3_CODER = XmlMarkup(
     value_line=True,
     body_end="</function>",
 )
-SEED_OSS = XmlMarkup(  # Seed-OSS's: Qwen's elements, a value on its tags' line, in <seed:tool_call>
-    head="\n<function={name}>\n",
+SEED_OSS = dataclasses.replace(  # Seed-OSS's: Qwen's elements, a value on its tags' line, in <seed:tool_call>
+    QWEN3_CODER,
     param="<parameter={key}>",
     value_close="</parameter>\n",
-    tail="</function>\n",
-    between="\n",
-    name_re=QWEN3_CODER.name_re,
     key_re=re.compile(r"<parameter=([^>\n]+)>"),
-    value_tag="</parameter>",
     value_line=False,
-    body_end="</function>",
     open="<seed:tool_call>",
     close="</seed:tool_call>",
 )

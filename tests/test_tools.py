@@ -18,7 +18,7 @@ import pytest
 import transformers
 from pydantic import BaseModel, Field
 
-from conftest import build_model_dir
+from conftest import VOCAB, build_model_dir
 from server.app import ServerSettings, create_app
 from server.tool_formats import detect_format
 from server.tools import FALLBACK_SYSTEM, FORMATS, fallback_messages
@@ -90,6 +90,19 @@ def template_model(root, tokenizer_dir, template: str, tokenizer=None):
     tok.chat_template = template
     tok.save_pretrained(d)
     return d
+
+
+def special_tokenizer(*tokens: str):
+    """A tokenizer for :func:`template_model`: the tests' own with ``tokens`` added as special tokens
+    (a family's markup, its roles), within the tests' vocabulary."""
+
+    def make(model_dir) -> transformers.PreTrainedTokenizerFast:
+        tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+        tok.add_tokens(list(tokens), special_tokens=True)
+        assert len(tok) <= VOCAB
+        return tok
+
+    return make
 
 
 @contextmanager

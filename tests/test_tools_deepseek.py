@@ -15,8 +15,7 @@ import llguidance
 import llguidance.hf
 import pytest
 import test_tools
-import transformers
-from test_tools import MODELS, TOOLS, check_calls, choice_of, template_model
+from test_tools import MODELS, TOOLS, check_calls, choice_of, special_tokenizer, template_model
 from test_tools_mistral import ids_of
 
 from conftest import VOCAB
@@ -51,11 +50,7 @@ TEMPLATES = {  # V3's (R1's) and V3.1's way of writing an assistant's calls; V3'
 CALL = ("get_weather", {"city": "Paris", "unit": "c"})
 
 
-def deepseek_tokenizer(model_dir) -> transformers.PreTrainedTokenizerFast:
-    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    tok.add_tokens([*DEEPSEEK, *ROLES], special_tokens=True)
-    assert len(tok) <= VOCAB
-    return tok
+deepseek_tokenizer = special_tokenizer(*DEEPSEEK, *ROLES)
 
 
 @pytest.fixture(scope="module", params=list(TEMPLATES))

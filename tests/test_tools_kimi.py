@@ -18,8 +18,7 @@ import llguidance
 import llguidance.hf
 import pytest
 import test_tools
-import transformers
-from test_tools import MODELS, TOOLS, assembled_calls, check_calls, choice_of, template_model
+from test_tools import MODELS, TOOLS, assembled_calls, check_calls, choice_of, special_tokenizer, template_model
 from test_tools_mistral import ids_of
 
 from conftest import VOCAB
@@ -46,11 +45,7 @@ TEMPLATE = (
 CALL = ("get_weather", {"city": "Paris", "unit": "c"})
 
 
-def kimi_tokenizer(model_dir) -> transformers.PreTrainedTokenizerFast:
-    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    tok.add_tokens([*KIMI, *ROLES], special_tokens=True)
-    assert len(tok) <= VOCAB
-    return tok
+kimi_tokenizer = special_tokenizer(*KIMI, *ROLES)
 
 
 @pytest.fixture(scope="module")
