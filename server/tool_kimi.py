@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections import deque
 from dataclasses import dataclass
 
 from server.tools import CallScanner, ToolCall, ToolFormat, _lit
@@ -63,25 +64,28 @@ class KimiFormat(ToolFormat):
 
     def history(self, messages: list[dict]) -> list[dict]:
         """``messages`` with every call's id of Kimi's shape: one that is kept, another replaced by
-        ``functions.NAME:INDEX`` with the first index no other call holds, in the tool results too."""
+        ``functions.NAME:INDEX`` with the first index no other call holds, in the tool results too. Calls
+        that share a client id (none: ``""``) get one new id each, and the results that say that id
+        take them in turn."""
         out: list[dict] = []
-        renamed: dict[str, str] = {}
+        renamed: dict[str, deque[str]] = {}  # a client's id: the new ids not yet answered, in order
         held = {int(m.group(2)) for m in map(KIMI_ID.fullmatch, _history_ids(messages)) if m}
         index = 0
         for m in messages:
             if m.get("tool_calls"):
                 calls = []
                 for c in m["tool_calls"]:
-                    old = c.get("id") or ""
+                    new = old = c.get("id") or ""
                     if not KIMI_ID.fullmatch(old):
                         while index in held:
                             index += 1
                         held.add(index)
-                        renamed[old] = f"functions.{c['function']['name']}:{index}"
-                    calls.append({**c, "id": renamed.get(old, old)})
+                        new = f"functions.{c['function']['name']}:{index}"
+                        renamed.setdefault(old, deque()).append(new)
+                    calls.append({**c, "id": new})
                 m = {**m, "tool_calls": calls}
-            elif m.get("role") == "tool" and (m.get("tool_call_id") or "") in renamed:
-                m = {**m, "tool_call_id": renamed[m.get("tool_call_id") or ""]}
+            elif m.get("role") == "tool" and renamed.get(m.get("tool_call_id") or ""):
+                m = {**m, "tool_call_id": renamed[m.get("tool_call_id") or ""].popleft()}
             out.append(m)
         return out
 

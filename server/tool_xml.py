@@ -338,8 +338,10 @@ class XmlCallFormat:
             name, pairs, end = whole
             calls.append(ToolCall(name, json.dumps(self.arguments(name, pairs), ensure_ascii=False), self.new_id()))
         block_close = m.block_close.strip()
-        if calls and block_close and text.startswith(block_close, at := _skip_ws(text, end)):
-            end = at + len(block_close)
+        if calls and block_close:  # the block's end, past any text before it (neither call nor content)
+            stop, nxt = text.find(block_close, end), text.find(m.open, end)
+            if stop >= 0 and (nxt < 0 or stop < nxt):
+                end = stop + len(block_close)
         return calls, end
 
     def _call_end(self, text: str, at: int) -> tuple[str, list[tuple[str, str]], int] | None:

@@ -199,3 +199,10 @@ def test_an_outputs_repeated_id_and_a_historys_taken_index_are_not_reused(srv):
     renamed = fmt.history(history)
     assert [c["id"] for c in renamed[0]["tool_calls"]] == ["functions.lookup:0", "functions.lookup:1"]
     assert renamed[1]["tool_call_id"] == "functions.lookup:1"
+    # Calls without ids (the API allows none): each its own, and the results answer them in turn
+    call = {"type": "function", "function": {"name": "lookup", "arguments": {}}}
+    history = [{"role": "assistant", "content": None, "tool_calls": [call, call]},
+               {"role": "tool", "content": "a"}, {"role": "tool", "content": "b"}]  # fmt: skip
+    renamed = fmt.history(history)
+    assert [c["id"] for c in renamed[0]["tool_calls"]] == ["functions.lookup:0", "functions.lookup:1"]
+    assert [m["tool_call_id"] for m in renamed[1:]] == ["functions.lookup:0", "functions.lookup:1"]

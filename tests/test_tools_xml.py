@@ -191,6 +191,9 @@ def test_it_reads_what_it_writes_by_the_tools_types(syntax):
         i = text.index(m.open, text.index(m.open) + 1)
         content, calls = fmt.parse("Hi.\n" + text[:i] + "and then\n" + text[i:] + "\nBye.")
         assert content == "Hi.\nBye." and [(c.name, json.loads(c.arguments)) for c in calls] == CALLS
+        j = text.rindex(m.block_close.strip())  # and between the last call and the block's end
+        content, calls = fmt.parse("Hi.\n" + text[:j] + "so\n" + text[j:] + "\nBye.")
+        assert content == "Hi.\nBye." and [(c.name, json.loads(c.arguments)) for c in calls] == CALLS
     content, calls = fmt.parse("First.\n" + fmt.render(CALLS[:1]) + "\nThen.\n" + fmt.render(CALLS[1:]))
     assert content == "First.\nThen." and [(c.name, json.loads(c.arguments)) for c in calls] == CALLS
     content, calls = fmt.parse(f"Calls open with {m.marker} here.\n" + fmt.render(CALLS))

@@ -54,6 +54,7 @@ class MiniMaxM2Attention(Olmo2Attention):
     configs) with its norms' rounding and partial RoPE."""
 
     norm = MiniMaxM2Norm
+    biased = False
 
     def turn(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return apply_partial_rope(x, cos, sin)

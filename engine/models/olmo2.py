@@ -74,9 +74,10 @@ class Olmo2Attention(LlamaAttention):
     (:meth:`turn`)."""
 
     norm = Olmo2RMSNorm
+    biased = True  # q/k/v and o take biases where the config's attention_bias says (MiniMax-M2's never)
 
     def __init__(self, config, layer_idx: int, tp: TensorParallel = SINGLE) -> None:
-        bias = bool(getattr(config, "attention_bias", False))
+        bias = self.biased and bool(getattr(config, "attention_bias", False))
         super().__init__(config, layer_idx, qkv_bias=bias, o_bias=bias, qk_norm=False, tp=tp)
         heads = config.num_attention_heads
         kv_heads = config.num_key_value_heads or heads
