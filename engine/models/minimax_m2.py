@@ -4,11 +4,11 @@ attention layers, every MLP a mixture of 256 experts, 8 per token.
 What differs from the families it borrows from:
 
 - *attention* (as Mistral's, grouped keys and values, no biases): q and k are RMS-normalized over their
-  whole projections, ``heads * head_dim`` wide (OLMo 2's norm, :class:`~engine.models.olmo2.Olmo2RMSNorm`,
-  rounding to the model's dtype before scaling as Llama's norms do), then RoPE turns the first
-  ``rotary_dim`` dimensions of each head (64 of 128: :class:`~engine.models.phi3.PartialRotaryAttention`'s
-  rotate-half; the released configs say ``rotary_dim``, which transformers reads as
-  ``partial_rotary_factor``).
+  whole projections, ``heads * head_dim`` wide (OLMo 2's attention and norm,
+  :class:`~engine.models.olmo2.Olmo2Attention`, the norm rounding to the model's dtype before scaling as
+  Llama's norms do), then RoPE turns the first ``rotary_dim`` dimensions of each head (64 of 128:
+  Phi-3's partial rotate-half, :func:`~engine.models.phi3.apply_partial_rope`; the released configs say
+  ``rotary_dim``, which transformers reads as ``partial_rotary_factor``).
 - *the router* is GLM-4.5's and DeepSeek-V3's without groups (:func:`~engine.models.glm4_moe.sigmoid_route`):
   the sigmoid of each expert's logit, the chosen 8 picked by score plus the learned
   ``e_score_correction_bias``, weighted by their scores divided by their sum. No shared expert, no
@@ -17,8 +17,8 @@ What differs from the families it borrows from:
 - *the checkpoints* keep Mixtral's names (``block_sparse_moe``, ``w1`` / ``w3`` / ``w2``), the expert
   bias beside the router (``block_sparse_moe.e_score_correction_bias``); the released ones are FP8
   with 128 x 128 block scales, which engine/quant/checkpoint.py reads (not run here on a released
-  checkpoint). Multi-token-prediction
-  modules past the decoder's layers, where a checkpoint carries them, are not read.
+  checkpoint). Multi-token-prediction modules past the decoder's layers, where a checkpoint carries
+  them, are not read.
 
 The earlier MiniMax-Text-01 and M1 (``MiniMaxForCausalLM``) mix in linear "lightning" attention and
 are not this class: a config whose ``attn_type_list`` names a layer other than full attention, or
