@@ -12,9 +12,10 @@ the last ``:``), and the chat template writes each history call by its id and ea
 ``## Return of`` its ``tool_call_id``. So a conversation's ids must be of that shape: a history whose
 calls carry other ids (a client's own, another server's) has them rewritten, each call's to
 ``functions.NAME:INDEX`` with the first index no other call of the conversation holds, and the tool
-results that answer it with it (:meth:`KimiFormat.history`). A forced call's grammar writes ``functions.NAME:`` for one of the tools
-and lets the model write the index, of at most six digits; an output whose calls repeat an id gets
-the later call a free index (ids are how results find their calls).
+results that answer it with it (:meth:`KimiFormat.history`). A forced call's grammar writes
+``functions.NAME:`` for one of the tools and lets the model write the index, of at most six digits; an
+output whose calls repeat an id gets the later call a free index (ids are how results find their
+calls).
 """
 
 from __future__ import annotations
