@@ -55,7 +55,7 @@ from torch import nn
 from transformers import LlamaConfig
 
 from engine.attention.staging import to_device
-from engine.models.llama import LlamaAttention, LlamaMLP, RMSNorm, rope_cos_sin
+from engine.models.llama import LlamaAttention, LlamaMLP, RMSNorm, rope_cos_sin, rope_rows
 from engine.request.sequence import Sequence
 from engine.runner.loader import check_state, resolve_model_path
 from engine.runner.model_runner import ForwardChunk, ModelRunner
@@ -128,8 +128,7 @@ class DFlashDrafter(nn.Module):
     def forward(self, input_ids, positions, meta, kv_caches, skip=None, hidden_layers=(), hidden_in=None):
         context = (input_ids < 0)[:, None]  # [T, 1]
         x = self.embed_tokens(input_ids.clamp(min=0))
-        cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)
-        sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
+        cos, sin = rope_rows(self.rope_cos, self.rope_sin, positions, x.dtype)
         for i, layer in enumerate(self.layers):
             h = layer.input_layernorm(x)
             if hidden_in is not None:

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig
 
-from engine.models.llama import LlamaAttention, LlamaMLP, RMSNorm, layer_slice, rope_cos_sin, use_fused_ops
+from engine.models.llama import LlamaAttention, LlamaMLP, RMSNorm, layer_slice, rope_cos_sin, rope_rows, use_fused_ops
 from engine.parallel import SINGLE, TensorParallel
 from engine.request.sequence import Sequence
 from engine.runner.loader import (
@@ -136,7 +136,7 @@ class EagleHead(nn.Module):
         self.target_ids = torch.arange(self.draft_vocab, device=dev) + self.d2t.to(dev)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rope_cos[positions].to(dtype).unsqueeze(1), self.rope_sin[positions].to(dtype).unsqueeze(1)
+        return rope_rows(self.rope_cos, self.rope_sin, positions, dtype)
 
     def forward(self, input_ids, positions, meta, kv_caches, skip=None, hidden_layers=(), hidden_in=None):
         """Rows of ``(token, feature)``: a fused target feature (catch-up) or a parent's ``g`` (drafting);

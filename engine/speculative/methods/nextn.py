@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.models.llama import LlamaForCausalLM, RMSNorm
+from engine.models.llama import LlamaForCausalLM, RMSNorm, rope_rows
 from engine.models.packed import PackedLinear, pack_linears
 from engine.parallel import SINGLE, TensorParallel
 from engine.runner.loader import checkpoint_keys, load_model, resolve_model_path
@@ -87,8 +87,7 @@ class NextNLayer:
         e = self.embed(input_ids)
         state = hidden_in.to(e.dtype) if hidden_in is not None else torch.zeros_like(e)
         x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(state)], -1))
-        cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)
-        sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
+        cos, sin = rope_rows(self.rope_cos, self.rope_sin, positions, x.dtype)
         g = self.layers[0](x, cos, sin, kv_caches, 0, meta)
         return self.norm(g), {0: g}
 
