@@ -52,6 +52,10 @@ class KimiFormat(ToolFormat):
     def written_name(self, name: str, index: int) -> str:
         return f"functions.{name}:{index}"
 
+    @property
+    def closers(self) -> tuple[str, ...]:
+        return (self.name_sep, *super().closers)  # (what ends the index the model writes, as the run's end)
+
     def parse(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
         content, calls = super().parse(text, cut)
         ids, out = Ids(), []

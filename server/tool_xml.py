@@ -168,6 +168,13 @@ class XmlCallFormat:
     def scanner(self) -> XmlCallScanner:
         return XmlCallScanner(self)
 
+    @property
+    def closers(self) -> tuple[str, ...]:
+        """What closes a value, a call and a block of calls (as :attr:`~server.tools.ToolFormat.closers`):
+        a value as text ends only at its closing tag."""
+        m = self.markup
+        return tuple(x for x in (m.value_close, m.tail + m.close, m.block_close) if x.strip())
+
     # -- writing ----------------------------------------------------------------------------------------
     def render(self, calls: list[tuple[str, Any]]) -> str:
         """Calls (name, arguments object) as the templates write them."""

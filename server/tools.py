@@ -118,6 +118,13 @@ class ToolFormat:
         lead = (self.open + self.call_open).strip()
         return next((p for p in self.markup if lead.startswith(p)), lead) or "{"
 
+    @property
+    def closers(self) -> tuple[str, ...]:
+        """Texts that close what a forced call's grammar opens where JSON's closers do not, for closing
+        an output within ``max_tokens`` (StructuredOutput.closers): the markup that ends a run of calls
+        (DeepSeek's and Kimi's: another call could follow, and the ending must not start one)."""
+        return tuple(p for p in (self.close,) if p and p in self.markup)
+
     def scanner(self) -> CallScanner:
         """A reader of forced calls as they are written."""
         return CallScanner(self)
@@ -436,6 +443,7 @@ class HarmonyFormat:
     name = "harmony"
     marker = CHANNEL
     special_ids: tuple[int, ...] = ()  # (a harmony request keeps every marker: server/routes/chat.py)
+    closers: tuple[str, ...] = ()  # (a call's JSON closes it: <|call|> is then forced)
     # Arguments as gpt-oss writes them (compact JSON).
     layout = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 

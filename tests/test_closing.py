@@ -17,10 +17,14 @@ import torch
 import transformers
 from pydantic import BaseModel
 
-from conftest import build_model_dir
+from conftest import VOCAB, build_model_dir
 from engine.request.structured import StructuredOutput
 from engine.structured.closing import ending
+from engine.structured.grammar import Grammars
 from server.app import ServerSettings, create_app
+from server.tool_formats import TOOL_PARSERS
+from server.tool_kimi import KIMI
+from server.tools import DEEPSEEK, FORMATS
 from servers import Served, engine_factory, serve
 
 MODEL = "tiny-llama"
@@ -56,7 +60,7 @@ def srv(model_dir) -> Iterator[Served]:
 def shortest(srv: Served, structured: StructuredOutput) -> int:
     """The tokens of the ending from the start: the shortest output the grammar takes, as closing finds it."""
     state = srv.engine.grammars.start(structured, left=10_000)
-    return len(ending(state.matcher, state.closing.vocab, [], torch.empty(state.words, dtype=torch.int32)))
+    return len(ending(state.matcher, state.closing, torch.empty(state.words, dtype=torch.int32)))
 
 
 @pytest.fixture(scope="module")
@@ -198,8 +202,63 @@ def test_an_ending_is_found_mid_character_and_near_the_budget_no_character_is_be
                 lead = t
                 break
     assert lead is not None, "the tokenizer has a token of a character's first bytes"
-    end = ending(m, vocab, [], scratch)
+    end = ending(m, state.closing, scratch)
     assert end is not None
     body = [t for t in end if t not in vocab.eos]
     assert m.try_consume_tokens(body) == len(body) and (m.is_stopped() or m.is_accepting())
     assert (int(vocab.opening[lead >> 5]) >> (lead & 31)) & 1
+
+
+# Each call syntax's forced calls, with the pieces of its markup that its families' tokenizers make special
+# tokens (none: all of it as text).
+SPECIAL_MARKUP = {
+    "deepseek_v3": DEEPSEEK,
+    "deepseek_v31": DEEPSEEK,
+    "kimi_k2": KIMI,
+    "mistral_v11": ("[TOOL_CALLS]", "[ARGS]"),
+    "glm45": ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+    "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>"),
+}
+SYNTAX_CASES = [(name, ()) for name in TOOL_PARSERS if name != "harmony"] + list(SPECIAL_MARKUP.items())
+RUN = {
+    "name": "run",
+    "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+}
+
+
+@pytest.mark.parametrize(
+    ("syntax", "specials"), SYNTAX_CASES, ids=[f"{n}{'-special' * bool(s)}" for n, s in SYNTAX_CASES]
+)
+def test_every_call_syntax_is_closed_from_its_start_and_from_inside_a_value(tokenizer_dir, syntax, specials):
+    """A forced call is closed within the budget in every syntax: an ending is found from the output's
+    start and from inside a value the model is writing, each row's ending is the one before it less its
+    first token (what closing relies on: a row that allows an ending's first token alone is followed
+    by rows whose endings still fit), and what it completes is read back as the call with the value
+    begun. (A value that is text ends only at its syntax's closing tag, which none of
+    JSON's closers writes: XML values, and DeepSeek's and Kimi's runs of calls, were not closed at all,
+    and such calls ran past ``max_tokens`` and were dropped.)"""
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.add_tokens(list(specials), special_tokens=True)
+    fmt = {**FORMATS, **TOOL_PARSERS}[syntax].bind(tok)
+    grammars = Grammars(tok, VOCAB, [tok.eos_token_id])
+    scratch = torch.empty(grammars.words, dtype=torch.int32)
+    written = fmt.render([("run", {"code": "print(1)\nx = 2"})])
+    cases = [(RUN, "", ""), (RUN, written[: written.index("x = ") + 3], "print(1)\nx =")]
+    if syntax == "pythonic":  # an untyped value in single quotes, which JSON's closers do not close
+        cases.append(({"name": "run", "parameters": {"type": "object"}}, "[run(code='pri", "pri"))
+    for tool, prefix, begun in cases:
+        so = StructuredOutput("grammar", fmt.grammar([tool], True), None, "tool_choice", closers=fmt.closers)
+        state = grammars.start(so, left=10_000)
+        assert state.closing is not None, "no ending from the output's start"
+        ids = tok.encode(prefix, add_special_tokens=False)
+        assert state.advance(ids) == len(ids), state.error
+        end = ending(state.matcher, state.closing, scratch)
+        assert end is not None, f"no ending after {prefix!r}"
+        body = [t for t in end if t != tok.eos_token_id]
+        for i, t in enumerate(body):  # each row's ending is the one before it less its first token
+            assert state.advance([t]) == 1
+            assert ending(state.matcher, state.closing, scratch) == end[i + 1 :], (prefix, i)
+        assert state.matcher.is_stopped() or state.matcher.is_accepting()
+        _, calls = fmt.for_tools([tool]).parse(tok.decode(ids + body, skip_special_tokens=False))
+        assert [c.name for c in calls] == ["run"]
+        assert json.loads(calls[0].arguments)["code"].startswith(begun)

@@ -15,10 +15,13 @@ from typing import Literal
 import httpx
 import openai
 import pytest
+import torch
 import transformers
 from pydantic import BaseModel, Field
 
 from conftest import VOCAB, build_model_dir
+from engine.request.structured import StructuredOutput
+from engine.structured.closing import ending
 from server.app import ServerSettings, create_app
 from server.tool_formats import detect_format
 from server.tools import FALLBACK_SYSTEM, FORMATS, fallback_messages
@@ -142,6 +145,45 @@ def check_calls(message, names: set[str]) -> list[tuple[str, dict]]:
         MODELS[call.function.name].model_validate(args)  # the schema holds
         out.append((call.function.name, args))
     return out
+
+
+# A tool whose one value a model may write without end (an open string, as code or a langchain schema has).
+RUN = {
+    "name": "run",
+    "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+}
+
+
+def check_closed_within_the_budget(srv: Served, client, model: str) -> None:
+    """A forced call of :data:`RUN`, written by a model that writes its value without end (a logit bias:
+    "a" above all, a string opened with ``"`` alone, never the end of the output) under a ``max_tokens`` a
+    little over the shortest call: cut where closing is off (the budget bites), whole where it is on
+    (``tool_calls``, the arguments JSON with the code begun), streamed as whole, with speculation as
+    without."""
+    fmt = srv.app.state.augur.tool_format
+    so = StructuredOutput("grammar", fmt.grammar([RUN], True), None, "tool_choice", closers=fmt.closers)
+    state = srv.engine.grammars.start(so, left=10_000)
+    assert state.closing is not None  # (an ending from the start: the call can be closed)
+    shortest = len(ending(state.matcher, state.closing, torch.empty(state.words, dtype=torch.int32)))
+    tok = srv.engine.tokenizer
+    quoting = [t for t in range(len(tok)) if '"' in tok.decode([t]) and tok.decode([t]) != '"']
+    bias = {str(t): -100 for t in [tok.eos_token_id, *quoting]} | {str(tok.convert_tokens_to_ids("a")): 100}
+    tools = [{"type": "function", "function": RUN}]
+    kw = dict(model=model, messages=[{"role": "user", "content": "Run it."}], tools=tools, tool_choice="required",
+              temperature=0, max_tokens=shortest + 12)  # fmt: skip
+    cut = client.chat.completions.create(**kw, extra_body={"logit_bias": bias, "close_at_max_tokens": False})
+    assert cut.choices[0].finish_reason == "length" and not cut.choices[0].message.tool_calls, (
+        shortest,
+        cut.choices[0],
+    )
+    whole = client.chat.completions.create(**kw, extra_body={"logit_bias": bias})
+    assert whole.choices[0].finish_reason == "tool_calls", whole.choices[0]
+    [call] = whole.choices[0].message.tool_calls
+    assert call.function.name == "run" and json.loads(call.function.arguments)["code"]
+    streamed = assembled_calls(client.chat.completions.create(**kw, stream=True, extra_body={"logit_bias": bias}))
+    assert streamed == [("run", call.function.arguments)]
+    plain = client.chat.completions.create(**kw, extra_body={"logit_bias": bias, "speculative": {"enabled": False}})
+    assert [c.function.arguments for c in plain.choices[0].message.tool_calls] == [call.function.arguments]
 
 
 def create(client, **kw):

@@ -15,7 +15,15 @@ import llguidance
 import llguidance.hf
 import pytest
 import test_tools
-from test_tools import MODELS, TOOLS, check_calls, choice_of, special_tokenizer, template_model
+from test_tools import (
+    MODELS,
+    TOOLS,
+    check_calls,
+    check_closed_within_the_budget,
+    choice_of,
+    special_tokenizer,
+    template_model,
+)
 from test_tools_mistral import ids_of
 
 from conftest import VOCAB
@@ -110,6 +118,12 @@ def test_forced_calls_are_written_with_the_markers_and_read_back(client, stream)
     check_calls(choice.message, set(MODELS))
     named = create(client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "lookup"}})
     assert [n for n, _ in check_calls(named.choices[0].message, {"lookup"})] == ["lookup"]
+
+
+def test_a_forced_call_is_closed_within_max_tokens(srv, client, syntax):
+    """A run of calls ends at its closing marker (none of JSON's closers): a model that writes its call's
+    string without end gets the call, and the run, closed within the budget."""
+    check_closed_within_the_budget(srv, client, MODEL)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -18,7 +18,16 @@ import llguidance
 import llguidance.hf
 import pytest
 import test_tools
-from test_tools import MODELS, TOOLS, assembled_calls, check_calls, choice_of, special_tokenizer, template_model
+from test_tools import (
+    MODELS,
+    TOOLS,
+    assembled_calls,
+    check_calls,
+    check_closed_within_the_budget,
+    choice_of,
+    special_tokenizer,
+    template_model,
+)
 from test_tools_mistral import ids_of
 
 from conftest import VOCAB
@@ -112,6 +121,12 @@ def test_forced_calls_carry_the_ids_the_model_wrote(client, stream):
     named = create(client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "lookup"}})
     assert [n for n, _ in check_calls(named.choices[0].message, {"lookup"})] == ["lookup"]
     check_ids(named.choices[0].message)
+
+
+def test_a_forced_call_is_closed_within_max_tokens(srv, client):
+    """The index and the run of calls end at markers (none of JSON's closers): a model that writes its
+    call's string without end gets the call, and the run, closed within the budget."""
+    check_closed_within_the_budget(srv, client, MODEL)
 
 
 def test_a_streamed_forced_call_is_the_whole_one(client):

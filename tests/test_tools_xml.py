@@ -20,7 +20,15 @@ import pytest
 import test_tools
 import transformers
 from pydantic import BaseModel, Field
-from test_tools import MODELS, TOOLS, assembled_calls, check_calls, choice_of, template_model
+from test_tools import (
+    MODELS,
+    TOOLS,
+    assembled_calls,
+    check_calls,
+    check_closed_within_the_budget,
+    choice_of,
+    template_model,
+)
 
 from conftest import VOCAB
 from server.tool_formats import detect_format
@@ -279,6 +287,12 @@ def test_forced_calls_hold_to_their_schemas(client, stream):
     check_calls(choice.message, set(MODELS))
     named = create(client, tools=CLOSED, tool_choice={"type": "function", "function": {"name": "lookup"}})
     assert [n for n, _ in check_calls(named.choices[0].message, {"lookup"})] == ["lookup"]
+
+
+def test_a_forced_call_is_closed_within_max_tokens(srv, client, syntax):
+    """A value that is text ends only at its closing tag (none of JSON's closers): a model that writes it
+    without end gets it closed within the budget, where it used to run past it and lose the call."""
+    check_closed_within_the_budget(srv, client, MODEL)
 
 
 def test_streamed_forced_calls_assemble_to_the_whole_ones(client):

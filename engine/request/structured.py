@@ -57,6 +57,9 @@ class StructuredOutput:
     ``param`` names the request field it came from, so that an invalid one is refused by name.
     ``thinking``: the output starts with a reasoning model's thinking, which the grammar leaves free;
     ``prelude``: it starts with what those rules allow (a harmony model's analysis), the answer after.
+    ``closers``: texts that close the grammar's structures where JSON's closers do not (an XML call
+    syntax's ``</parameter>``, a run of calls' closing marker), which closing an output within
+    ``max_tokens`` tries, each whole, before them (engine/structured/closing.py).
     """
 
     kind: Kind
@@ -65,6 +68,7 @@ class StructuredOutput:
     param: str = "structured_outputs"
     thinking: Thinking | None = None
     prelude: Prelude | None = None
+    closers: tuple[str, ...] = ()  # (they shape the masks near the budget, not the grammar: not in the key)
 
     @classmethod
     def json_schema(cls, schema: dict | bool, param: str, whitespace_pattern: str | None = None) -> StructuredOutput:

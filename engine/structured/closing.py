@@ -4,10 +4,13 @@
 At each row the request masks, with ``left`` tokens still allowed (this row's among them), the grammar
 state's *ending* is the token sequence that completes the grammar from there: the text the grammar
 forces where it forces one, else the first closing token it allows (inside a reasoning model's thinking
-its end marker; ``"``, ``}``, ``]``), else the first short value or character it allows that this ending
-has not used yet (``0``, ``null``, ``false``, ... then any printable character), else (mid-character:
-the grammar allows only a UTF-8 sequence's next byte) the first token it allows, until the grammar
-accepts. Then
+its end marker), else the first of the request's closing texts that closes something (its tokens taken
+whole, after which the grammar forces text, accepts, or allows at most :data:`FEW` tokens: the next
+element or the end, not more of a value; a tool call syntax's ``</parameter>``, its run of calls'
+closing marker), else the first closing character it allows (``"``, ``}``, ``]``), else the first short
+value or character it allows that this ending has not used yet (``0``, ``null``, ``false``, ... then any
+printable character), else (mid-character: the grammar allows only a UTF-8 sequence's next byte) the
+first token it allows, until the grammar accepts. Then
 
 - where ``left`` is no more than the ending's length, the row allows only the ending's first token: the
   output finishes the structure in the tokens it has (and the ending, forced outright, is emitted without
@@ -29,7 +32,7 @@ request field ``close_at_max_tokens: false`` turns it off.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -43,6 +46,7 @@ VALUES = ("0", "null", "false", "true", '""', "[]", "{}", "1", "a", " ", "\n", "
 OPENING_BYTES = frozenset(b'{[,"\\<')  # a token holding one of these may open structure
 MARGIN = 4  # ... at which a row of many choices leaves out tokens that open structure
 SMALL = 16  # a row allowing at most this many tokens is a row of few choices
+FEW = 256  # a closing text closes where the grammar then allows at most this many tokens (not a value's)
 HORIZON = 256  # the most tokens from the budget at which a row is checked (nor is an ending longer sought)
 MAX_ENDING = HORIZON  # an ending longer than this is not looked for: it could not fit anyway
 
@@ -82,10 +86,41 @@ class ClosingVocab:
         return self._opening
 
 
+@dataclass(frozen=True)
+class ClosingText:
+    """A text that closes what a grammar opens where JSON's closers do not (StructuredOutput.closers): its
+    tokens, its bytes, and the tokens of each of its rests (the text less its first k bytes: what
+    continues it once those are written), made as they are first asked for."""
+
+    tokens: tuple[int, ...]
+    data: bytes
+    rests: dict = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def all_of(cls, tokenizer, texts: tuple[str, ...]) -> tuple[ClosingText, ...]:
+        """``texts`` tokenized by the grammar's tokenizer (a special token's text as that token)."""
+        made = (cls(tuple(tokenizer.tokenize_str(x, parse_special=True)), x.encode()) for x in texts)
+        return tuple(t for t in made if t.tokens)
+
+    def rest(self, tokenizer, k: int) -> tuple[int, ...]:
+        """The tokens of the text past its first ``k`` bytes: its own tokens from there where ``k`` ends
+        one of them (so that an ending begun with this text goes on as it began), else those bytes
+        tokenized."""
+        if k not in self.rests:
+            ends, at = {}, 0
+            for i, t in enumerate(self.tokens):
+                at += len(tokenizer.decode_bytes([t]))
+                ends[at] = i + 1
+            i = ends.get(k)
+            self.rests[k] = self.tokens[i:] if i is not None else tuple(tokenizer.tokenize_bytes(self.data[k:]))
+        return self.rests[k]
+
+
 @dataclass
 class Closing:
     """A sequence's closing within its token budget: the tokenizer's closing tokens, the tokens its
-    endings try first (a thinking's end marker), and ``left``, the tokens it may still emit."""
+    endings try first (a thinking's end marker), the closing texts they try next (tokenized), and
+    ``left``, the tokens it may still emit."""
 
     vocab: ClosingVocab
     first: list[int]
@@ -94,6 +129,15 @@ class Closing:
     # ending from the start) and some, so the ending of any choice's new structure (another call, another
     # item) is weighed before it is due, up to HORIZON.
     horizon: int = 0
+    texts: tuple[ClosingText, ...] = ()
+    # The output's last bytes, as many as a closing text's head may need: where it ends with a text's
+    # first bytes, the ending continues that text (see :func:`_closing_text`).
+    recent: bytes = b""
+
+    def after(self, recent: bytes, token: int) -> bytes:
+        """``recent`` then ``token``'s bytes, as much of it as :attr:`recent` keeps."""
+        keep = max((len(t.data) - 1 for t in self.texts), default=0)
+        return (recent + self.vocab.tokenizer.decode_bytes([token]))[-keep:] if keep else b""
 
     @staticmethod
     def horizon_for(shortest: int) -> int:
@@ -138,12 +182,14 @@ def tokens_of(row: torch.Tensor, limit: int) -> list[int] | None:
     return out
 
 
-def ending(matcher, vocab: ClosingVocab, first: list[int], scratch: torch.Tensor) -> list[int] | None:
+def ending(matcher, closing: Closing, scratch: torch.Tensor, recent: bytes | None = None) -> list[int] | None:
     """The tokens that complete the grammar from ``matcher``'s state, with the end-of-text token where
     the grammar would still take more (tool calls: another call could follow), so that the output ends
     by itself (``stop``), not at the budget; ``[]`` where it is complete already. None if no ending is
-    found within :data:`MAX_ENDING`; the matcher is left as it was. ``first``: tokens tried before the
-    closers (a thinking's end marker)."""
+    found within :data:`MAX_ENDING`; the matcher is left as it was. ``recent``: the output's last bytes
+    there (:attr:`Closing.recent` where not given)."""
+    vocab, first = closing.vocab, closing.first
+    tail = closing.recent if recent is None else recent
     out: list[int] = []
     used: set[int] = set()
     try:
@@ -159,12 +205,21 @@ def ending(matcher, vocab: ClosingVocab, first: list[int], scratch: torch.Tensor
                     return None
                 out += forced[:n]
                 used.update(forced[:n])
+                tail = _follow(closing, tail, forced[:n])
                 continue
             matcher.unsafe_compute_mask_ptr(scratch.data_ptr(), scratch.numel() * 4)
             if matcher.is_error():
                 return None
             words = scratch.numpy().view(np.uint32)
-            tok = next((t for t in (*first, *vocab.closers) if (int(words[t >> 5]) >> (t & 31)) & 1), None)
+            tok = next((t for t in first if (int(words[t >> 5]) >> (t & 31)) & 1), None)
+            if tok is None:
+                text = _closing_text(matcher, closing, scratch, tail)
+                if text is not None:
+                    out += text
+                    used.update(text)
+                    tail = _follow(closing, tail, text)
+                    continue
+                tok = next((t for t in vocab.closers if (int(words[t >> 5]) >> (t & 31)) & 1), None)
             if tok is None:
                 again = None
                 for t in (*vocab.values, *vocab.chars):
@@ -180,10 +235,61 @@ def ending(matcher, vocab: ClosingVocab, first: list[int], scratch: torch.Tensor
                 return None
             out.append(tok)
             used.add(tok)
+            tail = _follow(closing, tail, [tok])
         return None
     finally:
         if out:
             matcher.rollback(len(out))
+
+
+def _follow(closing: Closing, tail: bytes, tokens) -> bytes:
+    for t in tokens:
+        tail = closing.after(tail, t)
+    return tail
+
+
+def _closing_text(matcher, closing: Closing, scratch: torch.Tensor, tail: bytes) -> tuple[int, ...] | None:
+    """The tokens of the first closing text the grammar takes here and that closes something
+    (:func:`_take`), left consumed; None if none does. The rest of a text the output ends with the
+    first bytes of comes before any whole text: an ending that began with a text's first tokens goes on
+    with its others, so that each row's ending is the one before it less its first token. (Also what
+    follows a forced run that holds a text's first bytes, the ``<`` common to ``</invoke>`` and another
+    ``<parameter``, where a whole text no longer fits.) ``scratch`` holds the mask at ``matcher``'s state,
+    ``tail`` the output's last bytes."""
+    words = scratch.numpy().view(np.uint32)
+    tokenizer, n_words = closing.vocab.tokenizer, closing.vocab.words
+
+    def fits(tokens) -> bool:
+        return bool(tokens) and (int(words[tokens[0] >> 5]) >> (tokens[0] & 31)) & 1 and _take(matcher, tokens, n_words)
+
+    for text in closing.texts:
+        for k in range(min(len(tail), len(text.data) - 1), 0, -1):
+            if tail.endswith(text.data[:k]) and fits(rest := text.rest(tokenizer, k)):
+                return rest
+    return next((text.tokens for text in closing.texts if fits(text.tokens)), None)
+
+
+def _take(matcher, tokens, words: int) -> bool:
+    """Consume ``tokens`` if the grammar takes them all and then forces text, accepts, or allows at most
+    :data:`FEW` tokens: they close something (not more of a value, which any text may be)."""
+    n = matcher.try_consume_tokens(list(tokens))
+    if n == len(tokens) and _closed(matcher, words):
+        return True
+    if n:
+        matcher.rollback(n)
+    return False
+
+
+def _closed(matcher, n_words: int) -> bool:
+    """Whether the grammar, at ``matcher``'s state, forces text, accepts, or allows at most :data:`FEW`
+    tokens, and at most an eighth of the vocabulary (its own mask buffer: the caller's holds the state
+    before)."""
+    if matcher.is_stopped() or matcher.is_accepting() or matcher.compute_ff_tokens():
+        return True
+    mask = np.zeros(n_words, dtype=np.uint32)
+    matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+    few = min(FEW, n_words * 4)  # (an eighth of a small vocabulary: a test model's)
+    return not matcher.is_error() and int(np.unpackbits(mask.view(np.uint8)).sum()) <= few
 
 
 def _opens(data: bytes) -> bool:
@@ -199,15 +305,15 @@ def _opens(data: bytes) -> bool:
     return False
 
 
-def close(matcher, row: torch.Tensor, left: int, closing: Closing) -> list[int] | None:
-    """Narrow a row's mask (computed at ``matcher``'s state, ``left`` tokens still allowed) by the rules
-    of this module's docstring. Returns the ending where it is due (the row then allows its first token
-    alone, and the rest of it is forced in turn)."""
+def close(matcher, row: torch.Tensor, left: int, closing: Closing, recent: bytes) -> list[int] | None:
+    """Narrow a row's mask (computed at ``matcher``'s state, ``left`` tokens still allowed, the output
+    ending with bytes ``recent``) by the rules of this module's docstring. Returns the ending where it
+    is due (the row then allows its first token alone, and the rest of it is forced in turn)."""
     if left > closing.horizon:
         return None
-    vocab, first = closing.vocab, closing.first
+    vocab = closing.vocab
     scratch = torch.empty_like(row)
-    end = ending(matcher, vocab, first, scratch)  # [] where the output is complete
+    end = ending(matcher, closing, scratch, recent)  # [] where the output is complete
     if end is None or (end and not allowed(row, end[0])):
         return None
     if end and left <= len(end):
@@ -222,7 +328,7 @@ def close(matcher, row: torch.Tensor, left: int, closing: Closing) -> list[int] 
                 continue
             if not matcher.consume_token(t):
                 continue
-            after = ending(matcher, vocab, first, scratch)
+            after = ending(matcher, closing, scratch, closing.after(recent, t))
             matcher.rollback(1)
             if after is not None and 1 + len(after) <= left:
                 keep.append(t)

@@ -30,7 +30,7 @@ import torch
 
 from engine.request.checks import InvalidRequestError
 from engine.request.structured import ANSWER, Prelude, StructuredOutput, Thinking
-from engine.structured.closing import Closing, ClosingVocab, close, ending
+from engine.structured.closing import Closing, ClosingText, ClosingVocab, close, ending
 
 MAX_SPEC_CHARS = 256 * 1024  # a schema, regex or grammar longer than this is refused unread
 MAX_CHOICES = 4096
@@ -210,8 +210,9 @@ class Grammars:
         if left is not None and so.kind != "text":  # free text has no structure to close
             first = [so.thinking.end_id] if so.thinking is not None else []
             first += list(so.prelude.first) if so.prelude is not None else []
-            closing = Closing(self.closing_vocab(), first, left)
-            shortest = ending(matcher, closing.vocab, first, torch.empty(self.words, dtype=torch.int32))
+            texts = ClosingText.all_of(self.tokenizer(), so.closers)
+            closing = Closing(self.closing_vocab(), first, left, texts=texts)
+            shortest = ending(matcher, closing, torch.empty(self.words, dtype=torch.int32))
             if shortest is None:  # a grammar beyond the closers: not closed
                 closing = None
             else:
@@ -331,16 +332,22 @@ class GrammarState:
             self.budget = self.budget.after(tok)
         if self.closing is not None:
             self.closing.left -= 1
+            self.closing.recent = self.closing.after(self.closing.recent, tok)
 
     @property
     def left(self) -> int | None:
         return None if self.closing is None else self.closing.left
 
-    def _fill(self, row: torch.Tensor, budget: ThinkingBudget | None = None, left: int | None = None
-              ) -> list[int] | None:  # fmt: skip
+    @property
+    def recent(self) -> bytes:
+        return b"" if self.closing is None else self.closing.recent
+
+    def _fill(self, row: torch.Tensor, budget: ThinkingBudget | None = None, left: int | None = None,
+              recent: bytes = b"") -> list[int] | None:  # fmt: skip
         """The row's mask at the matcher's state (``budget``: the thinking count there; ``left``: the
-        tokens left there): the grammar's, narrowed by a spent thinking budget (to the end marker) or by
-        closing within the tokens left. Returns the ending where closing forces it."""
+        tokens left there; ``recent``: the output's last bytes there): the grammar's, narrowed by a spent
+        thinking budget (to the end marker) or by closing within the tokens left. Returns the ending
+        where closing forces it."""
         self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), self.words * 4)
         self.masks_computed += 1
         if self.matcher.is_error():  # over a step limit (llguidance's fuel): this request fails alone
@@ -350,7 +357,7 @@ class GrammarState:
         if budget is not None and budget.spent and budget.restrict(row):
             return None
         if self.closing is not None and left is not None:
-            return close(self.matcher, row, left, self.closing)
+            return close(self.matcher, row, left, self.closing, recent)
         return None
 
     def _failed(self, what: str) -> None:
@@ -380,9 +387,9 @@ class GrammarState:
             for child in children[node + 1]:
                 unreachable(child)
 
-        def visit(node: int, budget: ThinkingBudget | None, left: int | None) -> None:
+        def visit(node: int, budget: ThinkingBudget | None, left: int | None, recent: bytes) -> None:
             row = out_row[node]
-            self._fill(masks[row], budget, left)
+            self._fill(masks[row], budget, left, recent)
             for child in children[node + 1]:
                 tok = tokens[child]
                 if not 0 <= tok < self.words * 32 or not (int(bits[row, tok >> 5]) >> (tok & 31)) & 1:
@@ -393,10 +400,14 @@ class GrammarState:
                     self._failed(f"the grammar refused allowed token {tok}")
                     continue
                 keep(child)
-                visit(child, None if budget is None else budget.after(tok), None if left is None else left - 1)
+                after = None if budget is None else budget.after(tok)
+                if left is None:
+                    visit(child, after, None, b"")
+                else:
+                    visit(child, after, left - 1, self.closing.after(recent, tok))
                 self.matcher.rollback(1)
 
-        visit(-1, self.budget, self.left)
+        visit(-1, self.budget, self.left, self.recent)
         order = sorted(range(len(kept)), key=lambda j: kept[j])  # the cut tree keeps the tree's order
         if order != list(range(len(kept))):
             rows = [0] + [out_row[kept[j]] for j in order]
@@ -421,7 +432,7 @@ class GrammarState:
             closing = self.closing is not None and self.left <= self.closing.horizon
             if not spent and not closing and not self.matcher.compute_ff_bytes():
                 break
-            end = self._fill(row[0], self.budget, self.left)
+            end = self._fill(row[0], self.budget, self.left, self.recent)
             if end is not None:  # all of it is forced: each of its rows allows its next token alone
                 end = end[: limit - len(out)]
                 if not self.matcher.consume_tokens(end):

@@ -148,7 +148,7 @@ async def chat_job(state: ServerState, request: Request, req, turn: ChatTurn, pr
     structured = params.structured
     if req.forces_tool_call:  # required / a named function: the calls are the output, by grammar
         calls = state.tool_format.grammar(functions, req.parallel)
-        structured = StructuredOutput("grammar", calls, None, "tool_choice")
+        structured = StructuredOutput("grammar", calls, None, "tool_choice", closers=state.tool_format.closers)
     elif req.parses_tool_calls:  # auto: strict arguments, and a structured answer beside the calls
         composed = auto_calls(state.tool_format, functions, req.parallel, structured)
         if structured is None and composed is not None and "close_at_max_tokens" not in req.model_fields_set:
@@ -183,13 +183,15 @@ def auto_calls(fmt: CallSyntax, functions: list[dict], parallel: bool, structure
         return structured
     if structured is None:
         strict = any(f.get("strict") for f in functions)
-        return StructuredOutput("grammar", fmt.auto_grammar(functions, parallel), None, "tools") if strict else None
+        grammar = fmt.auto_grammar(functions, parallel)
+        return StructuredOutput("grammar", grammar, None, "tools", closers=fmt.closers) if strict else None
     schema = json.loads(structured.spec) if structured.kind == "json" else None
     schema = {} if schema is True else schema
     if not isinstance(schema, dict) or fmt.at_start_only or structured.thinking is not None:
         return structured  # (a schema of false admits nothing: its own grammar says so)
     answer = json_answer(schema, structured.whitespace_pattern)
-    return StructuredOutput("grammar", fmt.auto_grammar(functions, parallel, answer), None, structured.param)
+    grammar = fmt.auto_grammar(functions, parallel, answer)
+    return StructuredOutput("grammar", grammar, None, structured.param, closers=fmt.closers)
 
 
 def _opening(eng, messages: list[dict], tools, turn: ChatTurn, kwargs: dict, text: str) -> str:
