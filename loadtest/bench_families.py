@@ -69,6 +69,7 @@ MOE = (
     "Glm4MoeForCausalLM",
     "DeepseekV3ForCausalLM",
     "MiniMaxM2ForCausalLM",
+    "Mistral4ForCausalLM",
 )
 DENSE = (
     "LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
@@ -148,6 +149,31 @@ def family_config(arch: str, s: Shape) -> transformers.PretrainedConfig:
             n_shared_experts=1,
             first_k_dense_replace=1,
             norm_topk_prob=True,
+        ),
+        "Mistral4ForCausalLM": lambda: transformers.Mistral4Config(  # Small 4's ratios: 64 experts here, top 4
+            **{**common, "num_key_value_heads": s.heads},
+            moe_intermediate_size=s.expert,
+            kv_lora_rank=s.hidden // 4,
+            q_lora_rank=s.hidden // 2,
+            qk_nope_head_dim=s.head_dim,
+            qk_rope_head_dim=s.head_dim,
+            v_head_dim=s.head_dim,
+            n_routed_experts=64,
+            num_experts_per_tok=4,
+            n_shared_experts=1,
+            first_k_dense_replace=0,
+            norm_topk_prob=True,
+            rope_parameters={  # the released RoPE and query scale, the original context cut to 256
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "original_max_position_embeddings": 256,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "llama_4_scaling_beta": 0.1,
+            },  # fmt: skip
         ),
         "MiniMaxM2ForCausalLM": lambda: (
             transformers.MiniMaxM2Config(  # M2's ratios: 64 experts here, top 8, half-head RoPE
@@ -231,11 +257,11 @@ def build_checkpoint(path: Path, arch: str, shape: Shape, std: float = 0.08, see
     short of saturating), and a sigmoid router's expert bias random values."""
     torch.manual_seed(seed)
     config = family_config(arch, shape)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = getattr(transformers, arch)(config).float()  # (Mistral 4's is not among AutoModelForCausalLM's)
     experts = 0
     # A sigmoid router (DeepSeek-V3's, GLM-4.5's, MiniMax-M2's) at 0.5 would saturate: scores of exactly 1.0
     # tie, and which of the tied experts a token reads is then the engines' tie-breaking, not the model's.
-    sigmoid = getattr(config, "topk_group", None) is not None or config.model_type == "minimax_m2"
+    sigmoid = config.model_type in ("glm4_moe", "deepseek_v3", "minimax_m2")
     router_std = 2.0 / shape.hidden**0.5 if sigmoid else 0.5
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -382,7 +408,8 @@ def bench_dtype(path: Path, dtype: str, args: argparse.Namespace, shape: Shape) 
     """One family at one dtype: ``args.rounds`` interleaved rounds, fresh prompts each; medians."""
     plain = LLMEngine(engine_config(path, dtype, args.compile, "none", shape))
     spec = LLMEngine(engine_config(path, dtype, args.compile, "auto", shape))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=plain.dtype).eval()
+    arch = transformers.AutoConfig.from_pretrained(path).architectures[0]  # (its class: Mistral 4's has no Auto entry)
+    hf = getattr(transformers, arch).from_pretrained(path, dtype=plain.dtype).eval()
     subjects = Subjects(hf, plain, spec, shape.max_tokens)
     subjects.warm_up(round_prompts(shape, seed=10_000))
     rounds = [subjects.round(round_prompts(shape, seed=r), flip=r % 2 == 1) for r in range(args.rounds)]

@@ -179,6 +179,18 @@ def tiny_config(arch: str, **overrides):
     raise ValueError(arch)
 
 
+def hf_causal_lm(model_dir, **kw):
+    """transformers' causal LM of a checkpoint: AutoModelForCausalLM's, or the class its config names where
+    that mapping has none (Mistral 4's)."""
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(model_dir, **kw)
+    except ValueError as e:
+        if "Unrecognized configuration class" not in str(e):
+            raise
+    arch = transformers.AutoConfig.from_pretrained(model_dir).architectures[0]
+    return getattr(transformers, arch).from_pretrained(model_dir, **kw)
+
+
 def build_model_dir(path: Path, tokenizer_dir: Path, arch: str, seed: int = 0, std: float = 0.08, **overrides) -> Path:
     """Save a random-weight model with the test tokenizer as a standard Hugging Face directory."""
     torch.manual_seed(seed)

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from conftest import hf_causal_lm
 from engine.core.llm_engine import LLMEngine
 from engine.request.sampling_params import SamplingParams
 from engine.runner.model_runner import ForwardChunk
@@ -31,9 +32,7 @@ def save_random(model, path: Path, tokenizer_dir: Path, std: float = 0.2) -> Pat
 
 def hf_eager(model_dir: Path, **config_overrides):
     """transformers' model of a checkpoint, float32, eager attention."""
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="eager", **config_overrides
-    ).eval()
+    return hf_causal_lm(model_dir, dtype=torch.float32, attn_implementation="eager", **config_overrides).eval()
 
 
 def hf_logits(model, ids: list[int]) -> torch.Tensor:

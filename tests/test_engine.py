@@ -9,9 +9,8 @@ import sys
 
 import pytest
 import torch
-import transformers
 
-from conftest import ARCHS, VOCAB, build_model_dir
+from conftest import ARCHS, VOCAB, build_model_dir, hf_causal_lm
 from engine.config import EngineConfig
 from engine.core.async_engine import AsyncEngine
 from engine.core.llm_engine import InvalidRequestError, LLMEngine
@@ -28,7 +27,7 @@ def make_engine(model_dir, device: str = "cpu", **kw) -> LLMEngine:
 
 
 def hf_model(model_dir, device="cpu"):
-    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    return hf_causal_lm(model_dir, dtype=torch.float32).to(device).eval()
 
 
 def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]:

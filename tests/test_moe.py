@@ -30,7 +30,7 @@ from test_step import prompts as repetitive_prompts
 from tp_ranks import model_logits, sharded_logits
 from transformers import PreTrainedTokenizerFast
 
-from conftest import VOCAB, build_model_dir
+from conftest import VOCAB, build_model_dir, hf_causal_lm
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.models.moe import SparseMoE
@@ -99,6 +99,13 @@ def moe_config(arch: str, vocab: int = VOCAB) -> transformers.PretrainedConfig:
             **{**common, **mla, "norm_topk_prob": False, "n_shared_experts": 2}, q_lora_rank=40, n_group=4,
             topk_group=2, topk_method="group_limited_greedy", first_k_dense_replace=1, routed_scaling_factor=16.0,
         )  # fmt: skip
+    if arch == "Mistral4ForCausalLM":  # a softmax router, 3 in the best 2 of 4 groups; queries scaled from position 8
+        yarn = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8, mscale=1.0,
+                    mscale_all_dim=1.0, beta_fast=32, beta_slow=1, llama_4_scaling_beta=0.5)  # fmt: skip
+        return transformers.Mistral4Config(
+            **{**common, **mla}, q_lora_rank=40, n_group=4, topk_group=2, first_k_dense_replace=1,
+            routed_scaling_factor=2.0, rope_parameters=yarn,
+        )  # fmt: skip
     raise ValueError(arch)
 
 
@@ -116,7 +123,7 @@ def build_moe_dir(path: Path, tokenizer_dir: Path, arch: str, vocab: int = VOCAB
     larger weights than the rest, so that tokens spread over the experts."""
     torch.manual_seed(0)
     config = moe_config(arch, vocab)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = getattr(transformers, arch)(config).float()  # (Mistral 4's is not among AutoModelForCausalLM's)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("mlp.gate.weight") or name.endswith("block_sparse_moe.gate.weight"):
@@ -235,7 +242,7 @@ def check_greedy_matches_generate(model_dir: Path) -> None:
     engine = make(model_dir, max_num_batched_tokens=40)
     ps = prompts(5, seed=3, lo=8, hi=40)
     got = run_staggered(engine, ps, SamplingParams(temperature=0.0, max_tokens=10))
-    ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ref = hf_causal_lm(model_dir, dtype=torch.float32).eval()
     for i, p in enumerate(ps):
         assert got[f"r{i}"] == hf_greedy(ref, p, 10), i
 

@@ -27,6 +27,7 @@ MODEL_REGISTRY: dict[str, str] = {  # architecture → "module:class" under engi
     "MistralForCausalLM": "llama:MistralForCausalLM",
     "Ministral3ForCausalLM": "mistral3:Ministral3ForCausalLM",
     "Mistral3ForConditionalGeneration": "mistral3:Mistral3TextForCausalLM",
+    "Mistral4ForCausalLM": "mistral4:Mistral4ForCausalLM",
     "MixtralForCausalLM": "mixtral:MixtralForCausalLM",
     "Olmo2ForCausalLM": "olmo2:Olmo2ForCausalLM",
     "Olmo3ForCausalLM": "olmo3:Olmo3ForCausalLM",
@@ -51,13 +52,21 @@ TEXT_TOWERS = frozenset(
 )
 
 
+# A multimodal architecture whose language model is of another family by its text config's model_type:
+# (architecture, model_type) → "module:class", before MODEL_REGISTRY's entry for the architecture.
+TOWER_DECODERS: dict[tuple[str, str], str] = {
+    ("Mistral3ForConditionalGeneration", "mistral4"): "mistral4:Mistral4TextForCausalLM",  # Mistral Small 4
+}
+
+
 class UnsupportedModelError(ValueError):
     pass
 
 
-def model_class(arch: str) -> type[nn.Module]:
-    """The class serving architecture ``arch`` (a key of MODEL_REGISTRY)."""
-    module, name = MODEL_REGISTRY[arch].split(":")
+def model_class(arch: str, model_type: str | None = None) -> type[nn.Module]:
+    """The class serving architecture ``arch`` (a key of MODEL_REGISTRY), for a text config of
+    ``model_type`` where TOWER_DECODERS names one."""
+    module, name = TOWER_DECODERS.get((arch, model_type), MODEL_REGISTRY[arch]).split(":")
     return getattr(importlib.import_module(f"engine.models.{module}"), name)
 
 
@@ -65,7 +74,7 @@ def model_class_for(config) -> type[nn.Module]:
     archs = list(getattr(config, "architectures", None) or [])
     for arch in archs:
         if arch in MODEL_REGISTRY:
-            return model_class(arch)
+            return model_class(arch, getattr(config, "model_type", None))
     raise UnsupportedModelError(
         f"unsupported model architecture {archs or '(none given in config.json)'}; "
         f"supported: {', '.join(sorted(MODEL_REGISTRY))}"

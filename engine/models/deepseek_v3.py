@@ -124,18 +124,28 @@ class MlaAttention(nn.Module):
         return w[:, : self.nope], w[:, self.nope :]
 
     def forward(self, x, cos, sin, kv_pool: torch.Tensor, layer: int, meta: AttentionMetadata) -> torch.Tensor:
+        return self.attend_latent(*self.project(x, cos, sin), kv_pool, layer, meta)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``query [T, heads, rank + rot]``, the absorbed queries; ``kv [T, 1, rank + rot]``, each token's
+        latent, its key and its value) of ``x``."""
         T = x.shape[0]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_b_proj") else self.q_proj(x)
         q_nope, q_rot = q.view(T, self.num_heads, -1).split([self.nope, self.rot], -1)
         c, k_rot = self.kv_a_proj_with_mqa(x).split([self.rank, self.rot], -1)
         latent = torch.cat([self.kv_a_layernorm(c), self.rope(k_rot.unsqueeze(1), cos, sin).squeeze(1)], -1)
-        w_uk, w_uv = self.absorbed()
+        w_uk = self.absorbed()[0]
         q_lat = self._per_head(q_nope, self.w_uk_t) if self.invariant else torch.einsum("thn,hnr->thr", q_nope, w_uk)
-        query = torch.cat([q_lat, self.rope(q_rot, cos, sin)], -1)
-        kv = latent.unsqueeze(1)  # [T, 1, rank + rot]: the key and the value
+        return torch.cat([q_lat, self.rope(q_rot, cos, sin)], -1), latent.unsqueeze(1)
+
+    def attend_latent(self, query: torch.Tensor, kv: torch.Tensor, kv_pool: torch.Tensor, layer: int,
+                      meta: AttentionMetadata) -> torch.Tensor:  # fmt: skip
+        """The attention of :meth:`project`'s queries over the cached latents, expanded and projected out."""
+        T = query.shape[0]
         out = paged_attention(query, kv, kv, kv_pool, layer, meta, self.scale, kv_scales=self.kv_scales).view(
             T, self.num_heads, self.head_dim
         )[..., : self.rank]
+        w_uv = self.absorbed()[1]
         o = self._per_head(out, w_uv) if self.invariant else torch.einsum("thr,hvr->thv", out, w_uv)
         return self.tp.all_reduce(self.o_proj(o.reshape(T, -1)))
 
@@ -181,7 +191,11 @@ class DeepseekV3ForCausalLM(DeepseekLayout, MoEWeights, LlamaForCausalLM):
 
     def decoder_layer(self, config, i: int, qkv_bias: bool, o_bias: bool, tp: TensorParallel) -> nn.Module:
         moe = self.moe_class(config, tp) if self.sparse(config, i) else None
-        return LlamaDecoderLayer(config, i, False, False, False, tp, mlp=moe, attn=MlaAttention(config, i, tp))
+        return LlamaDecoderLayer(config, i, False, False, False, tp, mlp=moe, attn=self.latent_attention(config, i, tp))
+
+    def latent_attention(self, config, i: int, tp: TensorParallel) -> MlaAttention:
+        """Layer ``i``'s attention (Mistral 4 scales its queries)."""
+        return MlaAttention(config, i, tp)
 
     def use_invariant_ops(self) -> None:
         super().use_invariant_ops()

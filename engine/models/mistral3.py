@@ -46,19 +46,15 @@ class Ministral3Attention(LlamaAttention):
         return self.tp.all_reduce(self.o_proj(self.attend(q * scale, k, v, kv_pool, layer, meta)))
 
 
-class Ministral3ForCausalLM(MistralForCausalLM):
-    """Ministral 3 causal LM over a paged KV cache: Mistral's model, its attention scaling the queries by
-    position where the config says so (``rope_query_scale [max_positions]``, float32)."""
+class QueryScaled:
+    """A mixin before a decoder's class whose attention scales its queries by position where the config
+    says so (``scaled``: :func:`query_scale`'s): it keeps each position's factor
+    (``rope_query_scale [max_positions]``) and hands the layers ``cos`` as ``(cos, scale)`` (Ministral 3's,
+    Mistral 4's)."""
 
     def __init__(self, config, max_positions: int | None = None, tp: TensorParallel = SINGLE) -> None:
         self.scaled = query_scale(config)  # (before Llama's constructor: decoder_layer reads it)
         super().__init__(config, max_positions, tp)
-
-    def decoder_layer(self, config, i: int, qkv_bias: bool, o_bias: bool, tp: TensorParallel) -> nn.Module:
-        if self.scaled is None:
-            return super().decoder_layer(config, i, qkv_bias, o_bias, tp)
-        attn = Ministral3Attention(config, i, qkv_bias, o_bias, qk_norm=False, tp=tp)
-        return LlamaDecoderLayer(config, i, qkv_bias, o_bias, False, tp, attn=attn)
 
     def init_buffers(self, max_positions: int) -> None:
         super().init_buffers(max_positions)
@@ -74,6 +70,17 @@ class Ministral3ForCausalLM(MistralForCausalLM):
         if self.scaled is None:
             return cos, sin
         return (cos, self.rope_query_scale[positions].to(dtype)[:, None, None]), sin
+
+
+class Ministral3ForCausalLM(QueryScaled, MistralForCausalLM):
+    """Ministral 3 causal LM over a paged KV cache: Mistral's model, its attention scaling the queries by
+    position where the config says so."""
+
+    def decoder_layer(self, config, i: int, qkv_bias: bool, o_bias: bool, tp: TensorParallel) -> nn.Module:
+        if self.scaled is None:
+            return super().decoder_layer(config, i, qkv_bias, o_bias, tp)
+        attn = Ministral3Attention(config, i, qkv_bias, o_bias, qk_norm=False, tp=tp)
+        return LlamaDecoderLayer(config, i, qkv_bias, o_bias, False, tp, attn=attn)
 
 
 class Mistral3TextForCausalLM(TextTower, Ministral3ForCausalLM):

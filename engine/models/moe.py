@@ -32,6 +32,7 @@ Qwen2-MoE adds a *shared expert*, a dense MLP every token goes through, scaled b
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from types import SimpleNamespace
 
 import torch
@@ -314,3 +315,41 @@ def is_sparse_layer(config, i: int) -> bool:
     step = getattr(config, "decoder_sparse_step", 1) or 1
     only_mlp = getattr(config, "mlp_only_layers", None) or []
     return i not in only_mlp and getattr(config, "num_experts", 0) > 0 and (i + 1) % step == 0
+
+
+class StackedExperts:
+    """A mixin before :class:`MoEWeights` for checkpoints that store each layer's experts stacked, as
+    transformers 5 saves a family it keeps no per-expert conversion for (Mistral 4's):
+    ``mlp.experts.gate_up_proj [E, 2I, H]`` (each expert's gate rows, then its up rows) and
+    ``mlp.experts.down_proj [E, H, I]``. Each stack is read whole and handed on one expert at a time,
+    under tensor parallelism as this rank's slice of the inner dimension (gate and up are two slices of
+    the fused rows, which one checkpoint slice could not name)."""
+
+    _STACKS = (".experts.gate_up_proj", ".experts.down_proj")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(self._unstacked(weights))
+
+    def _unstacked(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, stack in weights:
+            if not name.endswith(self._STACKS):
+                yield name, stack
+                continue
+            block, _, proj = self.checkpoint_name(name).rpartition(".experts.")
+            inter, r = self.get_submodule(block).intermediate_size, self.tp.rank  # this rank's inner size
+            mine = slice(r * inter, (r + 1) * inter)
+            for e in range(stack.shape[0]):
+                if proj == "down_proj":
+                    yield f"{block}.experts.{e}.down_proj.weight", stack[e, :, mine].contiguous()
+                    continue
+                whole = stack.shape[1] // 2
+                yield f"{block}.experts.{e}.gate_proj.weight", stack[e, mine].contiguous()
+                yield (
+                    f"{block}.experts.{e}.up_proj.weight",
+                    stack[e, whole + mine.start : whole + mine.stop].contiguous(),
+                )
+
+    def checkpoint_slice(self, name: str) -> tuple[int, int, int] | str | None:
+        if self.checkpoint_name(name).endswith(self._STACKS):
+            return None  # (whole: _unstacked cuts this rank's)
+        return super().checkpoint_slice(name)
