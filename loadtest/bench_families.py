@@ -70,11 +70,12 @@ MOE = (
     "DeepseekV3ForCausalLM",
     "MiniMaxM2ForCausalLM",
     "Mistral4ForCausalLM",
+    "Ernie4_5_MoeForCausalLM",
 )
 DENSE = (
     "LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
     "SmolLM3ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GraniteForCausalLM", "Ministral3ForCausalLM",
-    "SeedOssForCausalLM",
+    "SeedOssForCausalLM", "Ernie4_5ForCausalLM",
 )  # fmt: skip
 FAMILIES = MOE + DENSE
 BOS, EOS, PAD = 0, 1, 2
@@ -175,6 +176,16 @@ def family_config(arch: str, s: Shape) -> transformers.PretrainedConfig:
                 "llama_4_scaling_beta": 0.1,
             },  # fmt: skip
         ),
+        "Ernie4_5_MoeForCausalLM": lambda: transformers.Ernie4_5_MoeConfig(  # 21B-A3B's ratios: 64 experts, top 6
+            **common,
+            head_dim=s.head_dim,
+            moe_intermediate_size=s.expert,
+            moe_num_experts=64,
+            moe_k=6,
+            moe_num_shared_experts=2,
+            moe_layer_start_index=1,
+            moe_layer_end_index=s.layers - 1,
+        ),
         "MiniMaxM2ForCausalLM": lambda: (
             transformers.MiniMaxM2Config(  # M2's ratios: 64 experts here, top 8, half-head RoPE
                 **{**common, "intermediate_size": s.expert},
@@ -192,6 +203,7 @@ def family_config(arch: str, s: Shape) -> transformers.PretrainedConfig:
         "SeedOssForCausalLM": lambda: transformers.SeedOssConfig(  # the released biases: q/k/v, not o
             **common, head_dim=s.head_dim, attention_bias=True, attention_out_bias=False
         ),
+        "Ernie4_5ForCausalLM": lambda: transformers.Ernie4_5Config(**common, head_dim=s.head_dim),
         "SmolLM3ForCausalLM": lambda: transformers.SmolLM3Config(**common, no_rope_layer_interval=4),
         "Olmo2ForCausalLM": lambda: transformers.Olmo2Config(**common),
         "Olmo3ForCausalLM": lambda: transformers.Olmo3Config(  # 3 sliding : 1 full layers, YaRN on the full ones

@@ -99,6 +99,14 @@ def moe_config(arch: str, vocab: int = VOCAB) -> transformers.PretrainedConfig:
             **{**common, **mla, "norm_topk_prob": False, "n_shared_experts": 2}, q_lora_rank=40, n_group=4,
             topk_group=2, topk_method="group_limited_greedy", first_k_dense_replace=1, routed_scaling_factor=16.0,
         )  # fmt: skip
+    if arch == "Ernie4_5ForCausalLM":  # interleaved RoPE pairs; biases everywhere (use_bias); an untied head
+        return transformers.Ernie4_5Config(**common, head_dim=16, intermediate_size=96, use_bias=True,
+                                           tie_word_embeddings=False)  # fmt: skip
+    if arch == "Ernie4_5_MoeForCausalLM":  # layer 0 dense; 3 of 8 experts picked with an expert bias; a shared one
+        return transformers.Ernie4_5_MoeConfig(
+            **common, intermediate_size=96, moe_intermediate_size=32, moe_num_experts=8, moe_k=3,
+            moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_end_index=3, moe_layer_interval=1,
+        )  # fmt: skip
     if arch == "Mistral4ForCausalLM":  # a softmax router, 3 in the best 2 of 4 groups; queries scaled from position 8
         yarn = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8, mscale=1.0,
                     mscale_all_dim=1.0, beta_fast=32, beta_slow=1, llama_4_scaling_beta=0.5)  # fmt: skip

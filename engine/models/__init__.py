@@ -13,6 +13,8 @@ from torch import nn
 MODEL_REGISTRY: dict[str, str] = {  # architecture → "module:class" under engine.models
     "DeepseekV2ForCausalLM": "deepseek_v3:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "deepseek_v3:DeepseekV3ForCausalLM",
+    "Ernie4_5ForCausalLM": "ernie4_5:Ernie4_5ForCausalLM",
+    "Ernie4_5_MoeForCausalLM": "ernie4_5:Ernie4_5_MoeForCausalLM",
     "Gemma2ForCausalLM": "gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "gemma3:Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration": "gemma3:Gemma3TextForCausalLM",
