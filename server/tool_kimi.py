@@ -53,8 +53,8 @@ class KimiFormat(ToolFormat):
         return f"functions.{name}:{index}"
 
     @property
-    def closers(self) -> tuple[str, ...]:
-        return (self.name_sep, *super().closers)  # (what ends the index the model writes, as the run's end)
+    def markup_closers(self) -> tuple[str, ...]:
+        return (self.name_sep, *super().markup_closers)  # (what ends the index the model writes, as the run's end)
 
     def parse(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
         content, calls = super().parse(text, cut)

@@ -68,7 +68,8 @@ class PythonicCallFormat:
     marker: str = OPEN
     at_start_only: bool = True  # (the list is the output's start)
     special_ids: tuple[int, ...] = ()
-    closers: tuple[str, ...] = ("'", ")")  # (a string in single quotes, a call's arguments: JSON's close the rest)
+    # (a string's quote first, as ToolFormat.closers; one in single quotes, a call's arguments)
+    closers: tuple[str, ...] = ('"', "'", ")")
 
     # -- the request ------------------------------------------------------------------------------------
     def for_tools(self, functions: list[dict]) -> PythonicCallFormat:

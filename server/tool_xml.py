@@ -170,10 +170,13 @@ class XmlCallFormat:
 
     @property
     def closers(self) -> tuple[str, ...]:
-        """What closes a value, a call and a block of calls (as :attr:`~server.tools.ToolFormat.closers`):
-        a value as text ends only at its closing tag."""
+        """What closes a value, a key and its (empty) value, a call and a block of calls (as
+        :attr:`~server.tools.ToolFormat.closers`): a value as text ends only at its closing tag, and a key
+        that is not the schema's (any text but tags) only at the tag that closes it."""
         m = self.markup
-        return tuple(x for x in (m.value_close, m.tail + m.close, m.block_close) if x.strip())
+        key_close = m.param.split("{key}")[1]
+        texts = (m.value_close, key_close + m.value_close, m.tail + m.close, m.block_close)
+        return tuple(x for x in texts if x.strip())
 
     # -- writing ----------------------------------------------------------------------------------------
     def render(self, calls: list[tuple[str, Any]]) -> str:

@@ -120,9 +120,16 @@ class ToolFormat:
 
     @property
     def closers(self) -> tuple[str, ...]:
-        """Texts that close what a forced call's grammar opens where JSON's closers do not, for closing
-        an output within ``max_tokens`` (StructuredOutput.closers): the markup that ends a run of calls
-        (DeepSeek's and Kimi's: another call could follow, and the ending must not start one)."""
+        """Texts that close what a forced call's grammar opens where JSON's closers do not, in the order
+        an ending tries them, for closing an output within ``max_tokens`` (StructuredOutput.closers): the
+        markup that ends a run of calls (DeepSeek's and Kimi's: another call could follow, and the ending
+        must not start one), after a string's quote (so that no marker is written into a string the
+        quote ends, a non-special marker being text a string may hold); none where JSON's closers do."""
+        ends = self.markup_closers
+        return ('"', *ends) if ends else ()
+
+    @property
+    def markup_closers(self) -> tuple[str, ...]:
         return tuple(p for p in (self.close,) if p and p in self.markup)
 
     def scanner(self) -> CallScanner:

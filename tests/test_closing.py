@@ -244,8 +244,17 @@ def test_every_call_syntax_is_closed_from_its_start_and_from_inside_a_value(toke
     scratch = torch.empty(grammars.words, dtype=torch.int32)
     written = fmt.render([("run", {"code": "print(1)\nx = 2"})])
     cases = [(RUN, "", ""), (RUN, written[: written.index("x = ") + 3], "print(1)\nx =")]
+    if syntax != "pythonic":  # a key the schema does not name, begun (the pythonic grammar takes none)
+        extra = fmt.render([("run", {"code": "x", "extra": 1})])
+        cases.append((RUN, extra[: extra.index("extra") + 2], "x"))
     if syntax == "pythonic":  # an untyped value in single quotes, which JSON's closers do not close
         cases.append(({"name": "run", "parameters": {"type": "object"}}, "[run(code='pri", "pri"))
+    short = {
+        "name": "run",
+        "parameters": {**RUN["parameters"], "properties": {"code": {"type": "string", "maxLength": 3}}},
+    }
+    full = fmt.render([("run", {"code": "abc"})])  # a value one character short of its bound: closed as it is
+    cases.append((short, full[: full.index("abc") + 2], "ab"))
     for tool, prefix, begun in cases:
         so = StructuredOutput("grammar", fmt.grammar([tool], True), None, "tool_choice", closers=fmt.closers)
         state = grammars.start(so, left=10_000)
@@ -261,4 +270,5 @@ def test_every_call_syntax_is_closed_from_its_start_and_from_inside_a_value(toke
         assert state.matcher.is_stopped() or state.matcher.is_accepting()
         _, calls = fmt.for_tools([tool]).parse(tok.decode(ids + body, skip_special_tokens=False))
         assert [c.name for c in calls] == ["run"]
-        assert json.loads(calls[0].arguments)["code"].startswith(begun)
+        code = json.loads(calls[0].arguments)["code"]
+        assert code.startswith(begun) and (tool is not short or code == begun), (prefix, code)

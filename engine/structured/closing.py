@@ -134,9 +134,12 @@ class Closing:
     # first bytes, the ending continues that text (see :func:`_closing_text`).
     recent: bytes = b""
 
+    def __post_init__(self) -> None:
+        self.keep = max((len(t.data) - 1 for t in self.texts), default=0)  # the bytes recent holds at most
+
     def after(self, recent: bytes, token: int) -> bytes:
         """``recent`` then ``token``'s bytes, as much of it as :attr:`recent` keeps."""
-        keep = max((len(t.data) - 1 for t in self.texts), default=0)
+        keep = self.keep
         return (recent + self.vocab.tokenizer.decode_bytes([token]))[-keep:] if keep else b""
 
     @staticmethod
@@ -255,7 +258,10 @@ def _closing_text(matcher, closing: Closing, scratch: torch.Tensor, tail: bytes)
     with its others, so that each row's ending is the one before it less its first token. (Also what
     follows a forced run that holds a text's first bytes, the ``<`` common to ``</invoke>`` and another
     ``<parameter``, where a whole text no longer fits.) ``scratch`` holds the mask at ``matcher``'s state,
-    ``tail`` the output's last bytes."""
+    ``tail`` the output's last bytes. The texts come in the request's order: a syntax whose values are
+    JSON strings lists ``"`` first, so that no marker is written into a string a quote ends."""
+    if not closing.texts:
+        return None
     words = scratch.numpy().view(np.uint32)
     tokenizer, n_words = closing.vocab.tokenizer, closing.vocab.words
 
@@ -289,7 +295,9 @@ def _closed(matcher, n_words: int) -> bool:
     mask = np.zeros(n_words, dtype=np.uint32)
     matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
     few = min(FEW, n_words * 4)  # (an eighth of a small vocabulary: a test model's)
-    return not matcher.is_error() and int(np.unpackbits(mask.view(np.uint8)).sum()) <= few
+    if matcher.is_error() or np.count_nonzero(mask) > few:  # (more words than `few` hold a bit each)
+        return False
+    return int(np.unpackbits(mask.view(np.uint8)).sum()) <= few
 
 
 def _opens(data: bytes) -> bool:
