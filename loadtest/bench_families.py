@@ -75,7 +75,7 @@ MOE = (
 DENSE = (
     "LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
     "SmolLM3ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GraniteForCausalLM", "Ministral3ForCausalLM",
-    "SeedOssForCausalLM", "Ernie4_5ForCausalLM",
+    "SeedOssForCausalLM", "Ernie4_5ForCausalLM", "Exaone4ForCausalLM",
 )  # fmt: skip
 FAMILIES = MOE + DENSE
 BOS, EOS, PAD = 0, 1, 2
@@ -204,6 +204,9 @@ def family_config(arch: str, s: Shape) -> transformers.PretrainedConfig:
             **common, head_dim=s.head_dim, attention_bias=True, attention_out_bias=False
         ),
         "Ernie4_5ForCausalLM": lambda: transformers.Ernie4_5Config(**common, head_dim=s.head_dim),
+        "Exaone4ForCausalLM": lambda: transformers.Exaone4Config(  # the 32B model's 3 sliding : 1 full layers
+            **common, head_dim=s.head_dim, sliding_window=s.window, sliding_window_pattern=4
+        ),
         "SmolLM3ForCausalLM": lambda: transformers.SmolLM3Config(**common, no_rope_layer_interval=4),
         "Olmo2ForCausalLM": lambda: transformers.Olmo2Config(**common),
         "Olmo3ForCausalLM": lambda: transformers.Olmo3Config(  # 3 sliding : 1 full layers, YaRN on the full ones

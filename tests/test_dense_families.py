@@ -1,4 +1,4 @@
-"""Phi-3, SmolLM3, OLMo 2, OLMo 3, Granite 3 and Seed-OSS against transformers on tiny random models (float32,
+"""Phi-3, SmolLM3, OLMo 2, OLMo 3, Granite 3, Seed-OSS and EXAONE 4 against transformers on tiny random models (float32,
 CPU): logits through chunked prefill and paged decodes, greedy generation with requests joining a
 running batch, speculative greedy identity (lookup and layer skipping), tensor parallelism at 2 ranks
 (and 4 for OLMo 2's norms across replicated key heads), and one check per family that its feature
@@ -10,7 +10,8 @@ changes the result, so that the parity proves it implemented and not merely harm
 - OLMo 3: sliding-window layers, and YaRN on the full-attention layer's RoPE alone;
 - Granite 3: its four multipliers (embeddings, attention scores, residual branches, logits);
 - Seed-OSS: biases on q/k/v and none on the output projection, as released (Llama's rule, one flag for
-  both, would look for an output bias the checkpoint does not have).
+  both, would look for an output bias the checkpoint does not have);
+- EXAONE 4: sliding-window layers turning RoPE beside a full-attention layer turning none.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ from engine.parallel import TensorParallel
 from engine.request.sampling_params import SamplingParams
 from engine.runner.loader import load_config, load_model
 
-PHI3_WINDOW, SMOL_WINDOW, OLMO3_WINDOW = 16, 8, 8
+PHI3_WINDOW, SMOL_WINDOW, OLMO3_WINDOW, EXAONE_WINDOW = 16, 8, 8, 8
 ORIGINAL = 32  # the LongRoPE model's original_max_position_embeddings
-FAMILIES = ["phi3", "smollm3", "olmo2", "olmo3", "granite", "seed_oss"]
+FAMILIES = ["phi3", "smollm3", "olmo2", "olmo3", "granite", "seed_oss", "exaone4"]
 # Granite's multipliers, each away from 1 (and the attention scale from head_dim ** -0.5 = 0.25)
 GRANITE = dict(embedding_multiplier=6.0, attention_multiplier=0.05, residual_multiplier=0.4, logits_scaling=3.0)
 
@@ -94,11 +95,15 @@ def family_config(family: str, **overrides):
     elif family == "seed_oss":  # the released biases: q/k/v, not o
         common.update(head_dim=16, attention_bias=True, attention_out_bias=False, mlp_bias=False)
         cls = transformers.SeedOssConfig
+    elif family == "exaone4":  # layers 0-2 sliding (with RoPE), layer 3 full (NoPE); post-norms, per-head q/k norms
+        common.update(head_dim=16, sliding_window=EXAONE_WINDOW, sliding_window_pattern=4, tie_word_embeddings=False)
+        cls = transformers.Exaone4Config
     else:
         raise ValueError(family)
     arch = {
         "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
         "olmo3": "Olmo3ForCausalLM", "granite": "GraniteForCausalLM", "seed_oss": "SeedOssForCausalLM",
+        "exaone4": "Exaone4ForCausalLM",
     }[family]  # fmt: skip
     return cls(**{**common, "architectures": [arch], **overrides})
 
@@ -308,6 +313,22 @@ def test_olmo3_windows_and_rope_by_layer_type_matter(dirs):
     yarn = hf_model(dirs["olmo3"]).config.rope_parameters["full_attention"]
     both = hf_model(dirs["olmo3"], rope_parameters={"sliding_attention": dict(yarn), "full_attention": dict(yarn)})
     assert (hf_logits(both, ids) - want).abs().max() > 1e-2
+
+
+def test_exaone4_windows_and_nope_matter(dirs):
+    """Layers 0-2 slide and turn RoPE, layer 3 attends to all and turns nothing. With every layer full
+    (none sliding, and, the model having a window, none turning RoPE) transformers' logits change far
+    beyond the parity's tolerance, and they change again where RoPE turns in those full layers (no
+    window at all): the parity above holds only with both rules implemented."""
+    model = make_engine(dirs["exaone4"]).runner.model
+    assert [layer.self_attn.sliding for layer in model.layers] == [True, True, True, False]
+    assert [layer.self_attn.use_rope for layer in model.layers] == [True, True, True, False]
+    ids = prompts(1, seed=1, lo=30, hi=31)[0]
+    want = hf_logits(hf_model(dirs["exaone4"]), ids)
+    full = hf_logits(hf_model(dirs["exaone4"], layer_types=["full_attention"] * 4), ids)
+    assert (full - want).abs().max() > 1e-2
+    rope = hf_logits(hf_model(dirs["exaone4"], layer_types=["full_attention"] * 4, sliding_window=None), ids)
+    assert (rope - full).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("multiplier", list(GRANITE))

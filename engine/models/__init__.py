@@ -15,6 +15,7 @@ MODEL_REGISTRY: dict[str, str] = {  # architecture → "module:class" under engi
     "DeepseekV3ForCausalLM": "deepseek_v3:DeepseekV3ForCausalLM",
     "Ernie4_5ForCausalLM": "ernie4_5:Ernie4_5ForCausalLM",
     "Ernie4_5_MoeForCausalLM": "ernie4_5:Ernie4_5_MoeForCausalLM",
+    "Exaone4ForCausalLM": "exaone4:Exaone4ForCausalLM",
     "Gemma2ForCausalLM": "gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "gemma3:Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration": "gemma3:Gemma3TextForCausalLM",

@@ -101,13 +101,17 @@ class Olmo2Attention(LlamaAttention):
 
 
 class Olmo2DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, tp: TensorParallel = SINGLE) -> None:
+    """Attention and an MLP, each normalized after it (``norm``) and added to the residual; ``attn``: the
+    attention when not OLMo 2's (EXAONE 4's)."""
+
+    def __init__(self, config, layer_idx: int, tp: TensorParallel = SINGLE, attn: nn.Module | None = None,
+                 norm: type[nn.Module] = Olmo2RMSNorm) -> None:  # fmt: skip
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = Olmo2Attention(config, layer_idx, tp)
+        self.self_attn = attn if attn is not None else Olmo2Attention(config, layer_idx, tp)
         self.mlp = LlamaMLP(config, bias=False, tp=tp)
-        self.post_attention_layernorm = Olmo2RMSNorm(h, eps)
-        self.post_feedforward_layernorm = Olmo2RMSNorm(h, eps)
+        self.post_attention_layernorm = norm(h, eps)
+        self.post_feedforward_layernorm = norm(h, eps)
 
     def forward(self, x, cos, sin, kv_pool, layer, meta, attn: bool = True, mlp: bool = True) -> torch.Tensor:
         if attn:
