@@ -116,3 +116,21 @@ def test_speculation_gives_the_plain_decoders_tokens_and_mtp_tensors_are_passed_
 
 def test_served_through_the_sdk(dirs):
     check_served(dirs["Ernie4_5_MoeForCausalLM"], make(dirs["Ernie4_5_MoeForCausalLM"]))
+
+
+def test_nf4_and_quantized_checkpoints_are_refused(dirs, tmp_path):
+    """NF4 takes the q and k matrices before they could be reordered, and a checkpoint stored quantized
+    would reach the model unreordered: both are clear start-up errors, not wrong outputs."""
+    import json
+
+    with pytest.raises(ValueError, match="nf4 cannot load ERNIE 4.5"):
+        make(dirs["Ernie4_5ForCausalLM"], quantization="nf4")
+    quantized = tmp_path / "gptq"
+    quantized.mkdir()
+    for f in dirs["Ernie4_5ForCausalLM"].iterdir():
+        (quantized / f.name).write_bytes(f.read_bytes())
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True}
+    (quantized / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quantized ERNIE 4.5 checkpoint"):
+        make(quantized)

@@ -144,3 +144,12 @@ def test_speculation_gives_the_plain_decoders_tokens(dirs, tmp_path, method):
 
 def test_served_through_the_sdk(dirs):
     check_served(dirs["multimodal"], make(dirs["multimodal"]))
+
+
+def test_default_rope_is_refused(tmp_path, tokenizer_dir):
+    """Transformers' default tables would be a whole head's width where RoPE turns its rotated part: such a
+    config is a clear error (the releases turn by YaRN)."""
+    config = moe_config(ARCH)
+    config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+    with pytest.raises(ValueError, match="Mistral 4 with default RoPE is not supported"):
+        Mistral4ForCausalLM(config, 64)

@@ -3,12 +3,14 @@ ERNIE-4.5-21B-A3B, ERNIE-4.5-300B-A47B), their text models.
 
 What differs from Llama's:
 
-- *RoPE turns interleaved pairs* (dimensions 2i and 2i + 1 of a head, GPT-J's layout), in float32 as
-  transformers turns them. The q and k projections' rows (and biases) are reordered per head as they
-  load, each head's even dimensions first and its odd ones after: the pairs become Llama's halves and
-  Llama's attention (its fused RoPE kernel too) computes the same scores, since queries and keys are
-  reordered alike and values are not touched. A checkpoint's linear weights are therefore not streamed
-  into quantized layers (``--quantization int4`` / ``fp8`` quantize after the reorder).
+- *RoPE turns interleaved pairs* (dimensions 2i and 2i + 1 of a head, GPT-J's layout). The q and k
+  projections' rows (and biases) are reordered per head as they load, each head's even dimensions first
+  and its odd ones after: the pairs become Llama's halves and Llama's attention (its fused RoPE kernel
+  too) computes the same scores, since queries and keys are reordered alike and values are not touched.
+  Its tables are in the model's dtype, as Llama's (transformers turns ERNIE's in float32: in bfloat16 a
+  turned query may differ in its last bit). A checkpoint's linear weights are therefore not streamed
+  into quantized layers (``--quantization int4`` / ``fp8`` quantize after the reorder); NF4, and
+  checkpoints stored quantized, are refused (their q and k rows would reach the model unreordered).
 - ``use_bias``: biases on q/k/v/o and on the dense MLPs (the releases have none).
 - *the mixture* (ERNIE 4.5 MoE, :class:`ErnieMoE`): a softmax router in float32 whose experts are picked
   by the probabilities plus a learned per-expert bias (``moe_statics.e_score_correction_bias``), weighted
@@ -30,6 +32,7 @@ from engine.models.glm4_moe import SigmoidRouter
 from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from engine.models.moe import MoEWeights, SparseMoE, largest
 from engine.parallel import SINGLE, TensorParallel
+from engine.quant import NF4Linear
 
 _QK = re.compile(r"\.self_attn\.[qk]_proj\.(weight|bias)$")
 
@@ -67,8 +70,16 @@ class ErnieMoE(SparseMoE):
 class Ernie4_5ForCausalLM(LlamaForCausalLM):
     """ERNIE 4.5's dense model: Llama's, its RoPE pairs turned as halves (the module docstring)."""
 
-    rope_dtype = torch.float32
     streams_linear_weights = False  # (the q and k rows are reordered in load_weights)
+
+    def __init__(self, config, max_positions: int | None = None, tp: TensorParallel = SINGLE) -> None:
+        if getattr(config, "quantization_config", None):
+            raise ValueError(
+                "a quantized ERNIE 4.5 checkpoint (GPTQ, AWQ, FP8, ...) is not supported: its q and k rows, stored "
+                "quantized, would need reordering for RoPE; serve the full-precision checkpoint (with "
+                "--quantization int4 or fp8 if it must be smaller)"
+            )
+        super().__init__(config, max_positions, tp)
 
     @staticmethod
     def attention_biases(config) -> tuple[bool, bool]:
@@ -84,6 +95,9 @@ class Ernie4_5ForCausalLM(LlamaForCausalLM):
         return any(part.startswith("mtp") for part in name.split("."))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if any(isinstance(m, NF4Linear) for m in self.modules()):  # (NF4 takes q and k before they are reordered)
+            raise ValueError("--quantization nf4 cannot load ERNIE 4.5 (its q and k rows are reordered as they load): "
+                             "use --quantization int4 or fp8")  # fmt: skip
         super().load_weights(self._as_halves(weights))
 
     def _as_halves(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

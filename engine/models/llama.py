@@ -57,11 +57,8 @@ def rope_cos_sin(config, max_positions: int) -> tuple[torch.Tensor, torch.Tensor
     rope_type = params.get("rope_type", "default")
     if rope_type == "dynamic":
         raise ValueError("dynamic NTK RoPE scaling is not supported (its frequencies change with length)")
-    if rope_type == "default":  # (on the dimensions RoPE turns: partial_rotary_factor of a head's, as transformers)
+    if rope_type == "default":
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        head_dim = int(
-            head_dim * (params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0)
-        )
         base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         scaling = 1.0

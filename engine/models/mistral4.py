@@ -16,8 +16,10 @@ the layers from ``first_k_dense_replace`` on) with two changes:
 
 Its checkpoints store each layer's experts stacked (:class:`~engine.models.moe.StackedExperts`), as
 transformers loads and saves them. Its config gives a head's whole width as ``head_dim``
-(``qk_nope_head_dim + qk_rope_head_dim``) and RoPE's part as ``partial_rotary_factor``: the RoPE tables
-are the rotated part's width, as DeepSeek-V3's.
+(``qk_nope_head_dim + qk_rope_head_dim``) and RoPE's part as ``partial_rotary_factor``, which YaRN's
+tables (the releases') honour: they are the rotated part's width, as DeepSeek-V3's. A config with
+default RoPE is refused (transformers' tables would be the whole head's). The released FP8 checkpoint
+(per-tensor ``weight_scale_inv`` scales, scales beside the stacked experts) is not read.
 """
 
 from __future__ import annotations
@@ -75,6 +77,12 @@ class Mistral4ForCausalLM(QueryScaled, StackedExperts, DeepseekV3ForCausalLM):
     queries (where the config gives ``llama_4_scaling_beta``)."""
 
     moe_class = SoftmaxGroupedMoE
+
+    def __init__(self, config, max_positions: int | None = None, tp: TensorParallel = SINGLE) -> None:
+        rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+        if rope == "default":  # (transformers' tables would be the whole head's width, not the rotated part's)
+            raise ValueError("Mistral 4 with default RoPE is not supported: its releases turn by YaRN (rope_type yarn)")
+        super().__init__(config, max_positions, tp)
 
     def latent_attention(self, config, i: int, tp: TensorParallel) -> MlaAttention:
         return (ScaledMlaAttention if self.scaled else MlaAttention)(config, i, tp)
