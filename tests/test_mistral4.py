@@ -153,3 +153,51 @@ def test_default_rope_is_refused(tmp_path, tokenizer_dir):
     config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
     with pytest.raises(ValueError, match="Mistral 4 with default RoPE is not supported"):
         Mistral4ForCausalLM(config, 64)
+
+
+def fp8_release(src: Path, out: Path, reference: Path) -> None:
+    """``src`` as Mistral's FP8 release stores it: every linear layer's weight in e4m3 with one multiplier
+    for the tensor (``weight_scale_inv``, no blocks) and a static activation scale, each stack of experts
+    in e4m3 with one multiplier an expert (``gate_up_proj_scale_inv [E, 1, 1]``) and an activation scale;
+    the router, norms, embeddings and head as they were. ``reference``: the same checkpoint with the
+    dequantized values in float32 (what loading the FP8 one must give)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(src / "model.safetensors")
+    fp8, plain = {}, {}
+    for name, t in tensors.items():
+        stacked = name.endswith((".experts.gate_up_proj", ".experts.down_proj"))
+        linear = name.endswith("_proj.weight") and ".layers." in name
+        if not (stacked or linear):
+            fp8[name] = plain[name] = t
+            continue
+        dims = (1, 2) if stacked else (0, 1)
+        scale = t.abs().amax(dim=dims, keepdim=True) / 448.0
+        q = (t / scale).to(torch.float8_e4m3fn)
+        plain[name] = q.float() * scale
+        fp8[name] = q
+        if stacked:
+            fp8[name + "_scale_inv"], fp8[name + "_activation_scale"] = scale, torch.ones(())
+        else:
+            fp8[name.removesuffix("weight") + "weight_scale_inv"] = scale.reshape(())
+            fp8[name.removesuffix("weight") + "input_scale"] = torch.ones(())
+    for d, ts in ((out, fp8), (reference, plain)):
+        shutil.copytree(src, d, ignore=shutil.ignore_patterns("model.safetensors"))
+        save_file(ts, d / "model.safetensors")
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": None, "activation_scheme": "static"}
+    (out / "config.json").write_text(json.dumps(config))
+
+
+def test_the_fp8_release_layout_loads_as_its_dequantized_values(dirs, tmp_path):
+    """Per-tensor ``weight_scale_inv`` (no blocks) and stacked experts with a scale an expert, as Mistral's
+    FP8 release stores them: the logits are those of the dequantized checkpoint, at one rank and two."""
+    fp8, reference = tmp_path / "fp8", tmp_path / "reference"
+    fp8_release(dirs["text"], fp8, reference)
+    want = model_logits(reference)
+    for have in (model_logits(fp8), sharded_logits([fp8], 2)[0]):
+        for w, h in zip(want, have, strict=True):
+            torch.testing.assert_close(h, w, rtol=1e-5, atol=3e-5)

@@ -18,8 +18,9 @@ Its checkpoints store each layer's experts stacked (:class:`~engine.models.moe.S
 transformers loads and saves them. Its config gives a head's whole width as ``head_dim``
 (``qk_nope_head_dim + qk_rope_head_dim``) and RoPE's part as ``partial_rotary_factor``, which YaRN's
 tables (the releases') honour: they are the rotated part's width, as DeepSeek-V3's. A config with
-default RoPE is refused (transformers' tables would be the whole head's). The released FP8 checkpoint
-(per-tensor ``weight_scale_inv`` scales, scales beside the stacked experts) is not read.
+default RoPE is refused (transformers' tables would be the whole head's). The FP8 release's layout
+(per-tensor ``weight_scale_inv``, a scale beside each stack of experts) is read: engine/quant/checkpoint.py
+and :class:`~engine.models.moe.StackedExperts`.
 """
 
 from __future__ import annotations

@@ -323,33 +323,68 @@ class StackedExperts:
     ``mlp.experts.gate_up_proj [E, 2I, H]`` (each expert's gate rows, then its up rows) and
     ``mlp.experts.down_proj [E, H, I]``. Each stack is read whole and handed on one expert at a time,
     under tensor parallelism as this rank's slice of the inner dimension (gate and up are two slices of
-    the fused rows, which one checkpoint slice could not name)."""
+    the fused rows, which one checkpoint slice could not name). A stack stored in FP8 is multiplied by
+    its scale (``gate_up_proj_scale_inv`` or ``_scale``: one per expert or one for all) one expert at a
+    time as it goes; its activation scales are dropped."""
 
     _STACKS = (".experts.gate_up_proj", ".experts.down_proj")
+    _DROPPED = ("_activation_scale", "_input_scale")
+    _SCALES = ("_scale_inv", "_scale")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._unstacked(weights))
 
+    def _stack_of(self, name: str) -> tuple[str, str] | None:
+        """(the stack's name, "stack" / "scale" / "dropped") of a stack's tensor, None for any other."""
+        if name.endswith(self._STACKS):
+            return name, "stack"
+        for kind, suffixes in (("dropped", self._DROPPED), ("scale", self._SCALES)):
+            for suffix in suffixes:
+                if name.endswith(suffix) and name.removesuffix(suffix).endswith(self._STACKS):
+                    return name.removesuffix(suffix), kind
+        return None
+
     def _unstacked(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, stack in weights:
-            if not name.endswith(self._STACKS):
-                yield name, stack
+        waiting: dict[str, dict[str, torch.Tensor]] = {}  # an FP8 stack and its scale, whichever came first
+        for name, tensor in weights:
+            found = self._stack_of(name)
+            if found is None:
+                yield name, tensor
                 continue
-            block, _, proj = self.checkpoint_name(name).rpartition(".experts.")
-            inter, r = self.get_submodule(block).intermediate_size, self.tp.rank  # this rank's inner size
-            mine = slice(r * inter, (r + 1) * inter)
-            for e in range(stack.shape[0]):
-                if proj == "down_proj":
-                    yield f"{block}.experts.{e}.down_proj.weight", stack[e, :, mine].contiguous()
-                    continue
-                whole = stack.shape[1] // 2
-                yield f"{block}.experts.{e}.gate_proj.weight", stack[e, mine].contiguous()
-                yield (
-                    f"{block}.experts.{e}.up_proj.weight",
-                    stack[e, whole + mine.start : whole + mine.stop].contiguous(),
-                )
+            stack, kind = found
+            if kind == "dropped":
+                continue
+            if kind == "stack" and tensor.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+                yield from self._experts(stack, tensor, None)
+                continue
+            got = waiting.setdefault(stack, {})
+            got[kind] = tensor
+            if len(got) == 2:
+                del waiting[stack]
+                yield from self._experts(stack, got["stack"], got["scale"])
+        if waiting:
+            stack, got = next(iter(waiting.items()))
+            missing = "scale" if "stack" in got else "FP8 stack"
+            raise ValueError(f"checkpoint has {stack}'s {next(iter(got))} without its {missing}")
+
+    def _experts(
+        self, name: str, stack: torch.Tensor, scale: torch.Tensor | None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """One expert's tensors at a time, this rank's slice, times the expert's scale where stored in FP8."""
+        block, _, proj = self.checkpoint_name(name).rpartition(".experts.")
+        inter, r = self.get_submodule(block).intermediate_size, self.tp.rank  # this rank's inner size
+        mine = slice(r * inter, (r + 1) * inter)
+        scales = None if scale is None else scale.float().reshape(-1)
+        for e in range(stack.shape[0]):
+            w = stack[e] if scales is None else stack[e].float() * scales[e if scales.numel() > 1 else 0]
+            if proj == "down_proj":
+                yield f"{block}.experts.{e}.down_proj.weight", w[:, mine].contiguous()
+                continue
+            whole = w.shape[0] // 2
+            yield f"{block}.experts.{e}.gate_proj.weight", w[mine].contiguous()
+            yield f"{block}.experts.{e}.up_proj.weight", w[whole + mine.start : whole + mine.stop].contiguous()
 
     def checkpoint_slice(self, name: str) -> tuple[int, int, int] | str | None:
-        if self.checkpoint_name(name).endswith(self._STACKS):
-            return None  # (whole: _unstacked cuts this rank's)
+        if self._stack_of(self.checkpoint_name(name)) is not None:
+            return None  # (whole: _experts cuts this rank's)
         return super().checkpoint_slice(name)

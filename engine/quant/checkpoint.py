@@ -232,7 +232,8 @@ class AWQReader(GPTQReader):
 class FP8Reader(QuantizedReader):
     """``quant_method: fp8``: ``weight`` float8_e4m3fn [out, in] and its multiplier, per 128 x 128 block
     (``weight_scale_inv`` [out / 128, in / 128], DeepSeek-V3 and Qwen3's ``-FP8``) or per tensor or
-    row (``weight_scale``, AutoFP8). A static ``activation_scale`` / ``input_scale`` is dropped."""
+    row (``weight_scale``, AutoFP8; ``weight_scale_inv`` without blocks, Mistral's own FP8 exports, a
+    multiplier all the same). A static ``activation_scale`` / ``input_scale`` is dropped."""
 
     name = "fp8"
     parts = ("weight", "weight_scale_inv", "weight_scale")
@@ -249,13 +250,18 @@ class FP8Reader(QuantizedReader):
         return suffix != "weight" or tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
     def needed(self, got) -> list[str]:
-        return ["weight", "weight_scale_inv" if self.block else "weight_scale"]
+        return ["weight", "weight_scale_inv" if self.block or "weight_scale_inv" in got else "weight_scale"]
+
+    @staticmethod
+    def _unblocked_scale(got: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A tensor's or its rows' multiplier, under either name."""
+        return got["weight_scale"] if "weight_scale" in got else got["weight_scale_inv"]
 
     def dequantize(self, module: str, got: dict[str, torch.Tensor]) -> torch.Tensor:
         w = got["weight"].float()
         if self.block:
             return w * expand_blocks(got["weight_scale_inv"].float(), w.shape, tuple(self.block))
-        scale = got["weight_scale"].float()
+        scale = self._unblocked_scale(got).float()
         return w * (scale.reshape(()) if scale.numel() == 1 else scale.reshape(-1, 1))
 
     fp8 = True
@@ -270,7 +276,7 @@ class FP8Reader(QuantizedReader):
             return None
         if self.block:
             return w, rows_of_blocks(got["weight_scale_inv"], w.shape[0], int(self.block[0]))
-        return w, got["weight_scale"].float().reshape(-1, 1).expand(w.shape[0], 1).contiguous()
+        return w, self._unblocked_scale(got).float().reshape(-1, 1).expand(w.shape[0], 1).contiguous()
 
 
 def rows_of_blocks(scale: torch.Tensor, rows: int, block_rows: int) -> torch.Tensor:
