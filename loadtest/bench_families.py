@@ -115,6 +115,11 @@ def family_config(arch: str, s: Shape) -> transformers.PretrainedConfig:
     )  # fmt: skip
     gemma = dict(head_dim=s.head_dim, query_pre_attn_scalar=s.head_dim, sliding_window=s.window)
     moe = dict(head_dim=s.head_dim, moe_intermediate_size=s.expert)
+    mla = dict(  # latent attention over 64 experts and a shared one (DeepSeek-V3's and Mistral 4's)
+        common, num_key_value_heads=s.heads, moe_intermediate_size=s.expert, kv_lora_rank=s.hidden // 4,
+        qk_nope_head_dim=s.head_dim, v_head_dim=s.head_dim, n_routed_experts=64, n_shared_experts=1,
+        norm_topk_prob=True,
+    )  # fmt: skip
     configs = {  # the released models' features, at this shape
         "Qwen3MoeForCausalLM": lambda: transformers.Qwen3MoeConfig(
             **common, **moe, num_experts=64, num_experts_per_tok=8, norm_topk_prob=True
@@ -136,34 +141,20 @@ def family_config(arch: str, s: Shape) -> transformers.PretrainedConfig:
             norm_topk_prob=True,
         ),
         "DeepseekV3ForCausalLM": lambda: transformers.DeepseekV3Config(  # DeepSeek-V3's ratios: 8 groups, top 4
-            **{**common, "num_key_value_heads": s.heads},
-            moe_intermediate_size=s.expert,
-            kv_lora_rank=s.hidden // 4,
+            **mla,
             q_lora_rank=3 * s.hidden // 8,
-            qk_nope_head_dim=s.head_dim,
             qk_rope_head_dim=s.head_dim // 2,
-            v_head_dim=s.head_dim,
-            n_routed_experts=64,
             num_experts_per_tok=8,
             n_group=8,
             topk_group=4,
-            n_shared_experts=1,
             first_k_dense_replace=1,
-            norm_topk_prob=True,
         ),
         "Mistral4ForCausalLM": lambda: transformers.Mistral4Config(  # Small 4's ratios: 64 experts here, top 4
-            **{**common, "num_key_value_heads": s.heads},
-            moe_intermediate_size=s.expert,
-            kv_lora_rank=s.hidden // 4,
+            **mla,
             q_lora_rank=s.hidden // 2,
-            qk_nope_head_dim=s.head_dim,
             qk_rope_head_dim=s.head_dim,
-            v_head_dim=s.head_dim,
-            n_routed_experts=64,
             num_experts_per_tok=4,
-            n_shared_experts=1,
             first_k_dense_replace=0,
-            norm_topk_prob=True,
             rope_parameters={  # the released RoPE and query scale, the original context cut to 256
                 "rope_type": "yarn",
                 "rope_theta": 10000.0,

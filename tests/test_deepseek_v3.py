@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from families import check_served
-from test_engine import check_logits_parity, run_staggered
-from test_moe import build_moe_dir, check_greedy_matches_generate, make
+from test_engine import check_logits_parity
+from test_moe import build_moe_dir, check_bf16_alone_equals_batch, check_greedy_matches_generate, make
 from test_nextn import add_nextn_layer
 from test_step import prompts as repetitive_prompts
 from tp_ranks import model_logits, sharded_logits
@@ -79,15 +79,9 @@ def test_sharded_logits_match_the_unsharded_model(dirs):
 
 def test_in_bfloat16_a_requests_tokens_alone_equal_its_tokens_in_a_batch(dirs):
     """The absorbed products head by head on the batch-invariant operator."""
-    from test_engine import prompts
-
     eng = make(dirs["DeepseekV3ForCausalLM"], "none", dtype="bfloat16", batch_invariant="on", compile="off")
     assert eng.batch_invariant and eng.runner.model.layers[0].self_attn.invariant
-    ps = prompts(10, seed=4, lo=5, hi=30)
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    alone = [eng.generate([p], params)[0].outputs[0].delta_token_ids for p in ps]
-    got = run_staggered(eng, ps, params, every=1)
-    assert [got[f"r{i}"] for i in range(len(ps))] == alone
+    check_bf16_alone_equals_batch(dirs["DeepseekV3ForCausalLM"], n=10)
 
 
 @pytest.mark.parametrize(

@@ -9,19 +9,24 @@ served completion."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from families import check_served, hf_eager, hf_logits, paged_logits
 from safetensors.torch import load_file, save_file
-from test_engine import prompts, run_staggered
-from test_moe import build_moe_dir, check_greedy_matches_generate, make
-from test_step import prompts as repetitive_prompts
+from test_engine import prompts
+from test_moe import (
+    build_moe_dir,
+    check_bf16_alone_equals_batch,
+    check_greedy_matches_generate,
+    check_speculation_is_plain,
+    make,
+)
 from tp_ranks import model_logits, sharded_logits
 
 from engine.models import ernie4_5
-from engine.request.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -33,6 +38,11 @@ FAR = 0.01  # fifty times the parity tolerance (2e-4): a difference no rounding 
 def dirs(tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ernie")
     return {arch: build_moe_dir(root / arch, tokenizer_dir, arch) for arch in ARCHS}
+
+
+def copied(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
 
 
 def logits(model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,10 +67,7 @@ def test_without_the_reorder_or_the_expert_bias_the_logits_are_far(dirs, monkeyp
         _, unordered = logits(dirs["Ernie4_5ForCausalLM"])
     assert (unordered - want).abs().max() > FAR
     moe = dirs["Ernie4_5_MoeForCausalLM"]
-    unbiased = tmp_path / "unbiased"
-    unbiased.mkdir()
-    for f in moe.iterdir():
-        (unbiased / f.name).write_bytes(f.read_bytes())
+    unbiased = copied(moe, tmp_path / "unbiased")
     tensors = load_file(moe / "model.safetensors")
     biases = [k for k in tensors if k.endswith("moe_statics.e_score_correction_bias")]
     assert len(biases) == 3
@@ -86,32 +93,18 @@ def test_sharded_logits_match_the_unsharded_model(dirs):
 
 
 def test_in_bfloat16_a_requests_tokens_alone_equal_its_tokens_in_a_batch(dirs):
-    eng = make(dirs["Ernie4_5_MoeForCausalLM"], "none", dtype="bfloat16", batch_invariant="on", compile="off")
-    ps = prompts(8, seed=4, lo=5, hi=30)
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    alone = [eng.generate([p], params)[0].outputs[0].delta_token_ids for p in ps]
-    got = run_staggered(eng, ps, params, every=1)
-    assert [got[f"r{i}"] for i in range(len(ps))] == alone
+    check_bf16_alone_equals_batch(dirs["Ernie4_5_MoeForCausalLM"])
 
 
 def test_speculation_gives_the_plain_decoders_tokens_and_mtp_tensors_are_passed_over(dirs, tmp_path):
     """The releases carry multi-token-prediction tensors (``model.mtp_*``), which are not read."""
     src = dirs["Ernie4_5_MoeForCausalLM"]
-    target = tmp_path / "with-mtp"
-    target.mkdir()
-    for f in src.iterdir():
-        (target / f.name).write_bytes(f.read_bytes())
+    target = copied(src, tmp_path / "with-mtp")
     tensors = load_file(src / "model.safetensors")
     tensors["model.mtp_block.0.self_attn.q_proj.weight"] = torch.ones(64, 64)
     tensors["model.mtp_emb_norm.0.weight"] = torch.ones(64)
     save_file(tensors, target / "model.safetensors")
-    ps = repetitive_prompts(6, seed=9)
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    plain = [o.outputs[0].delta_token_ids for o in make(src).generate(ps, params)]
-    eng = make(target, "ngram")
-    pinned = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, num_draft_tokens=3)
-    assert [o.outputs[0].delta_token_ids for o in eng.generate(ps, pinned)] == plain
-    assert eng.spec_stats.num_drafts > 0
+    check_speculation_is_plain(target, "ngram", plain_dir=src)
 
 
 def test_served_through_the_sdk(dirs):
@@ -125,10 +118,7 @@ def test_nf4_and_quantized_checkpoints_are_refused(dirs, tmp_path):
 
     with pytest.raises(ValueError, match="nf4 cannot load ERNIE 4.5"):
         make(dirs["Ernie4_5ForCausalLM"], quantization="nf4")
-    quantized = tmp_path / "gptq"
-    quantized.mkdir()
-    for f in dirs["Ernie4_5ForCausalLM"].iterdir():
-        (quantized / f.name).write_bytes(f.read_bytes())
+    quantized = copied(dirs["Ernie4_5ForCausalLM"], tmp_path / "gptq")
     config = json.loads((quantized / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True}
     (quantized / "config.json").write_text(json.dumps(config))

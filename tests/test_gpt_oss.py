@@ -118,7 +118,6 @@ def test_a_config_without_the_swiglu_constants_gets_the_models_own():
     image has it): the model takes gpt-oss's 1.702 and 7.0 rather than failing to build."""
     from engine.models import model_class_for
 
-
     class OlderConfig(transformers.GptOssConfig):
         def __getattribute__(self, name):
             if name in ("swiglu_alpha", "swiglu_limit"):

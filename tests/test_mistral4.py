@@ -17,13 +17,18 @@ import pytest
 import torch
 import transformers
 from families import check_served, hf_eager, hf_logits, paged_logits, save_random
-from test_engine import prompts, run_staggered
-from test_moe import build_moe_dir, check_greedy_matches_generate, make, moe_config
-from test_step import prompts as repetitive_prompts
+from test_engine import prompts
+from test_moe import (
+    build_moe_dir,
+    check_bf16_alone_equals_batch,
+    check_greedy_matches_generate,
+    check_speculation_is_plain,
+    make,
+    moe_config,
+)
 from tp_ranks import model_logits, sharded_logits
 
 from engine.models.mistral4 import Mistral4ForCausalLM, Mistral4TextForCausalLM, ScaledMlaAttention, SoftmaxGroupedMoE
-from engine.request.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -118,12 +123,7 @@ def test_sharded_logits_match_the_unsharded_model(dirs):
 
 
 def test_in_bfloat16_a_requests_tokens_alone_equal_its_tokens_in_a_batch(dirs):
-    eng = make(dirs["text"], "none", dtype="bfloat16", batch_invariant="on", compile="off")
-    ps = prompts(8, seed=4, lo=5, hi=30)
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    alone = [eng.generate([p], params)[0].outputs[0].delta_token_ids for p in ps]
-    got = run_staggered(eng, ps, params, every=1)
-    assert [got[f"r{i}"] for i in range(len(ps))] == alone
+    check_bf16_alone_equals_batch(dirs["text"])
 
 
 @pytest.mark.parametrize("method", ["ngram", "layer-skip"])
@@ -133,13 +133,7 @@ def test_speculation_gives_the_plain_decoders_tokens(dirs, tmp_path, method):
     from engine.models.layer_skip import LayerSkip
 
     kw = {"layer-skip": dict(layer_skip_config=write_skip(tmp_path, LayerSkip(frozenset({2}), frozenset({2, 3}))))}
-    ps = repetitive_prompts(6, seed=9)
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    plain = [o.outputs[0].delta_token_ids for o in make(dirs["text"]).generate(ps, params)]
-    eng = make(dirs["text"], method, **kw.get(method, {}))
-    pinned = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, num_draft_tokens=3)
-    assert [o.outputs[0].delta_token_ids for o in eng.generate(ps, pinned)] == plain
-    assert eng.spec_stats.num_drafts > 0
+    check_speculation_is_plain(dirs["text"], method, **kw.get(method, {}))
 
 
 def test_served_through_the_sdk(dirs):

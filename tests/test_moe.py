@@ -255,6 +255,33 @@ def check_greedy_matches_generate(model_dir: Path) -> None:
         assert got[f"r{i}"] == hf_greedy(ref, p, 10), i
 
 
+def check_bf16_alone_equals_batch(model_dir: Path, n: int = 8) -> None:
+    """In bfloat16 under the batch-invariant mode, each request's greedy tokens alone equal its tokens in
+    a batch that requests join every step."""
+    from test_engine import prompts
+
+    eng = make(model_dir, "none", dtype="bfloat16", batch_invariant="on", compile="off")
+    ps = prompts(n, seed=4, lo=5, hi=30)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    alone = [eng.generate([p], params)[0].outputs[0].delta_token_ids for p in ps]
+    got = run_staggered(eng, ps, params, every=1)
+    assert [got[f"r{i}"] for i in range(len(ps))] == alone
+
+
+def check_speculation_is_plain(target: Path, method: str, plain_dir: Path | None = None, **kw) -> None:
+    """Greedy tokens of ``method`` drafting for ``target`` (3 drafts pinned) equal plain decoding's (of
+    ``plain_dir``, where it differs: the same model in another checkpoint), and drafts were made."""
+    from test_step import prompts as repetitive_prompts
+
+    ps = repetitive_prompts(6, seed=9)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    plain = [o.outputs[0].delta_token_ids for o in make(plain_dir or target).generate(ps, params)]
+    eng = make(target, method, **kw)
+    pinned = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, num_draft_tokens=3)
+    assert [o.outputs[0].delta_token_ids for o in eng.generate(ps, pinned)] == plain
+    assert eng.spec_stats.num_drafts > 0
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_matches_hf_generate(moe_dirs, arch):
     check_greedy_matches_generate(moe_dirs[arch])
