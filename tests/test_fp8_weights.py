@@ -249,11 +249,15 @@ def test_a_block_scaled_layer_is_served_from_its_bytes_and_rows_stay_independent
         assert torch.equal(layer(x[i : i + 1]), together[i : i + 1])
 
 
-def test_a_mixtures_router_stays_in_full_precision(tmp_path):
-    """Its scores choose the experts: --quantization fp8 leaves the router as loaded, as FP8 checkpoints
-    do (16 experts: a shape the FP8 product takes; the stacked experts are not linear layers)."""
+@pytest.mark.parametrize("quantization", ["fp8", "int4"])
+def test_a_mixtures_router_stays_in_full_precision(tmp_path, quantization):
+    """Its scores choose the experts: --quantization fp8 and int4 leave the router as loaded, as
+    quantized checkpoints do (16 experts: a shape both products take; the stacked experts are not
+    linear layers)."""
     import transformers
     from torch import nn
+
+    from engine.quant import Int4Linear
 
     config = transformers.Qwen3MoeConfig(
         vocab_size=384, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -262,6 +266,6 @@ def test_a_mixtures_router_stays_in_full_precision(tmp_path):
     )  # fmt: skip
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "moe")
     d = tmp_path / "moe"
-    model = load_model(d, load_config(d), torch.float32, torch.device("cpu"), 64, pack=False, quantization="fp8")
+    model = load_model(d, load_config(d), torch.float32, torch.device("cpu"), 64, pack=False, quantization=quantization)
     assert type(model.layers[0].mlp.gate) is nn.Linear and model.layers[0].mlp.gate.out_features == 16
-    assert isinstance(model.layers[0].self_attn.qkv_proj, Fp8Linear)
+    assert isinstance(model.layers[0].self_attn.qkv_proj, Fp8Linear if quantization == "fp8" else Int4Linear)

@@ -31,7 +31,7 @@ import logging
 import torch
 from torch import nn
 
-from engine.quant.install import assemble, replace
+from engine.quant.install import ROUTERS, assemble, replace
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +100,6 @@ class Fp8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 weights, per-row scales"
-
-
-ROUTERS = ("gate",)  # a mixture's router: its scores pick the experts (FP8 checkpoints leave it unquantized too)
 
 
 def fp8_layer(name: str, linear: nn.Linear, skip: tuple[str, ...] = ("lm_head", *ROUTERS)) -> Fp8Linear | None:

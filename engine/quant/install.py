@@ -20,6 +20,9 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 Parts = tuple[torch.Tensor, ...]  # a layer's stored form: tensors whose first dimension is its output rows
+# A mixture's router, by its module name: its scores pick the experts (quantized checkpoints leave it in
+# full precision, and so do --quantization int4 and fp8).
+ROUTERS = ("gate",)
 
 
 def assemble(

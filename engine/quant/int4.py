@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.quant.install import assemble, replace
+from engine.quant.install import ROUTERS, assemble, replace
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
 
 
-def int4_layer(name: str, linear: nn.Linear, skip: tuple[str, ...] = ("lm_head",)) -> Int4Linear | None:
+def int4_layer(name: str, linear: nn.Linear, skip: tuple[str, ...] = ("lm_head", *ROUTERS)) -> Int4Linear | None:
     """``linear`` (at module path ``name``) quantized to an :class:`Int4Linear`, or None where it stays in
     full precision: named in ``skip``, or a shape the kernels cannot take."""
     if name.rsplit(".", 1)[-1] in skip:
@@ -214,7 +214,7 @@ def int4_layer(name: str, linear: nn.Linear, skip: tuple[str, ...] = ("lm_head",
     return Int4Linear.from_linear(linear, group)
 
 
-def quantize_linears_int4(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> int:
+def quantize_linears_int4(model: nn.Module, skip: tuple[str, ...] = ("lm_head", *ROUTERS)) -> int:
     """Replace every ``nn.Linear`` of ``model`` but those named in ``skip`` by an :class:`Int4Linear`, one
     at a time (each full-precision weight is freed as its layer is replaced). Returns how many were."""
     replaced = 0
