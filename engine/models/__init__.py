@@ -19,6 +19,8 @@ MODEL_REGISTRY: dict[str, str] = {  # architecture → "module:class" under engi
     "Gemma2ForCausalLM": "gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "gemma3:Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration": "gemma3:Gemma3TextForCausalLM",
+    "Gemma4ForCausalLM": "gemma4:Gemma4ForCausalLM",
+    "Gemma4ForConditionalGeneration": "gemma4:Gemma4TextForCausalLM",
     "Glm4MoeForCausalLM": "glm4_moe:Glm4MoeForCausalLM",
     "KimiK25ForConditionalGeneration": "deepseek_v3:KimiK25TextForCausalLM",
     "Kimi_K25ForConditionalGeneration": "deepseek_v3:KimiK25TextForCausalLM",
@@ -48,6 +50,7 @@ MODEL_REGISTRY: dict[str, str] = {  # architecture → "module:class" under engi
 TEXT_TOWERS = frozenset(
     {
         "Gemma3ForConditionalGeneration",
+        "Gemma4ForConditionalGeneration",
         "Mistral3ForConditionalGeneration",
         "KimiK25ForConditionalGeneration",
         "Kimi_K25ForConditionalGeneration",

@@ -41,15 +41,15 @@ class GemmaRMSNorm(RMSNorm):
 
 
 class ScaledEmbedding(nn.Embedding):
-    """The token embedding times sqrt(hidden_size), the factor rounded to the weights' dtype: what the
-    first layer reads (a proposer reusing ``embed_tokens`` gets the same). The tied output layer
-    reads the unscaled ``weight``."""
+    """The token embedding times sqrt(hidden_size) (or ``scale``), the factor rounded to the weights'
+    dtype: what the first layer reads (a proposer reusing ``embed_tokens`` gets the same). The tied
+    output layer reads the unscaled ``weight``."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, scale: float | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         # The factor rounded to each dtype, as Python numbers: no host-to-device copy per call (which a
         # CUDA graph's capture refuses), and constants to torch.compile.
-        root = self.embedding_dim**0.5
+        root = self.embedding_dim**0.5 if scale is None else scale
         dtypes = (torch.float32, torch.bfloat16, torch.float16)
         self.factors = {dt: torch.tensor(root, dtype=dt, device="cpu").item() for dt in dtypes}
 

@@ -313,6 +313,9 @@ def load_model(
 
         plain = reader.read(iter_safetensors(path, skip=skip), keep if serves_stored else None)
         weights = ((k, take_slice(v, select(k) if select else None).to(device)) for k, v in plain)
+    # The model's own changes to the stream (Gemma 4: one tensor filling two slots, tensors it never
+    # reads), before any layer takes its weights from it
+    weights = getattr(model, "checkpoint_stream", lambda w: w)(weights)
     if nf4:
         weights = nf4.intercept(weights)
     elif layers:
@@ -470,9 +473,11 @@ class _NF4Loading:
             layer.set_weight(fuse_nf4([q for _, q in sorted(stacked, key=lambda x: x[0])]))
 
     def shards(self, name: str) -> list[object]:
-        """The shards a fused layer is loaded from, in the model's fusion table's order."""
+        """The shards a fused layer is loaded from, in the model's fusion table's order: those the model
+        expects of this layer (Gemma 4's K/V-sharing layers fill only the q rows of their q/k/v)."""
         fused = [shard for piece, (f, shard) in self.fused.items() if f.strip(".") == name.rsplit(".", 1)[-1]]
-        return fused or [None]
+        expected = self.model.expected_slots(f"{name}.weight")
+        return [s for s in fused if f"{name}.weight:{s}" in expected] or fused or [None]
 
 
 def read_state_file(path: Path, names: tuple[str, ...]) -> tuple[Path, dict[str, torch.Tensor]]:

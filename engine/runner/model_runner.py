@@ -212,11 +212,22 @@ def mark_pool_static(pool: torch.Tensor) -> None:
     torch._dynamo.mark_static(pool, [d for d in range(pool.dim()) if d != 2])
 
 
-def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
-    """K and V of one token, all layers, in the pool :meth:`ModelRunner.allocate_kv` lays out: this
-    rank's KV heads of the model's attention (one latent for multi-head latent attention)."""
+def kv_shape(model: torch.nn.Module) -> tuple[int, int, int]:
+    """The KV pool's ``(layers, KV heads, head dim)`` on this rank, as :meth:`ModelRunner.allocate_kv`
+    lays it out (``[layers, K/V, slots, KV heads, head dim]``): the model's ``kv_shape`` where it
+    declares one (a family whose layers' K/V differ in shape, or share a layer's: Gemma 4), else every
+    layer's own K/V in its first layer's shape (one latent for multi-head latent attention)."""
+    declared = getattr(model, "kv_shape", None)
+    if declared is not None:
+        return declared
     attn = model.layers[0].self_attn
-    return 2 * model.num_layers * attn.num_kv_heads * attn.head_dim * torch.empty((), dtype=dtype).element_size()
+    return model.num_layers, attn.num_kv_heads, attn.head_dim
+
+
+def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """K and V of one token, all layers, in the pool :meth:`ModelRunner.allocate_kv` lays out."""
+    layers, heads, head_dim = kv_shape(model)
+    return 2 * layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 def kv_pool_blocks(runner: ModelRunner, extra_bytes_per_token: int, config, max_len: int) -> int:
@@ -365,16 +376,16 @@ class ModelRunner:
     def allocate_kv(self, num_blocks: int) -> None:
         """Allocate the KV pool, once its size is known (it is shared out with any proposer's cache).
         With graphs, one more block past the pool's is their padding tokens' scratch."""
-        attn = self.model.layers[0].self_attn
+        layers, heads, head_dim = kv_shape(self.model)
         self.num_blocks = num_blocks
         scratch = int(self.cuda_graph_max_seqs > 0)
         # [layers, K/V, slots, kv_heads, head_dim]: one contiguous pool; slot = block * block_size + offset.
         self.kv_cache = torch.zeros(
-            self.model.num_layers,
+            layers,
             2,
             (num_blocks + scratch) * self.block_size,
-            attn.num_kv_heads,
-            attn.head_dim,
+            heads,
+            head_dim,
             dtype=self.pool_dtype,
             device=self.device,
         )
@@ -389,9 +400,7 @@ class ModelRunner:
         if scratch:  # (new graphs: the old ones read the old pool)
             from engine.runner.cuda_graphs import CudaGraphs
 
-            self.graphs = CudaGraphs(
-                self.device, self.cuda_graph_max_seqs, num_blocks, self.block_size, attn.num_kv_heads
-            )
+            self.graphs = CudaGraphs(self.device, self.cuda_graph_max_seqs, num_blocks, self.block_size, heads)
 
     # -- KV blocks --------------------------------------------------------------------------------
     def move_slots(self, src: list[int], dst: list[int]) -> None:
