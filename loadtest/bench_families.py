@@ -75,7 +75,7 @@ MOE = (
 DENSE = (
     "LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
     "SmolLM3ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GraniteForCausalLM", "Ministral3ForCausalLM",
-    "SeedOssForCausalLM", "Ernie4_5ForCausalLM", "Exaone4ForCausalLM",
+    "SeedOssForCausalLM", "Ernie4_5ForCausalLM", "Exaone4ForCausalLM", "Gemma4ForCausalLM",
 )  # fmt: skip
 FAMILIES = MOE + DENSE
 BOS, EOS, PAD = 0, 1, 2
@@ -197,6 +197,17 @@ def family_config(arch: str, s: Shape) -> transformers.PretrainedConfig:
         "Ernie4_5ForCausalLM": lambda: transformers.Ernie4_5Config(**common, head_dim=s.head_dim),
         "Exaone4ForCausalLM": lambda: transformers.Exaone4Config(  # the 32B model's 3 sliding : 1 full layers
             **common, head_dim=s.head_dim, sliding_window=s.window, sliding_window_pattern=4
+        ),
+        "Gemma4ForCausalLM": lambda: transformers.Gemma4TextConfig(  # the 31B's: 5 local : 1 global layers, the
+            # global ones with heads twice as wide, one KV head, keys as values and a quarter of each head turned
+            **common,
+            head_dim=s.head_dim,
+            global_head_dim=2 * s.head_dim,
+            num_global_key_value_heads=1,
+            attention_k_eq_v=True,
+            sliding_window=s.window,
+            hidden_size_per_layer_input=0,
+            final_logit_softcapping=30.0,
         ),
         "SmolLM3ForCausalLM": lambda: transformers.SmolLM3Config(**common, no_rope_layer_interval=4),
         "Olmo2ForCausalLM": lambda: transformers.Olmo2Config(**common),

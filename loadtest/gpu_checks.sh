@@ -75,6 +75,7 @@ workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-4} -
     tests/test_moe.py::test_the_layout_kernel_gives_row_blocks_values tests/test_moe.py::test_the_routing_kernel_routes_as_the_eager_router \
     "tests/test_engine.py::test_logits_match_transformers_cuda" tests/test_loading.py::test_cuda_greedy_matches_cpu \
     tests/test_deepseek_v3.py::test_on_a_gpu_latent_attention_runs_on_sdpa_and_matches_transformers \
+    tests/test_gemma4.py::test_on_a_gpu_the_released_head_widths_run_on_the_triton_kernel tests/test_gemma4.py::test_the_triton_kernel_reads_each_layers_view_of_the_pool \
     tests/test_int4.py tests/test_bench_gpu.py tests/test_cuda_graphs.py tests/test_gpu_speculation.py \
     tests/test_attention_backends.py tests/test_run_ahead.py::test_run_ahead_through_graphs_on_gpu \
     tests/test_kv_cache_fp8.py::test_the_triton_kernel_reads_fp8_tiles tests/test_fp8_weights.py::test_the_layer_on_a_gpu_is_the_w8a8_product \

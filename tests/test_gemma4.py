@@ -28,6 +28,7 @@ from engine.models import gemma4
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 KINDS = ["dense", "moe", "e"]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FAR = 0.01  # fifty times the parity tolerance (2e-4): a difference no rounding explains
 LOCAL, GLOBAL = "sliding_attention", "full_attention"
 COMMON = dict(
@@ -100,8 +101,33 @@ def test_logits_match_transformers(dirs, kind):
 def test_the_triton_kernel_reads_each_layers_view_of_the_pool(dirs, kind):
     """The GPU's attention kernel (in Triton's interpreter off CUDA) on the same pool rows read as heads
     of 16 and of 32 dims."""
-    want, have = logits(dirs[kind], attention_backend="triton", compile="off")
-    torch.testing.assert_close(have, want, atol=2e-4, rtol=2e-4)
+    want, have = logits(dirs[kind], device=DEVICE, attention_backend="triton", compile="off")
+    torch.testing.assert_close(have.cpu(), want, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_released_head_widths_run_on_the_triton_kernel(tokenizer_dir, tmp_path):
+    """The 31B's attention shapes (32 query heads; 16 KV heads of 256 locally, 4 of 512 globally, keys as
+    values) on the Triton kernel, with and without CUDA graphs: logits within tolerance of transformers'."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    torch.manual_seed(0)
+    config = transformers.Gemma4TextConfig(
+        **{**COMMON, "hidden_size": 256, "num_attention_heads": 32, "head_dim": 256}, num_hidden_layers=2,
+        layer_types=[LOCAL, GLOBAL], num_key_value_heads=16, global_head_dim=512, num_global_key_value_heads=4,
+        attention_k_eq_v=True, hidden_size_per_layer_input=0,
+    )  # fmt: skip
+    model = transformers.Gemma4ForCausalLM(config).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.05) if p.dim() > 1 else p.normal_(1.0, 0.1)
+    model.save_pretrained(tmp_path)
+    PreTrainedTokenizerFast.from_pretrained(tokenizer_dir).save_pretrained(tmp_path)
+    ids = prompts(1, seed=1, lo=30, hi=31)[0]
+    want = hf_logits(hf_eager(tmp_path), ids)
+    for eager in (True, False):
+        eng = make(tmp_path, device="cuda", attention_backend="triton", compile="off", enforce_eager=eager)
+        torch.testing.assert_close(paged_logits(eng, ids).cpu(), want, atol=2e-4, rtol=2e-4)
 
 
 def test_the_pool_holds_the_widest_layer_and_no_row_for_sharing_layers(dirs):
