@@ -683,6 +683,7 @@ def _serve_parser(sub, common: argparse.ArgumentParser) -> None:
             "deepseek_v3",
             "deepseek_v31",
             "kimi_k2",
+            "gemma4",
             "harmony",
         ],
         default="auto",
@@ -698,6 +699,7 @@ def _serve_parser(sub, common: argparse.ArgumentParser) -> None:
         "deepseek_v3 / deepseek_v31: DeepSeek-V3's and R1's <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME and a "
         "fenced JSON block, V3.1's <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}; "
         "kimi_k2: Kimi K2's <|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>{...}<|tool_call_end|>; "
+        'gemma4: Gemma 4\'s <|tool_call>call:NAME{key:<|"|>text<|"|>,n:1}<tool_call|>; '
         "harmony: gpt-oss's messages to functions.NAME)",
     )
     serve.add_argument(
@@ -727,7 +729,8 @@ def _serve_parser(sub, common: argparse.ArgumentParser) -> None:
         help="split a reasoning model's thinking into reasoning_content (qwen3: Qwen3/QwQ <think>; glm45: GLM-4.5 "
         "to 4.7's <think>, as qwen3; minimax_m2 / kimi_k2: MiniMax-M2's and Kimi's <think>, as qwen3; seed_oss: "
         "Seed-OSS's <seed:think>, which it opens itself; deepseek_r1: "
-        "DeepSeek-R1, which thinks first; mistral: Magistral's and Ministral 3's [THINK]; harmony: gpt-oss's "
+        "DeepSeek-R1, which thinks first; mistral: Magistral's and Ministral 3's [THINK]; gemma4: Gemma 4's "
+        "<|channel>thought ... <channel|>; harmony: gpt-oss's "
         "analysis channel); enables reasoning_effort and "
         "thinking_token_budget (not with harmony)",
     )

@@ -59,6 +59,9 @@ class ReasoningSyntax:
     # DeepSeek-R1's convention: the model thinks first even where the prompt did not open the
     # thinking (its older templates leave the opening marker to the model, which may omit it).
     thinks_first: bool = False
+    # What the thinking opens with after its start marker and is no part of it (Gemma 4's channel name:
+    # ``<|channel>thought\n``), dropped where it comes.
+    label: str = ""
     budgets = True  # thinking_token_budget can force the end of thinking (its end marker is one token)
 
     # -- the prompt -------------------------------------------------------------------------------------
@@ -178,6 +181,8 @@ SYNTAXES = {
     "seed_oss": ReasoningSyntax("seed_oss", "<seed:think>", "</seed:think>", thinks_first=True),
     # Magistral (2507 on) and Ministral 3's reasoning models: special tokens, kept in the text for the reader.
     "mistral": ReasoningSyntax("mistral", "[THINK]", "[/THINK]"),
+    # Gemma 4: a thought channel, <|channel>thought ... <channel|> (special tokens), turned on by enable_thinking.
+    "gemma4": ReasoningSyntax("gemma4", "<|channel>", "<channel|>", label="thought\n"),
     "harmony": HARMONY,
 }
 
@@ -204,6 +209,7 @@ class ReasoningStream:
         self.held = ""  # text not yet sent: a possible marker, or whitespace that may be dropped
         self.thought = frame.opened is True  # the output has a thinking part
         self.reasoning_started = False  # IN: its first non-whitespace character came
+        self.labelled = not syntax.label  # IN: past where the syntax's label may come
         self.content_started = False
 
     def feed(self, delta: str) -> tuple[str, str]:
@@ -236,6 +242,14 @@ class ReasoningStream:
                     text = text.lstrip()
                     if not text:
                         return reasoning, content
+                    if not self.labelled:  # (and the label, where it comes)
+                        label = self.syntax.label
+                        if label.startswith(text) and text != label:
+                            self.held = text
+                            return reasoning, content
+                        self.labelled = True
+                        text = text[len(label) :] if text.startswith(label) else text
+                        continue
                     self.reasoning_started = True
                 end = text.find(self.syntax.end)
                 if end >= 0:

@@ -2,8 +2,8 @@
 (``auto``). The syntaxes themselves are in server/tools.py (the JSON ones, DeepSeek's among them, and
 gpt-oss's harmony), server/tool_xml.py (Qwen3-Coder's and Qwen3.5's XML, Seed-OSS's, GLM-4.5's and 4.7's,
 MiniMax-M2's),
-server/tool_pythonic.py (a Python list of calls: Llama 3.2's, Llama 4's, Gemma 3's) and server/tool_kimi.py
-(Kimi K2's)."""
+server/tool_pythonic.py (a Python list of calls: Llama 3.2's, Llama 4's, Gemma 3's), server/tool_kimi.py
+(Kimi K2's) and server/tool_gemma4.py (Gemma 4's)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ import dataclasses
 import re
 
 from server.harmony import CHANNEL
+from server.tool_gemma4 import GEMMA4, GEMMA4_FORMAT
 from server.tool_kimi import KIMI, KIMI_K2
 from server.tool_pythonic import PythonicCallFormat
 from server.tool_xml import GLM45, GLM47, MINIMAX_M2, SEED_OSS, XmlCallFormat
 from server.tools import DEEPSEEK, FORMATS, HarmonyFormat, ToolFormat
 
-CallSyntax = ToolFormat | HarmonyFormat | XmlCallFormat | PythonicCallFormat
+CallSyntax = ToolFormat | HarmonyFormat | XmlCallFormat | PythonicCallFormat  # (Gemma4Format is a ToolFormat)
 # (Mistral's v11 syntax is "mistral" too: the template says which.)
 TOOL_PARSERS: dict[str, CallSyntax] = {
     **{k: v for k, v in FORMATS.items() if k != "mistral_v11"},
@@ -26,6 +27,7 @@ TOOL_PARSERS: dict[str, CallSyntax] = {
     "glm47": XmlCallFormat("glm47", GLM47),
     "minimax_m2": XmlCallFormat("minimax_m2", MINIMAX_M2),
     "kimi_k2": KIMI_K2,
+    "gemma4": GEMMA4_FORMAT,
     "pythonic": PythonicCallFormat(),
     "harmony": HarmonyFormat(),
 }
@@ -51,6 +53,8 @@ def detect_format(chat_template: str | None) -> CallSyntax:
         return TOOL_PARSERS["harmony"]
     if "[TOOL_CALLS]" in t:
         return mistral_format(t)
+    if GEMMA4[0] in t:  # Gemma 4's: <|tool_call>call:NAME{key:value}<tool_call|>
+        return TOOL_PARSERS["gemma4"]
     if KIMI[0] in t:  # Kimi K2's: each call named by its id, functions.NAME:INDEX
         return TOOL_PARSERS["kimi_k2"]
     if DEEPSEEK[0] in t:  # V3's and R1's fence each call's arguments as JSON; V3.1's do not

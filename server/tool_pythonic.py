@@ -341,10 +341,10 @@ def _members(schema: dict, defs: dict, tag: str, rules: list[str], keywords: boo
     return _in_order(items, tag, rules)
 
 
-def _in_order(items: list[tuple[str, bool]], tag: str, rules: list[str]) -> str:
-    """A Lark expression for ``items`` (expression, required) in their order, joined by ", ", each not
+def _in_order(items: list[tuple[str, bool]], tag: str, rules: list[str], sep: str = ", ") -> str:
+    """A Lark expression for ``items`` (expression, required) in their order, joined by ``sep``, each not
     required one left out or not. Rule ``{tag}_f{i}`` is what may come from item i on with nothing
-    written yet, ``{tag}_g{i}`` the same after something (so it leads with ", "); each is non-empty,
+    written yet, ``{tag}_g{i}`` the same after something (so it leads with ``sep``); each is non-empty,
     and a reference to one is optional where every item from i on is."""
     n = len(items)
     optional_from = [all(not req for _, req in items[i:]) for i in range(n + 1)]
@@ -353,7 +353,7 @@ def _in_order(items: list[tuple[str, bool]], tag: str, rules: list[str]) -> str:
         return "" if k == n else f"{tag}_{kind}{k}" + ("?" if optional_from[k] else "")
 
     for i, (expr, req) in enumerate(items):
-        for kind, lead in (("f", ""), ("g", '", " ')):
+        for kind, lead in (("f", ""), ("g", json.dumps(sep) + " ")):
             if (kind == "g" and i == 0) or (kind == "f" and any(r for _, r in items[:i])):
                 continue  # (referenced by nothing: no item before the first; a required one is never skipped)
             alts = [" ".join(x for x in (lead + expr, ref("g", i + 1)) if x)]

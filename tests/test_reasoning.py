@@ -353,6 +353,50 @@ def test_mistral_markers_are_special_tokens_kept_for_the_reader(tmp_path, tokeni
         assert plain.choices[0].text == ""  # without a parser to read it, a special token is left out as always
 
 
+# Gemma 4's: a thought channel, its markers special tokens, the thinking labelled "thought" after its opening.
+GEMMA4_TEMPLATE = (
+    "{% for m in messages %}<|turn>{{ m['role'] }}\n{{ m['content'] }}<turn|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|turn>model\n{% if not enable_thinking | default(true) %}"
+    "<|channel>thought\n<channel|>{% endif %}{% endif %}"
+)
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 100])
+def test_gemma4s_thought_channel_is_the_reasoning_without_its_label(size):
+    gemma = SYNTAXES["gemma4"]
+    assert gemma.frame("<|turn>model\n").opened is False  # the model opens it, or answers
+    assert gemma.frame("<|turn>model\n<|channel>thought\n<channel|>").opened is None  # turned off
+    for text, want in [
+        ("<|channel>thought\nTwo and two.\n<channel|>Four.", ("Two and two.", "Four.")),
+        ("<|channel>thoughtful words<channel|>Four.", ("thoughtful words", "Four.")),  # (no label: all reasoning)
+        ("<|channel>thought\nstill thinking", ("still thinking", "")),  # cut inside
+        ("Four.", (None, "Four.")),
+    ]:
+        stream = ReasoningStream(gemma, ReasoningFrame(False))
+        parts = [stream.feed(text[i : i + size]) for i in range(0, len(text), size)] + [stream.finish()]
+        got = ("".join(p[0] for p in parts) if stream.thought else None, "".join(p[1] for p in parts))
+        assert got == want == gemma.split(text, ReasoningFrame(False)), text
+
+
+def test_gemma4s_markers_are_special_tokens_kept_for_the_reader(tmp_path, tokenizer_dir):
+    """Served: the thinking the model opens ends at its budget with ``<channel|>``, and neither marker
+    reaches the text; enable_thinking false closes the channel in the prompt (no reasoning)."""
+    d = build_model_dir(tmp_path / "g", tokenizer_dir, "LlamaForCausalLM")
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    tok.add_tokens(["<|channel>", "<channel|>"], special_tokens=True)
+    tok.chat_template = GEMMA4_TEMPLATE
+    tok.save_pretrained(d)
+    assert SYNTAXES["gemma4"].kept_ids(tok) == (376, 377)  # (OPEN's bias opens the thinking)
+    st = ServerSettings(served_model_name=MODEL, reasoning_parser="gemma4")
+    with serve(create_app(st, engine_factory(d))) as s, openai.OpenAI(base_url=s.base + "/v1", api_key="x") as c:
+        r = chat(c, budget=8, extra=OPEN, messages=[{"role": "user", "content": "a b c"}])
+        m = r.choices[0].message
+        assert m.model_extra["reasoning_content"] and "channel" not in m.model_extra["reasoning_content"] + m.content
+        assert_budget(r.usage, 8, opened_by_model=True)
+        off = chat(c, budget=None, extra={"chat_template_kwargs": {"enable_thinking": False}, **NO_THINK_TOKENS})
+        assert not off.choices[0].message.model_extra.get("reasoning_content") and off.choices[0].message.content
+
+
 # -- the Responses API ------------------------------------------------------------------------------------------
 def test_responses_reasoning_items_streamed_and_not(client):
     yes_no = {"structured_outputs": {"choice": ["yes", "no"]}}  # the answer ends: the response completes
