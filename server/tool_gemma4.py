@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.structured.grammar import JSON_LAYOUT
-from server.tool_pythonic import _in_order
+from server.tool_pythonic import _in_order, array_rule, literal_choices, merged_schema
 from server.tool_xml import _resolve, _types
 from server.tools import ToolCall, ToolFormat, _expect, _lit, _regex_lit, _skip_ws
 
@@ -223,19 +223,9 @@ class Gemma4Format(ToolFormat):
         if depth >= _DEPTH:
             return "g_any"
         depth += 1
-        schema = _resolve(schema, defs)
-        parts = schema.get("allOf")
-        if isinstance(parts, list) and all(isinstance(p, dict) for p in parts):
-            merged: dict = {}
-            for part in parts:
-                merged.update(_resolve(part, defs))
-            schema = {**merged, **{k: v for k, v in schema.items() if k != "allOf"}}
-        choices = schema.get("enum") if "enum" in schema else [schema["const"]] if "const" in schema else None
-        if (
-            isinstance(choices, list)
-            and choices
-            and all(v is None or isinstance(v, (str, int, float)) for v in choices)
-        ):
+        schema = merged_schema(schema, defs)
+        choices = literal_choices(schema)
+        if choices is not None:
             return "(" + " | ".join(self._lit(write_value(v)) for v in choices) + ")"
         branches = schema.get("anyOf") or schema.get("oneOf")
         if isinstance(branches, list) and branches and "type" not in schema:
@@ -260,14 +250,7 @@ class Gemma4Format(ToolFormat):
         if kind == "array":
             items = schema.get("items")
             item = self._value(items, defs, f"{tag}_i", rules, depth) if isinstance(items, dict) else "g_any"
-            least, most = int(schema.get("minItems", 0)), schema.get("maxItems")
-            if most is not None and int(most) <= 0:
-                return '"[" "]"'
-            name = f"{tag}_a"
-            rules.append(f"{name}: {item}")
-            lo, hi = max(least - 1, 0), "" if most is None else str(int(most) - 1)
-            more = name if hi == "0" else f'{name} ("," {name})' + ("*" if (lo, hi) == (0, "") else f"{{{lo},{hi}}}")
-            return f'"[" {more} "]"' if least > 0 else f'"[" ({more})? "]"'
+            return array_rule(item, schema, tag, rules, ",")
         if kind == "object":
             members = self._members(schema, defs, tag, rules, depth)
             return f'"{{" {members} "}}"' if members else '"{" "}"'

@@ -363,21 +363,50 @@ def _in_order(items: list[tuple[str, bool]], tag: str, rules: list[str], sep: st
     return ref("f", 0)
 
 
+def merged_schema(schema: dict, defs: dict) -> dict:
+    """``schema`` with its ``$ref`` resolved and its ``allOf`` parts merged into it (pydantic wraps a
+    described ``$ref`` so)."""
+    schema = _resolve(schema, defs)
+    parts = schema.get("allOf")
+    if isinstance(parts, list) and all(isinstance(p, dict) for p in parts):
+        merged: dict = {}
+        for part in parts:
+            merged.update(_resolve(part, defs))
+        schema = {**merged, **{k: v for k, v in schema.items() if k != "allOf"}}
+    return schema
+
+
+def literal_choices(schema: dict) -> list | None:
+    """The values an ``enum`` or ``const`` allows, where each is a scalar; else None."""
+    choices = schema.get("enum") if "enum" in schema else [schema["const"]] if "const" in schema else None
+    if isinstance(choices, list) and choices and all(v is None or isinstance(v, (str, int, float)) for v in choices):
+        return choices
+    return None
+
+
+def array_rule(item: str, schema: dict, tag: str, rules: list[str], sep: str) -> str:
+    """A list of ``item`` (a Lark expression) within the schema's ``minItems`` / ``maxItems``, items
+    joined by ``sep``; its item rule ``{tag}_a`` added to ``rules``."""
+    least, most = int(schema.get("minItems", 0)), schema.get("maxItems")
+    if most is not None and int(most) <= 0:
+        return '"[" "]"'
+    name = f"{tag}_a"
+    rules.append(f"{name}: {item}")
+    lo, hi = max(least - 1, 0), "" if most is None else str(int(most) - 1)
+    joined = f"{json.dumps(sep)} {name}"
+    more = name if hi == "0" else f"{name} ({joined})" + ("*" if (lo, hi) == (0, "") else f"{{{lo},{hi}}}")
+    return f'"[" {more} "]"' if least > 0 else f'"[" ({more})? "]"'
+
+
 def _value(schema: dict, defs: dict, tag: str, rules: list[str], depth: int = 0) -> str:
     """A Lark expression for one value held to ``schema``, written as a Python literal. Past
     :data:`_DEPTH` levels (a recursive ``$ref``: a tree of nodes) a value is any literal."""
     if depth >= _DEPTH:
         return "py_any"
     depth += 1
-    schema = _resolve(schema, defs)
-    parts = schema.get("allOf")
-    if isinstance(parts, list) and all(isinstance(p, dict) for p in parts):  # (pydantic wraps a described $ref so)
-        merged: dict = {}
-        for part in parts:
-            merged.update(_resolve(part, defs))
-        schema = {**merged, **{k: v for k, v in schema.items() if k != "allOf"}}
-    choices = schema.get("enum") if "enum" in schema else [schema["const"]] if "const" in schema else None
-    if isinstance(choices, list) and choices and all(v is None or isinstance(v, (str, int, float)) for v in choices):
+    schema = merged_schema(schema, defs)
+    choices = literal_choices(schema)
+    if choices is not None:
         return "(" + " | ".join(_lit(_literal(v)) for v in choices) + ")"
     branches = schema.get("anyOf") or schema.get("oneOf")
     if isinstance(branches, list) and branches and "type" not in schema:
@@ -400,14 +429,7 @@ def _value(schema: dict, defs: dict, tag: str, rules: list[str], depth: int = 0)
     if kind == "array":
         items = schema.get("items")
         item = _value(items, defs, f"{tag}_i", rules, depth) if isinstance(items, dict) else "py_any"
-        least, most = int(schema.get("minItems", 0)), schema.get("maxItems")
-        if most is not None and int(most) <= 0:
-            return '"[" "]"'
-        name = f"{tag}_a"
-        rules.append(f"{name}: {item}")
-        lo, hi = max(least - 1, 0), "" if most is None else str(int(most) - 1)
-        more = name if hi == "0" else f'{name} (", " {name})' + ("*" if (lo, hi) == (0, "") else f"{{{lo},{hi}}}")
-        return f'"[" {more} "]"' if least > 0 else f'"[" ({more})? "]"'
+        return array_rule(item, schema, tag, rules, ", ")
     if kind == "object":
         members = _members(schema, defs, tag, rules, keywords=False, depth=depth)
         return f'"{{" {members} "}}"' if members else '"{" "}"'
