@@ -13,8 +13,8 @@ between and after them; a call the limit cut dropped). Its grammars write each a
 schema: a string between the markers within its ``minLength`` / ``maxLength`` (its ``pattern`` and
 ``format`` are not enforced), a number or integer as its JSON held to the schema by llguidance, an
 ``enum`` as one of its values, objects and lists down their ``properties`` and ``items`` (the schema's
-keys only, in its order, those not required optional); where a schema says nothing, any value. Reading is
-lenient as vLLM's: a bare word that is no number or constant reads as a string.
+keys only, sorted as the chat template writes them, those not required optional); where a schema
+says nothing, any value. Reading is lenient as vLLM's: a bare word that is no number or constant reads as a string.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from server.tools import ToolCall, ToolFormat, _expect, _lit, _regex_lit, _skip_
 QUOTE = '<|"|>'
 GEMMA4 = ("<|tool_call>", "<tool_call|>", QUOTE)
 _NAME = re.compile(r"[^\s{}<>\[\],:]+")  # a call's name, up to its arguments' "{"
-_KEY = re.compile(r"[^\s{}<>\[\],:]+")  # a bare key, up to its ":"
+_KEY = re.compile(r"[^{}<>\[\],:]+")  # a bare key, up to its ":" (blanks inside too: the template writes keys raw)
 _BARE = re.compile(r"[^,{}\[\]<]*")  # a bare value: up to the next delimiter or marker
 _NUMBER = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
 _CONSTANTS = {"true": True, "false": False, "null": None}
@@ -84,9 +84,9 @@ def read_object(text: str, i: int, depth: int = 0) -> tuple[dict, int] | None:
             key, q = text[q + len(QUOTE) : end], end + len(QUOTE)
         else:
             m = _KEY.match(text, q)
-            if m is None:
+            if m is None or not m.group().strip():
                 return None
-            key, q = m.group(), m.end()
+            key, q = m.group().strip(), m.end()
         q = _skip_ws(text, q)
         if not text.startswith(":", q):
             return None
@@ -122,7 +122,7 @@ def _read_items(text: str, i: int, close: str, depth: int) -> tuple[list, int] |
 
 
 def write_value(value: Any) -> str:
-    """A JSON value in Gemma 4's notation (as its chat template writes a history's calls)."""
+    """A JSON value in Gemma 4's notation, keys sorted (as its chat template writes a history's calls)."""
     if isinstance(value, bool) or value is None:
         return json.dumps(value)
     if isinstance(value, str):
@@ -130,7 +130,7 @@ def write_value(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ",".join(write_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ",".join(f"{k}:{write_value(v)}" for k, v in value.items()) + "}"
+        return "{" + ",".join(f"{k}:{write_value(v)}" for k, v in sorted(value.items())) + "}"
     return json.dumps(value)
 
 
@@ -179,7 +179,7 @@ class Gemma4Format(ToolFormat):
             'g_any: g_str | G_NUM | "true" | "false" | "null" | "[" (g_any ("," g_any)*)? "]" '
             '| "{" (G_KEY ":" g_any ("," G_KEY ":" g_any)*)? "}"',
             "G_NUM: /-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][+-]?[0-9]{1,2})?/",
-            "G_KEY: /[A-Za-z_][A-Za-z0-9_.-]*/",
+            "G_KEY: /[^\\s{}<>\\[\\],:]([^{}<>\\[\\],:\\n]*[^\\s{}<>\\[\\],:])?/",  # (what the reader reads as a key)
         ]
         self._string("g_str", "0,", rules)
         return rules
@@ -201,8 +201,9 @@ class Gemma4Format(ToolFormat):
         return name
 
     def _members(self, schema: dict, defs: dict, tag: str, rules: list[str], depth: int = 0) -> str:
-        """An object's members between its braces: the schema's keys in its order, those not required
-        optional; where it names none, any keys (of values its ``additionalProperties`` holds)."""
+        """An object's members between its braces: the schema's keys sorted (as Gemma 4's template writes
+        them: ``dictsort``), those not required optional; where it names none, any keys (of values its
+        ``additionalProperties`` holds)."""
         props = schema.get("properties")
         if not isinstance(props, dict) or not props:
             extra = schema.get("additionalProperties")
@@ -213,7 +214,7 @@ class Gemma4Format(ToolFormat):
             return f'({tag}_e ("," {tag}_e)*)?'
         required = set(schema.get("required") or ())
         items = []
-        for j, (key, sub) in enumerate(props.items()):
+        for j, (key, sub) in enumerate(sorted(props.items())):  # (the template writes keys sorted: dictsort)
             value = self._value(sub if isinstance(sub, dict) else {}, defs, f"{tag}_{j}", rules, depth)
             items.append((f"{_lit(key + ':')} {value}", key in required))
         return _in_order(items, tag, rules, sep=",")

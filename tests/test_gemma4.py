@@ -271,3 +271,75 @@ def test_bidirectional_and_short_per_layer_tables_are_refused(dirs, tmp_path):
         (d / "config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(ValueError, match=match):
             make(d)
+
+
+@pytest.mark.parametrize("kind", ["dense", "e"])
+def test_an_fp8_checkpoint_serves_its_own_weights(dirs, tmp_path, kind):
+    """An FP8 checkpoint (every linear layer's weight in e4m3, one scale a tensor) served as it is stored
+    (``--quantization fp8``): a keys-are-values layer's stored keys serve its values too, and the K/V
+    tensors the released "E" checkpoints carry for their sharing layers are never read (here of shapes
+    no layer has: read, they would fail the load). Each served projection's rows, dequantized, are the
+    checkpoint's."""
+    from test_mistral4 import fp8_release
+
+    from engine.quant.fp8 import Fp8Linear
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in dirs[kind].iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(src / "model.safetensors")
+    if kind == "e":
+        for i in (5, 6, 7):
+            for name in ("k_proj", "v_proj"):
+                tensors[f"model.layers.{i}.self_attn.{name}.weight"] = torch.randn(8, 64)
+    save_file(tensors, src / "model.safetensors")
+    fp8, reference = tmp_path / "fp8", tmp_path / "reference"
+    fp8_release(src, fp8, reference)
+    plain = load_file(reference / "model.safetensors")
+    model = make(fp8, quantization="fp8", compile="off", batch_invariant="off").runner.model
+    for i, layer in enumerate(model.layers):
+        attn, prefix = layer.self_attn, f"model.layers.{i}.self_attn."
+        assert isinstance(attn.qkv_proj, Fp8Linear), (i, type(attn.qkv_proj))
+        rows = attn.qkv_proj.weight.float() * attn.qkv_proj.weight_scale.t()
+        parts = ["q_proj"] if attn.shares else ["q_proj", "k_proj", "k_proj" if attn.k_is_v else "v_proj"]
+        torch.testing.assert_close(rows, torch.cat([plain[prefix + p + ".weight"] for p in parts]), rtol=0, atol=0)
+    assert any(layer.self_attn.k_is_v for layer in model.layers) == (kind == "dense")
+
+
+def test_a_lora_adapter_on_the_keys_of_a_keys_are_values_layer_adapts_its_values_too(dirs, tmp_path):
+    """Where values are the key projection's output, PEFT's adapter on ``k_proj`` changes both: so does
+    Augur's (the adapter's pair fills the value rows too). Logits within tolerance of PEFT's."""
+    from test_lora import lora_logits, make_adapter, peft_model
+    from test_lora import make as lora_make
+
+    base = dirs["dense"]
+    adapter = make_adapter(base, tmp_path / "k", 0, r=4, lora_alpha=8, target_modules=["k_proj"])
+    ids = list(range(5, 33))
+    with torch.no_grad():
+        want = peft_model(base, adapter)(torch.tensor([ids])).logits[0]
+    assert (want - hf_logits(hf_eager(base), ids)).abs().max() > FAR  # (the adapter matters)
+    have = lora_logits(lora_make(base, {"k": adapter}), ids, "k")
+    torch.testing.assert_close(have, want, atol=2e-4, rtol=2e-4)
+
+
+def test_biases_and_norms_as_transformers_has_them(tokenizer_dir, tmp_path):
+    """A config with attention biases loads with its sharing layers' q-only biases; Gemma 4's norm scales in
+    float32 and rounds once, eagerly and on the batch-invariant operator, as transformers does."""
+    import engine.models.invariant  # noqa: F401  (registers augur::invariant_rms_norm)
+
+    config = gemma4_config("e")
+    config.attention_bias = True
+    hf = transformers.Gemma4ForCausalLM(config).float()
+    model = gemma4.Gemma4ForCausalLM(config, 64)
+    model.load_weights(model.checkpoint_stream(iter(hf.state_dict().items())))
+    assert model.layers[5].self_attn.qkv_proj.bias.shape == (4 * 32,)
+    torch.manual_seed(0)
+    norm = gemma4.Gemma4RMSNorm(512, 1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.3)
+    x = torch.randn(256, 512, dtype=torch.bfloat16) * 3
+    want = (torch.nn.functional.rms_norm(x.float(), (512,), eps=1e-6) * norm.weight.float()).to(torch.bfloat16)
+    assert torch.equal(norm(x), want)
+    norm.invariant = True  # (its own float32 sum: a last-bit difference in a few elements, where rounding
+    assert (norm(x) != want).float().mean() < 0.02  # before the scale, as Llama's order does, moved a quarter)

@@ -64,11 +64,14 @@ def create(client, **kw):
 def test_values_read_as_written_and_a_cut_one_is_none():
     value = {"s": 'a,b}c:"d"\n', "n": -1.5e3, "i": 7, "t": True, "f": False, "z": None, "l": [[], {}, ["x", 2]]}
     written = write_value(value)
-    assert written.startswith("{s:" + QUOTE + 'a,b}c:"d"\n' + QUOTE + ",n:-1500.0,")
+    assert written.startswith("{f:false,i:7,l:[[],{},[" + QUOTE + "x" + QUOTE + ",2]],n:-1500.0,s:" + QUOTE)  # (sorted)
     assert read_value(written, 0) == (value, len(written))
     for k in range(1, len(written)):  # cut anywhere: no value (a number's digits may go on)
         assert read_value(written[:k], 0) is None, written[:k]
     assert read_value("{city:Paris,n:1}", 0)[0] == {"city": "Paris", "n": 1}  # (a bare word: its string)
+    # Keys are written raw: blanks, a leading digit, a dollar, letters beyond ASCII
+    odd = {"first name": "Ann", "1st": 2, "$ref": "x", "città": True}
+    assert read_value(write_value(odd), 0)[0] == odd
 
 
 def test_the_template_picks_the_syntax_and_the_grammars_name_the_markers(srv, tok):
@@ -80,7 +83,7 @@ def test_the_template_picks_the_syntax_and_the_grammars_name_the_markers(srv, to
     rendered = fmt.render([CALL, ("lookup", {"query": "tides, today", "limit": 2})])
     assert rendered == (
         f"{BEGIN}call:get_weather{{city:{QUOTE}Paris{QUOTE},unit:{QUOTE}c{QUOTE}}}{END}"
-        f"{BEGIN}call:lookup{{query:{QUOTE}tides, today{QUOTE},limit:2}}{END}"
+        f"{BEGIN}call:lookup{{limit:2,query:{QUOTE}tides, today{QUOTE}}}{END}"  # (keys sorted, as the template)
     )
     as_model = ids_of(tok, rendered)  # (each marker's text encodes as its one token)
     assert as_model.count(tok.convert_tokens_to_ids(QUOTE)) == 6
@@ -93,6 +96,13 @@ def test_the_template_picks_the_syntax_and_the_grammars_name_the_markers(srv, to
                 ("get_weather", {"city": "Oslo", "unit": "k"}), ("get_weather", {"city": "Oslo"})]:  # fmt: skip
         m = llguidance.LLMatcher(llt, fmt.grammar(functions, True), log_level=0)
         assert not (m.consume_tokens(ids_of(tok, fmt.render([bad]))) and m.is_accepting()), bad
+    # Keys the schema names, however written, and any key of a tool without a schema: the grammar writes
+    # what the reader reads
+    odd = {"$ref": "x", "1st": 2, "città": True, "first name": "Ann"}
+    for tool in ({"name": "f", "parameters": {"type": "object", "properties": {k: {} for k in odd}}}, {"name": "f"}):
+        m = llguidance.LLMatcher(llt, fmt.grammar([tool], False), log_level=0)
+        assert m.consume_tokens(ids_of(tok, fmt.render([("f", odd)]))) and m.is_accepting(), m.get_error()
+        assert [json.loads(c.arguments) for c in fmt.parse(fmt.render([("f", odd)]))[1]] == [odd]
     content, calls = fmt.parse("Let me see. " + rendered + " Done.")
     assert content == "Let me see.\nDone."
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
@@ -100,7 +110,7 @@ def test_the_template_picks_the_syntax_and_the_grammars_name_the_markers(srv, to
         ("lookup", {"query": "tides, today", "limit": 2}),
     ]
     # Cut inside the second call: the first is a call, the cut one neither call nor content.
-    content, calls = fmt.parse(rendered[: rendered.rindex("limit")], cut=True)
+    content, calls = fmt.parse(rendered[: rendered.rindex("query")], cut=True)
     assert content is None and [c.name for c in calls] == ["get_weather"]
     # Read as they are written, a character at a time: the name once its arguments open, then the arguments.
     scanner, events = fmt.scanner(), []

@@ -156,7 +156,10 @@ class LoraSlots:
                 f"adapter {adapter.name!r} has rank {adapter.rank}, over --max-lora-rank {self.max_rank}"
             )
         sharded = getattr(getattr(model, "tp", None), "size", 1) > 1
-        for module, pair in adapter.pairs.items():
+        aliases = getattr(model, "checkpoint_aliases", lambda name: ())
+        # (a module that is another too, Gemma 4's keys-as-values k_proj: both adapted alike)
+        pairs = [(m, pair) for module, pair in adapter.pairs.items() for m in (module, *aliases(module))]
+        for module, pair in pairs:
             if sharded:  # this rank's part: B's rows of a column-parallel layer, A's inputs of a row-parallel one
                 pair = _rank_pair(adapter.name, module, pair, model.checkpoint_slice(f"{module}.weight"))
             target, shard = model.weight_target(model.checkpoint_name(f"{module}.weight"))

@@ -62,6 +62,7 @@ from engine.models.text_tower import TextTower
 from engine.parallel import SINGLE, TensorParallel
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
+_SHARED_KV = re.compile(r"\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.")  # what a sharing layer does not read
 
 
 class Gemma4RMSNorm(RMSNorm):
@@ -76,12 +77,16 @@ class Gemma4RMSNorm(RMSNorm):
             del self.weight  # (no buffer of ones either: a model built on the meta device would lose it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight if self.scaled else x.new_ones(x.shape[-1])
+        # Normalized in float32 (on the batch-invariant or the fused operator where the model runs on
+        # them, with a unit scale), then scaled in float32 and rounded once: transformers' order, where
+        # those operators would round before they scale.
+        xf = x.float()
         if self.invariant:
-            return torch.ops.augur.invariant_rms_norm(x, weight, self.eps, False)
-        if self.fused:
-            return torch.ops.augur.fused_rms_norm(x, weight, self.eps, False)
-        y = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+            y = torch.ops.augur.invariant_rms_norm(xf, xf.new_ones(x.shape[-1]), self.eps, False)
+        elif self.fused:
+            y = torch.ops.augur.fused_rms_norm(xf, xf.new_ones(x.shape[-1]), self.eps, False)
+        else:
+            y = torch.nn.functional.rms_norm(xf, (x.shape[-1],), eps=self.eps)
         return (y * self.weight.float()).to(x.dtype) if self.scaled else y.to(x.dtype)
 
 
@@ -356,22 +361,34 @@ class Gemma4ForCausalLM(StackedExperts, MoEWeights, LayerTypeRope, Gemma2ForCaus
             return name.replace(".experts.", ".moe.experts.", 1)
         return name
 
+    def checkpoint_aliases(self, name: str) -> tuple[str, ...]:
+        """The other names a checkpoint tensor (or module) also fills: a keys-are-values layer's ``k_proj``
+        is its ``v_proj`` too (its weight, a stored quantized form, a LoRA adapter's pair on it)."""
+        found = _LAYER.match(self.checkpoint_name(name))
+        if found and ".self_attn.k_proj" in name and self.layers[int(found[1])].self_attn.k_is_v:
+            return (name.replace(".self_attn.k_proj", ".self_attn.v_proj"),)
+        return ()
+
+    def checkpoint_skips(self, name: str) -> bool:
+        """A sharing layer's K/V tensors (the "E" releases carry them; transformers ignores them): not read."""
+        found = _LAYER.match(self.checkpoint_name(name))
+        return bool(found and self.layers[int(found[1])].self_attn.shares and _SHARED_KV.search(name))
+
     def checkpoint_stream(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint's tensors with a keys-are-values layer's ``k_proj`` also as its ``v_proj``, and
         a sharing layer's K/V tensors (which transformers ignores too) left out: what the loader hands on
         (engine/runner/loader.py), before ``--quantization`` takes each linear layer's weights."""
         for name, tensor in weights:
-            found = _LAYER.match(self.checkpoint_name(name))  # (a multimodal checkpoint's prefixes read too)
-            attn = self.layers[int(found[1])].self_attn if found and ".self_attn." in name else None
-            if attn is not None and attn.shares and re.search(r"\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.", name):
+            if self.checkpoint_skips(name):
                 continue
             yield name, tensor
-            if attn is not None and attn.k_is_v and ".self_attn.k_proj." in name:
-                yield name.replace(".k_proj.", ".v_proj."), tensor
+            for alias in self.checkpoint_aliases(name):
+                yield alias, tensor
 
     def expected_slots(self, pname: str) -> set[str]:
         found = _LAYER.match(pname)
-        if found and pname.endswith(".self_attn.qkv_proj.weight") and self.layers[int(found[1])].self_attn.shares:
+        sharing = found and self.layers[int(found[1])].self_attn.shares
+        if sharing and pname.endswith((".self_attn.qkv_proj.weight", ".self_attn.qkv_proj.bias")):
             return {f"{pname}:q"}
         return super().expected_slots(pname)
 

@@ -301,15 +301,18 @@ def load_model(
     model = model.to_empty(device=device).to(dtype)
     model.init_buffers(max_positions)
     skip = getattr(model, "checkpoint_skips", None)
+    aliases = getattr(model, "checkpoint_aliases", lambda name: ())
     if reader is None:
         weights = ((k, v.to(device)) for k, v in iter_safetensors(path, select, skip))
     else:  # whole tensors read and dequantized, then cut: a rank's slice of a packed tensor is no slice of it
 
         def keep(module: str, got: dict) -> None:
             form = reader.int4_groups(got) if quantization == "int4" else reader.fp8_weights(got)
-            if form is not None:
-                layer = model.weight_target(model.checkpoint_name(f"{module}.weight"))[0].removesuffix(".weight")
-                stored.setdefault(layer, {})[module] = form
+            if form is None:
+                return
+            for name in (module, *aliases(module)):  # (Gemma 4's keys-as-values k_proj fills v_proj too)
+                layer = model.weight_target(model.checkpoint_name(f"{name}.weight"))[0].removesuffix(".weight")
+                stored.setdefault(layer, {})[name] = form
 
         plain = reader.read(iter_safetensors(path, skip=skip), keep if serves_stored else None)
         weights = ((k, take_slice(v, select(k) if select else None).to(device)) for k, v in plain)
