@@ -282,6 +282,8 @@ class ReasoningStream:
         if self.phase == self.BEFORE:
             return "", held
         if self.phase == self.IN:
+            if not self.labelled and self.syntax.label.startswith(held.lstrip()):
+                return "", ""  # (the output ended inside the label: no reasoning written)
             return (held.strip() if self.opening else held.rstrip()), ""
         return "", held
 

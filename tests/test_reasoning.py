@@ -370,6 +370,7 @@ def test_gemma4s_thought_channel_is_the_reasoning_without_its_label(size):
         ("<|channel>thought\nTwo and two.\n<channel|>Four.", ("Two and two.", "Four.")),
         ("<|channel>thoughtful words<channel|>Four.", ("thoughtful words", "Four.")),  # (no label: all reasoning)
         ("<|channel>thought\nstill thinking", ("still thinking", "")),  # cut inside
+        ("<|channel>thoug", ("", "")),  # cut inside the label
         ("Four.", (None, "Four.")),
     ]:
         stream = ReasoningStream(gemma, ReasoningFrame(False))
