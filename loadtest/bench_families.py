@@ -75,7 +75,8 @@ MOE = (
 DENSE = (
     "LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
     "SmolLM3ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GraniteForCausalLM", "Ministral3ForCausalLM",
-    "SeedOssForCausalLM", "Ernie4_5ForCausalLM", "Exaone4ForCausalLM", "Gemma4ForCausalLM",
+    "SeedOssForCausalLM", "Ernie4_5ForCausalLM", "Exaone4ForCausalLM", "Gemma4ForCausalLM", "ArceeForCausalLM",
+    "ApertusForCausalLM",
 )  # fmt: skip
 FAMILIES = MOE + DENSE
 BOS, EOS, PAD = 0, 1, 2
@@ -209,6 +210,8 @@ def family_config(arch: str, s: Shape) -> transformers.PretrainedConfig:
             hidden_size_per_layer_input=0,
             final_logit_softcapping=30.0,
         ),
+        "ArceeForCausalLM": lambda: transformers.ArceeConfig(**common, hidden_act="relu2"),  # AFM-4.5B's MLP
+        "ApertusForCausalLM": lambda: transformers.ApertusConfig(**common, head_dim=s.head_dim),  # xIELU, q/k norms
         "SmolLM3ForCausalLM": lambda: transformers.SmolLM3Config(**common, no_rope_layer_interval=4),
         "Olmo2ForCausalLM": lambda: transformers.Olmo2Config(**common),
         "Olmo3ForCausalLM": lambda: transformers.Olmo3Config(  # 3 sliding : 1 full layers, YaRN on the full ones

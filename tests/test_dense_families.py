@@ -1,8 +1,8 @@
-"""Phi-3, SmolLM3, OLMo 2, OLMo 3, Granite 3, Seed-OSS and EXAONE 4 against transformers on tiny random models (float32,
-CPU): logits through chunked prefill and paged decodes, greedy generation with requests joining a
-running batch, speculative greedy identity (lookup and layer skipping), tensor parallelism at 2 ranks
-(and 4 for OLMo 2's norms across replicated key heads), and one check per family that its feature
-changes the result, so that the parity proves it implemented and not merely harmless:
+"""Phi-3, SmolLM3, OLMo 2, OLMo 3, Granite 3, Seed-OSS, EXAONE 4, Arcee and Apertus against transformers on
+tiny random models (float32, CPU): logits through chunked prefill and paged decodes, greedy generation
+with requests joining a running batch, speculative greedy identity (lookup and layer skipping), tensor
+parallelism at 2 ranks (and 4 for OLMo 2's norms across replicated key heads), and one check per family
+that its feature changes the result, so that the parity proves it implemented and not merely harmless:
 
 - Phi-3: partial rotary embeddings (half of each head turned) and LongRoPE's short / long factors;
 - SmolLM3: NoPE layers (every other one here, those also sliding-window layers);
@@ -11,7 +11,8 @@ changes the result, so that the parity proves it implemented and not merely harm
 - Granite 3: its four multipliers (embeddings, attention scores, residual branches, logits);
 - Seed-OSS: biases on q/k/v and none on the output projection, as released (Llama's rule, one flag for
   both, would look for an output bias the checkpoint does not have);
-- EXAONE 4: sliding-window layers turning RoPE beside a full-attention layer turning none.
+- EXAONE 4: sliding-window layers turning RoPE beside a full-attention layer turning none;
+- Arcee and Apertus: an MLP without a gate, under ReLU squared and under xIELU with learned parameters.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from engine.runner.loader import load_config, load_model
 
 PHI3_WINDOW, SMOL_WINDOW, OLMO3_WINDOW, EXAONE_WINDOW = 16, 8, 8, 8
 ORIGINAL = 32  # the LongRoPE model's original_max_position_embeddings
-FAMILIES = ["phi3", "smollm3", "olmo2", "olmo3", "granite", "seed_oss", "exaone4"]
+FAMILIES = ["phi3", "smollm3", "olmo2", "olmo3", "granite", "seed_oss", "exaone4", "arcee", "apertus"]
 # Granite's multipliers, each away from 1 (and the attention scale from head_dim ** -0.5 = 0.25)
 GRANITE = dict(embedding_multiplier=6.0, attention_multiplier=0.05, residual_multiplier=0.4, logits_scaling=3.0)
 
@@ -98,12 +99,19 @@ def family_config(family: str, **overrides):
     elif family == "exaone4":  # layers 0-2 sliding (with RoPE), layer 3 full (NoPE); post-norms, per-head q/k norms
         common.update(head_dim=16, sliding_window=EXAONE_WINDOW, sliding_window_pattern=4, tie_word_embeddings=False)
         cls = transformers.Exaone4Config
+    elif family == "arcee":  # an MLP without a gate, ReLU squared; YaRN
+        yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128}
+        common.update(hidden_act="relu2", rope_parameters=yarn)
+        cls = transformers.ArceeConfig
+    elif family == "apertus":  # q/k norms per head, an MLP without a gate under xIELU, Llama 3's RoPE scaling
+        common.update(head_dim=16)
+        cls = transformers.ApertusConfig
     else:
         raise ValueError(family)
     arch = {
         "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
         "olmo3": "Olmo3ForCausalLM", "granite": "GraniteForCausalLM", "seed_oss": "SeedOssForCausalLM",
-        "exaone4": "Exaone4ForCausalLM",
+        "exaone4": "Exaone4ForCausalLM", "arcee": "ArceeForCausalLM", "apertus": "ApertusForCausalLM",
     }[family]  # fmt: skip
     return cls(**{**common, "architectures": [arch], **overrides})
 
@@ -339,6 +347,22 @@ def test_granite_multipliers_matter(dirs, multiplier):
     want = hf_logits(hf_model(dirs["granite"]), ids)
     plain = 0.25 if multiplier == "attention_multiplier" else 1.0
     assert (hf_logits(hf_model(dirs["granite"], **{multiplier: plain}), ids) - want).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("family", ["arcee", "apertus"])
+def test_the_ungated_mlps_activation_matters(dirs, family):
+    """ReLU squared (Arcee) and xIELU with the checkpoint's learned parameters (Apertus): transformers with
+    SiLU in their place gives logits far beyond the parity's tolerance."""
+    ids = prompts(1, seed=1, lo=30, hi=31)[0]
+    want = hf_logits(hf_model(dirs[family]), ids)
+    assert (hf_logits(hf_model(dirs[family], hidden_act="silu"), ids) - want).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("quantization", ["nf4", "int4", "fp8"])
+def test_the_ungated_mlp_loads_quantized(dirs, quantization):
+    """``up_proj`` is a layer of its own, not half of a gate/up pair: every quantizer takes it whole."""
+    model = make_engine(dirs["arcee"], quantization=quantization).runner.model
+    assert not isinstance(model.layers[0].mlp.up_proj, torch.nn.Linear), type(model.layers[0].mlp.up_proj)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -11,6 +11,8 @@ import importlib
 from torch import nn
 
 MODEL_REGISTRY: dict[str, str] = {  # architecture → "module:class" under engine.models
+    "ApertusForCausalLM": "apertus:ApertusForCausalLM",
+    "ArceeForCausalLM": "arcee:ArceeForCausalLM",
     "DeepseekV2ForCausalLM": "deepseek_v3:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "deepseek_v3:DeepseekV3ForCausalLM",
     "Ernie4_5ForCausalLM": "ernie4_5:Ernie4_5ForCausalLM",

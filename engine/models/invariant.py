@@ -52,6 +52,7 @@ ACTIVATIONS = {
     "gelu": F.gelu,
     "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
     "relu": F.relu,
+    "relu2": lambda x: F.relu(x).square(),  # (Arcee's: ReLU squared)
 }
 
 
